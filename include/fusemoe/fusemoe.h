@@ -1,0 +1,113 @@
+// fusemoe public C++ API: one Mixture-of-Experts layer (experts block) for training.
+//
+//   forward : y_t = sum_j w[t,j] * W2_e (silu(Wg_e x_t) * (Wu_e x_t)),  e = idx[t,j]
+//   backward: dx, d_topk_weights, dw13, dw2 from dy (equations in docs/design.md).
+//
+// Every entry point takes device pointers, sizes and a cudaStream_t; nothing here depends on
+// PyTorch. Tensors are dense, row-major, contiguous. Shape legend: T tokens, H hidden,
+// I expert intermediate, E experts, K top-k.
+//   x        [T, H]      bf16      tokens
+//   topk_idx [T, K]      int32     expert ids; -1 = masked slot (contributes nothing)
+//   topk_w   [T, K]      fp32      routing weights (used as given; no normalisation here)
+//   w13      [E, 2I, H]  bf16      gate rows [0, I), then up rows [I, 2I)  (PyTorch out x in)
+//   w2       [E, H, I]   bf16
+//   y, dy, dx [T, H]     bf16
+//   dw13 [E, 2I, H], dw2 [E, H, I]  fp32 or bf16 (WeightGradDtype)
+//
+// Errors: every function throws fusemoe::Error (file, line, message naming the argument) on bad
+// input or a failed CUDA/cuBLAS call; nothing calls exit().
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "fusemoe/error.h"
+
+namespace fusemoe {
+
+// Which implementation runs the layer. Every implementation computes the same function through
+// the same call, so tests and benchmarks compare them one-to-one.
+enum class Impl {
+  // cuBLAS grouped GEMMs + small CUDA kernels, bf16 intermediates (what a careful unfused
+  // implementation does). Reads per-expert row counts on the host: one stream sync per call.
+  kUnfused,
+  // The same pipeline with every intermediate and the GEMMs in fp32 (weights widened to fp32
+  // inside the workspace each call). Slow; the GPU oracle at full size.
+  kReferenceFp32,
+};
+
+const char* impl_name(Impl impl);
+
+enum class WeightGradDtype { kFloat32, kBFloat16 };
+
+// Description of one layer. Limits (checked by validate_config):
+//   hidden % 128 == 0, intermediate % 64 == 0 (the fused kernels' tile shapes need them),
+//   1 <= num_experts <= kMaxExperts, 1 <= top_k <= min(num_experts, kMaxTopK),
+//   max_tokens * top_k < 2^31 (row indices are int32).
+struct LayerConfig {
+  int64_t hidden = 0;        // H
+  int64_t intermediate = 0;  // I
+  int64_t num_experts = 0;   // E
+  int64_t top_k = 0;         // K
+  int64_t max_tokens = 0;    // largest T any call will pass; sizes the workspace
+  // SwiGLU clamp (DeepSeek-V4 / gpt-oss style): when enabled, g <- min(g, c) and
+  // u <- clamp(u, -c, c) before h = silu(g) * u. Gradients flow where c bounds are not active
+  // (inclusive: g <= c, -c <= u <= c), as torch.clamp does.
+  bool use_swiglu_clamp = false;
+  float swiglu_clamp = 0.0f;  // c > 0, finite, when use_swiglu_clamp
+};
+
+constexpr int64_t kMaxExperts = 1024;  // routing keeps one counter per expert in shared memory
+constexpr int64_t kMaxTopK = 32;       // a token's slots fit one warp in the combine kernels
+
+struct ForwardArgs {
+  const void* x = nullptr;              // [T, H] bf16
+  const int32_t* topk_idx = nullptr;    // [T, K]
+  const float* topk_weights = nullptr;  // [T, K]
+  const void* w13 = nullptr;            // [E, 2I, H] bf16
+  const void* w2 = nullptr;             // [E, H, I] bf16
+  void* y = nullptr;                    // [T, H] bf16 (output)
+  int64_t num_tokens = 0;               // T, 0 <= T <= max_tokens
+  void* workspace = nullptr;            // workspace_bytes(config, impl) bytes, 256-byte aligned
+  size_t workspace_bytes = 0;
+  cudaStream_t stream = nullptr;
+};
+
+struct BackwardArgs {
+  // Inputs of the forward (the forward saves nothing else; the backward recomputes z).
+  const void* x = nullptr;
+  const int32_t* topk_idx = nullptr;
+  const float* topk_weights = nullptr;
+  const void* w13 = nullptr;
+  const void* w2 = nullptr;
+  const void* dy = nullptr;  // [T, H] bf16
+  // Outputs.
+  void* dx = nullptr;                // [T, H] bf16
+  float* d_topk_weights = nullptr;   // [T, K] fp32; 0 for masked slots
+  void* dw13 = nullptr;              // [E, 2I, H] weight_grad_dtype
+  void* dw2 = nullptr;               // [E, H, I]  weight_grad_dtype
+  WeightGradDtype weight_grad_dtype = WeightGradDtype::kFloat32;
+  // false: dw13/dw2 are overwritten (experts with no rows get zeros).
+  // true : the gradients are added to what dw13/dw2 hold (gradient accumulation).
+  bool accumulate_weight_grads = false;
+  int64_t num_tokens = 0;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  cudaStream_t stream = nullptr;
+};
+
+// Throws fusemoe::Error naming the first field that breaks a limit above.
+void validate_config(const LayerConfig& config);
+
+// Bytes of device workspace that forward and backward need for this config (same for both).
+size_t workspace_bytes(const LayerConfig& config, Impl impl);
+
+// Expert ids outside [-1, E) are never used to index memory: the routing step counts them,
+// treats them as masked, and the call then throws fusemoe::Error naming the first bad
+// (token, slot, value). The outputs of such a call are unspecified.
+void forward(const LayerConfig& config, Impl impl, const ForwardArgs& args);
+void backward(const LayerConfig& config, Impl impl, const BackwardArgs& args);
+
+}  // namespace fusemoe

@@ -1,0 +1,168 @@
+// Public entry points: validate -> dispatch to the selected implementation. Every argument check
+// lives here, before any device work, so a bad call fails with a message naming the argument
+// and touches no memory. Host-only checks come first (they run without a GPU, which the CPU
+// tests rely on); the device and pointer checks follow.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "fusemoe/fusemoe.h"
+#include "launch/unfused_moe.h"
+
+namespace fusemoe {
+namespace {
+
+constexpr uintptr_t kTmaAlignment = 16;        // TMA and 16-byte vector accesses
+constexpr uintptr_t kWorkspaceAlignment = 256;
+
+bool aligned(const void* p, uintptr_t alignment) {
+  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
+}
+
+void check_impl(Impl impl) {
+  FUSEMOE_CHECK(impl == Impl::kUnfused || impl == Impl::kReferenceFp32,
+                "impl: unknown implementation " << static_cast<int>(impl));
+}
+
+// Null check for tensors that must exist, plus their alignment.
+void check_tensor(const void* p, const char* name, uintptr_t alignment) {
+  FUSEMOE_CHECK(p != nullptr, name << " must not be null");
+  FUSEMOE_CHECK(aligned(p, alignment), name << " must be " << alignment
+                                           << "-byte aligned, got address " << p);
+}
+
+void check_device_pointer(const void* p, const char* name) {
+  cudaPointerAttributes attributes{};
+  FUSEMOE_CUDA_CHECK(cudaPointerGetAttributes(&attributes, p));
+  FUSEMOE_CHECK(attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged,
+                name << " must point to device memory (got a host or unregistered pointer)");
+}
+
+void check_device() {
+  int device = 0;
+  FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
+  int major = 0, minor = 0;
+  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  FUSEMOE_CHECK(major == 9 && minor == 0, "fusemoe is built for sm_90a (Hopper: H100/H200); device "
+                                              << device << " has compute capability " << major
+                                              << "." << minor);
+}
+
+void check_workspace(const LayerConfig& config, Impl impl, const void* workspace, size_t bytes) {
+  const size_t needed = workspace_bytes(config, impl);
+  FUSEMOE_CHECK(workspace != nullptr, "workspace must not be null (need " << needed << " bytes)");
+  FUSEMOE_CHECK(aligned(workspace, kWorkspaceAlignment),
+                "workspace must be " << kWorkspaceAlignment << "-byte aligned");
+  FUSEMOE_CHECK(bytes >= needed, "workspace_bytes: " << bytes << " bytes given, " << needed
+                                                     << " needed for impl " << impl_name(impl));
+}
+
+void check_num_tokens(const LayerConfig& config, int64_t num_tokens) {
+  FUSEMOE_CHECK(num_tokens >= 0 && num_tokens <= config.max_tokens,
+                "num_tokens must be in [0, max_tokens=" << config.max_tokens << "], got "
+                                                        << num_tokens);
+}
+
+}  // namespace
+
+const char* impl_name(Impl impl) {
+  switch (impl) {
+    case Impl::kUnfused: return "unfused";
+    case Impl::kReferenceFp32: return "reference_fp32";
+  }
+  return "unknown";
+}
+
+void validate_config(const LayerConfig& c) {
+  FUSEMOE_CHECK(c.hidden > 0 && c.hidden % 128 == 0,
+                "hidden (H) must be a positive multiple of 128, got " << c.hidden);
+  FUSEMOE_CHECK(c.intermediate > 0 && c.intermediate % 64 == 0,
+                "intermediate (I) must be a positive multiple of 64, got " << c.intermediate);
+  FUSEMOE_CHECK(c.hidden <= (1 << 20) && c.intermediate <= (1 << 20),
+                "hidden and intermediate must be <= 2^20 (got " << c.hidden << ", "
+                                                                << c.intermediate << ")");
+  FUSEMOE_CHECK(c.num_experts >= 1 && c.num_experts <= kMaxExperts,
+                "num_experts (E) must be in [1, " << kMaxExperts << "], got " << c.num_experts);
+  FUSEMOE_CHECK(c.top_k >= 1 && c.top_k <= kMaxTopK && c.top_k <= c.num_experts,
+                "top_k (K) must be in [1, min(num_experts, " << kMaxTopK << ")], got " << c.top_k);
+  FUSEMOE_CHECK(c.max_tokens >= 0, "max_tokens must be >= 0, got " << c.max_tokens);
+  FUSEMOE_CHECK(c.max_tokens * c.top_k < (int64_t(1) << 31),
+                "max_tokens * top_k must be < 2^31 (rows are int32 indices), got "
+                    << c.max_tokens << " * " << c.top_k);
+  if (c.use_swiglu_clamp) {
+    FUSEMOE_CHECK(std::isfinite(c.swiglu_clamp) && c.swiglu_clamp > 0.0f,
+                  "swiglu_clamp must be finite and > 0 when use_swiglu_clamp is set, got "
+                      << c.swiglu_clamp);
+  }
+}
+
+size_t workspace_bytes(const LayerConfig& config, Impl impl) {
+  validate_config(config);
+  check_impl(impl);
+  return unfused_workspace_bytes(config, impl);
+}
+
+void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
+  validate_config(config);
+  check_impl(impl);
+  check_num_tokens(config, a.num_tokens);
+  check_tensor(a.w13, "w13", kTmaAlignment);
+  check_tensor(a.w2, "w2", kTmaAlignment);
+  if (a.num_tokens > 0) {
+    check_tensor(a.x, "x", kTmaAlignment);
+    check_tensor(a.topk_idx, "topk_idx", 4);
+    check_tensor(a.topk_weights, "topk_weights", 4);
+    check_tensor(a.y, "y", kTmaAlignment);
+  }
+  check_workspace(config, impl, a.workspace, a.workspace_bytes);
+  check_device();
+  for (auto [p, name] : {std::pair<const void*, const char*>{a.w13, "w13"}, {a.w2, "w2"},
+                         {a.workspace, "workspace"}}) {
+    check_device_pointer(p, name);
+  }
+  if (a.num_tokens > 0) {
+    for (auto [p, name] : {std::pair<const void*, const char*>{a.x, "x"}, {a.topk_idx, "topk_idx"},
+                           {a.topk_weights, "topk_weights"}, {a.y, "y"}}) {
+      check_device_pointer(p, name);
+    }
+  }
+  unfused_forward(config, impl, a);
+}
+
+void backward(const LayerConfig& config, Impl impl, const BackwardArgs& a) {
+  validate_config(config);
+  check_impl(impl);
+  check_num_tokens(config, a.num_tokens);
+  FUSEMOE_CHECK(a.weight_grad_dtype == WeightGradDtype::kFloat32 ||
+                    a.weight_grad_dtype == WeightGradDtype::kBFloat16,
+                "weight_grad_dtype: unknown value " << static_cast<int>(a.weight_grad_dtype));
+  check_tensor(a.w13, "w13", kTmaAlignment);
+  check_tensor(a.w2, "w2", kTmaAlignment);
+  check_tensor(a.dw13, "dw13", kTmaAlignment);
+  check_tensor(a.dw2, "dw2", kTmaAlignment);
+  if (a.num_tokens > 0) {
+    check_tensor(a.x, "x", kTmaAlignment);
+    check_tensor(a.topk_idx, "topk_idx", 4);
+    check_tensor(a.topk_weights, "topk_weights", 4);
+    check_tensor(a.dy, "dy", kTmaAlignment);
+    check_tensor(a.dx, "dx", kTmaAlignment);
+    check_tensor(a.d_topk_weights, "d_topk_weights", 4);
+  }
+  check_workspace(config, impl, a.workspace, a.workspace_bytes);
+  check_device();
+  for (auto [p, name] : {std::pair<const void*, const char*>{a.w13, "w13"}, {a.w2, "w2"},
+                         {a.dw13, "dw13"}, {a.dw2, "dw2"}, {a.workspace, "workspace"}}) {
+    check_device_pointer(p, name);
+  }
+  if (a.num_tokens > 0) {
+    for (auto [p, name] : {std::pair<const void*, const char*>{a.x, "x"}, {a.topk_idx, "topk_idx"},
+                           {a.topk_weights, "topk_weights"}, {a.dy, "dy"}, {a.dx, "dx"},
+                           {a.d_topk_weights, "d_topk_weights"}}) {
+      check_device_pointer(p, name);
+    }
+  }
+  unfused_backward(config, impl, a);
+}
+
+}  // namespace fusemoe

@@ -1,0 +1,66 @@
+// The non-GEMM steps of the unfused pipeline (and of the fp32 reference pipeline): row gather,
+// SwiGLU forward/backward, the k-way combines, weight widening and gradient finalisation.
+// Each is templated on the element types of its pool tensors: bf16 for Impl::kUnfused, float
+// for Impl::kReferenceFp32. Explicit instantiations live in moe_elementwise.cu.
+// Shape legend: R rows (expert-sorted valid slots), T tokens, H hidden, I intermediate, K top-k.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace fusemoe {
+
+struct SwigluClamp {
+  bool enabled = false;
+  float limit = 0.0f;
+};
+
+// dst_RH[r, :] = src_TH[row_slot[r] / K, :] (converted to Dst), for r < num_rows.
+template <typename Src, typename Dst>
+void launch_gather_rows(const Src* src_TH, const int32_t* row_slot, int64_t num_rows,
+                        int64_t top_k, int64_t hidden, Dst* dst_RH, cudaStream_t stream);
+
+// h_RI = silu(g) * u with z_RF = [g | u] (F = 2I), optional clamp; fp32 math, rounded to Out.
+template <typename In, typename Out>
+void launch_swiglu_forward(const In* z_RF, int64_t num_rows, int64_t intermediate,
+                           SwigluClamp clamp, Out* h_RI, cudaStream_t stream);
+
+// y_TH[t] = sum_{j=0..K-1, slot valid} w[t,j] * o_RH[slot_row[t*K+j]] in fp32, j in order.
+template <typename In>
+void launch_combine_forward(const In* o_RH, const int32_t* slot_row, const float* topk_w_TK,
+                            int64_t num_tokens, int64_t top_k, int64_t hidden, void* y_TH_bf16,
+                            cudaStream_t stream);
+
+// Per row r (slot s = row_slot[r], w = topk_w[s]), with a_RI = dy_r . W2_e:
+//   h = swiglu(z) rounded to Pool (as the forward stored it); d_topk_w[s] = <h, a>;
+//   wh = w * h; dh = w * a; dz = [dh * u * silu'(g) (clamp mask) | dh * silu(g) (clamp mask)].
+template <typename Pool>
+void launch_swiglu_backward(const Pool* z_RF, const Pool* a_RI, const int32_t* row_slot,
+                            const float* topk_w_TK, int64_t num_rows, int64_t intermediate,
+                            SwigluClamp clamp, float* d_topk_w_TK, Pool* wh_RI, Pool* dz_RF,
+                            cudaStream_t stream);
+
+// dx_TH[t] = sum_j dxs_RH[slot_row[t*K+j]] in fp32 (j in order), bf16 out; also writes
+// d_topk_w = 0 for every masked or invalid slot.
+template <typename In>
+void launch_combine_backward(const In* dxs_RH, const int32_t* slot_row, int64_t num_tokens,
+                             int64_t top_k, int64_t hidden, void* dx_TH_bf16,
+                             float* d_topk_w_TK, cudaStream_t stream);
+
+// dst[i] = float(src[i]) for bf16 src (weights and dy widened for the fp32 reference).
+void launch_widen_bf16(const void* src_bf16, int64_t count, float* dst, cudaStream_t stream);
+
+// For every expert e with expert_counts[e] == 0, zero its slices of dw13 [E,2I,H] and
+// dw2 [E,H,I] (element type float or bf16 by `bf16_grads`).
+void launch_zero_empty_expert_grads(const int32_t* expert_counts, int64_t num_experts,
+                                    int64_t dw13_elems_per_expert, int64_t dw2_elems_per_expert,
+                                    bool bf16_grads, void* dw13, void* dw2, cudaStream_t stream);
+
+// out[i] = (accumulate ? out[i] : 0) + grad[i], rounded to out's type (float or bf16);
+// grad is float or bf16 scratch.
+template <typename In>
+void launch_finalize_weight_grad(const In* grad, int64_t count, bool accumulate, bool bf16_out,
+                                 void* out, cudaStream_t stream);
+
+}  // namespace fusemoe

@@ -1,0 +1,155 @@
+// Argument validation of the public API, checked without a GPU: every bad config or argument
+// must throw fusemoe::Error whose message names the argument, before any device work.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "fusemoe/fusemoe.h"
+
+namespace fusemoe {
+namespace {
+
+LayerConfig good_config() {
+  LayerConfig c;
+  c.hidden = 256;
+  c.intermediate = 128;
+  c.num_experts = 8;
+  c.top_k = 2;
+  c.max_tokens = 64;
+  return c;
+}
+
+void expect_error_mentioning(const std::function<void()>& call, const std::string& needle) {
+  try {
+    call();
+    ADD_FAILURE() << "expected fusemoe::Error mentioning '" << needle << "', nothing thrown";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+        << "message '" << e.what() << "' does not mention '" << needle << "'";
+  }
+}
+
+TEST(Validation, GoodConfigPasses) { EXPECT_NO_THROW(validate_config(good_config())); }
+
+TEST(Validation, BadConfigsNameTheField) {
+  struct Case {
+    std::function<void(LayerConfig&)> mutate;
+    const char* needle;
+  };
+  const Case cases[] = {
+      {[](LayerConfig& c) { c.hidden = 0; }, "hidden"},
+      {[](LayerConfig& c) { c.hidden = 200; }, "hidden"},
+      {[](LayerConfig& c) { c.intermediate = 100; }, "intermediate"},
+      {[](LayerConfig& c) { c.num_experts = 0; }, "num_experts"},
+      {[](LayerConfig& c) { c.num_experts = kMaxExperts + 1; }, "num_experts"},
+      {[](LayerConfig& c) { c.top_k = 0; }, "top_k"},
+      {[](LayerConfig& c) { c.top_k = 9; }, "top_k"},  // > num_experts
+      {[](LayerConfig& c) { c.max_tokens = -1; }, "max_tokens"},
+      {[](LayerConfig& c) { c.max_tokens = int64_t(1) << 30; }, "max_tokens * top_k"},
+      {[](LayerConfig& c) { c.use_swiglu_clamp = true; c.swiglu_clamp = 0.0f; }, "swiglu_clamp"},
+      {[](LayerConfig& c) { c.use_swiglu_clamp = true; c.swiglu_clamp = 1.0f / 0.0f; }, "swiglu_clamp"},
+  };
+  for (const Case& c : cases) {
+    LayerConfig config = good_config();
+    c.mutate(config);
+    expect_error_mentioning([&] { validate_config(config); }, c.needle);
+    expect_error_mentioning([&] { (void)workspace_bytes(config, Impl::kUnfused); }, c.needle);
+  }
+}
+
+TEST(Validation, WorkspaceGrowsWithMaxTokens) {
+  LayerConfig small = good_config(), large = good_config();
+  large.max_tokens = 4096;
+  EXPECT_LT(workspace_bytes(small, Impl::kUnfused), workspace_bytes(large, Impl::kUnfused));
+  // The fp32 reference holds fp32 pools and widened weights: strictly more.
+  EXPECT_LT(workspace_bytes(small, Impl::kUnfused), workspace_bytes(small, Impl::kReferenceFp32));
+  LayerConfig empty = good_config();
+  empty.max_tokens = 0;
+  EXPECT_GT(workspace_bytes(empty, Impl::kUnfused), 0u);
+}
+
+// Fake but aligned device addresses: host checks reject the call before any pointer is used.
+ForwardArgs plausible_forward_args() {
+  ForwardArgs a;
+  a.x = reinterpret_cast<const void*>(0x10000);
+  a.topk_idx = reinterpret_cast<const int32_t*>(0x20000);
+  a.topk_weights = reinterpret_cast<const float*>(0x30000);
+  a.w13 = reinterpret_cast<const void*>(0x40000);
+  a.w2 = reinterpret_cast<const void*>(0x50000);
+  a.y = reinterpret_cast<void*>(0x60000);
+  a.num_tokens = 8;
+  a.workspace = reinterpret_cast<void*>(0x70000);
+  a.workspace_bytes = workspace_bytes(good_config(), Impl::kUnfused);
+  return a;
+}
+
+TEST(Validation, ForwardArgumentsNamed) {
+  const LayerConfig c = good_config();
+  struct Case {
+    std::function<void(ForwardArgs&)> mutate;
+    const char* needle;
+  };
+  const Case cases[] = {
+      {[](ForwardArgs& a) { a.num_tokens = 65; }, "num_tokens"},
+      {[](ForwardArgs& a) { a.num_tokens = -1; }, "num_tokens"},
+      {[](ForwardArgs& a) { a.x = nullptr; }, "x must not be null"},
+      {[](ForwardArgs& a) { a.x = reinterpret_cast<const void*>(0x10008); }, "x must be 16-byte aligned"},
+      {[](ForwardArgs& a) { a.topk_idx = nullptr; }, "topk_idx"},
+      {[](ForwardArgs& a) { a.topk_weights = reinterpret_cast<const float*>(0x30002); }, "topk_weights"},
+      {[](ForwardArgs& a) { a.w13 = nullptr; }, "w13"},
+      {[](ForwardArgs& a) { a.w2 = reinterpret_cast<const void*>(0x50004); }, "w2"},
+      {[](ForwardArgs& a) { a.y = nullptr; }, "y must not be null"},
+      {[](ForwardArgs& a) { a.workspace = nullptr; }, "workspace"},
+      {[](ForwardArgs& a) { a.workspace = reinterpret_cast<void*>(0x70010); }, "workspace must be 256-byte aligned"},
+      {[](ForwardArgs& a) { a.workspace_bytes -= 1; }, "workspace_bytes"},
+  };
+  for (const Case& tc : cases) {
+    ForwardArgs a = plausible_forward_args();
+    tc.mutate(a);
+    expect_error_mentioning([&] { forward(c, Impl::kUnfused, a); }, tc.needle);
+  }
+  ForwardArgs a = plausible_forward_args();
+  expect_error_mentioning([&] { forward(c, static_cast<Impl>(42), a); }, "impl");
+}
+
+TEST(Validation, BackwardArgumentsNamed) {
+  const LayerConfig c = good_config();
+  BackwardArgs base;
+  base.x = reinterpret_cast<const void*>(0x10000);
+  base.topk_idx = reinterpret_cast<const int32_t*>(0x20000);
+  base.topk_weights = reinterpret_cast<const float*>(0x30000);
+  base.w13 = reinterpret_cast<const void*>(0x40000);
+  base.w2 = reinterpret_cast<const void*>(0x50000);
+  base.dy = reinterpret_cast<const void*>(0x60000);
+  base.dx = reinterpret_cast<void*>(0x70000);
+  base.d_topk_weights = reinterpret_cast<float*>(0x80000);
+  base.dw13 = reinterpret_cast<void*>(0x90000);
+  base.dw2 = reinterpret_cast<void*>(0xa0000);
+  base.num_tokens = 8;
+  base.workspace = reinterpret_cast<void*>(0xb0000);
+  base.workspace_bytes = workspace_bytes(c, Impl::kUnfused);
+  struct Case {
+    std::function<void(BackwardArgs&)> mutate;
+    const char* needle;
+  };
+  const Case cases[] = {
+      {[](BackwardArgs& a) { a.dy = nullptr; }, "dy must not be null"},
+      {[](BackwardArgs& a) { a.dx = reinterpret_cast<void*>(0x70002); }, "dx must be 16-byte aligned"},
+      {[](BackwardArgs& a) { a.d_topk_weights = nullptr; }, "d_topk_weights"},
+      {[](BackwardArgs& a) { a.dw13 = nullptr; }, "dw13"},
+      {[](BackwardArgs& a) { a.dw2 = nullptr; }, "dw2"},
+      {[](BackwardArgs& a) { a.weight_grad_dtype = static_cast<WeightGradDtype>(7); }, "weight_grad_dtype"},
+      {[](BackwardArgs& a) { a.num_tokens = 100; }, "num_tokens"},
+      {[](BackwardArgs& a) { a.workspace_bytes = 0; }, "workspace_bytes"},
+  };
+  for (const Case& tc : cases) {
+    BackwardArgs a = base;
+    tc.mutate(a);
+    expect_error_mentioning([&] { backward(c, Impl::kUnfused, a); }, tc.needle);
+  }
+}
+
+}  // namespace
+}  // namespace fusemoe

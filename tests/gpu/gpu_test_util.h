@@ -1,0 +1,325 @@
+// Shared helpers of the GPU suites: random bf16 problems with named routings, device buffers
+// poisoned with NaN (0xFF bytes) before every call, a runner that drives one implementation
+// through the public API, and error statistics (relative L2, max abs, DeepGEMM calc_diff).
+// Shape legend: T tokens, H hidden, I intermediate, E experts, K top-k.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fusemoe/fusemoe.h"
+#include "reference/bf16_host.h"
+#include "reference/moe_reference.h"
+
+namespace fusemoe::test {
+
+#define TEST_CUDA(expr) FUSEMOE_CUDA_CHECK(expr)
+
+struct Dims {
+  int64_t T = 0, H = 256, I = 128, E = 8, K = 2;
+  bool clamp = false;
+  float clamp_limit = 0.0f;
+};
+
+enum class Routing {
+  kUniform,     // K distinct experts per token, uniformly random
+  kOneExpert,   // slot 0 of every token -> expert 3 (that expert holds T rows), rest uniform
+  kAllSlotsOne, // every slot of every token -> expert 3 (repeated ids: T*K rows on one expert)
+  kFewExperts,  // only experts 1 and E-2 are used: every other expert is empty
+  kMasked,      // uniform with ~30% masked slots and every 5th token fully masked
+  kSkewed,      // Zipf-like expert popularity, K distinct experts per token
+};
+
+inline const char* routing_name(Routing r) {
+  switch (r) {
+    case Routing::kUniform: return "uniform";
+    case Routing::kOneExpert: return "one_expert";
+    case Routing::kAllSlotsOne: return "all_slots_one";
+    case Routing::kFewExperts: return "few_experts";
+    case Routing::kMasked: return "masked";
+    case Routing::kSkewed: return "skewed";
+  }
+  return "?";
+}
+
+struct HostProblem {
+  Dims d;
+  std::vector<uint16_t> x_TH, w13_EFH, w2_EHI, dy_TH;  // bf16 bits
+  std::vector<int32_t> idx_TK;
+  std::vector<float> w_TK;
+};
+
+// N(0, stddev^2) values rounded to bf16. Large tensors (full-size expert weights are ~10^9
+// values) are filled by several threads, chunk c from its own generator seeded (base, c), so
+// the result depends only on the seed, not on the thread count.
+inline std::vector<uint16_t> random_bf16(size_t n, double stddev, std::mt19937_64& rng) {
+  constexpr size_t kChunk = size_t(1) << 20;
+  const uint64_t base_seed = rng();
+  std::vector<uint16_t> out(n);
+  const size_t num_chunks = (n + kChunk - 1) / kChunk;
+  auto fill_chunks = [&](size_t first, size_t step) {
+    for (size_t c = first; c < num_chunks; c += step) {
+      std::mt19937_64 chunk_rng(base_seed ^ (0x9E3779B97F4A7C15ull * (c + 1)));
+      std::normal_distribution<float> dist(0.0f, static_cast<float>(stddev));
+      const size_t end = std::min(n, (c + 1) * kChunk);
+      for (size_t i = c * kChunk; i < end; ++i) out[i] = host::float_to_bf16_bits(dist(chunk_rng));
+    }
+  };
+  const size_t num_threads =
+      std::min<size_t>(num_chunks, std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> threads;
+  for (size_t t = 1; t < num_threads; ++t) threads.emplace_back(fill_chunks, t, num_threads);
+  fill_chunks(0, std::max<size_t>(num_threads, 1));
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+inline HostProblem make_problem(const Dims& d, Routing routing, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  HostProblem p;
+  p.d = d;
+  p.x_TH = random_bf16(d.T * d.H, 1.0, rng);
+  p.w13_EFH = random_bf16(d.E * 2 * d.I * d.H, 1.0 / std::sqrt(double(d.H)), rng);
+  p.w2_EHI = random_bf16(d.E * d.H * d.I, 1.0 / std::sqrt(double(d.I)), rng);
+  p.dy_TH = random_bf16(d.T * d.H, 1.0, rng);
+  p.idx_TK.assign(d.T * d.K, -1);
+  p.w_TK.assign(d.T * d.K, 0.0f);
+  std::vector<double> popularity(d.E, 1.0);
+  if (routing == Routing::kSkewed) {
+    std::vector<int> rank(d.E);
+    std::iota(rank.begin(), rank.end(), 0);
+    std::shuffle(rank.begin(), rank.end(), rng);
+    for (int64_t e = 0; e < d.E; ++e) popularity[e] = 1.0 / std::pow(rank[e] + 1.0, 1.2);
+  }
+  std::uniform_real_distribution<float> unit(0.05f, 1.0f);
+  for (int64_t t = 0; t < d.T; ++t) {
+    std::vector<double> weights = popularity;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < d.K; ++j) {
+      int32_t e;
+      if (routing == Routing::kAllSlotsOne) {
+        e = 3 % d.E;
+      } else if (routing == Routing::kOneExpert && j == 0) {
+        e = 3 % d.E;
+      } else if (routing == Routing::kFewExperts) {
+        e = (j % 2 == 0) ? 1 : static_cast<int32_t>(d.E - 2);
+      } else {
+        if (routing == Routing::kOneExpert) weights[3 % d.E] = 0.0;  // keep ids distinct
+        std::discrete_distribution<int32_t> pick(weights.begin(), weights.end());
+        e = pick(rng);
+        weights[e] = 0.0;  // distinct ids per token
+      }
+      const bool masked = routing == Routing::kMasked && (t % 5 == 0 || unit(rng) < 0.3f);
+      p.idx_TK[t * d.K + j] = masked ? -1 : e;
+      p.w_TK[t * d.K + j] = unit(rng);
+      sum += p.w_TK[t * d.K + j];
+    }
+    for (int64_t j = 0; j < d.K; ++j) p.w_TK[t * d.K + j] /= sum;
+  }
+  return p;
+}
+
+inline std::vector<double> widen(const std::vector<uint16_t>& bits) {
+  std::vector<double> out(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) out[i] = host::bf16_bits_to_float(bits[i]);
+  return out;
+}
+
+inline reference::Problem to_reference(const HostProblem& p) {
+  reference::Problem r;
+  r.num_tokens = p.d.T;
+  r.hidden = p.d.H;
+  r.intermediate = p.d.I;
+  r.num_experts = p.d.E;
+  r.top_k = p.d.K;
+  r.use_swiglu_clamp = p.d.clamp;
+  r.swiglu_clamp = p.d.clamp_limit;
+  r.x_TH = widen(p.x_TH);
+  r.topk_idx_TK = p.idx_TK;
+  r.topk_w_TK.assign(p.w_TK.begin(), p.w_TK.end());
+  r.w13_EFH = widen(p.w13_EFH);
+  r.w2_EHI = widen(p.w2_EHI);
+  return r;
+}
+
+// Owning device allocation. Poisoned with 0xFF bytes (NaN in bf16 and fp32) on request.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    if (bytes_ > 0) TEST_CUDA(cudaMalloc(&ptr_, bytes_));
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
+  ~DeviceBuffer() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  template <typename T>
+  static DeviceBuffer from(const std::vector<T>& host) {
+    DeviceBuffer b(host.size() * sizeof(T));
+    if (b.bytes_) TEST_CUDA(cudaMemcpy(b.ptr_, host.data(), b.bytes_, cudaMemcpyHostToDevice));
+    return b;
+  }
+  template <typename T>
+  std::vector<T> to_host() const {
+    std::vector<T> out(bytes_ / sizeof(T));
+    if (bytes_) TEST_CUDA(cudaMemcpy(out.data(), ptr_, bytes_, cudaMemcpyDeviceToHost));
+    return out;
+  }
+  void poison() {
+    if (bytes_) TEST_CUDA(cudaMemset(ptr_, 0xFF, bytes_));
+  }
+  // A non-null, aligned address even for 0 bytes (the API requires weights to be non-null).
+  void* get() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Outputs of one forward + backward, widened to double for comparison.
+struct LayerOutputs {
+  std::vector<double> y, dx, d_topk_w, dw13, dw2;
+};
+
+struct RunOptions {
+  WeightGradDtype grad_dtype = WeightGradDtype::kFloat32;
+  bool accumulate = false;
+  const std::vector<float>* dw13_init = nullptr;  // used when accumulate
+  const std::vector<float>* dw2_init = nullptr;
+};
+
+inline LayerConfig config_of(const Dims& d, int64_t max_tokens) {
+  LayerConfig c;
+  c.hidden = d.H;
+  c.intermediate = d.I;
+  c.num_experts = d.E;
+  c.top_k = d.K;
+  c.max_tokens = max_tokens;
+  c.use_swiglu_clamp = d.clamp;
+  c.swiglu_clamp = d.clamp_limit;
+  return c;
+}
+
+inline std::vector<double> widen_grad(const DeviceBuffer& b, WeightGradDtype dtype) {
+  if (dtype == WeightGradDtype::kBFloat16) return widen(b.to_host<uint16_t>());
+  const auto f = b.to_host<float>();
+  return std::vector<double>(f.begin(), f.end());
+}
+
+// Runs forward then backward of `impl` through the public API with every output and the
+// workspace poisoned first. max_tokens may exceed T (the workspace is sized for it).
+inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions& opt = {},
+                              int64_t max_tokens = -1) {
+  const Dims& d = p.d;
+  const LayerConfig config = config_of(d, max_tokens < 0 ? std::max<int64_t>(d.T, 1) : max_tokens);
+  DeviceBuffer x = DeviceBuffer::from(p.x_TH), w13 = DeviceBuffer::from(p.w13_EFH),
+               w2 = DeviceBuffer::from(p.w2_EHI), dy = DeviceBuffer::from(p.dy_TH),
+               idx = DeviceBuffer::from(p.idx_TK), w = DeviceBuffer::from(p.w_TK);
+  DeviceBuffer y(d.T * d.H * 2), dx(d.T * d.H * 2), dtw(d.T * d.K * 4);
+  const size_t grad_elem = opt.grad_dtype == WeightGradDtype::kBFloat16 ? 2 : 4;
+  DeviceBuffer dw13(d.E * 2 * d.I * d.H * grad_elem), dw2(d.E * d.H * d.I * grad_elem);
+  DeviceBuffer workspace(workspace_bytes(config, impl));
+  for (DeviceBuffer* b : {&y, &dx, &dtw, &dw13, &dw2, &workspace}) b->poison();
+  if (opt.accumulate) {
+    auto upload = [&](DeviceBuffer& dst, const std::vector<float>& init) {
+      if (opt.grad_dtype == WeightGradDtype::kFloat32) {
+        TEST_CUDA(cudaMemcpy(dst.get(), init.data(), dst.bytes(), cudaMemcpyHostToDevice));
+      } else {
+        std::vector<uint16_t> bits(init.size());
+        for (size_t i = 0; i < init.size(); ++i) bits[i] = host::float_to_bf16_bits(init[i]);
+        TEST_CUDA(cudaMemcpy(dst.get(), bits.data(), dst.bytes(), cudaMemcpyHostToDevice));
+      }
+    };
+    upload(dw13, *opt.dw13_init);
+    upload(dw2, *opt.dw2_init);
+  }
+  ForwardArgs fa;
+  fa.x = x.get();
+  fa.topk_idx = static_cast<const int32_t*>(idx.get());
+  fa.topk_weights = static_cast<const float*>(w.get());
+  fa.w13 = w13.get();
+  fa.w2 = w2.get();
+  fa.y = y.get();
+  fa.num_tokens = d.T;
+  fa.workspace = workspace.get();
+  fa.workspace_bytes = workspace.bytes();
+  forward(config, impl, fa);
+  workspace.poison();
+  BackwardArgs ba;
+  ba.x = x.get();
+  ba.topk_idx = fa.topk_idx;
+  ba.topk_weights = fa.topk_weights;
+  ba.w13 = w13.get();
+  ba.w2 = w2.get();
+  ba.dy = dy.get();
+  ba.dx = dx.get();
+  ba.d_topk_weights = static_cast<float*>(dtw.get());
+  ba.dw13 = dw13.get();
+  ba.dw2 = dw2.get();
+  ba.weight_grad_dtype = opt.grad_dtype;
+  ba.accumulate_weight_grads = opt.accumulate;
+  ba.num_tokens = d.T;
+  ba.workspace = workspace.get();
+  ba.workspace_bytes = workspace.bytes();
+  backward(config, impl, ba);
+  TEST_CUDA(cudaDeviceSynchronize());
+  LayerOutputs out;
+  out.y = widen(y.to_host<uint16_t>());
+  out.dx = widen(dx.to_host<uint16_t>());
+  const auto dtw_host = dtw.to_host<float>();
+  out.d_topk_w.assign(dtw_host.begin(), dtw_host.end());
+  out.dw13 = widen_grad(dw13, opt.grad_dtype);
+  out.dw2 = widen_grad(dw2, opt.grad_dtype);
+  return out;
+}
+
+struct ErrorStats {
+  double rel_l2 = 0.0;     // ||got - ref|| / ||ref|| (absolute when ref == 0)
+  double max_abs = 0.0;
+  double calc_diff = 0.0;  // DeepGEMM: 1 - 2<x,y> / (|x|^2 + |y|^2)
+  bool all_finite = true;
+};
+
+inline ErrorStats compare(const std::vector<double>& got, const std::vector<double>& ref) {
+  ErrorStats s;
+  double diff2 = 0, ref2 = 0, got2 = 0, dot = 0;
+  for (size_t i = 0; i < got.size() && i < ref.size(); ++i) {
+    if (!std::isfinite(got[i])) s.all_finite = false;
+    const double d = got[i] - ref[i];
+    diff2 += d * d;
+    ref2 += ref[i] * ref[i];
+    got2 += got[i] * got[i];
+    dot += got[i] * ref[i];
+    s.max_abs = std::max(s.max_abs, std::fabs(d));
+  }
+  if (got.size() != ref.size()) s.all_finite = false;  // a size mismatch must fail too
+  s.rel_l2 = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
+  s.calc_diff = (ref2 + got2) > 0 ? 1.0 - 2.0 * dot / (ref2 + got2) : 0.0;
+  if (!s.all_finite) s.rel_l2 = s.max_abs = s.calc_diff = NAN;
+  return s;
+}
+
+// Asserts rel_l2 <= tol (NaN fails) and prints the figures.
+inline void expect_close(const std::string& what, const std::vector<double>& got,
+                         const std::vector<double>& ref, double tol) {
+  const ErrorStats s = compare(got, ref);
+  std::printf("  %-28s rel_l2 %.3e  max_abs %.3e  calc_diff %.3e  (tol %.1e, n=%zu)\n",
+              what.c_str(), s.rel_l2, s.max_abs, s.calc_diff, tol, got.size());
+  EXPECT_TRUE(s.rel_l2 <= tol) << what << ": rel_l2 " << s.rel_l2 << " > " << tol
+                               << (s.all_finite ? "" : " (non-finite values or size mismatch)");
+}
+
+}  // namespace fusemoe::test
