@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# One whole GPU round on the H200 machine: GPU facts, the GPU test suite, fusemoe_bench and the
+# PyTorch baseline for every case below, then scripts/summarize_round.py.
+#   usage: scripts/gpu_round.sh OUTDIR
+# Uses the carried build folder ($BUILD_DIR, default build/) when it holds fusemoe_bench, else
+# configures and builds one here. OUTDIR gets 6 files (the device machine returns at most 8):
+# gpu.txt, gpu_tests.log, sanitizer.log, round.log, results.json (every figure), summary.md.
+# Env: FUSEMOE_COMMIT (recorded in the results; default from git where .git exists), ITERS and
+# WARMUP (20, 5), TEST_TIMEOUT_S (240), CHECK_235B_MAX_TOKENS (unset: check every T; 4096 skips
+# the fp32 reference check at 235B T=16384, the largest one), ROUND_BUDGET_S (480: benchmark steps
+# not started by then are recorded as skipped, a failure). Budget on an H200: about 3 min plus
+# the GPU tests. results.json and summary.md are rewritten after every step, so a round cut short
+# still leaves what it measured. Exit 0 only if the tests and every correctness check passed.
+set -u -o pipefail
+
+if [[ $# -ne 1 ]]; then
+  echo "usage: $0 OUTDIR" >&2
+  exit 2
+fi
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
+mkdir -p "$1"
+OUTDIR="$(cd "$1" && pwd -P)"
+cd "$REPO" || exit 2
+
+BUILD_DIR="${BUILD_DIR:-build}"
+ITERS="${ITERS:-20}"
+WARMUP="${WARMUP:-5}"
+TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-240}"
+CHECK_235B_MAX_TOKENS="${CHECK_235B_MAX_TOKENS:-}"
+ROUND_BUDGET_S="${ROUND_BUDGET_S:-480}"
+if [[ -z "${FUSEMOE_COMMIT:-}" ]]; then
+  FUSEMOE_COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  if [[ "$FUSEMOE_COMMIT" != unknown && -n "$(git status --porcelain 2>/dev/null)" ]]; then
+    FUSEMOE_COMMIT="$FUSEMOE_COMMIT-dirty"
+  fi
+fi
+export FUSEMOE_COMMIT
+export PYTHONUNBUFFERED=1
+
+# The JSON parts live outside OUTDIR: only the merged results.json comes back.
+PARTS="$(mktemp -d /tmp/fusemoe_round.XXXXXX)"
+LOG="$OUTDIR/round.log"
+: >"$LOG"
+STEP_NUM=0
+
+log() { echo "[round $(date -u +%H:%M:%S)] $*" | tee -a "$LOG" >&2; }
+
+# step NAME NOTE CMD...: runs CMD with its output into round.log (and the terminal), records
+# "NAME rc seconds NOTE" in steps.tsv, returns CMD's exit code.
+step() {
+  local name="$1" note="$2"
+  shift 2
+  local start=$SECONDS rc
+  log "start $name: $*"
+  "$@" 2>&1 | tee -a "$LOG"
+  rc=$?
+  log "end $name: exit $rc after $((SECONDS - start)) s"
+  printf '%s\t%d\t%d\t%s\n' "$name" "$rc" "$((SECONDS - start))" "$note" >>"$PARTS/steps.tsv"
+  return $rc
+}
+
+# Rewrites OUTDIR/results.json and summary.md from the parts gathered so far.
+summarize() { python3 scripts/summarize_round.py "$OUTDIR" --parts "$PARTS" >/dev/null 2>>"$LOG"; }
+
+# bench_step NAME CMD...: a benchmark step, unless the round's time budget is spent.
+bench_step() {
+  local name="$1"
+  shift
+  if ((SECONDS > ROUND_BUDGET_S)); then
+    log "skip $name: round budget of ${ROUND_BUDGET_S} s spent"
+    printf '%s\t%d\t%d\t%s\n' "$name" 99 0 "skipped: round budget spent" >>"$PARTS/steps.tsv"
+  else
+    step "$name" "" "$@"
+  fi
+  summarize
+}
+
+log "fusemoe GPU round: repo $REPO, commit $FUSEMOE_COMMIT, out $OUTDIR"
+
+# ---- 1. GPU facts ----
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit,temperature.gpu,utilization.gpu --format=csv
+  echo
+  nvidia-smi
+  nvcc --version 2>/dev/null | tail -2
+} >"$OUTDIR/gpu.txt" 2>&1
+head -2 "$OUTDIR/gpu.txt" | tee -a "$LOG"
+
+# ---- 2. Build (only where the carried build folder lacks the benchmark) ----
+if [[ ! -x "$BUILD_DIR/fusemoe_bench" ]]; then
+  # A cache configured at another path cannot be reused: build beside it.
+  [[ -f "$BUILD_DIR/CMakeCache.txt" ]] && BUILD_DIR=build_device
+  log "no carried fusemoe_bench: configuring and building in $BUILD_DIR"
+  if ! step configure "" cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release; then
+    step configure_no_tests "GoogleTest missing? tests not built" \
+      cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFUSEMOE_BUILD_TESTS=OFF
+  fi
+  step build "" ninja -C "$BUILD_DIR"
+fi
+BENCH="$BUILD_DIR/fusemoe_bench"
+
+# ctest runs the test binaries by the absolute paths of the machine that configured the build.
+# If the carried build folder was configured elsewhere, make that source path lead here.
+recorded_src="$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$BUILD_DIR/CMakeCache.txt" 2>/dev/null)"
+if [[ -n "$recorded_src" && "$recorded_src" != "$REPO" && ! -e "$recorded_src" ]]; then
+  log "build configured at $recorded_src: linking that path to $REPO for ctest"
+  mkdir -p "$(dirname "$recorded_src")" && ln -s "$REPO" "$recorded_src"
+fi
+
+# ---- 3. GPU tests ----
+tests_note=""
+log "start gpu_tests (log: gpu_tests.log, limit ${TEST_TIMEOUT_S} s)"
+start=$SECONDS
+timeout --kill-after=15 "$TEST_TIMEOUT_S" \
+  ctest --test-dir "$BUILD_DIR" -L gpu --output-on-failure --no-tests=error >"$OUTDIR/gpu_tests.log" 2>&1
+tests_rc=$?
+[[ $tests_rc -eq 124 || $tests_rc -eq 137 ]] && tests_note="timed out after ${TEST_TIMEOUT_S} s"
+# A skip on an H200 means the suite did not see the GPU: never a pass.
+if [[ $tests_rc -eq 0 ]] && grep -q -E "Skipped|Not Run" "$OUTDIR/gpu_tests.log"; then
+  tests_rc=77
+  tests_note="tests skipped on a GPU machine"
+fi
+printf '%s\t%d\t%d\t%s\n' gpu_tests "$tests_rc" "$((SECONDS - start))" "$tests_note" >>"$PARTS/steps.tsv"
+tail -n 15 "$OUTDIR/gpu_tests.log" | tee -a "$LOG"
+log "end gpu_tests: exit $tests_rc after $((SECONDS - start)) s ${tests_note}"
+
+# ---- 3b. Memory checker over the edge cases (bad ids, empty experts, T = 0/1/7/199) ----
+GPU_TESTS_BIN="$BUILD_DIR/fusemoe_gpu_tests"
+if command -v compute-sanitizer >/dev/null && [[ -x "$GPU_TESTS_BIN" ]]; then
+  start=$SECONDS
+  log "start memcheck (log: sanitizer.log)"
+  timeout --kill-after=15 "${SANITIZER_TIMEOUT_S:-180}" compute-sanitizer --tool memcheck \
+    --error-exitcode 1 "$GPU_TESTS_BIN" \
+    --gtest_filter='Baseline/SmallShapes.*:Unfused.InvalidExpertIdsAreReported:Unfused.SwigluClampMatchesReference' \
+    >"$OUTDIR/sanitizer.log" 2>&1
+  san_rc=$?
+  printf '%s\t%d\t%d\t%s\n' memcheck "$san_rc" "$((SECONDS - start))" "" >>"$PARTS/steps.tsv"
+  tail -n 4 "$OUTDIR/sanitizer.log" | tee -a "$LOG"
+  log "end memcheck: exit $san_rc after $((SECONDS - start)) s"
+fi
+
+# ---- 4. Benchmarks: fusemoe and PyTorch, case by case ----
+# id | preset | routing | tokens | extra fusemoe_bench flags
+CASES=(
+  "30b-uniform|qwen3-30b-a3b|uniform|4096,16384|"
+  "235b-uniform|qwen3-235b-a22b|uniform|4096,16384|${CHECK_235B_MAX_TOKENS:+--check-max-tokens $CHECK_235B_MAX_TOKENS}"
+  "30b-skewed|qwen3-30b-a3b|skewed|4096,16384|"
+)
+for spec in "${CASES[@]}"; do
+  IFS='|' read -r id preset routing tokens extra <<<"$spec"
+  STEP_NUM=$((STEP_NUM + 1))
+  # shellcheck disable=SC2086  # $extra is a list of flags
+  bench_step "fusemoe_bench $id" "$BENCH" --preset "$preset" --routing "$routing" --tokens "$tokens" \
+    --iters "$ITERS" --warmup "$WARMUP" --json "$PARTS/${STEP_NUM}_fusemoe_$id.json" $extra
+  bench_step "torch_baseline $id" python3 benchmarks/torch_baseline.py --preset "$preset" \
+    --routing "$routing" --tokens "$tokens" --iters "$ITERS" --warmup "$WARMUP" \
+    --json "$PARTS/${STEP_NUM}_torch_$id.json"
+done
+
+# ---- 5. Summary ----
+log "final summary"
+summarize
+summary_rc=$?
+rm -rf "$PARTS"
+[[ -f "$OUTDIR/summary.md" ]] && cat "$OUTDIR/summary.md"
+
+if [[ $summary_rc -ne 0 ]] || ! python3 -c 'import json,sys; sys.exit(0 if json.load(open(sys.argv[1]))["verdict"]["pass"] else 1)' "$OUTDIR/results.json"; then
+  log "round FAILED (see $OUTDIR/summary.md)"
+  exit 1
+fi
+log "round passed: $OUTDIR/summary.md"
+exit 0

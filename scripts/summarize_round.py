@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""Merges one GPU round's JSON files into OUTDIR/results.json and writes OUTDIR/summary.md.
+
+Input (PARTS, default OUTDIR/parts): fusemoe_*.json from benchmarks/fusemoe_bench.cu --json,
+torch_*.json from benchmarks/torch_baseline.py --json, and steps.tsv (one line per step of
+scripts/gpu_round.sh: name, exit code, seconds, note). Without PARTS, re-renders summary.md from an
+existing results.json. summary.md: one table per case (preset, routing, T) with the fusemoe
+implementations and the PyTorch path side by side (ms, TFLOP/s, % of the cuBLAS ceiling measured
+by fusemoe_bench in the same round, speedup against PyTorch), then the correctness lines.
+Standard library only. Exit: 0 written, 2 nothing to summarise.
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+
+PASS_ORDER = ["forward", "backward", "forward+backward"]
+
+
+def load_parts(parts_dir):
+    fusemoe_runs, torch_runs, steps = [], [], []
+    for path in sorted(glob.glob(os.path.join(parts_dir, "*.json"))):
+        name = os.path.basename(path)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as error:
+            steps.append({"name": f"read {name}", "rc": 1, "seconds": 0, "note": repr(error)})
+            continue
+        data["source_file"] = name
+        (torch_runs if data.get("tool") == "torch_baseline" else fusemoe_runs).append(data)
+    steps_path = os.path.join(parts_dir, "steps.tsv")
+    if os.path.exists(steps_path):
+        with open(steps_path) as f:
+            for line in f:
+                fields = line.rstrip("\n").split("\t")
+                if len(fields) < 3:
+                    continue
+                steps.append({"name": fields[0], "rc": int(fields[1]), "seconds": float(fields[2]),
+                              "note": fields[3] if len(fields) > 3 else ""})
+    return {"steps": steps, "fusemoe": fusemoe_runs, "torch": torch_runs}
+
+
+def fmt(value, spec):
+    return "n/a" if value is None else format(value, spec)
+
+
+def case_key(meta, case):
+    return (meta.get("preset"), meta.get("routing"), case.get("tokens"))
+
+
+def collect_cases(results):
+    """{(preset, routing, T): {"fusemoe": (meta, case, ceiling), "torch": (meta, case, ceiling)}}."""
+    cases = {}
+    for tool in ("fusemoe", "torch"):
+        for run in results[tool]:
+            meta = run.get("meta", {})
+            ceiling = (run.get("ceiling") or {}).get("tflops")
+            for case in run.get("cases", []):
+                cases.setdefault(case_key(meta, case), {})[tool] = (meta, case, ceiling)
+    return cases
+
+
+def torch_label(meta):
+    if meta.get("path") == "grouped_mm":
+        return "PyTorch (torch._grouped_mm)"
+    return f"PyTorch FALLBACK per-expert loop ({meta.get('fallback_reason')})"
+
+
+def render_case(key, entry, lines):
+    preset, routing, tokens = key
+    f_meta, f_case, f_ceiling = entry.get("fusemoe", (None, None, None))
+    t_meta, t_case, t_ceiling = entry.get("torch", (None, None, None))
+    # One ceiling per table: cuBLAS in fusemoe_bench if it ran, else torch.mm in torch_baseline.
+    ceiling, ceiling_src = (f_ceiling, "cuBLAS 8192^3 in fusemoe_bench") if f_ceiling \
+        else (t_ceiling, "torch.mm 8192^3 in torch_baseline")
+    any_case = f_case or t_case
+    lines.append(f"### {preset}, T={tokens}, routing {routing}")
+    lines.append("")
+    lines.append(f"{any_case.get('valid_rows')} routed rows; rows per expert min "
+                 f"{any_case.get('expert_rows_min')}, mean {fmt(any_case.get('expert_rows_mean'), '.0f')}, "
+                 f"max {any_case.get('expert_rows_max')}, {any_case.get('experts_empty')} empty"
+                 + (" (the PyTorch run draws its own routing from the same distribution: "
+                    f"max {t_case.get('expert_rows_max')})" if f_case and t_case else "")
+                 + f". Ceiling {fmt(ceiling, '.0f')} TFLOP/s ({ceiling_src}"
+                 + (f"; torch.mm {t_ceiling:.0f}" if f_ceiling and t_ceiling else "") + ").")
+    lines.append("")
+    torch_ms = {}
+    if t_case:
+        for t in t_case.get("timings", []):
+            torch_ms[t["pass"]] = t.get("ms_median")
+    rows = []
+    if f_case:
+        for t in f_case.get("timings", []):
+            rows.append((t["impl"], t))
+    if t_case:
+        for t in t_case.get("timings", []):
+            rows.append((torch_label(t_meta), t))
+    rows.sort(key=lambda r: PASS_ORDER.index(r[1]["pass"]) if r[1]["pass"] in PASS_ORDER else 99)
+    lines.append("| impl | pass | weight grads | ms | TFLOP/s | % ceiling | vs PyTorch |")
+    lines.append("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    for label, t in rows:
+        ms, tflops = t.get("ms_median"), t.get("tflops")
+        pct = 100.0 * tflops / ceiling if tflops is not None and ceiling else None
+        base = torch_ms.get(t["pass"])
+        speedup = base / ms if base and ms else None
+        lines.append(f"| {label} | {t['pass']} | {t.get('weight_grad_dtype')} | {fmt(ms, '.3f')} | "
+                     f"{fmt(tflops, '.1f')} | {fmt(pct, '.1f')} | "
+                     f"{fmt(speedup, '.2f') + 'x' if speedup else 'n/a'} |")
+    if not f_case:
+        lines.append("")
+        lines.append("**fusemoe_bench produced no figures for this case.**")
+    if not t_case:
+        lines.append("")
+        lines.append("**torch_baseline produced no figures for this case.**")
+    lines.append("")
+    if f_case:
+        lines.append(f"Correctness vs the fp32 GPU reference: **{f_case.get('check_status')}**")
+        checks = f_case.get("checks", [])
+        if checks:
+            lines.append("")
+            lines.append("| impl | output | weight grads | rel err | max abs err | calc_diff | non-finite | result |")
+            lines.append("| --- | --- | --- | ---: | ---: | ---: | ---: | --- |")
+            for c in checks:
+                nonfinite = (c.get("nonfinite") or 0) + (c.get("nonfinite_reference") or 0)
+                lines.append(f"| {c['impl']} | {c['output']} | {c.get('weight_grad_dtype')} | "
+                             f"{fmt(c.get('rel_err'), '.2e')} | {fmt(c.get('max_abs_err'), '.2e')} | "
+                             f"{fmt(c.get('calc_diff'), '.2e')} | {nonfinite} | "
+                             f"{'pass' if c.get('pass') else '**FAIL**'} |")
+        lines.append("")
+
+
+def verdict(results):
+    problems = []
+    for step in results["steps"]:
+        if step["rc"] != 0:
+            problems.append(f"{step['name']} exited {step['rc']}" +
+                            (f" ({step['note']})" if step.get("note") else ""))
+    for run in results["fusemoe"]:
+        for case in run.get("cases", []):
+            if case.get("check_status") == "FAIL":
+                problems.append(f"correctness FAIL: {run['meta'].get('preset')} "
+                                f"{run['meta'].get('routing')} T={case.get('tokens')}")
+        if run.get("error"):
+            problems.append(f"fusemoe_bench error ({run['source_file']}): {run['error']}")
+    for run in results["torch"]:
+        if not run.get("self_check", {}).get("pass", False):
+            problems.append(f"torch_baseline self-check failed or missing ({run['source_file']})")
+        if run.get("error"):
+            problems.append(f"torch_baseline error ({run['source_file']}): {run['error']}")
+        if run.get("meta", {}).get("path") not in (None, "grouped_mm"):
+            problems.append(f"torch_baseline used the per-expert loop FALLBACK ({run['source_file']})")
+    return problems
+
+
+def render(results):
+    lines = ["# GPU round summary", ""]
+    f_meta = results["fusemoe"][0]["meta"] if results["fusemoe"] else {}
+    t_meta = results["torch"][0]["meta"] if results["torch"] else {}
+    meta = f_meta or t_meta
+    lines.append(f"- date {meta.get('date')}, commit `{meta.get('commit')}`")
+    lines.append(f"- GPU {meta.get('gpu')} ({meta.get('sm_count')} SMs), CUDA driver "
+                 f"{f_meta.get('driver_cuda')}, runtime {f_meta.get('runtime_cuda')}, cuBLAS "
+                 f"{f_meta.get('cublas_version')}; torch {t_meta.get('torch')} (CUDA {t_meta.get('cuda')})")
+    lines.append(f"- timing: median of {meta.get('iters')} after {meta.get('warmup')} warm-up, CUDA "
+                 f"events, {(meta.get('l2_flush_bytes') or 0) >> 20} MiB L2 flush before each call; "
+                 "TFLOP/s count 6*H*I (forward), 12*H*I (backward), 18*H*I (both) per routed row")
+    lines.append("- PyTorch: torchtitan-style grouped_mm layer, bf16, autograd (bf16 weight grads), "
+                 f"index_add_ in {t_meta.get('combine_dtype')}")
+    problems = verdict(results)
+    lines.append("")
+    lines.append("**Round: PASS**" if not problems else "**Round: FAIL**")
+    for problem in problems:
+        lines.append(f"- {problem}")
+    lines.append("")
+    if results["steps"]:
+        lines.append("| step | exit | seconds | note |")
+        lines.append("| --- | ---: | ---: | --- |")
+        for step in results["steps"]:
+            lines.append(f"| {step['name']} | {step['rc']} | {step['seconds']:.0f} | {step.get('note', '')} |")
+        lines.append("")
+    for run in results["torch"]:
+        check = run.get("self_check")
+        if check:
+            errs = ", ".join(f"{k} {fmt(v, '.1e')}" for k, v in check.get("rel_err", {}).items())
+            lines.append(f"- torch_baseline self-check ({run['meta'].get('preset')} "
+                         f"{run['meta'].get('routing')}, {run['meta'].get('path')}, {check.get('shape')} "
+                         f"vs fp32 loop): {'pass' if check.get('pass') else '**FAIL**'} ({errs})")
+    lines.append("")
+    cases = collect_cases(results)
+    for key, entry in cases.items():  # the round's order: parts are named with a step number
+        render_case(key, entry, lines)
+    return "\n".join(lines) + "\n", problems
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("outdir")
+    parser.add_argument("--parts", help="folder of the round's JSON parts (default OUTDIR/parts)")
+    args = parser.parse_args()
+    parts_dir = args.parts or os.path.join(args.outdir, "parts")
+    results_path = os.path.join(args.outdir, "results.json")
+    if os.path.isdir(parts_dir) and glob.glob(os.path.join(parts_dir, "*")):
+        results = load_parts(parts_dir)
+    elif os.path.exists(results_path):
+        with open(results_path) as f:
+            results = json.load(f)
+    else:
+        print(f"summarize_round: nothing in {parts_dir} and no {results_path}", file=sys.stderr)
+        return 2
+    summary, problems = render(results)
+    results["verdict"] = {"pass": not problems, "problems": problems}
+    with open(results_path, "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(args.outdir, "summary.md"), "w") as f:
+        f.write(summary)
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
