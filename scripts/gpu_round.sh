@@ -112,7 +112,7 @@ tests_note=""
 log "start gpu_tests (log: gpu_tests.log, limit ${TEST_TIMEOUT_S} s)"
 start=$SECONDS
 timeout --kill-after=15 "$TEST_TIMEOUT_S" \
-  ctest --test-dir "$BUILD_DIR" -L gpu --output-on-failure --no-tests=error >"$OUTDIR/gpu_tests.log" 2>&1
+  ctest --test-dir "$BUILD_DIR" -L gpu -V --no-tests=error >"$OUTDIR/gpu_tests.log" 2>&1
 tests_rc=$?
 [[ $tests_rc -eq 124 || $tests_rc -eq 137 ]] && tests_note="timed out after ${TEST_TIMEOUT_S} s"
 # A skip on an H200 means the suite did not see the GPU: never a pass.

@@ -36,6 +36,10 @@ enum class Impl {
   // The same pipeline with every intermediate and the GEMMs in fp32 (weights widened to fp32
   // inside the workspace each call). Slow; the GPU oracle at full size.
   kReferenceFp32,
+  // Persistent TMA + wgmma kernels on sm_90a (dispatch, gate/up + SwiGLU, down + routing
+  // weight, deterministic combine); no host synchronisation, CUDA-graph capturable.
+  // Forward only for now: backward() with kFused throws (issue 4); use kUnfused for it.
+  kFused,
 };
 
 const char* impl_name(Impl impl);
@@ -73,6 +77,11 @@ struct ForwardArgs {
   void* workspace = nullptr;            // workspace_bytes(config, impl) bytes, 256-byte aligned
   size_t workspace_bytes = 0;
   cudaStream_t stream = nullptr;
+  // Implementations that never synchronise (kFused) check expert ids without blocking the
+  // call only if this is false: then call check_expert_ids() later (after the stream work).
+  // true (default): the call synchronises its stream at the end and throws on a bad id,
+  // except while the stream is being captured into a CUDA graph (a sync is illegal there).
+  bool sync_check_expert_ids = true;
 };
 
 struct BackwardArgs {
@@ -109,5 +118,11 @@ size_t workspace_bytes(const LayerConfig& config, Impl impl);
 // (token, slot, value). The outputs of such a call are unspecified.
 void forward(const LayerConfig& config, Impl impl, const ForwardArgs& args);
 void backward(const LayerConfig& config, Impl impl, const BackwardArgs& args);
+
+// Synchronises `stream`, reads the routing record that the last forward/backward left in
+// `workspace`, and throws fusemoe::Error naming the first expert id outside [-1, E) if there
+// was one. For calls made with sync_check_expert_ids = false.
+void check_expert_ids(const LayerConfig& config, Impl impl, const void* workspace,
+                      cudaStream_t stream);
 
 }  // namespace fusemoe

@@ -7,6 +7,8 @@
 #include <limits>
 
 #include "fusemoe/fusemoe.h"
+#include "kernels/routing.h"
+#include "launch/fused_moe.h"
 #include "launch/unfused_moe.h"
 
 namespace fusemoe {
@@ -20,7 +22,7 @@ bool aligned(const void* p, uintptr_t alignment) {
 }
 
 void check_impl(Impl impl) {
-  FUSEMOE_CHECK(impl == Impl::kUnfused || impl == Impl::kReferenceFp32,
+  FUSEMOE_CHECK(impl == Impl::kUnfused || impl == Impl::kReferenceFp32 || impl == Impl::kFused,
                 "impl: unknown implementation " << static_cast<int>(impl));
 }
 
@@ -70,6 +72,7 @@ const char* impl_name(Impl impl) {
   switch (impl) {
     case Impl::kUnfused: return "unfused";
     case Impl::kReferenceFp32: return "reference_fp32";
+    case Impl::kFused: return "fused";
   }
   return "unknown";
 }
@@ -100,7 +103,26 @@ void validate_config(const LayerConfig& c) {
 size_t workspace_bytes(const LayerConfig& config, Impl impl) {
   validate_config(config);
   check_impl(impl);
+  if (impl == Impl::kFused) return fused_workspace_bytes(config);
   return unfused_workspace_bytes(config, impl);
+}
+
+void check_expert_ids(const LayerConfig& config, Impl impl, const void* workspace,
+                      cudaStream_t stream) {
+  validate_config(config);
+  check_impl(impl);
+  FUSEMOE_CHECK(workspace != nullptr, "workspace must not be null");
+  const RoutingPlan plan = impl == Impl::kFused
+                               ? fused_routing_plan(config, const_cast<void*>(workspace))
+                               : unfused_routing_plan(config, impl, const_cast<void*>(workspace));
+  int32_t bad[3] = {0, 0, 0};
+  FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(bad, plan.bad_id_info, sizeof(bad), cudaMemcpyDeviceToHost,
+                                     stream));
+  FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  FUSEMOE_CHECK(bad[0] == 0, "topk_idx: " << bad[0] << " expert id(s) outside [-1, "
+                                          << config.num_experts << "); first at token "
+                                          << bad[1] / config.top_k << ", slot "
+                                          << bad[1] % config.top_k << ", value " << bad[2]);
 }
 
 void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
@@ -127,12 +149,24 @@ void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
       check_device_pointer(p, name);
     }
   }
+  if (impl == Impl::kFused) {
+    fused_forward(config, a);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    FUSEMOE_CUDA_CHECK(cudaStreamIsCapturing(a.stream, &capture));
+    if (a.sync_check_expert_ids && capture == cudaStreamCaptureStatusNone) {
+      check_expert_ids(config, impl, a.workspace, a.stream);
+    }
+    return;
+  }
   unfused_forward(config, impl, a);
 }
 
 void backward(const LayerConfig& config, Impl impl, const BackwardArgs& a) {
   validate_config(config);
   check_impl(impl);
+  FUSEMOE_CHECK(impl != Impl::kFused,
+                "impl: Impl::kFused has no backward yet (issue 4); call backward with "
+                "Impl::kUnfused and a workspace of workspace_bytes(config, Impl::kUnfused)");
   check_num_tokens(config, a.num_tokens);
   FUSEMOE_CHECK(a.weight_grad_dtype == WeightGradDtype::kFloat32 ||
                     a.weight_grad_dtype == WeightGradDtype::kBFloat16,

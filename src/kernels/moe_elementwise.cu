@@ -74,6 +74,44 @@ __global__ void gather_rows_kernel(const Src* __restrict__ src, const int32_t* _
   }
 }
 
+__global__ void gather_rows_device_count_kernel(const bf16* __restrict__ src,
+                                                const int32_t* __restrict__ row_slot,
+                                                const int32_t* __restrict__ num_rows_device,
+                                                int64_t top_k, int64_t hidden,
+                                                bf16* __restrict__ dst) {
+  const int64_t vecs_per_row = hidden / kVec;
+  const int64_t total = int64_t(*num_rows_device) * vecs_per_row;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / vecs_per_row;
+    const int64_t col = (i % vecs_per_row) * kVec;
+    const int64_t token = row_slot[row] / top_k;
+    *reinterpret_cast<uint4*>(dst + row * hidden + col) =
+        *reinterpret_cast<const uint4*>(src + token * hidden + col);
+  }
+}
+
+__global__ void combine_slots_kernel(const bf16* __restrict__ ys, const int32_t* __restrict__ slot_row,
+                                     int64_t num_tokens, int64_t top_k, int64_t hidden,
+                                     bf16* __restrict__ y) {
+  const int64_t vecs_per_row = hidden / kVec;
+  const int64_t total = num_tokens * vecs_per_row;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t token = i / vecs_per_row;
+    const int64_t col = (i % vecs_per_row) * kVec;
+    Vec8 acc{};
+    for (int64_t j = 0; j < top_k; ++j) {  // fixed order: deterministic
+      const int64_t slot = token * top_k + j;
+      if (slot_row[slot] < 0) continue;
+      const Vec8 x = load8(ys + slot * hidden + col);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) acc.v[k] += x.v[k];
+    }
+    store8(y + token * hidden + col, acc);
+  }
+}
+
 template <typename In, typename Out>
 __global__ void swiglu_forward_kernel(const In* __restrict__ z, int64_t num_rows,
                                       int64_t intermediate, SwigluClamp clamp,
@@ -238,6 +276,26 @@ void launch_gather_rows(const Src* src_TH, const int32_t* row_slot, int64_t num_
   if (num_rows == 0) return;
   gather_rows_kernel<<<grid_for(num_rows * hidden / kVec), kThreads, 0, stream>>>(
       src_TH, row_slot, num_rows, top_k, hidden, dst_RH);
+  FUSEMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_gather_rows_device_count(const void* src_TH_bf16, const int32_t* row_slot,
+                                     const int32_t* num_rows_device, int64_t max_rows,
+                                     int64_t top_k, int64_t hidden, void* dst_RH_bf16,
+                                     cudaStream_t stream) {
+  if (max_rows == 0) return;
+  gather_rows_device_count_kernel<<<grid_for(max_rows * hidden / kVec), kThreads, 0, stream>>>(
+      static_cast<const bf16*>(src_TH_bf16), row_slot, num_rows_device, top_k, hidden,
+      static_cast<bf16*>(dst_RH_bf16));
+  FUSEMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_combine_slots(const void* ys_SH_bf16, const int32_t* slot_row, int64_t num_tokens,
+                          int64_t top_k, int64_t hidden, void* y_TH_bf16, cudaStream_t stream) {
+  if (num_tokens == 0) return;
+  combine_slots_kernel<<<grid_for(num_tokens * hidden / kVec), kThreads, 0, stream>>>(
+      static_cast<const bf16*>(ys_SH_bf16), slot_row, num_tokens, top_k, hidden,
+      static_cast<bf16*>(y_TH_bf16));
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -21,6 +21,19 @@ template <typename Src, typename Dst>
 void launch_gather_rows(const Src* src_TH, const int32_t* row_slot, int64_t num_rows,
                         int64_t top_k, int64_t hidden, Dst* dst_RH, cudaStream_t stream);
 
+// As launch_gather_rows, but the row count is read on the device (*num_rows_device, e.g.
+// expert_offsets[E]) and the grid is sized for max_rows: no host synchronisation.
+void launch_gather_rows_device_count(const void* src_TH_bf16, const int32_t* row_slot,
+                                     const int32_t* num_rows_device, int64_t max_rows,
+                                     int64_t top_k, int64_t hidden, void* dst_RH_bf16,
+                                     cudaStream_t stream);
+
+// y_TH[t] = sum_{j valid} ys_SH[t*K + j] in fp32, j in order (deterministic), bf16 out.
+// ys rows hold the already weighted expert outputs, one per slot; masked or invalid slots
+// (slot_row < 0) are skipped, so their ys rows are never read.
+void launch_combine_slots(const void* ys_SH_bf16, const int32_t* slot_row, int64_t num_tokens,
+                          int64_t top_k, int64_t hidden, void* y_TH_bf16, cudaStream_t stream);
+
 // h_RI = silu(g) * u with z_RF = [g | u] (F = 2I), optional clamp; fp32 math, rounded to Out.
 template <typename In, typename Out>
 void launch_swiglu_forward(const In* z_RF, int64_t num_rows, int64_t intermediate,

@@ -346,6 +346,11 @@ size_t unfused_workspace_bytes(const LayerConfig& config, Impl impl) {
   return UnfusedWorkspace<bf16>(config, nullptr).total_bytes;
 }
 
+RoutingPlan unfused_routing_plan(const LayerConfig& config, Impl impl, void* workspace) {
+  if (impl == Impl::kReferenceFp32) return UnfusedWorkspace<float>(config, workspace).plan;
+  return UnfusedWorkspace<bf16>(config, workspace).plan;
+}
+
 void unfused_forward(const LayerConfig& config, Impl impl, const ForwardArgs& args) {
   if (impl == Impl::kReferenceFp32) {
     forward_impl<float>(config, args);

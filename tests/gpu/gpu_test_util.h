@@ -286,6 +286,44 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   return out;
 }
 
+// Device copies of a problem's inputs and a poisoned y, for forward-only runs.
+struct ForwardSetup {
+  LayerConfig config;
+  DeviceBuffer x, w13, w2, idx, w, y, workspace;
+  ForwardArgs args;
+
+  ForwardSetup(Impl impl, const HostProblem& p, int64_t max_tokens = -1)
+      : config(config_of(p.d, max_tokens < 0 ? std::max<int64_t>(p.d.T, 1) : max_tokens)),
+        x(DeviceBuffer::from(p.x_TH)),
+        w13(DeviceBuffer::from(p.w13_EFH)),
+        w2(DeviceBuffer::from(p.w2_EHI)),
+        idx(DeviceBuffer::from(p.idx_TK)),
+        w(DeviceBuffer::from(p.w_TK)),
+        y(p.d.T * p.d.H * 2),
+        workspace(workspace_bytes(config, impl)) {
+    args.x = x.get();
+    args.topk_idx = static_cast<const int32_t*>(idx.get());
+    args.topk_weights = static_cast<const float*>(w.get());
+    args.w13 = w13.get();
+    args.w2 = w2.get();
+    args.y = y.get();
+    args.num_tokens = p.d.T;
+    args.workspace = workspace.get();
+    args.workspace_bytes = workspace.bytes();
+  }
+};
+
+// Forward only, outputs and workspace poisoned first; returns y widened to double.
+inline std::vector<double> run_forward_only(Impl impl, const HostProblem& p,
+                                            int64_t max_tokens = -1) {
+  ForwardSetup s(impl, p, max_tokens);
+  s.y.poison();
+  s.workspace.poison();
+  forward(s.config, impl, s.args);
+  TEST_CUDA(cudaDeviceSynchronize());
+  return widen(s.y.to_host<uint16_t>());
+}
+
 struct ErrorStats {
   double rel_l2 = 0.0;     // ||got - ref|| / ||ref|| (absolute when ref == 0)
   double max_abs = 0.0;

@@ -1,0 +1,550 @@
+// Grouped GEMMs of the fused MoE forward on sm_90a: persistent, warp-specialised TMA + wgmma
+// kernels over an expert-sorted row pool (see sm90_moe_gemm.h for the math and shapes).
+//
+//   gate/up + SwiGLU : tile = 128 pool rows x (kBlockN/2 gate + kBlockN/2 up) weight rows,
+//                      epilogue h = silu(g) * u  ->  h[row, n0 : n0 + kBlockN/2]   (bf16)
+//   down + weight    : tile = 128 pool rows x kBlockN rows of W2_e,
+//                      epilogue w * o  ->  ys[row_slot[row], n0 : n0 + kBlockN]    (bf16)
+//
+// Thread roles (384 threads, one CTA per SM, static round-robin over the expert-major tile list):
+//   warpgroup 0 (producer, 40 registers): one thread issues the TMA loads of every
+//     (tile, k-block) into a kStages-deep ring of shared-memory stages; it runs ahead across
+//     tile boundaries, so the next tile's loads overlap the current tile's epilogue.
+//   warpgroups 1, 2 (consumers, 232 registers): each owns 64 rows of the 128-row tile and
+//     issues wgmma m64 x kBlockN x k16 from shared memory into fp32 registers, then runs the
+//     epilogue from registers straight to global memory (16-byte stores).
+//   Ring protocol: full[s] (1 arrival + TMA bytes) and empty[s] (one arrival per consumer warp).
+// Rows of a tile at or past the expert's end (another expert's rows, or past the pool end where
+// TMA fills zeros) are computed but never stored. A "thin" tile (<= 64 rows left in the expert,
+// typically its last) is split by columns instead: both consumers take rows [0, 64) and half
+// of the output columns each, so its MMA time halves instead of one warpgroup idling.
+#include "kernels/sm90_moe_gemm.h"
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled (driver entry point, no -lcuda)
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "device/sm90_expert_tiles.cuh"
+#include "device/sm90_ptx.cuh"
+#include "fusemoe/error.h"
+
+namespace fusemoe {
+namespace sm90 {
+
+constexpr int kBlockM = 128;  // pool rows per tile: kNumConsumers warpgroups x wgmma M (64)
+constexpr int kWgmmaM = 64;
+constexpr int kBlockK = 64;   // bf16 per 128-byte swizzled row: one TMA box row, 4 wgmma k16 steps
+constexpr int kWgmmaK = 16;
+constexpr int kNumConsumers = 2;
+constexpr int kThreadsPerWarpgroup = 128;
+constexpr int kThreads = kThreadsPerWarpgroup * (1 + kNumConsumers);
+// Producer keeps a handful of scalars; consumers hold up to 128 fp32 accumulators plus the
+// epilogue's temporaries. The split must fit the 64K-register file at one CTA per SM.
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+constexpr int kMaxExpertsInSmem = 1024;  // the tile table holds 2 x (E+1) int32 in shared memory
+
+static_assert(kBlockM == kNumConsumers * kWgmmaM, "each consumer warpgroup owns 64 tile rows");
+static_assert(kBlockK * 2 == 128, "a K-block row is exactly one 128-byte swizzle row");
+static_assert(kBlockK % kWgmmaK == 0, "whole wgmma k-steps per K-block");
+static_assert(kProducerRegs * kThreadsPerWarpgroup +
+                  kConsumerRegs * kThreadsPerWarpgroup * kNumConsumers <= 65536,
+              "register split exceeds the register file");
+
+enum class Epilogue { kSwiGLU, kWeightedScatter };
+
+
+// Everything the kernel needs besides the two tensor maps (by value, in the param space).
+struct KernelArgs {
+  const int32_t* expert_offsets;  // [E+1]
+  int32_t num_experts;
+  int32_t num_k_blocks;           // K / kBlockK   (K = H for gate/up, I for down)
+  int32_t n_valid;                // output columns: I (gate/up) or H (down)
+  int32_t weight_rows_per_expert; // 2I (w13) or H (w2): row stride of one expert in the B map
+  // gate/up
+  __nv_bfloat16* h;               // [R_max, I]
+  int32_t use_clamp;
+  float clamp;
+  // down
+  __nv_bfloat16* ys;              // [num_slots, ys_row_stride]
+  int64_t ys_row_stride;
+  const int32_t* row_slot;        // [R_max]
+  const float* topk_weights;      // [num_slots]
+};
+
+template <Epilogue kEpilogue, int kBlockN, int kStages>
+struct KernelConfig {
+  static constexpr int kTileABytes = kBlockM * kBlockK * 2;  // [128 rows, 64 k] bf16 = 16 KB
+  static constexpr int kTileBBytes = kBlockN * kBlockK * 2;  // [kBlockN rows, 64 k] bf16
+  static constexpr int kStageBytes = kTileABytes + kTileBBytes;
+  // SwiGLU tiles interleave gate and up weight rows in blocks of 64 (one TMA box each):
+  //   B tile rows [gate n0..n0+63 | up n0..n0+63 | gate n0+64..n0+127 | up n0+64..n0+127]
+  // so a gate column and its up column meet in one thread, and each half of the tile is a
+  // self-contained (gate, up) pair for the thin-tile column split.
+  static constexpr int kSwiGLUBlock = 64;
+  static constexpr int kBoxRowsB = kEpilogue == Epilogue::kSwiGLU ? kSwiGLUBlock : kBlockN;
+  static constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
+  static constexpr int kAccRegs = Wgmma<kBlockN>::kAccRegs;
+  static constexpr int kNumChunks8 = kBlockN / 8;  // n8 column chunks of the accumulator
+  static constexpr int kAlign = 1024;  // 128B-swizzle atoms must start 1024-byte aligned
+
+  static_assert(kTileABytes % kAlign == 0 && kTileBBytes % kAlign == 0, "stage alignment");
+  static_assert(kBoxRowsB <= 256, "TMA box dimension limit");
+  static_assert(kEpilogue != Epilogue::kSwiGLU || kBlockN == 4 * kSwiGLUBlock,
+                "SwiGLU tiles hold two (gate, up) block pairs, one per thin-tile consumer");
+  static_assert(kOutCols % 64 == 0, "thin tiles store 2 groups of 4 n8 chunks per consumer");
+
+  static size_t smem_bytes(int num_experts) {
+    return kAlign + static_cast<size_t>(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) +
+           2 * (static_cast<size_t>(num_experts) + 1) * sizeof(int32_t);
+  }
+};
+
+// silu(g) = g * sigmoid(g) with the approximate reciprocal (MUFU.RCP): the result is rounded
+// to bf16 (8 bits), far coarser than its ~2 ulp fp32 error. For g < -87 the denominator
+// overflows and the result is -0, where the exact value is below 1e-36 in magnitude anyway.
+__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Stores one accumulator row fragment: this thread holds words[j] = output columns
+// col0 + 8j + 2q, +1 (q = lane % 4) of one row, j in [0, kChunks). A quad of lanes holds the row.
+// A 4x4 transpose inside the quad turns every 4 chunks into one 16-byte store per lane (lane q
+// writes chunk 4a+q whole): measured 1.4x faster for the down kernel than 4-byte stores.
+// Columns at or past n_valid are not stored (n_valid is a multiple of 8 and col0 - 2q of 8).
+template <int kChunks>
+__device__ __forceinline__ void store_row_fragment(uint32_t (&words)[kChunks], __nv_bfloat16* row_ptr,
+                                                   bool row_valid, int col0, int n_valid, int lane) {
+  static_assert(kChunks % 4 == 0, "the quad transpose works on groups of 4 chunks");
+  const int q = lane % 4;
+  {
+#pragma unroll
+    for (int a = 0; a < kChunks / 4; ++a) {
+      uint32_t w[4] = {words[4 * a], words[4 * a + 1], words[4 * a + 2], words[4 * a + 3]};
+      // Butterfly transpose: after the step on bit s, bit s of (owner lane, position) is swapped
+      // for every element whose position and owner disagree on that bit.
+      const bool odd = q & 1;
+      uint32_t x0 = odd ? w[0] : w[1], x1 = odd ? w[2] : w[3];
+      x0 = __shfl_xor_sync(0xFFFFFFFFu, x0, 1);
+      x1 = __shfl_xor_sync(0xFFFFFFFFu, x1, 1);
+      if (odd) { w[0] = x0; w[2] = x1; } else { w[1] = x0; w[3] = x1; }
+      const bool high = q & 2;
+      uint32_t y0 = high ? w[0] : w[2], y1 = high ? w[1] : w[3];
+      y0 = __shfl_xor_sync(0xFFFFFFFFu, y0, 2);
+      y1 = __shfl_xor_sync(0xFFFFFFFFu, y1, 2);
+      if (high) { w[0] = y0; w[1] = y1; } else { w[2] = y0; w[3] = y1; }
+      // Lane q now holds chunk 4a+q: columns col0 - 2q + 8(4a+q) .. +7.
+      const int col = col0 - 2 * q + 8 * (4 * a + q);
+      if (row_valid && col < n_valid) {
+        *reinterpret_cast<uint4*>(row_ptr + col) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+  }
+}
+
+// SwiGLU epilogue of one of the thread's two accumulator rows (h) over kPairs (gate, up) blocks
+// of 64 columns (8 n8 chunks each): output chunk 8i + j pairs gate chunk 16i + j with up chunk
+// 16i + 8 + j, i.e. registers acc[4 * chunk + 2h + b].
+template <int kPairs, int kRegs>
+__device__ __forceinline__ void epilogue_swiglu_row(const float (&acc)[kRegs], int h, const KernelArgs& args,
+                                                    __nv_bfloat16* row_ptr, bool row_valid, int col0, int lane) {
+  static_assert(kPairs * 64 <= kRegs, "gate and up chunks must lie inside the accumulators");
+  uint32_t words[8 * kPairs];
+#pragma unroll
+  for (int i = 0; i < kPairs; ++i) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int gate = 4 * (16 * i + j) + 2 * h, up = gate + 4 * 8;
+      float g0 = acc[gate], g1 = acc[gate + 1], u0 = acc[up], u1 = acc[up + 1];
+      if (args.use_clamp) {
+        g0 = fminf(g0, args.clamp);
+        g1 = fminf(g1, args.clamp);
+        u0 = fminf(fmaxf(u0, -args.clamp), args.clamp);
+        u1 = fminf(fmaxf(u1, -args.clamp), args.clamp);
+      }
+      words[8 * i + j] = pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
+    }
+  }
+  store_row_fragment<8 * kPairs>(words, row_ptr, row_valid, col0, args.n_valid, lane);
+}
+
+// Down epilogue of one accumulator row: w * o for chunks [0, kChunks).
+template <int kChunks, int kRegs>
+__device__ __forceinline__ void epilogue_scale_row(const float (&acc)[kRegs], int h, float weight,
+                                                   __nv_bfloat16* row_ptr, bool row_valid, int col0, int n_valid,
+                                                   int lane) {
+  static_assert(4 * kChunks <= kRegs, "chunks must lie inside the accumulators");
+  uint32_t words[kChunks];
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    words[j] = pack_bf16x2(acc[4 * j + 2 * h] * weight, acc[4 * j + 2 * h + 1] * weight);
+  }
+  store_row_fragment<kChunks>(words, row_ptr, row_valid, col0, n_valid, lane);
+}
+
+template <Epilogue kEpilogue, int kBlockN, int kStages>
+__global__ void __launch_bounds__(kThreads, 1)
+    moe_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
+                    const __grid_constant__ CUtensorMap map_b, const KernelArgs args) {
+  using Config = KernelConfig<kEpilogue, kBlockN, kStages>;
+  constexpr int kAccRegs = Config::kAccRegs;
+
+  // ---- shared memory: [stages x A tile] [stages x B tile] [full, empty barriers] [tile table]
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + Config::kAlign - 1) & ~uintptr_t(Config::kAlign - 1));
+  uint8_t* tiles_a = smem;                                   // [kStages][128][64] bf16, swizzled
+  uint8_t* tiles_b = smem + kStages * Config::kTileABytes;   // [kStages][kBlockN][64] bf16
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * Config::kStageBytes);
+  uint64_t* empty = full + kStages;
+  ExpertTileTable table;
+  table.offsets = reinterpret_cast<int32_t*>(empty + kStages);
+  table.m_prefix = table.offsets + args.num_experts + 1;
+  table.num_experts = args.num_experts;
+  table.num_n_tiles = (args.n_valid + Config::kOutCols - 1) / Config::kOutCols;
+
+  const int warpgroup = threadIdx.x / kThreadsPerWarpgroup;
+  const int warp_in_wg = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+
+  if (threadIdx.x == 0) {
+    prefetch_tensor_map(&map_a);
+    prefetch_tensor_map(&map_b);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&full[s], 1);
+      mbarrier_init(&empty[s], kNumConsumers * 4);
+    }
+    fence_barrier_init();
+  }
+  build_expert_tile_table<kBlockM>(args.expert_offsets, table);  // ends with __syncthreads()
+  const int32_t num_tiles = table.num_tiles();
+
+  if (warpgroup == 0) {
+    // ================================ producer ================================
+    setmaxnreg_dec<kProducerRegs>();
+    if (warp_in_wg == 0 && lane == 0) {
+      ExpertTileCursor<kBlockM> cursor;
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        const ExpertTile tile = cursor.tile(table, t);
+        const int32_t b_row = tile.expert * args.weight_rows_per_expert + tile.n_tile * Config::kOutCols;
+        for (int32_t kb = 0; kb < args.num_k_blocks; ++kb) {
+          mbarrier_wait(&empty[stage], phase ^ 1);
+          mbarrier_arrive_expect_tx(&full[stage], Config::kStageBytes);
+          const int32_t k = kb * kBlockK;
+          uint8_t* tile_b = tiles_b + stage * Config::kTileBBytes;
+          tma_load_2d(&map_a, &full[stage], tiles_a + stage * Config::kTileABytes, k, tile.row_begin);
+          if constexpr (kEpilogue == Epilogue::kSwiGLU) {
+            // Gate block i, then the up rows of the same columns, I = n_valid rows further down.
+            constexpr int kBoxBytes = Config::kSwiGLUBlock * kBlockK * 2;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const int32_t gate_row = b_row + i * Config::kSwiGLUBlock;
+              tma_load_2d(&map_b, &full[stage], tile_b + (2 * i) * kBoxBytes, k, gate_row);
+              tma_load_2d(&map_b, &full[stage], tile_b + (2 * i + 1) * kBoxBytes, k, gate_row + args.n_valid);
+            }
+          } else {
+            tma_load_2d(&map_b, &full[stage], tile_b, k, b_row);
+          }
+          if (++stage == kStages) { stage = 0; phase ^= 1; }
+        }
+      }
+    }
+  } else {
+    // ================================ consumers ================================
+    setmaxnreg_inc<kConsumerRegs>();
+    const int consumer = warpgroup - 1;
+    const int row_in_wg = warp_in_wg * 16 + lane / 4;  // accumulator rows row_in_wg, row_in_wg + 8
+    float acc[kAccRegs];
+    ExpertTileCursor<kBlockM> cursor;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      const ExpertTile tile = cursor.tile(table, t);
+      // Full tile: consumer c owns rows [64c, 64c + 64) x all kBlockN columns.
+      // Thin tile (at most 64 rows of the expert, e.g. its last tile): both consumers take rows
+      // [0, 64) and split the columns, so neither idles on rows that are never stored.
+      // Broadcast from lane 0 so the compiler sees a warp-uniform branch around the wgmma
+      // (a branch it cannot prove uniform makes it serialise every wgmma: ptxas C7518).
+#ifdef FUSEMOE_SM90_DEV_NO_THIN_TILES  // development A/B switch, removed once measured
+      const bool thin = false;
+#else
+      const bool thin = __shfl_sync(0xFFFFFFFFu, tile.row_end - tile.row_begin <= kWgmmaM ? 1 : 0, 0) != 0;
+#endif
+      const int32_t wg_row0 = tile.row_begin + (thin ? 0 : consumer * kWgmmaM);
+      const int32_t rows[2] = {wg_row0 + row_in_wg, wg_row0 + row_in_wg + 8};
+      const bool row_valid[2] = {rows[0] < tile.row_end, rows[1] < tile.row_end};
+
+      // Down epilogue inputs, loaded now so their latency hides under the main loop.
+      int32_t slots[2] = {0, 0};
+      float weights[2] = {0.0f, 0.0f};
+      if constexpr (kEpilogue == Epilogue::kWeightedScatter) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (row_valid[h]) {
+            slots[h] = __ldg(args.row_slot + rows[h]);
+            weights[h] = __ldg(args.topk_weights + slots[h]);
+          }
+        }
+      }
+
+      // ---- main loop over K-blocks
+      //   full: acc[64 rows, kBlockN]      = A[rows 64c .. 64c+63, K] * B[all kBlockN rows, K]^T
+      //   thin: acc[64 rows, kBlockN / 2]  = A[rows 0 .. 63, K]       * B[half c of the rows, K]^T
+      // (for SwiGLU, half c of the B rows is the (gate, up) block pair c).
+      int prev_stage = 0;
+      for (int32_t kb = 0; kb < args.num_k_blocks; ++kb) {
+        mbarrier_wait(&full[stage], phase);
+        const uint8_t* tile_a = tiles_a + stage * Config::kTileABytes;
+        const uint8_t* tile_b = tiles_b + stage * Config::kTileBBytes;
+        if (thin) {
+          const uint64_t desc_a = make_smem_desc_sw128(tile_a);
+          const uint64_t desc_b = make_smem_desc_sw128(tile_b + consumer * (Config::kTileBBytes / 2));
+          wgmma_fence();
+#pragma unroll
+          for (int k = 0; k < kBlockK / kWgmmaK; ++k) {
+            Wgmma<kBlockN / 2>::template mma<0>(acc, desc_a + k * kDescStepK16, desc_b + k * kDescStepK16,
+                                                (kb > 0 || k > 0) ? 1u : 0u);
+          }
+          wgmma_commit_group();
+        } else {
+          const uint64_t desc_a = make_smem_desc_sw128(tile_a + consumer * kWgmmaM * kBlockK * 2);
+          const uint64_t desc_b = make_smem_desc_sw128(tile_b);
+          wgmma_fence();
+#pragma unroll
+          for (int k = 0; k < kBlockK / kWgmmaK; ++k) {
+            Wgmma<kBlockN>::template mma<0>(acc, desc_a + k * kDescStepK16, desc_b + k * kDescStepK16,
+                                            (kb > 0 || k > 0) ? 1u : 0u);
+          }
+          wgmma_commit_group();
+        }
+        // (One commit per branch: a commit after the join makes ptxas inject warpgroup.arrive,
+        // C7519.) Keep this K-block's MMAs in flight; the previous block's have finished reading.
+        wgmma_wait_group<1>();
+        if (kb > 0 && lane == 0) mbarrier_arrive(&empty[prev_stage]);
+        prev_stage = stage;
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
+      }
+      wgmma_wait_group<0>();
+      fence_accumulators(acc);
+      if (lane == 0) mbarrier_arrive(&empty[prev_stage]);
+
+      // ---- epilogue: registers -> bf16 -> global, rows past the expert's end masked
+      const int quad_col = 2 * (lane % 4);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (kEpilogue == Epilogue::kSwiGLU) {
+          __nv_bfloat16* row_ptr = args.h + static_cast<int64_t>(rows[h]) * args.n_valid;
+          const int col0 = tile.n_tile * Config::kOutCols + quad_col;
+          if (thin) {
+            epilogue_swiglu_row<1>(acc, h, args, row_ptr, row_valid[h], col0 + consumer * Config::kSwiGLUBlock,
+                                   lane);
+          } else {
+            epilogue_swiglu_row<2>(acc, h, args, row_ptr, row_valid[h], col0, lane);
+          }
+        } else {
+          __nv_bfloat16* row_ptr = args.ys + static_cast<int64_t>(slots[h]) * args.ys_row_stride;
+          const int col0 = tile.n_tile * kBlockN + quad_col;
+          if (thin) {
+            epilogue_scale_row<Config::kNumChunks8 / 2>(acc, h, weights[h], row_ptr, row_valid[h],
+                                                        col0 + consumer * (kBlockN / 2), args.n_valid, lane);
+          } else {
+            epilogue_scale_row<Config::kNumChunks8>(acc, h, weights[h], row_ptr, row_valid[h], col0,
+                                                    args.n_valid, lane);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace sm90
+
+// ============================================ host ============================================
+namespace {
+
+using sm90::Epilogue;
+using sm90::KernelArgs;
+using sm90::KernelConfig;
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+    FUSEMOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                        cudaEnableDefault, &query));
+    FUSEMOE_CHECK(query == cudaDriverEntryPointSuccess && fn != nullptr,
+                  "cuTensorMapEncodeTiled not found in the CUDA driver");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// Row-major bf16 matrix [outer, inner] read in boxes of [box_outer, 64] with the 128-byte
+// swizzle that the wgmma descriptors expect; out-of-range elements read as zero.
+CUtensorMap make_tensor_map_bf16(const void* base, uint64_t inner, uint64_t outer, uint32_t box_outer,
+                                 const char* name) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {inner * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(sm90::kBlockK), box_outer};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult status = tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  FUSEMOE_CHECK(status == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed for " << name << " (CUresult "
+                                                                            << status << ")");
+  return map;
+}
+
+struct DeviceInfo {
+  int num_sms;
+  int max_smem_optin;
+};
+
+DeviceInfo query_sm90_device() {
+  int device = 0;
+  FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
+  int major = 0, minor = 0;
+  DeviceInfo info{};
+  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  FUSEMOE_CHECK(major == 9 && minor == 0,
+                "the sm90 grouped GEMMs need a compute capability 9.0 GPU, device " << device
+                                                                                    << " is " << major
+                                                                                    << "." << minor);
+  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device));
+  FUSEMOE_CUDA_CHECK(
+      cudaDeviceGetAttribute(&info.max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return info;
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+void validate_common(int64_t max_rows, int64_t hidden, int64_t intermediate, int64_t num_experts) {
+  FUSEMOE_CHECK(max_rows >= 0 && max_rows < (int64_t{1} << 31),
+                "max_rows must be in [0, 2^31), got " << max_rows);
+  FUSEMOE_CHECK(hidden > 0 && hidden % 128 == 0, "hidden must be a positive multiple of 128, got " << hidden);
+  FUSEMOE_CHECK(intermediate > 0 && intermediate % 64 == 0,
+                "intermediate must be a positive multiple of 64, got " << intermediate);
+  FUSEMOE_CHECK(num_experts >= 1 && num_experts <= sm90::kMaxExpertsInSmem,
+                "num_experts must be in [1, " << sm90::kMaxExpertsInSmem << "], got " << num_experts);
+  // TMA row coordinates of the weight maps are int32: E * 2I and E * H must fit.
+  FUSEMOE_CHECK(num_experts * 2 * intermediate < (int64_t{1} << 31) &&
+                    num_experts * hidden < (int64_t{1} << 31),
+                "num_experts * 2 * intermediate and num_experts * hidden must be < 2^31");
+}
+
+template <typename Kernel>
+void launch_persistent(Kernel kernel, size_t smem_bytes, const DeviceInfo& info, int num_sms_override,
+                       const CUtensorMap& map_a, const CUtensorMap& map_b, const KernelArgs& args,
+                       cudaStream_t stream) {
+  FUSEMOE_CHECK(smem_bytes <= static_cast<size_t>(info.max_smem_optin),
+                "grouped GEMM needs " << smem_bytes << " bytes of shared memory, the device allows "
+                                      << info.max_smem_optin);
+  FUSEMOE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
+  const int grid = num_sms_override > 0 ? std::min(num_sms_override, info.num_sms) : info.num_sms;
+  kernel<<<grid, sm90::kThreads, smem_bytes, stream>>>(map_a, map_b, args);
+  FUSEMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void launch_sm90_gate_up_swiglu(const Sm90GateUpParams& p) {
+  // ---- validate
+  validate_common(p.max_rows, p.hidden, p.intermediate, p.num_experts);
+  FUSEMOE_CHECK(!p.use_swiglu_clamp || (p.swiglu_clamp > 0.0f && p.swiglu_clamp < INFINITY),
+                "swiglu_clamp must be finite and > 0 when use_swiglu_clamp, got " << p.swiglu_clamp);
+  if (p.max_rows == 0) return;
+  FUSEMOE_CHECK(p.xs && aligned16(p.xs), "xs must be a non-null 16-byte aligned device pointer");
+  FUSEMOE_CHECK(p.w13 && aligned16(p.w13), "w13 must be a non-null 16-byte aligned device pointer");
+  FUSEMOE_CHECK(p.h && aligned16(p.h), "h must be a non-null 16-byte aligned device pointer");
+  FUSEMOE_CHECK(p.expert_offsets != nullptr, "expert_offsets must be a non-null device pointer");
+  const DeviceInfo info = query_sm90_device();
+
+  // ---- configure: 128 x (128 gate + 128 up) tiles, 4 stages of 48 KB
+  constexpr int kBlockN = 256, kStages = 4;
+  using Config = KernelConfig<Epilogue::kSwiGLU, kBlockN, kStages>;
+  auto kernel = sm90::moe_gemm_kernel<Epilogue::kSwiGLU, kBlockN, kStages>;
+  const CUtensorMap map_a = make_tensor_map_bf16(p.xs, p.hidden, p.max_rows, sm90::kBlockM, "xs");
+  const CUtensorMap map_b =
+      make_tensor_map_bf16(p.w13, p.hidden, p.num_experts * 2 * p.intermediate, Config::kBoxRowsB, "w13");
+  KernelArgs args{};
+  args.expert_offsets = p.expert_offsets;
+  args.num_experts = static_cast<int32_t>(p.num_experts);
+  args.num_k_blocks = static_cast<int32_t>(p.hidden / sm90::kBlockK);
+  args.n_valid = static_cast<int32_t>(p.intermediate);
+  args.weight_rows_per_expert = static_cast<int32_t>(2 * p.intermediate);
+  args.h = static_cast<__nv_bfloat16*>(p.h);
+  args.use_clamp = p.use_swiglu_clamp ? 1 : 0;
+  args.clamp = p.swiglu_clamp;
+
+  // ---- launch
+  launch_persistent(kernel, Config::smem_bytes(static_cast<int>(p.num_experts)), info, p.num_sms,
+                    map_a, map_b, args, p.stream);
+}
+
+namespace {
+
+template <int kBlockN, int kStages>
+void launch_down_variant(const Sm90DownParams& p, const DeviceInfo& info, const KernelArgs& args) {
+  using Config = KernelConfig<Epilogue::kWeightedScatter, kBlockN, kStages>;
+  auto kernel = sm90::moe_gemm_kernel<Epilogue::kWeightedScatter, kBlockN, kStages>;
+  const CUtensorMap map_a = make_tensor_map_bf16(p.h, p.intermediate, p.max_rows, sm90::kBlockM, "h");
+  const CUtensorMap map_b =
+      make_tensor_map_bf16(p.w2, p.intermediate, p.num_experts * p.hidden, Config::kBoxRowsB, "w2");
+  launch_persistent(kernel, Config::smem_bytes(static_cast<int>(p.num_experts)), info, p.num_sms,
+                    map_a, map_b, args, p.stream);
+}
+
+}  // namespace
+
+void launch_sm90_down_weighted(const Sm90DownParams& p) {
+  // ---- validate
+  validate_common(p.max_rows, p.hidden, p.intermediate, p.num_experts);
+  const int64_t ys_stride = p.ys_row_stride == 0 ? p.hidden : p.ys_row_stride;
+  FUSEMOE_CHECK(ys_stride >= p.hidden && ys_stride % 8 == 0,
+                "ys_row_stride must be 0 or a multiple of 8 that is >= hidden, got " << p.ys_row_stride);
+  FUSEMOE_CHECK(p.num_slots >= 0 && p.num_slots < (int64_t{1} << 31),
+                "num_slots must be in [0, 2^31), got " << p.num_slots);
+  FUSEMOE_CHECK(p.block_n == 0 || p.block_n == 128 || p.block_n == 256,
+                "block_n must be 0, 128 or 256, got " << p.block_n);
+  if (p.max_rows == 0) return;
+  FUSEMOE_CHECK(p.h && aligned16(p.h), "h must be a non-null 16-byte aligned device pointer");
+  FUSEMOE_CHECK(p.w2 && aligned16(p.w2), "w2 must be a non-null 16-byte aligned device pointer");
+  FUSEMOE_CHECK(p.ys && aligned16(p.ys), "ys must be a non-null 16-byte aligned device pointer");
+  FUSEMOE_CHECK(p.expert_offsets && p.row_slot && p.topk_weights,
+                "expert_offsets, row_slot and topk_weights must be non-null device pointers");
+  const DeviceInfo info = query_sm90_device();
+
+  // ---- configure
+  KernelArgs args{};
+  args.expert_offsets = p.expert_offsets;
+  args.num_experts = static_cast<int32_t>(p.num_experts);
+  args.num_k_blocks = static_cast<int32_t>(p.intermediate / sm90::kBlockK);
+  args.n_valid = static_cast<int32_t>(p.hidden);
+  args.weight_rows_per_expert = static_cast<int32_t>(p.hidden);
+  args.ys = static_cast<__nv_bfloat16*>(p.ys);
+  args.ys_row_stride = ys_stride;
+  args.row_slot = p.row_slot;
+  args.topk_weights = p.topk_weights;
+
+  // ---- launch: 128 x 256 tiles with 4 stages of 48 KB, or 128 x 128 with 6 stages of 32 KB
+  if (p.block_n == 128) {
+    launch_down_variant<128, 6>(p, info, args);
+  } else {
+    launch_down_variant<256, 4>(p, info, args);
+  }
+}
+
+}  // namespace fusemoe

@@ -1,0 +1,60 @@
+// Host launchers of the two grouped GEMMs of the fused MoE forward on sm_90a (TMA + wgmma,
+// persistent, warp-specialised), over an expert-sorted row pool built by routing (routing.h).
+//
+//   gate/up + SwiGLU : z = xs_r W13_e^T,  h_r = silu(g) * u    (g = z[:I], u = z[I:], fp32)
+//   down + weight    : ys[row_slot[r]] = topk_w[row_slot[r]] * (h_r W2_e^T)
+// for every pool row r in [expert_offsets[e], expert_offsets[e+1]). Shapes (R_max = max_rows,
+// the pool capacity; the rows in use are [0, expert_offsets[E]) and live on the device only):
+//   xs [R_max, H] bf16   w13 [E, 2I, H] bf16   h [R_max, I] bf16
+//   w2 [E, H, I] bf16    ys [num_slots, H] bf16 (row stride ys_row_stride elements)
+//   expert_offsets [E+1] int32, row_slot [R_max] int32, topk_weights [num_slots] fp32
+// Only rows that belong to an expert are written; every other output row keeps its contents.
+// Both launchers are asynchronous on `stream` and never synchronise (graph capturable).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace fusemoe {
+
+struct Sm90GateUpParams {
+  const void* xs = nullptr;               // [R_max, H] bf16, rows in expert order
+  const void* w13 = nullptr;              // [E, 2I, H] bf16, gate rows [0, I), up rows [I, 2I)
+  void* h = nullptr;                      // [R_max, I] bf16 (output)
+  const int32_t* expert_offsets = nullptr;  // [E+1] device
+  int64_t max_rows = 0;                   // R_max
+  int64_t hidden = 0;                     // H, multiple of 128
+  int64_t intermediate = 0;               // I, multiple of 64
+  int64_t num_experts = 0;                // E, 1..1024
+  bool use_swiglu_clamp = false;          // g <- min(g, c), u <- clamp(u, -c, c)
+  float swiglu_clamp = 0.0f;
+  int num_sms = 0;                        // persistent grid size; 0 = the device's SM count
+  cudaStream_t stream = nullptr;
+};
+
+struct Sm90DownParams {
+  const void* h = nullptr;                // [R_max, I] bf16, rows in expert order
+  const void* w2 = nullptr;               // [E, H, I] bf16
+  void* ys = nullptr;                     // [num_slots, ys_row_stride] bf16 (output)
+  const int32_t* expert_offsets = nullptr;  // [E+1] device
+  const int32_t* row_slot = nullptr;      // [R_max] device: flat slot t*K+j of each pool row
+  const float* topk_weights = nullptr;    // [num_slots] device
+  int64_t max_rows = 0;                   // R_max
+  int64_t hidden = 0;                     // H, multiple of 128
+  int64_t intermediate = 0;               // I, multiple of 64
+  int64_t num_experts = 0;                // E, 1..1024
+  int64_t num_slots = 0;                  // T*K
+  int64_t ys_row_stride = 0;              // elements between ys rows; 0 = H
+  int num_sms = 0;                        // persistent grid size; 0 = the device's SM count
+  // Output tile width over H: 0 = default (256), or 128 / 256. Exposed for benchmarking.
+  int block_n = 0;
+  cudaStream_t stream = nullptr;
+};
+
+// validate -> configure -> launch. Throw fusemoe::Error naming the argument on bad input.
+// max_rows == 0 launches nothing.
+void launch_sm90_gate_up_swiglu(const Sm90GateUpParams& params);
+void launch_sm90_down_weighted(const Sm90DownParams& params);
+
+}  // namespace fusemoe

@@ -1,0 +1,99 @@
+// The fused forward (Impl::kFused): every step on the device, no host synchronisation, so the
+// call can be captured in a CUDA graph. Stream order:
+//   1. routing            stable counting sort of the T*K slots (kernels/routing.cu)
+//   2. dispatch           gather x rows into the expert-sorted pool xs [R, H]
+//   3. gate/up + SwiGLU   persistent TMA + wgmma grouped GEMM, h = silu(g) * u  -> h [R, I]
+//   4. down + weight      persistent grouped GEMM, w * (h W2^T) written to the token's slot
+//                         row ys[t*K + j]  (a destination table of one entry at EP = 1)
+//   5. combine            y_t = sum_j ys[t*K + j] in slot order (deterministic)
+// Rows past expert_offsets[E] are never read or written; masked and invalid slots own no row.
+// The row count R lives on the device only: launches are sized for T*K rows, and the GEMM
+// kernels derive their tile lists from expert_offsets.
+#include "launch/fused_moe.h"
+
+#include "kernels/moe_elementwise.h"
+#include "kernels/sm90_moe_gemm.h"
+
+namespace fusemoe {
+namespace {
+
+constexpr size_t align256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
+
+// Workspace: routing plan, then the pools (sized for max_tokens * K rows / slots).
+struct FusedWorkspace {
+  RoutingPlan plan;
+  void* xs_RH = nullptr;  // bf16 dispatch pool
+  void* h_RI = nullptr;   // bf16 SwiGLU output
+  void* ys_SH = nullptr;  // bf16 weighted expert output per slot (t*K + j)
+  size_t total_bytes = 0;
+
+  FusedWorkspace(const LayerConfig& c, void* base) {
+    const int64_t rows = c.max_tokens * c.top_k;
+    char* p = static_cast<char*>(base);
+    if (base) carve_routing_plan(p, c.max_tokens, c.top_k, c.num_experts, &plan);
+    size_t offset = align256(routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
+    auto take = [&](size_t bytes) -> void* {
+      void* out = base ? p + offset : nullptr;
+      offset += align256(bytes);
+      return out;
+    };
+    xs_RH = take(rows * c.hidden * 2);
+    h_RI = take(rows * c.intermediate * 2);
+    ys_SH = take(rows * c.hidden * 2);
+    total_bytes = offset;
+  }
+};
+
+}  // namespace
+
+size_t fused_workspace_bytes(const LayerConfig& config) {
+  return FusedWorkspace(config, nullptr).total_bytes;
+}
+
+RoutingPlan fused_routing_plan(const LayerConfig& config, void* workspace) {
+  return FusedWorkspace(config, workspace).plan;
+}
+
+void fused_forward(const LayerConfig& c, const ForwardArgs& args) {
+  const FusedWorkspace ws(c, args.workspace);
+  const int64_t num_slots = args.num_tokens * c.top_k;  // upper bound of the rows in use
+  launch_routing(args.topk_idx, args.num_tokens, c.top_k, c.num_experts, ws.plan, args.stream);
+  if (num_slots == 0) return;
+  const int32_t* num_rows_device = ws.plan.expert_offsets + c.num_experts;
+  launch_gather_rows_device_count(args.x, ws.plan.row_slot, num_rows_device, num_slots, c.top_k,
+                                  c.hidden, ws.xs_RH, args.stream);
+
+  Sm90GateUpParams gate_up;
+  gate_up.xs = ws.xs_RH;
+  gate_up.w13 = args.w13;
+  gate_up.h = ws.h_RI;
+  gate_up.expert_offsets = ws.plan.expert_offsets;
+  gate_up.max_rows = num_slots;
+  gate_up.hidden = c.hidden;
+  gate_up.intermediate = c.intermediate;
+  gate_up.num_experts = c.num_experts;
+  gate_up.use_swiglu_clamp = c.use_swiglu_clamp;
+  gate_up.swiglu_clamp = c.swiglu_clamp;
+  gate_up.stream = args.stream;
+  launch_sm90_gate_up_swiglu(gate_up);
+
+  Sm90DownParams down;
+  down.h = ws.h_RI;
+  down.w2 = args.w2;
+  down.ys = ws.ys_SH;
+  down.expert_offsets = ws.plan.expert_offsets;
+  down.row_slot = ws.plan.row_slot;
+  down.topk_weights = args.topk_weights;
+  down.max_rows = num_slots;
+  down.hidden = c.hidden;
+  down.intermediate = c.intermediate;
+  down.num_experts = c.num_experts;
+  down.num_slots = num_slots;
+  down.stream = args.stream;
+  launch_sm90_down_weighted(down);
+
+  launch_combine_slots(ws.ys_SH, ws.plan.slot_row, args.num_tokens, c.top_k, c.hidden, args.y,
+                       args.stream);
+}
+
+}  // namespace fusemoe
