@@ -8,7 +8,8 @@
 // Consecutive tile indices share an expert, and the m-tiles that read one weight slice (n) are
 // adjacent, so they run at the same time on neighbouring CTAs and the slice comes from HBM
 // once even when CTAs drift apart (an expert's weights, 25 MB for Qwen3-235B gate/up, do not
-// stay in L2 for long; its activation rows are few MB and do). Each CTA visits
+// stay in L2 for long; its activation rows are few MB and do). Measured against (m, then n):
+// 235B gate/up at T=4096 1.38 -> 1.17 ms, no loss elsewhere. Each CTA visits
 // t = blockIdx.x + i * gridDim.x (static round-robin); t only grows, so a cursor walks the
 // experts forward once per CTA.
 #pragma once
@@ -80,11 +81,7 @@ struct ExpertTileCursor {
     while (table.m_prefix[expert + 1] * table.num_n_tiles <= t) ++expert;
     const int32_t m_tiles = table.m_prefix[expert + 1] - table.m_prefix[expert];
     const int32_t local = t - table.m_prefix[expert] * table.num_n_tiles;
-#ifdef FUSEMOE_SM90_DEV_M_OUTER  // development A/B switch (m, then n), removed once measured
-    const int32_t n_tile = local % table.num_n_tiles, m_tile = local / table.num_n_tiles;
-#else
     const int32_t n_tile = local / m_tiles, m_tile = local - n_tile * m_tiles;
-#endif
     ExpertTile out;
     out.expert = expert;
     out.row_begin = table.offsets[expert] + m_tile * kBlockM;

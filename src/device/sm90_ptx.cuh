@@ -132,44 +132,23 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[kRegs]) {
   for (int i = 0; i < kRegs; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// Accumulator operand lists: registers d[kOffset + b .. kOffset + b + 7] (kOffset is the
-// template parameter of mma(), so one register array can hold several independent tiles).
-#define FUSEMOE_ACC8(b)                                                                        \
-  "+f"(d[kOffset + (b) + 0]), "+f"(d[kOffset + (b) + 1]), "+f"(d[kOffset + (b) + 2]),          \
-      "+f"(d[kOffset + (b) + 3]), "+f"(d[kOffset + (b) + 4]), "+f"(d[kOffset + (b) + 5]),      \
-      "+f"(d[kOffset + (b) + 6]), "+f"(d[kOffset + (b) + 7])
+#define FUSEMOE_ACC8(b)                                                                  \
+  "+f"(d[(b) + 0]), "+f"(d[(b) + 1]), "+f"(d[(b) + 2]), "+f"(d[(b) + 3]), "+f"(d[(b) + 4]), \
+      "+f"(d[(b) + 5]), "+f"(d[(b) + 6]), "+f"(d[(b) + 7])
 #define FUSEMOE_ACC32(b) FUSEMOE_ACC8(b), FUSEMOE_ACC8((b) + 8), FUSEMOE_ACC8((b) + 16), FUSEMOE_ACC8((b) + 24)
 #define FUSEMOE_REGS16(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p) \
   "%" #a ", %" #b ", %" #c ", %" #d ", %" #e ", %" #f ", %" #g ", %" #h ", %" #i ", %" #j ", %" #k ", %" #l ", %" #m ", %" #n ", %" #o ", %" #p
 
-// wgmma.mma_async m64 x kN x k16, bf16 inputs, fp32 accumulators d[kOffset, kOffset + kN/2).
+// wgmma.mma_async m64 x kN x k16, bf16 inputs, fp32 accumulators d[0, kN/2).
 // scale_d = 0 overwrites the accumulators (first k-step of a tile), 1 accumulates.
 template <int kN>
 struct Wgmma;
 
 template <>
-struct Wgmma<64> {
-  static constexpr int kAccRegs = 32;
-  template <int kOffset, int kRegs>
-  __device__ __forceinline__ static void mma(float (&d)[kRegs], uint64_t desc_a, uint64_t desc_b, uint32_t scale_d) {
-    static_assert(kOffset + kAccRegs <= kRegs, "accumulator slice out of range");
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        FUSEMOE_REGS16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) ", "
-        FUSEMOE_REGS16(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31)
-        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : FUSEMOE_ACC32(0)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  }
-};
-
-template <>
 struct Wgmma<128> {
   static constexpr int kAccRegs = 64;
-  template <int kOffset, int kRegs>
-  __device__ __forceinline__ static void mma(float (&d)[kRegs], uint64_t desc_a, uint64_t desc_b, uint32_t scale_d) {
-    static_assert(kOffset + kAccRegs <= kRegs, "accumulator slice out of range");
+  __device__ __forceinline__ static void mma(float (&d)[kAccRegs], uint64_t desc_a, uint64_t desc_b,
+                                             uint32_t scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
@@ -186,9 +165,8 @@ struct Wgmma<128> {
 template <>
 struct Wgmma<256> {
   static constexpr int kAccRegs = 128;
-  template <int kOffset, int kRegs>
-  __device__ __forceinline__ static void mma(float (&d)[kRegs], uint64_t desc_a, uint64_t desc_b, uint32_t scale_d) {
-    static_assert(kOffset + kAccRegs <= kRegs, "accumulator slice out of range");
+  __device__ __forceinline__ static void mma(float (&d)[kAccRegs], uint64_t desc_a, uint64_t desc_b,
+                                             uint32_t scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"

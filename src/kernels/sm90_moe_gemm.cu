@@ -15,9 +15,9 @@
 //     epilogue from registers straight to global memory (16-byte stores).
 //   Ring protocol: full[s] (1 arrival + TMA bytes) and empty[s] (one arrival per consumer warp).
 // Rows of a tile at or past the expert's end (another expert's rows, or past the pool end where
-// TMA fills zeros) are computed but never stored. A "thin" tile (<= 64 rows left in the expert,
-// typically its last) is split by columns instead: both consumers take rows [0, 64) and half
-// of the output columns each, so its MMA time halves instead of one warpgroup idling.
+// TMA fills zeros) are computed but never stored. (Skipping the MMAs of a warpgroup whose rows
+// are all past the end, or splitting such tiles by columns between the two warpgroups, both
+// measured slower on random routing: 235B gate/up, T=4096, 1.40 ms -> 1.69 ms; not understood.)
 #include "kernels/sm90_moe_gemm.h"
 
 #include <cuda.h>
@@ -57,7 +57,6 @@ static_assert(kProducerRegs * kThreadsPerWarpgroup +
 
 enum class Epilogue { kSwiGLU, kWeightedScatter };
 
-
 // Everything the kernel needs besides the two tensor maps (by value, in the param space).
 struct KernelArgs {
   const int32_t* expert_offsets;  // [E+1]
@@ -81,12 +80,10 @@ struct KernelConfig {
   static constexpr int kTileABytes = kBlockM * kBlockK * 2;  // [128 rows, 64 k] bf16 = 16 KB
   static constexpr int kTileBBytes = kBlockN * kBlockK * 2;  // [kBlockN rows, 64 k] bf16
   static constexpr int kStageBytes = kTileABytes + kTileBBytes;
-  // SwiGLU tiles interleave gate and up weight rows in blocks of 64 (one TMA box each):
-  //   B tile rows [gate n0..n0+63 | up n0..n0+63 | gate n0+64..n0+127 | up n0+64..n0+127]
-  // so a gate column and its up column meet in one thread, and each half of the tile is a
-  // self-contained (gate, up) pair for the thin-tile column split.
-  static constexpr int kSwiGLUBlock = 64;
-  static constexpr int kBoxRowsB = kEpilogue == Epilogue::kSwiGLU ? kSwiGLUBlock : kBlockN;
+  // SwiGLU tiles load two boxes into one B tile, rows [gate n0 .. n0+kBlockN/2 | up n0 .. ],
+  // which then reads as one contiguous [kBlockN, 64] K-major operand: accumulator column c
+  // (gate) and c + kBlockN/2 (up) of one output column land in the same thread.
+  static constexpr int kBoxRowsB = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
   static constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
   static constexpr int kAccRegs = Wgmma<kBlockN>::kAccRegs;
   static constexpr int kNumChunks8 = kBlockN / 8;  // n8 column chunks of the accumulator
@@ -94,9 +91,7 @@ struct KernelConfig {
 
   static_assert(kTileABytes % kAlign == 0 && kTileBBytes % kAlign == 0, "stage alignment");
   static_assert(kBoxRowsB <= 256, "TMA box dimension limit");
-  static_assert(kEpilogue != Epilogue::kSwiGLU || kBlockN == 4 * kSwiGLUBlock,
-                "SwiGLU tiles hold two (gate, up) block pairs, one per thin-tile consumer");
-  static_assert(kOutCols % 64 == 0, "thin tiles store 2 groups of 4 n8 chunks per consumer");
+  static_assert(kOutCols % 32 == 0, "quad-transposed stores write groups of 4 n8 chunks");
 
   static size_t smem_bytes(int num_experts) {
     return kAlign + static_cast<size_t>(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) +
@@ -124,55 +119,49 @@ __device__ __forceinline__ void store_row_fragment(uint32_t (&words)[kChunks], _
                                                    bool row_valid, int col0, int n_valid, int lane) {
   static_assert(kChunks % 4 == 0, "the quad transpose works on groups of 4 chunks");
   const int q = lane % 4;
-  {
 #pragma unroll
-    for (int a = 0; a < kChunks / 4; ++a) {
-      uint32_t w[4] = {words[4 * a], words[4 * a + 1], words[4 * a + 2], words[4 * a + 3]};
-      // Butterfly transpose: after the step on bit s, bit s of (owner lane, position) is swapped
-      // for every element whose position and owner disagree on that bit.
-      const bool odd = q & 1;
-      uint32_t x0 = odd ? w[0] : w[1], x1 = odd ? w[2] : w[3];
-      x0 = __shfl_xor_sync(0xFFFFFFFFu, x0, 1);
-      x1 = __shfl_xor_sync(0xFFFFFFFFu, x1, 1);
-      if (odd) { w[0] = x0; w[2] = x1; } else { w[1] = x0; w[3] = x1; }
-      const bool high = q & 2;
-      uint32_t y0 = high ? w[0] : w[2], y1 = high ? w[1] : w[3];
-      y0 = __shfl_xor_sync(0xFFFFFFFFu, y0, 2);
-      y1 = __shfl_xor_sync(0xFFFFFFFFu, y1, 2);
-      if (high) { w[0] = y0; w[1] = y1; } else { w[2] = y0; w[3] = y1; }
-      // Lane q now holds chunk 4a+q: columns col0 - 2q + 8(4a+q) .. +7.
-      const int col = col0 - 2 * q + 8 * (4 * a + q);
-      if (row_valid && col < n_valid) {
-        *reinterpret_cast<uint4*>(row_ptr + col) = make_uint4(w[0], w[1], w[2], w[3]);
-      }
+  for (int a = 0; a < kChunks / 4; ++a) {
+    uint32_t w[4] = {words[4 * a], words[4 * a + 1], words[4 * a + 2], words[4 * a + 3]};
+    // Butterfly transpose: after the step on bit s, bit s of (owner lane, position) is swapped
+    // for every element whose position and owner disagree on that bit.
+    const bool odd = q & 1;
+    uint32_t x0 = odd ? w[0] : w[1], x1 = odd ? w[2] : w[3];
+    x0 = __shfl_xor_sync(0xFFFFFFFFu, x0, 1);
+    x1 = __shfl_xor_sync(0xFFFFFFFFu, x1, 1);
+    if (odd) { w[0] = x0; w[2] = x1; } else { w[1] = x0; w[3] = x1; }
+    const bool high = q & 2;
+    uint32_t y0 = high ? w[0] : w[2], y1 = high ? w[1] : w[3];
+    y0 = __shfl_xor_sync(0xFFFFFFFFu, y0, 2);
+    y1 = __shfl_xor_sync(0xFFFFFFFFu, y1, 2);
+    if (high) { w[0] = y0; w[1] = y1; } else { w[2] = y0; w[3] = y1; }
+    // Lane q now holds chunk 4a+q: columns col0 - 2q + 8(4a+q) .. +7.
+    const int col = col0 - 2 * q + 8 * (4 * a + q);
+    if (row_valid && col < n_valid) {
+      *reinterpret_cast<uint4*>(row_ptr + col) = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
 }
 
-// SwiGLU epilogue of one of the thread's two accumulator rows (h) over kPairs (gate, up) blocks
-// of 64 columns (8 n8 chunks each): output chunk 8i + j pairs gate chunk 16i + j with up chunk
-// 16i + 8 + j, i.e. registers acc[4 * chunk + 2h + b].
-template <int kPairs, int kRegs>
+// SwiGLU epilogue of one of the thread's two accumulator rows (h): output chunk j pairs gate
+// registers acc[4j + 2h + b] with up registers acc[4(j + kOutChunks) + 2h + b].
+template <int kOutChunks, int kRegs>
 __device__ __forceinline__ void epilogue_swiglu_row(const float (&acc)[kRegs], int h, const KernelArgs& args,
                                                     __nv_bfloat16* row_ptr, bool row_valid, int col0, int lane) {
-  static_assert(kPairs * 64 <= kRegs, "gate and up chunks must lie inside the accumulators");
-  uint32_t words[8 * kPairs];
+  static_assert(8 * kOutChunks == kRegs, "gate and up halves fill the accumulators");
+  uint32_t words[kOutChunks];
 #pragma unroll
-  for (int i = 0; i < kPairs; ++i) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int gate = 4 * (16 * i + j) + 2 * h, up = gate + 4 * 8;
-      float g0 = acc[gate], g1 = acc[gate + 1], u0 = acc[up], u1 = acc[up + 1];
-      if (args.use_clamp) {
-        g0 = fminf(g0, args.clamp);
-        g1 = fminf(g1, args.clamp);
-        u0 = fminf(fmaxf(u0, -args.clamp), args.clamp);
-        u1 = fminf(fmaxf(u1, -args.clamp), args.clamp);
-      }
-      words[8 * i + j] = pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
+  for (int j = 0; j < kOutChunks; ++j) {
+    const int gate = 4 * j + 2 * h, up = gate + 4 * kOutChunks;
+    float g0 = acc[gate], g1 = acc[gate + 1], u0 = acc[up], u1 = acc[up + 1];
+    if (args.use_clamp) {
+      g0 = fminf(g0, args.clamp);
+      g1 = fminf(g1, args.clamp);
+      u0 = fminf(fmaxf(u0, -args.clamp), args.clamp);
+      u1 = fminf(fmaxf(u1, -args.clamp), args.clamp);
     }
+    words[j] = pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
   }
-  store_row_fragment<8 * kPairs>(words, row_ptr, row_valid, col0, args.n_valid, lane);
+  store_row_fragment<kOutChunks>(words, row_ptr, row_valid, col0, args.n_valid, lane);
 }
 
 // Down epilogue of one accumulator row: w * o for chunks [0, kChunks).
@@ -180,7 +169,7 @@ template <int kChunks, int kRegs>
 __device__ __forceinline__ void epilogue_scale_row(const float (&acc)[kRegs], int h, float weight,
                                                    __nv_bfloat16* row_ptr, bool row_valid, int col0, int n_valid,
                                                    int lane) {
-  static_assert(4 * kChunks <= kRegs, "chunks must lie inside the accumulators");
+  static_assert(4 * kChunks == kRegs, "the chunks fill the accumulators");
   uint32_t words[kChunks];
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
@@ -242,17 +231,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int32_t k = kb * kBlockK;
           uint8_t* tile_b = tiles_b + stage * Config::kTileBBytes;
           tma_load_2d(&map_a, &full[stage], tiles_a + stage * Config::kTileABytes, k, tile.row_begin);
+          tma_load_2d(&map_b, &full[stage], tile_b, k, b_row);
           if constexpr (kEpilogue == Epilogue::kSwiGLU) {
-            // Gate block i, then the up rows of the same columns, I = n_valid rows further down.
-            constexpr int kBoxBytes = Config::kSwiGLUBlock * kBlockK * 2;
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-              const int32_t gate_row = b_row + i * Config::kSwiGLUBlock;
-              tma_load_2d(&map_b, &full[stage], tile_b + (2 * i) * kBoxBytes, k, gate_row);
-              tma_load_2d(&map_b, &full[stage], tile_b + (2 * i + 1) * kBoxBytes, k, gate_row + args.n_valid);
-            }
-          } else {
-            tma_load_2d(&map_b, &full[stage], tile_b, k, b_row);
+            // Up rows of the same output columns: I = n_valid rows below the gate rows.
+            tma_load_2d(&map_b, &full[stage], tile_b + Config::kTileBBytes / 2, k, b_row + args.n_valid);
           }
           if (++stage == kStages) { stage = 0; phase ^= 1; }
         }
@@ -269,17 +251,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t phase = 0;
     for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const ExpertTile tile = cursor.tile(table, t);
-      // Full tile: consumer c owns rows [64c, 64c + 64) x all kBlockN columns.
-      // Thin tile (at most 64 rows of the expert, e.g. its last tile): both consumers take rows
-      // [0, 64) and split the columns, so neither idles on rows that are never stored.
-      // Broadcast from lane 0 so the compiler sees a warp-uniform branch around the wgmma
-      // (a branch it cannot prove uniform makes it serialise every wgmma: ptxas C7518).
-#ifdef FUSEMOE_SM90_DEV_NO_THIN_TILES  // development A/B switch, removed once measured
-      const bool thin = false;
-#else
-      const bool thin = __shfl_sync(0xFFFFFFFFu, tile.row_end - tile.row_begin <= kWgmmaM ? 1 : 0, 0) != 0;
-#endif
-      const int32_t wg_row0 = tile.row_begin + (thin ? 0 : consumer * kWgmmaM);
+      // Consumer c owns tile rows [64c, 64c + 64) x all kBlockN columns.
+      const int32_t wg_row0 = tile.row_begin + consumer * kWgmmaM;
       const int32_t rows[2] = {wg_row0 + row_in_wg, wg_row0 + row_in_wg + 8};
       const bool row_valid[2] = {rows[0] < tile.row_end, rows[1] < tile.row_end};
 
@@ -296,38 +269,21 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
 
-      // ---- main loop over K-blocks
-      //   full: acc[64 rows, kBlockN]      = A[rows 64c .. 64c+63, K] * B[all kBlockN rows, K]^T
-      //   thin: acc[64 rows, kBlockN / 2]  = A[rows 0 .. 63, K]       * B[half c of the rows, K]^T
-      // (for SwiGLU, half c of the B rows is the (gate, up) block pair c).
+      // ---- main loop: acc[64 rows, kBlockN] = A[rows 64c .. 64c+63, K] * B[kBlockN rows, K]^T
       int prev_stage = 0;
       for (int32_t kb = 0; kb < args.num_k_blocks; ++kb) {
         mbarrier_wait(&full[stage], phase);
-        const uint8_t* tile_a = tiles_a + stage * Config::kTileABytes;
-        const uint8_t* tile_b = tiles_b + stage * Config::kTileBBytes;
-        if (thin) {
-          const uint64_t desc_a = make_smem_desc_sw128(tile_a);
-          const uint64_t desc_b = make_smem_desc_sw128(tile_b + consumer * (Config::kTileBBytes / 2));
-          wgmma_fence();
+        const uint64_t desc_a = make_smem_desc_sw128(tiles_a + stage * Config::kTileABytes +
+                                                     consumer * kWgmmaM * kBlockK * 2);
+        const uint64_t desc_b = make_smem_desc_sw128(tiles_b + stage * Config::kTileBBytes);
+        wgmma_fence();
 #pragma unroll
-          for (int k = 0; k < kBlockK / kWgmmaK; ++k) {
-            Wgmma<kBlockN / 2>::template mma<0>(acc, desc_a + k * kDescStepK16, desc_b + k * kDescStepK16,
-                                                (kb > 0 || k > 0) ? 1u : 0u);
-          }
-          wgmma_commit_group();
-        } else {
-          const uint64_t desc_a = make_smem_desc_sw128(tile_a + consumer * kWgmmaM * kBlockK * 2);
-          const uint64_t desc_b = make_smem_desc_sw128(tile_b);
-          wgmma_fence();
-#pragma unroll
-          for (int k = 0; k < kBlockK / kWgmmaK; ++k) {
-            Wgmma<kBlockN>::template mma<0>(acc, desc_a + k * kDescStepK16, desc_b + k * kDescStepK16,
-                                            (kb > 0 || k > 0) ? 1u : 0u);
-          }
-          wgmma_commit_group();
+        for (int k = 0; k < kBlockK / kWgmmaK; ++k) {
+          Wgmma<kBlockN>::mma(acc, desc_a + k * kDescStepK16, desc_b + k * kDescStepK16,
+                              (kb > 0 || k > 0) ? 1u : 0u);
         }
-        // (One commit per branch: a commit after the join makes ptxas inject warpgroup.arrive,
-        // C7519.) Keep this K-block's MMAs in flight; the previous block's have finished reading.
+        wgmma_commit_group();
+        // Keep this K-block's MMAs in flight; the previous block's have finished reading.
         wgmma_wait_group<1>();
         if (kb > 0 && lane == 0) mbarrier_arrive(&empty[prev_stage]);
         prev_stage = stage;
@@ -338,28 +294,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lane == 0) mbarrier_arrive(&empty[prev_stage]);
 
       // ---- epilogue: registers -> bf16 -> global, rows past the expert's end masked
-      const int quad_col = 2 * (lane % 4);
+      const int col0 = tile.n_tile * Config::kOutCols + 2 * (lane % 4);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if constexpr (kEpilogue == Epilogue::kSwiGLU) {
           __nv_bfloat16* row_ptr = args.h + static_cast<int64_t>(rows[h]) * args.n_valid;
-          const int col0 = tile.n_tile * Config::kOutCols + quad_col;
-          if (thin) {
-            epilogue_swiglu_row<1>(acc, h, args, row_ptr, row_valid[h], col0 + consumer * Config::kSwiGLUBlock,
-                                   lane);
-          } else {
-            epilogue_swiglu_row<2>(acc, h, args, row_ptr, row_valid[h], col0, lane);
-          }
+          epilogue_swiglu_row<Config::kNumChunks8 / 2>(acc, h, args, row_ptr, row_valid[h], col0, lane);
         } else {
           __nv_bfloat16* row_ptr = args.ys + static_cast<int64_t>(slots[h]) * args.ys_row_stride;
-          const int col0 = tile.n_tile * kBlockN + quad_col;
-          if (thin) {
-            epilogue_scale_row<Config::kNumChunks8 / 2>(acc, h, weights[h], row_ptr, row_valid[h],
-                                                        col0 + consumer * (kBlockN / 2), args.n_valid, lane);
-          } else {
-            epilogue_scale_row<Config::kNumChunks8>(acc, h, weights[h], row_ptr, row_valid[h], col0,
-                                                    args.n_valid, lane);
-          }
+          epilogue_scale_row<Config::kNumChunks8>(acc, h, weights[h], row_ptr, row_valid[h], col0, args.n_valid,
+                                                  lane);
         }
       }
     }
