@@ -1,0 +1,72 @@
+/* C ABI of fusemoe: the C++ API (include/fusemoe/fusemoe.h) behind plain C functions, for
+ * bindings that must not compile against a framework's C++ ABI (python/fusemoe loads it with
+ * ctypes). Every function returns a FusemoeCStatus and lets no exception cross the boundary;
+ * fusemoe_c_last_error() gives the message of the calling thread's last failure.
+ * Tensors are device pointers (layouts and dtypes as in fusemoe.h), sizes are int64, the stream
+ * is a cudaStream_t passed as void* (NULL = the legacy default stream). The layer is described
+ * by (hidden, intermediate, num_experts, top_k, max_tokens) on every call; an implementation is
+ * named by a string and resolved once to an int code by fusemoe_c_impl_code(). */
+#ifndef FUSEMOE_C_H_
+#define FUSEMOE_C_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FUSEMOE_C_API __attribute__((visibility("default")))
+
+/* Raised whenever a function's signature or meaning changes; bindings refuse other versions. */
+#define FUSEMOE_C_ABI_VERSION 1
+
+typedef enum {
+  FUSEMOE_C_OK = 0,
+  FUSEMOE_C_ERROR = 1,          /* fusemoe::Error: bad argument or failed CUDA / cuBLAS call */
+  FUSEMOE_C_OUT_OF_MEMORY = 2,  /* host allocation failed */
+  FUSEMOE_C_INTERNAL = 3,       /* any other exception */
+} FusemoeCStatus;
+
+/* Values of `weight_grad_dtype` in fusemoe_c_backward. */
+#define FUSEMOE_C_WEIGHT_GRAD_FLOAT32 0
+#define FUSEMOE_C_WEIGHT_GRAD_BFLOAT16 1
+
+FUSEMOE_C_API int32_t fusemoe_c_abi_version(void);
+
+/* Message of the last failed call on this thread ("" if none); valid until the next failure on
+ * this thread. */
+FUSEMOE_C_API const char* fusemoe_c_last_error(void);
+
+/* "unfused", "reference_fp32", ... -> the code the other functions take. */
+FUSEMOE_C_API int32_t fusemoe_c_impl_code(const char* name, int32_t* impl_code);
+
+FUSEMOE_C_API int32_t fusemoe_c_workspace_bytes(int64_t hidden, int64_t intermediate,
+                                                int64_t num_experts, int64_t top_k,
+                                                int64_t max_tokens, int32_t impl_code,
+                                                uint64_t* bytes);
+
+/* y = MoE(x); see fusemoe::forward. */
+FUSEMOE_C_API int32_t fusemoe_c_forward(int64_t hidden, int64_t intermediate, int64_t num_experts,
+                                        int64_t top_k, int64_t max_tokens, int32_t impl_code,
+                                        const void* x, const int32_t* topk_idx,
+                                        const float* topk_weights, const void* w13, const void* w2,
+                                        void* y, int64_t num_tokens, void* workspace,
+                                        uint64_t workspace_bytes, void* stream);
+
+/* dx, d_topk_weights, dw13, dw2 from dy; see fusemoe::backward. accumulate_weight_grads != 0
+ * adds to dw13/dw2 instead of overwriting them. */
+FUSEMOE_C_API int32_t fusemoe_c_backward(int64_t hidden, int64_t intermediate, int64_t num_experts,
+                                         int64_t top_k, int64_t max_tokens, int32_t impl_code,
+                                         const void* x, const int32_t* topk_idx,
+                                         const float* topk_weights, const void* w13,
+                                         const void* w2, const void* dy, void* dx,
+                                         float* d_topk_weights, void* dw13, void* dw2,
+                                         int32_t weight_grad_dtype,
+                                         int32_t accumulate_weight_grads, int64_t num_tokens,
+                                         void* workspace, uint64_t workspace_bytes, void* stream);
+
+#ifdef __cplusplus
+}  /* extern "C" */
+#endif
+
+#endif  /* FUSEMOE_C_H_ */
