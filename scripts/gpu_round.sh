@@ -3,8 +3,9 @@
 # PyTorch baseline for every case below, then scripts/summarize_round.py.
 #   usage: scripts/gpu_round.sh OUTDIR
 # Uses the carried build folder ($BUILD_DIR, default build/) when it holds fusemoe_bench, else
-# configures and builds one here. OUTDIR gets 6 files (the device machine returns at most 8):
-# gpu.txt, gpu_tests.log, sanitizer.log, round.log, results.json (every figure), summary.md.
+# configures and builds one here. OUTDIR gets 8 files (the device machine returns at most 8):
+# gpu.txt, gpu_tests.log, sanitizer.log, round.log, results.json (every figure), summary.md,
+# train_qwen3_moe.json and train_qwen3_moe.png (the PyTorch training example).
 # Env: FUSEMOE_COMMIT (recorded in the results; default from git where .git exists), ITERS and
 # WARMUP (20, 5), TEST_TIMEOUT_S (240), CHECK_235B_MAX_TOKENS (unset: check every T; 4096 skips
 # the fp32 reference check at 235B T=16384, the largest one), ROUND_BUDGET_S (480: benchmark steps
@@ -156,6 +157,11 @@ for spec in "${CASES[@]}"; do
     --routing "$routing" --tokens "$tokens" --iters "$ITERS" --warmup "$WARMUP" \
     --json "$PARTS/${STEP_NUM}_torch_$id.json"
 done
+
+# ---- 4b. PyTorch layer (issue 5): pytest tests/python (a skip is a failure here), a short training run ----
+export FUSEMOE_LIBRARY="${FUSEMOE_LIBRARY:-$(cd "$BUILD_DIR" && pwd -P)/libfusemoe_c.so}" FUSEMOE_REQUIRE_GPU=1
+bench_step pytest timeout --kill-after=15 300 python3 -m pytest -q -rs tests/python
+bench_step train_qwen3_moe timeout --kill-after=15 400 python3 examples/train_qwen3_moe.py --steps "${TRAIN_STEPS:-50}" --out "$OUTDIR"
 
 # ---- 5. Summary ----
 log "final summary"

@@ -17,7 +17,7 @@ using fusemoe::Impl;
 
 // The implementations bindings may select, by their fusemoe::impl_name(). Adding one is adding
 // its enum value here.
-constexpr Impl kBindableImpls[] = {Impl::kUnfused, Impl::kReferenceFp32};
+constexpr Impl kBindableImpls[] = {Impl::kUnfused, Impl::kReferenceFp32, Impl::kFused};
 
 std::string& last_error() {
   thread_local std::string message;

@@ -1,0 +1,318 @@
+#!/usr/bin/env python3
+"""Trains a small Hugging Face Qwen3-MoE twice, from the same initialisation on the same data
+order: with the model's own experts (transformers' default experts implementation, "grouped_mm")
+and with fusemoe experts (--impl) swapped in by fusemoe.replace_qwen3_moe_experts. Prints
+progress; reports the largest difference between the two loss curves, the median step time and
+the peak memory of each; writes OUT/train_qwen3_moe.json and OUT/train_qwen3_moe.png.
+
+Model: the MoE dims of Qwen3-30B-A3B (H=2048, I=768, E=128, top-8, normalised top-k weights),
+--layers decoder layers, 32 query / 4 key-value heads of 128, a byte vocabulary (256), sdpa
+attention, bf16 parameters, fused AdamW (0.9, 0.95, wd 0.1), gradient clipping at 1.0, linear
+warm-up then cosine decay to 10% of --lr. Data: data/corpus.txt read as bytes; every micro-batch is
+one sequence of --seq-len tokens at an offset drawn once from a seeded generator, so both runs see
+the same sequence. One step = --micro-batches forward/backward passes (gradients accumulate in
+.grad), then clipping and the optimizer. Step time: wall clock between CUDA synchronisations,
+median over the steps after --timing-warmup. Peak memory: torch.cuda.max_memory_allocated over the
+run (weights, gradients, optimizer state, activations, workspaces).
+Exit: 0 done; 1 a loss was not finite; 2 bad arguments or missing transformers / fusemoe library.
+"""
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(REPO, "python"))
+import fusemoe  # noqa: E402
+
+RUN_HF, RUN_FUSEMOE = "hf", "fusemoe"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
+    p.add_argument("--impl", default=fusemoe.DEFAULT_IMPL, help="fusemoe implementation")
+    p.add_argument("--micro-batches", type=int, default=4, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--out", default="train_qwen3_moe_out", help="output folder")
+    p.add_argument("--runs", default=f"{RUN_HF},{RUN_FUSEMOE}",
+                   help="which runs, in this order: hf, fusemoe or both")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--moe-intermediate", type=int, default=768)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr-warmup", type=int, default=20, help="steps of linear learning-rate warm-up")
+    p.add_argument("--timing-warmup", type=int, default=5, help="first steps left out of the median")
+    p.add_argument("--grad-checkpointing", action="store_true",
+                   help="activation checkpointing of every decoder layer (both runs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=os.path.join(REPO, "data", "corpus.txt"))
+    p.add_argument("--print-every", type=int, default=10)
+    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: smoke tests only
+    args = p.parse_args(argv)
+    args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    if not args.runs or any(r not in (RUN_HF, RUN_FUSEMOE) for r in args.runs):
+        p.error(f"--runs must list {RUN_HF} and/or {RUN_FUSEMOE}, got {args.runs}")
+    if args.steps < 1 or args.micro_batches < 1 or args.seq_len < 2:
+        p.error("--steps and --micro-batches must be >= 1, --seq-len >= 2")
+    return args
+
+
+def log(message):
+    print(f"[train {datetime.datetime.now().strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def build_model(args, transformers):
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+        moe_intermediate_size=args.moe_intermediate, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim, num_experts=args.experts, num_experts_per_tok=args.top_k,
+        norm_topk_prob=True, max_position_embeddings=max(args.seq_len, 4096),
+        tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(args.seed)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # parameters are created and initialised in bf16
+    try:
+        with torch.device(args.device):
+            model = transformers.Qwen3MoeForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    bad = [n for n, prm in model.named_parameters() if prm.dtype != torch.bfloat16]
+    if bad:
+        raise RuntimeError(f"parameters not in bf16: {bad[:3]}")
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def lr_at(step, args):
+    if step < args.lr_warmup:
+        return args.lr * (step + 1) / args.lr_warmup
+    progress = (step - args.lr_warmup) / max(1, args.steps - args.lr_warmup)
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def synchronize(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train(name, model, corpus_N, offsets_SM, args):
+    """One run from the model's current weights; returns its record."""
+    device = torch.device(args.device)
+    is_cuda = device.type == "cuda"
+    gc.collect()
+    if is_cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=0.1, fused=is_cuda)
+    model.train()
+    losses, step_ms = [], []
+    finite = True
+    for step in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        synchronize(device)
+        start = time.perf_counter()
+        total = torch.zeros((), device=device)
+        for m in range(args.micro_batches):
+            offset = int(offsets_SM[step, m])
+            ids = corpus_N[offset:offset + args.seq_len].to(torch.int64)[None]
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss / args.micro_batches
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = total.item()
+        synchronize(device)
+        step_ms.append((time.perf_counter() - start) * 1e3)
+        losses.append(loss_value)
+        if not math.isfinite(loss_value):
+            log(f"[{name}] step {step + 1}: loss {loss_value}: stopping this run")
+            finite = False
+            break
+        if (step + 1) % args.print_every == 0 or step + 1 == args.steps or step == 0:
+            timed = step_ms[args.timing_warmup:] or step_ms
+            log(f"[{name}] step {step + 1}/{args.steps} loss {loss_value:.4f} "
+                f"step {step_ms[-1]:.1f} ms (median {statistics.median(timed):.1f} ms)")
+    timed = step_ms[args.timing_warmup:] or step_ms
+    record = {
+        "losses": losses,
+        "step_ms": step_ms,
+        "median_step_ms": statistics.median(timed),
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if is_cuda else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if is_cuda else None,
+        "final_loss": losses[-1],
+        "finite": finite,
+    }
+    del optimizer
+    model.zero_grad(set_to_none=True)
+    return record
+
+
+def compare(runs):
+    hf, fm = runs[RUN_HF], runs[RUN_FUSEMOE]
+    n = min(len(hf["losses"]), len(fm["losses"]))
+    diffs = [abs(a - b) for a, b in zip(hf["losses"][:n], fm["losses"][:n])]
+    worst = max(range(n), key=lambda i: diffs[i])
+    return {
+        "max_abs_loss_diff": diffs[worst],
+        "max_abs_loss_diff_step": worst + 1,
+        "mean_abs_loss_diff": sum(diffs) / n,
+        "final_loss_diff": fm["losses"][n - 1] - hf["losses"][n - 1],
+        "speedup_step_time": hf["median_step_ms"] / fm["median_step_ms"],
+        "peak_memory_ratio": (fm["peak_memory_gib"] / hf["peak_memory_gib"]
+                              if hf["peak_memory_gib"] else None),
+    }
+
+
+def plot(result, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plot")
+        return False
+    runs = result["runs"]
+    fig, axes = plt.subplots(1, 2 if len(runs) == 2 else 1, figsize=(12, 4.5), squeeze=False)
+    ax = axes[0][0]
+    for name, record in runs.items():
+        label = f"{name} ({record['experts']}): median step {record['median_step_ms']:.0f} ms"
+        ax.plot(range(1, len(record["losses"]) + 1), record["losses"], label=label, linewidth=1)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (nats / byte)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    if len(runs) == 2:
+        hf, fm = runs[RUN_HF]["losses"], runs[RUN_FUSEMOE]["losses"]
+        n = min(len(hf), len(fm))
+        axes[0][1].plot(range(1, n + 1), [b - a for a, b in zip(hf[:n], fm[:n])], linewidth=1)
+        axes[0][1].set_xlabel("optimizer step")
+        axes[0][1].set_ylabel("loss(fusemoe) - loss(hf)")
+        axes[0][1].grid(alpha=0.3)
+        c = result["comparison"]
+        fig.suptitle(f"Qwen3-MoE {result['config']['layers']} layers, "
+                     f"{result['config']['micro_batches']}x{result['config']['seq_len']} tokens/step: "
+                     f"fusemoe {c['speedup_step_time']:.2f}x step speed, "
+                     f"max |loss diff| {c['max_abs_loss_diff']:.3g}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def environment(args):
+    env = {"torch": torch.__version__, "device": args.device}
+    try:
+        import transformers
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.device(args.device).type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    env["commit"] = os.environ.get("FUSEMOE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+        text=True).stdout.strip() or "unknown"
+    env["fusemoe_library"] = fusemoe.library_path()
+    return env
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        import transformers
+    except ImportError:
+        log("transformers is not installed (pip install 'transformers>=5'): nothing to compare with")
+        return 2
+    if not hasattr(transformers, "Qwen3MoeForCausalLM"):
+        log(f"transformers {transformers.__version__} has no Qwen3MoeForCausalLM")
+        return 2
+    if RUN_FUSEMOE in args.runs and torch.device(args.device).type == "cuda":
+        if not fusemoe.is_available():
+            log(f"libfusemoe_c.so not found at {fusemoe.library_path()}: build the CMake target "
+                "fusemoe_c or set FUSEMOE_LIBRARY")
+            return 2
+    with open(args.data, "rb") as f:
+        corpus = f.read()
+    if len(corpus) <= args.seq_len + 1:
+        log(f"{args.data} has {len(corpus)} bytes: fewer than --seq-len + 1")
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    corpus_N = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).to(args.device)
+    offsets_SM = torch.randint(0, len(corpus) - args.seq_len, (args.steps, args.micro_batches),
+                               generator=torch.Generator().manual_seed(args.seed + 1))
+
+    log(f"building Qwen3-MoE: {args.layers} layers, H={args.hidden}, I={args.moe_intermediate}, "
+        f"E={args.experts}, top-{args.top_k}, {args.micro_batches} x {args.seq_len} tokens/step")
+    model = build_model(args, transformers)
+    num_params = sum(prm.numel() for prm in model.parameters())
+    hf_experts = model.config._experts_implementation
+    log(f"{num_params / 1e9:.2f} B parameters; transformers {transformers.__version__} experts "
+        f"implementation: {hf_experts}; corpus {len(corpus)} bytes")
+    initial = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+    # The model's own experts modules, to put back for an "hf" run after a "fusemoe" one.
+    hf_modules = {n: m for n, m in model.named_modules() if type(m).__name__ == "Qwen3MoeExperts"}
+    runs = {}
+    for name in args.runs:
+        if name == RUN_FUSEMOE:
+            replaced = fusemoe.replace_qwen3_moe_experts(model, impl=args.impl)
+            log(f"fusemoe experts (impl={args.impl}) in {len(replaced)} layers")
+        else:
+            for module_name, module in hf_modules.items():
+                parent, _, child = module_name.rpartition(".")
+                setattr(model.get_submodule(parent), child, module)
+        model.load_state_dict(initial)  # the same Parameter objects serve both kinds of experts
+        log(f"[{name}] training {args.steps} steps")
+        record = train(name, model, corpus_N, offsets_SM, args)
+        record["experts"] = args.impl if name == RUN_FUSEMOE else hf_experts
+        runs[name] = record
+        peak = record["peak_memory_gib"]
+        log(f"[{name}] median step {record['median_step_ms']:.1f} ms, final loss "
+            f"{record['final_loss']:.4f}" + (f", peak memory {peak:.2f} GiB" if peak else ""))
+
+    result = {
+        "config": {k: v for k, v in vars(args).items()},
+        "environment": environment(args),
+        "num_parameters": num_params,
+        "corpus_bytes": len(corpus),
+        "runs": runs,
+    }
+    if len(runs) == 2:
+        c = result["comparison"] = compare(runs)
+        log(f"loss curves: max |diff| {c['max_abs_loss_diff']:.4f} at step "
+            f"{c['max_abs_loss_diff_step']}, mean |diff| {c['mean_abs_loss_diff']:.4f}, final "
+            f"fusemoe - hf {c['final_loss_diff']:+.4f}")
+        memory = (f"; peak memory {runs[RUN_FUSEMOE]['peak_memory_gib']:.2f} vs "
+                  f"{runs[RUN_HF]['peak_memory_gib']:.2f} GiB" if c["peak_memory_ratio"] else "")
+        log(f"step time: fusemoe {runs[RUN_FUSEMOE]['median_step_ms']:.1f} ms vs hf "
+            f"{runs[RUN_HF]['median_step_ms']:.1f} ms: {c['speedup_step_time']:.3f}x" + memory)
+    json_path = os.path.join(args.out, "train_qwen3_moe.json")
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=1)
+    png_path = os.path.join(args.out, "train_qwen3_moe.png")
+    log(f"wrote {json_path}" + (f" and {png_path}" if plot(result, png_path) else ""))
+    return 0 if all(r["finite"] for r in runs.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""ctypes binding of libfusemoe_c.so (src/capi/fusemoe_c.h): loading, signatures, errors.
+
+The library is found through the environment variable FUSEMOE_LIBRARY (a path to the .so) or, by
+default, at build/libfusemoe_c.so of the repository this package sits in (python/fusemoe/ ->
+../../build). It is loaded on first use, so `import fusemoe` works without it. Every C function
+returns a status; a non-zero one becomes FusemoeError carrying fusemoe_c_last_error().
+"""
+import ctypes
+import os
+import threading
+
+ABI_VERSION = 1  # FUSEMOE_C_ABI_VERSION this binding is written for
+WEIGHT_GRAD_FLOAT32 = 0
+WEIGHT_GRAD_BFLOAT16 = 1
+
+_DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "build",
+                             "libfusemoe_c.so")
+_STATUS_NAMES = {1: "error", 2: "out of memory", 3: "internal error"}
+
+_i32, _i64, _u64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
+_LAYER = [_i64, _i64, _i64, _i64, _i64, _i32]  # hidden, intermediate, experts, top_k, max_tokens, impl
+_SIGNATURES = {
+    "fusemoe_c_abi_version": ([], _i32),
+    "fusemoe_c_last_error": ([], ctypes.c_char_p),
+    "fusemoe_c_impl_code": ([ctypes.c_char_p, ctypes.POINTER(_i32)], _i32),
+    "fusemoe_c_workspace_bytes": (_LAYER + [ctypes.POINTER(_u64)], _i32),
+    # x, topk_idx, topk_weights, w13, w2, y, num_tokens, workspace, workspace_bytes, stream
+    "fusemoe_c_forward": (_LAYER + [_ptr] * 6 + [_i64, _ptr, _u64, _ptr], _i32),
+    # x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights, dw13, dw2, weight_grad_dtype,
+    # accumulate, num_tokens, workspace, workspace_bytes, stream
+    "fusemoe_c_backward": (_LAYER + [_ptr] * 10 + [_i32, _i32, _i64, _ptr, _u64, _ptr], _i32),
+}
+
+
+class FusemoeError(RuntimeError):
+    """A fusemoe failure: bad input caught by the library, a CUDA error, or a missing library."""
+
+
+_lock = threading.Lock()
+_lib = None
+_impl_codes = {}
+
+
+def library_path():
+    """The path the library is (or would be) loaded from."""
+    return os.path.abspath(os.environ.get("FUSEMOE_LIBRARY") or _DEFAULT_PATH)
+
+
+def load():
+    """The loaded library; raises FusemoeError saying how to get it when it is missing."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        path = library_path()
+        if not os.path.isfile(path):
+            raise FusemoeError(
+                f"fusemoe: C library not found at {path}. Build it with "
+                "`cmake -S . -B build -G Ninja && ninja -C build fusemoe_c` in the repository "
+                "(bash scripts/setup.sh does this), or set FUSEMOE_LIBRARY to the path of "
+                "libfusemoe_c.so.")
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            raise FusemoeError(f"fusemoe: cannot load {path}: {e}") from e
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        version = lib.fusemoe_c_abi_version()
+        if version != ABI_VERSION:
+            raise FusemoeError(f"fusemoe: {path} has C ABI version {version}, this package needs "
+                               f"{ABI_VERSION}; rebuild the library or update the package.")
+        _lib = lib
+    return _lib
+
+
+def is_available():
+    """True when the library can be loaded (no GPU needed)."""
+    try:
+        load()
+    except FusemoeError:
+        return False
+    return True
+
+
+def _check(status):
+    if status != 0:
+        message = _lib.fusemoe_c_last_error().decode("utf-8", "replace")
+        kind = _STATUS_NAMES.get(status, f"status {status}")
+        raise FusemoeError(f"{message} [{kind}]")
+
+
+def impl_code(name):
+    """The library's code for an implementation name ("unfused", ...); FusemoeError if unknown."""
+    code = _impl_codes.get(name)
+    if code is None:
+        if not isinstance(name, str):
+            raise FusemoeError(f"impl must be a string such as \"unfused\", got {name!r}")
+        lib = load()
+        out = _i32()
+        _check(lib.fusemoe_c_impl_code(name.encode("utf-8"), ctypes.byref(out)))
+        code = _impl_codes.setdefault(name, out.value)
+    return code
+
+
+def workspace_bytes(layer, impl):
+    """layer = (hidden, intermediate, num_experts, top_k, max_tokens)."""
+    lib = load()
+    out = _u64()
+    _check(lib.fusemoe_c_workspace_bytes(*layer, impl_code(impl), ctypes.byref(out)))
+    return out.value
+
+
+def forward(layer, impl, x, topk_idx, topk_weights, w13, w2, y, num_tokens, workspace,
+            workspace_bytes_, stream):
+    """Pointers are ints (data_ptr()); stream is a cudaStream_t as an int."""
+    lib = load()
+    _check(lib.fusemoe_c_forward(*layer, impl_code(impl), x, topk_idx, topk_weights, w13, w2, y,
+                                 num_tokens, workspace, workspace_bytes_, stream))
+
+
+def backward(layer, impl, x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights, dw13, dw2,
+             weight_grad_dtype, accumulate, num_tokens, workspace, workspace_bytes_, stream):
+    lib = load()
+    _check(lib.fusemoe_c_backward(*layer, impl_code(impl), x, topk_idx, topk_weights, w13, w2, dy,
+                                  dx, d_topk_weights, dw13, dw2, weight_grad_dtype,
+                                  int(bool(accumulate)), num_tokens, workspace, workspace_bytes_,
+                                  stream))

@@ -1,0 +1,114 @@
+"""fusemoe.MoEExperts, a drop-in for Hugging Face transformers' Qwen3MoeExperts, and the helper
+that swaps it into a Qwen3-MoE model.
+
+Parameters keep Hugging Face's (and the C++ API's) layout: gate_up_proj [E, 2I, H] (gate rows,
+then up rows) and down_proj [E, H, I]. forward(hidden_states, top_k_index, top_k_weights) has
+Qwen3MoeExperts.forward's signature; it converts what the op is strict about (router indices to
+int32, router weights to fp32, activations and fp32 master weights to bf16) through autograd, so
+gradients reach every input in its own dtype.
+Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, K top-k.
+"""
+import torch
+from torch import nn
+
+from . import _capi
+from .ops import DEFAULT_IMPL, moe_experts
+
+# Experts classes of transformers whose math is this layer's (SwiGLU experts, no bias).
+_QWEN3_MOE_EXPERTS_CLASSES = ("Qwen3MoeExperts",)
+_SILU_NAMES = ("silu", "swish")
+
+
+def _check_impl_name(impl):
+    if not isinstance(impl, str):
+        raise ValueError(f"fusemoe: impl must be a string such as \"unfused\", got {impl!r}")
+    if _capi.is_available():
+        _capi.impl_code(impl)  # raises FusemoeError listing the known names
+
+
+class MoEExperts(nn.Module):
+    """The experts block of an MoE layer, computed by fusemoe (impl: "unfused", ...)."""
+
+    def __init__(self, num_experts, hidden_dim, intermediate_dim, impl=DEFAULT_IMPL, device=None,
+                 dtype=torch.bfloat16, init_std=0.02):
+        super().__init__()
+        _check_impl_name(impl)
+        self.num_experts = num_experts
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.impl = impl
+        self.init_std = init_std
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_dim, hidden_dim, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_dim, intermediate_dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # Hugging Face's Qwen3-MoE initialisation: N(0, initializer_range = 0.02).
+        nn.init.normal_(self.gate_up_proj, std=self.init_std)
+        nn.init.normal_(self.down_proj, std=self.init_std)
+
+    @classmethod
+    def from_experts(cls, experts, impl=DEFAULT_IMPL):
+        """A MoEExperts over the very Parameter objects of `experts` (no copy): an optimizer or a
+        state dict that holds them keeps working."""
+        num_experts, two_intermediate, hidden_dim = experts.gate_up_proj.shape
+        module = cls(num_experts, hidden_dim, two_intermediate // 2, impl=impl, device="meta")
+        module.gate_up_proj = experts.gate_up_proj
+        module.down_proj = experts.down_proj
+        return module
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        """hidden_states [..., H], top_k_index [..., K] (int; -1 masks a slot), top_k_weights
+        [..., K] (any float dtype) -> [..., H] in hidden_states' dtype."""
+        w13_EFH, w2_EHI = self.gate_up_proj, self.down_proj
+        if w13_EFH.dtype != torch.bfloat16:  # fp32 master weights: compute in bf16
+            w13_EFH, w2_EHI = w13_EFH.to(torch.bfloat16), w2_EHI.to(torch.bfloat16)
+        top_k = top_k_index.shape[-1]
+        x_TH = hidden_states.reshape(-1, self.hidden_dim).to(torch.bfloat16).contiguous()
+        topk_idx_TK = top_k_index.reshape(-1, top_k).to(torch.int32).contiguous()
+        topk_weights_TK = top_k_weights.reshape(-1, top_k).to(torch.float32).contiguous()
+        y_TH = moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=self.impl)
+        return y_TH.to(hidden_states.dtype).reshape(hidden_states.shape)
+
+    def extra_repr(self):
+        return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
+                f"intermediate_dim={self.intermediate_dim}, impl={self.impl!r}")
+
+
+def _check_swappable(name, experts):
+    """Raises if a Qwen3MoeExperts instance is configured in a way MoEExperts does not compute."""
+    config = getattr(experts, "config", None)
+    act = getattr(config, "hidden_act", None)
+    act_class = type(getattr(experts, "act_fn", None)).__name__
+    if act not in _SILU_NAMES and act_class not in ("SiLU", "SiLUActivation"):
+        raise ValueError(f"fusemoe: {name}: activation {act or act_class} is not SiLU")
+    for attr, expected in (("has_bias", False), ("is_transposed", False),
+                           ("is_concatenated", True), ("has_gate", True)):
+        if getattr(experts, attr, expected) != expected:
+            raise ValueError(f"fusemoe: {name}: {attr} = {getattr(experts, attr)} is not supported")
+    w13_EFH, w2_EHI = experts.gate_up_proj, experts.down_proj
+    num_experts, two_intermediate, hidden = w13_EFH.shape
+    if tuple(w2_EHI.shape) != (num_experts, hidden, two_intermediate // 2):
+        raise ValueError(f"fusemoe: {name}: gate_up_proj {tuple(w13_EFH.shape)} and down_proj "
+                         f"{tuple(w2_EHI.shape)} are not [E, 2I, H] and [E, H, I]")
+
+
+def replace_qwen3_moe_experts(model, impl=DEFAULT_IMPL):
+    """Replaces every Qwen3MoeExperts module of a transformers Qwen3-MoE model by a MoEExperts
+    that shares its weights (same Parameter objects). Returns the names of the replaced modules;
+    raises ValueError if there is none."""
+    _check_impl_name(impl)
+    found = [(name, module) for name, module in model.named_modules()
+             if type(module).__name__ in _QWEN3_MOE_EXPERTS_CLASSES]
+    if not found:
+        raise ValueError("fusemoe.replace_qwen3_moe_experts: the model has no "
+                         f"{' / '.join(_QWEN3_MOE_EXPERTS_CLASSES)} module")
+    for name, experts in found:
+        _check_swappable(name, experts)
+    for name, experts in found:
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child_name, MoEExperts.from_experts(experts, impl=impl))
+    return [name for name, _ in found]

@@ -1,0 +1,173 @@
+"""fusemoe's PyTorch ops over the C library: fusemoe::moe_experts_forward and
+fusemoe::moe_experts_backward (torch.library custom ops), their fake kernels and the autograd
+formula that links them.
+
+    y_t = sum_j w[t,j] * W2_e (silu(Wg_e x_t) * (Wu_e x_t)),   e = topk_idx[t,j]  (-1: masked)
+
+Shape legend: T tokens, H hidden, I expert intermediate, F = 2I (gate rows, then up rows),
+E experts, K top-k. x, y, dy, dx bf16 [T, H]; topk_idx int32 [T, K]; topk_weights fp32 [T, K];
+w13 bf16 [E, F, H] (Hugging Face gate_up_proj); w2 bf16 [E, H, I] (down_proj).
+The forward saves only its inputs (the backward recomputes the rest). The backward returns fresh
+gradients (weights in their own dtype, d_topk_weights fp32) and autograd accumulates them, so
+gradient accumulation and activation checkpointing need nothing special. Calls run on
+torch.cuda.current_stream(); each call's workspace comes from torch's caching allocator.
+"""
+import torch
+from torch import Tensor
+
+from . import _capi
+
+DEFAULT_IMPL = "unfused"
+
+
+def _fail(message):
+    raise ValueError(f"fusemoe.moe_experts: {message}")
+
+
+def _check_tensor(t, name, ndim, dtype):
+    if not isinstance(t, Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        _fail(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        _fail(f"{name} must be {dtype}, got {t.dtype}")
+    if not t.is_contiguous():
+        _fail(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
+
+
+def _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH=None):
+    """Checks dtypes, ranks, contiguity, shapes and devices; returns the layer tuple
+    (H, I, E, K, T) the C library takes (max_tokens = T: the workspace is sized per call)."""
+    _check_tensor(x_TH, "x (hidden_states)", 2, torch.bfloat16)
+    _check_tensor(topk_idx_TK, "topk_idx", 2, torch.int32)
+    _check_tensor(topk_weights_TK, "topk_weights", 2, torch.float32)
+    _check_tensor(w13_EFH, "w13 (gate_up_proj)", 3, torch.bfloat16)
+    _check_tensor(w2_EHI, "w2 (down_proj)", 3, torch.bfloat16)
+    num_tokens, hidden = x_TH.shape
+    num_experts, two_intermediate, w13_hidden = w13_EFH.shape
+    intermediate = two_intermediate // 2
+    if two_intermediate % 2 != 0 or w13_hidden != hidden:
+        _fail(f"w13 (gate_up_proj) must be [E, 2I, H] with H = x.shape[1] = {hidden}, "
+              f"got {tuple(w13_EFH.shape)}")
+    if tuple(w2_EHI.shape) != (num_experts, hidden, intermediate):
+        _fail(f"w2 (down_proj) must be [E, H, I] = {(num_experts, hidden, intermediate)} to match "
+              f"w13 {tuple(w13_EFH.shape)}, got {tuple(w2_EHI.shape)}")
+    if topk_idx_TK.shape[0] != num_tokens:
+        _fail(f"topk_idx must be [T, K] with T = x.shape[0] = {num_tokens}, "
+              f"got {tuple(topk_idx_TK.shape)}")
+    if topk_weights_TK.shape != topk_idx_TK.shape:
+        _fail(f"topk_weights must have the shape of topk_idx {tuple(topk_idx_TK.shape)}, "
+              f"got {tuple(topk_weights_TK.shape)}")
+    named = [("topk_idx", topk_idx_TK), ("topk_weights", topk_weights_TK),
+             ("w13 (gate_up_proj)", w13_EFH), ("w2 (down_proj)", w2_EHI)]
+    if dy_TH is not None:
+        _check_tensor(dy_TH, "dy (grad of the output)", 2, torch.bfloat16)
+        if dy_TH.shape != x_TH.shape:
+            _fail(f"dy must have the shape of x {tuple(x_TH.shape)}, got {tuple(dy_TH.shape)}")
+        named.append(("dy", dy_TH))
+    for name, t in named:
+        if t.device != x_TH.device:
+            _fail(f"{name} is on {t.device} but x is on {x_TH.device}: all tensors must be on "
+                  "one CUDA device")
+    return (hidden, intermediate, num_experts, topk_idx_TK.shape[1], num_tokens)
+
+
+def _check_cuda(x_TH):
+    if x_TH.device.type != "cuda":
+        _fail(f"tensors must be on a CUDA device, got {x_TH.device}")
+
+
+def _check_impl(impl):
+    """Unknown names fail here, also while tracing (fake tensors), when the library is present."""
+    if not isinstance(impl, str):
+        _fail(f"impl must be a string such as \"unfused\", got {impl!r}")
+    if _capi.is_available():
+        _capi.impl_code(impl)
+
+
+def _workspace(layer, impl, device):
+    num_bytes = _capi.workspace_bytes(layer, impl)
+    # The caching allocator returns 512-byte aligned blocks (the library needs 256).
+    return torch.empty(max(num_bytes, 1), dtype=torch.uint8, device=device), num_bytes
+
+
+@torch.library.custom_op("fusemoe::moe_experts_forward", mutates_args=())
+def moe_experts_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
+                        w13_EFH: Tensor, w2_EHI: Tensor, impl: str) -> Tensor:
+    layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
+    _check_cuda(x_TH)
+    y_TH = torch.empty_like(x_TH)
+    with torch.cuda.device(x_TH.device):
+        workspace, num_bytes = _workspace(layer, impl, x_TH.device)
+        _capi.forward(layer, impl, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
+                      topk_weights_TK.data_ptr(), w13_EFH.data_ptr(), w2_EHI.data_ptr(),
+                      y_TH.data_ptr(), layer[-1], workspace.data_ptr(), num_bytes,
+                      torch.cuda.current_stream(x_TH.device).cuda_stream)
+    return y_TH
+
+
+@moe_experts_forward.register_fake
+def _moe_experts_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl):
+    _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
+    _check_impl(impl)
+    return torch.empty_like(x_TH)
+
+
+@torch.library.custom_op("fusemoe::moe_experts_backward", mutates_args=())
+def moe_experts_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
+                         topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
+                         impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dx [T, H] bf16, d_topk_weights [T, K] fp32, dw13 [E, F, H], dw2 [E, H, I])."""
+    layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+    _check_cuda(x_TH)
+    dx_TH = torch.empty_like(x_TH)
+    d_topk_weights_TK = torch.empty_like(topk_weights_TK)
+    dw13_EFH = torch.empty_like(w13_EFH)
+    dw2_EHI = torch.empty_like(w2_EHI)
+    with torch.cuda.device(x_TH.device):
+        workspace, num_bytes = _workspace(layer, impl, x_TH.device)
+        _capi.backward(layer, impl, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
+                       topk_weights_TK.data_ptr(), w13_EFH.data_ptr(), w2_EHI.data_ptr(),
+                       dy_TH.data_ptr(), dx_TH.data_ptr(), d_topk_weights_TK.data_ptr(),
+                       dw13_EFH.data_ptr(), dw2_EHI.data_ptr(), _capi.WEIGHT_GRAD_BFLOAT16,
+                       False, layer[-1], workspace.data_ptr(), num_bytes,
+                       torch.cuda.current_stream(x_TH.device).cuda_stream)
+    return dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI
+
+
+@moe_experts_backward.register_fake
+def _moe_experts_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl):
+    _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+    _check_impl(impl)
+    return (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK), torch.empty_like(w13_EFH),
+            torch.empty_like(w2_EHI))
+
+
+def _setup_context(ctx, inputs, output):
+    x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl = inputs
+    ctx.save_for_backward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
+    ctx.impl = impl
+
+
+# The implementation that runs the backward of a forward implementation. "fused" has a fused
+# forward only so far (issue 4): its backward runs the unfused path, which computes the same
+# function from the same saved inputs (the forward saves nothing else).
+BACKWARD_IMPL = {"fused": "unfused"}
+
+
+def _backward(ctx, dy_TH):
+    x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI = ctx.saved_tensors
+    # dy may arrive expanded (e.g. from y.sum()) or in another layout: the op needs it dense.
+    dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI = moe_experts_backward(
+        dy_TH.contiguous(), x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
+        BACKWARD_IMPL.get(ctx.impl, ctx.impl))
+    return dx_TH, None, d_topk_weights_TK, dw13_EFH, dw2_EHI, None
+
+
+moe_experts_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAULT_IMPL):
+    """The experts block as a differentiable function (strict inputs: see the module docstring;
+    fusemoe.MoEExperts converts dtypes and layouts for you)."""
+    return moe_experts_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl)

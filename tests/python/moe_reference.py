@@ -1,0 +1,123 @@
+"""Pure-PyTorch experts block for the tests: the fp32 oracle and the same-precision (bf16)
+implementation the FlashAttention-3 tolerance rule compares against, plus CPU kernels that stand
+in for the CUDA library in the CPU tests of the Python layer.
+
+    z = W13_e x_t,  g = z[:I], u = z[I:],  h = silu(g) * u,  o = W2_e h,  y_t = sum_j w[t,j] o
+
+Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, K top-k, N rows of
+one expert. Masked slots (expert id -1) are never visited, so their weight is never read.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def moe_experts_torch(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI):
+    """Per-expert loop in the dtype of x and the weights (z, h, o rounded to it), routing weights
+    applied and rows summed in fp32, y rounded once: a careful PyTorch layer. Differentiable."""
+    num_tokens, hidden = x_TH.shape
+    num_experts, two_intermediate, _ = w13_EFH.shape
+    intermediate = two_intermediate // 2
+    y_TH = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x_TH.device)
+    for e in range(num_experts):
+        token_N, slot_N = (topk_idx_TK == e).nonzero(as_tuple=True)
+        if token_N.numel() == 0:
+            continue
+        z_NF = x_TH[token_N] @ w13_EFH[e].t()
+        h_NI = F.silu(z_NF[:, :intermediate]) * z_NF[:, intermediate:]
+        o_NH = h_NI @ w2_EHI[e].t()
+        w_N = topk_weights_TK[token_N, slot_N].float()
+        y_TH = y_TH.index_add(0, token_N, o_NH.float() * w_N[:, None])
+    return y_TH.to(x_TH.dtype)
+
+
+def moe_experts_backward_fp32(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI):
+    """Closed-form backward in fp32 (no autograd): dx, d_topk_weights, dw13, dw2.
+    d_topk_w = <h, a> with a = dy W2_e; dh = w a; dg = dh u silu'(g); du = dh silu(g)."""
+    x_TH, dy_TH, w13_EFH, w2_EHI = (t.float() for t in (x_TH, dy_TH, w13_EFH, w2_EHI))
+    num_experts, two_intermediate, _ = w13_EFH.shape
+    intermediate = two_intermediate // 2
+    dx_TH = torch.zeros_like(x_TH)
+    d_topk_weights_TK = torch.zeros(topk_idx_TK.shape, dtype=torch.float32, device=x_TH.device)
+    dw13_EFH = torch.zeros_like(w13_EFH)
+    dw2_EHI = torch.zeros_like(w2_EHI)
+    for e in range(num_experts):
+        token_N, slot_N = (topk_idx_TK == e).nonzero(as_tuple=True)
+        if token_N.numel() == 0:
+            continue
+        x_NH, dy_NH = x_TH[token_N], dy_TH[token_N]
+        w_N = topk_weights_TK[token_N, slot_N].float()
+        z_NF = x_NH @ w13_EFH[e].t()
+        g_NI, u_NI = z_NF[:, :intermediate], z_NF[:, intermediate:]
+        sig_NI = torch.sigmoid(g_NI)
+        silu_NI = g_NI * sig_NI
+        h_NI = silu_NI * u_NI
+        a_NI = dy_NH @ w2_EHI[e]
+        d_topk_weights_TK[token_N, slot_N] = (h_NI * a_NI).sum(dim=1)
+        dh_NI = w_N[:, None] * a_NI
+        dg_NI = dh_NI * u_NI * sig_NI * (1 + g_NI * (1 - sig_NI))
+        dz_NF = torch.cat([dg_NI, dh_NI * silu_NI], dim=1)
+        dx_TH.index_add_(0, token_N, dz_NF @ w13_EFH[e])
+        dw13_EFH[e] = dz_NF.t() @ x_NH
+        dw2_EHI[e] = (w_N[:, None] * dy_NH).t() @ h_NI
+    return dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI
+
+
+def register_cpu_kernels():
+    """CPU kernels for the fusemoe ops (fp32 math, outputs in the op's dtypes), so the Python
+    layer (autograd, fake kernels, torch.compile, checkpointing) can be tested without a GPU.
+    Like the CUDA kernels they validate their arguments with fusemoe.ops._check_inputs first."""
+    from fusemoe.ops import _check_inputs
+
+    @torch.library.register_kernel("fusemoe::moe_experts_forward", "cpu")
+    def _forward_cpu(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl):
+        _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
+        y_TH = moe_experts_torch(x_TH.float(), topk_idx_TK, topk_weights_TK, w13_EFH.float(),
+                                 w2_EHI.float())
+        return y_TH.to(x_TH.dtype)
+
+    @torch.library.register_kernel("fusemoe::moe_experts_backward", "cpu")
+    def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl):
+        _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+        dx_TH, dw_TK, dw13_EFH, dw2_EHI = moe_experts_backward_fp32(
+            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
+        return dx_TH.to(x_TH.dtype), dw_TK, dw13_EFH.to(w13_EFH.dtype), dw2_EHI.to(w2_EHI.dtype)
+
+
+def make_problem(num_tokens, hidden, intermediate, num_experts, top_k, device, seed=0,
+                 routing="uniform"):
+    """bf16 x ~ N(0,1), w13 ~ N(0,1/H), w2 ~ N(0,1/I), dy ~ N(0,1); int32 ids of K distinct
+    experts per token ("uniform") or of expert 0 only ("one_expert"); fp32 softmax weights."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).to(device)
+
+    x_TH = randn(num_tokens, hidden)
+    w13_EFH = randn(num_experts, 2 * intermediate, hidden, scale=hidden ** -0.5)
+    w2_EHI = randn(num_experts, hidden, intermediate, scale=intermediate ** -0.5)
+    dy_TH = randn(num_tokens, hidden)
+    if routing == "uniform":
+        topk_idx_TK = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=1).indices
+    else:
+        topk_idx_TK = torch.zeros(num_tokens, top_k, dtype=torch.int64)
+    topk_weights_TK = torch.softmax(torch.randn(num_tokens, top_k, generator=gen), dim=1)
+    return dict(x_TH=x_TH, topk_idx_TK=topk_idx_TK.to(torch.int32).to(device),
+                topk_weights_TK=topk_weights_TK.to(device), w13_EFH=w13_EFH, w2_EHI=w2_EHI,
+                dy_TH=dy_TH)
+
+
+def rel_err(got, ref):
+    """Relative L2 error ||got - ref|| / ||ref|| in fp64 (0 when both are zero; inf on NaN)."""
+    got, ref = got.double(), ref.double()
+    diff = torch.linalg.vector_norm(got - ref).item()
+    norm = torch.linalg.vector_norm(ref).item()
+    if diff != diff:
+        return float("inf")
+    return diff / norm if norm > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+def calc_diff(got, ref):
+    """DeepGEMM's 1 - 2<x,y>/(<x,x> + <y,y>): 0 when identical."""
+    got, ref = got.double(), ref.double()
+    denom = (got * got + ref * ref).sum().item()
+    return 1 - 2 * (got * ref).sum().item() / denom if denom > 0 else 0.0

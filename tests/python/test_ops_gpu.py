@@ -1,0 +1,181 @@
+"""fusemoe's PyTorch op and module on an sm_90 GPU (skipped elsewhere; see conftest.py).
+
+Forward and every gradient against a pure-PyTorch fp32 implementation fed the same bf16-rounded
+inputs, under the FlashAttention-3 rule: err(fusemoe) <= 2 * err(pure-PyTorch bf16) + atol,
+err = relative L2 (DeepGEMM calc_diff printed alongside). Then: torch.compile(fullgraph=True)
+equals eager bitwise, checkpointing and two accumulated micro-batches equal the plain sums,
+masked slots, T = 0, a side stream, and errors from the library.
+Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, K top-k.
+"""
+import functools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fusemoe  # noqa: E402
+from conftest import require_gpu  # noqa: E402
+from moe_reference import calc_diff, make_problem, moe_experts_torch, rel_err  # noqa: E402
+
+ATOL = 1e-3  # relative L2: keeps a near-zero bf16 baseline error from demanding bitwise equality
+OUTPUTS = ("y", "dx", "d_topk_weights", "dw13", "dw2")
+
+
+@pytest.fixture(autouse=True)
+def gpu():
+    require_gpu()
+
+
+def run_layer(fn, p, dtype):
+    """y and the gradients of x, topk_weights, w13, w2 for upstream gradient dy."""
+    leaves = [p[k].to(dtype if k != "topk_weights_TK" else torch.float32).clone().requires_grad_()
+              for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
+    y = fn(leaves[0], p["topk_idx_TK"], leaves[1], leaves[2], leaves[3])
+    y.backward(p["dy_TH"].to(dtype))
+    return dict(zip(OUTPUTS, [y.detach()] + [leaf.grad for leaf in leaves]))
+
+
+def check_against_reference(p, impl=fusemoe.DEFAULT_IMPL):
+    got = run_layer(functools.partial(fusemoe.moe_experts, impl=impl), p, torch.bfloat16)
+    same_precision = run_layer(moe_experts_torch, p, torch.bfloat16)
+    ref = run_layer(moe_experts_torch, p, torch.float32)
+    lines, failures = [], []
+    for name in OUTPUTS:
+        err, base = rel_err(got[name], ref[name]), rel_err(same_precision[name], ref[name])
+        tol = 2 * base + ATOL
+        lines.append(f"{name}: err {err:.3e} (calc_diff {calc_diff(got[name], ref[name]):.2e}), "
+                     f"torch bf16 {base:.3e}, tol {tol:.3e}")
+        if not err <= tol:
+            failures.append(lines[-1])
+    print("\n".join(lines))
+    assert not failures, "\n".join(failures)
+    return got
+
+
+SHAPES = {  # T, H, I, E, K
+    "one_token_top1": (1, 128, 64, 4, 1),
+    "small": (199, 256, 128, 8, 2),
+    "top_k_equals_experts": (64, 128, 64, 8, 8),
+    "uneven_4097": (4097, 128, 64, 16, 4),
+    "qwen3_30b_a3b": (256, 2048, 768, 128, 8),
+}
+
+
+# "fused": fused forward, backward through the unfused path (ops.BACKWARD_IMPL) until issue 4.
+@pytest.mark.parametrize("impl", ["unfused", "fused"])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_matches_fp32_reference(shape, impl):
+    num_tokens, hidden, intermediate, num_experts, top_k = shape
+    check_against_reference(make_problem(num_tokens, hidden, intermediate, num_experts, top_k,
+                                         "cuda", seed=sum(shape)), impl)
+
+
+def test_all_tokens_to_one_expert():
+    check_against_reference(make_problem(300, 256, 128, 8, 1, "cuda", routing="one_expert"))
+
+
+def test_masked_slots():
+    p = make_problem(131, 256, 128, 8, 4, "cuda", seed=3)
+    mask_TK = torch.rand(p["topk_idx_TK"].shape, device="cuda") < 0.3
+    mask_TK[:5] = True  # five tokens with every slot masked
+    p["topk_idx_TK"] = p["topk_idx_TK"].masked_fill(mask_TK, -1)
+    p["topk_weights_TK"] = p["topk_weights_TK"].masked_fill(mask_TK, float("nan"))  # never read
+    got = check_against_reference(p)
+    assert torch.all(got["y"][:5] == 0) and torch.all(got["dx"][:5] == 0)
+    assert torch.all(got["d_topk_weights"][mask_TK] == 0)
+
+
+def test_zero_tokens():
+    p = make_problem(0, 128, 64, 4, 2, "cuda")
+    got = run_layer(fusemoe.moe_experts, p, torch.bfloat16)
+    assert got["y"].shape == (0, 128) and got["dx"].shape == (0, 128)
+    assert torch.all(got["dw13"] == 0) and torch.all(got["dw2"] == 0)
+
+
+def test_side_stream_matches_default_stream():
+    p = make_problem(199, 256, 128, 8, 2, "cuda", seed=5)
+    expected = run_layer(fusemoe.moe_experts, p, torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = run_layer(fusemoe.moe_experts, p, torch.bfloat16)
+    torch.cuda.current_stream().wait_stream(stream)
+    for name in OUTPUTS:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def test_opcheck():
+    p = make_problem(37, 128, 64, 6, 2, "cuda", seed=7)
+    args = [p[k] for k in ("x_TH", "topk_idx_TK", "topk_weights_TK", "w13_EFH", "w2_EHI")]
+    leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in args]
+    torch.library.opcheck(torch.ops.fusemoe.moe_experts_forward.default, (*leaves, "unfused"))
+    torch.library.opcheck(torch.ops.fusemoe.moe_experts_backward.default,
+                          (p["dy_TH"], *args, "unfused"))
+
+
+def module_and_inputs(num_tokens, seed):
+    p = make_problem(num_tokens, 256, 128, 8, 2, "cuda", seed=seed)
+    module = fusemoe.MoEExperts(8, 256, 128, device="cuda")
+    with torch.no_grad():
+        module.gate_up_proj.copy_(p["w13_EFH"])
+        module.down_proj.copy_(p["w2_EHI"])
+    # As Hugging Face's router passes them: int64 ids, bf16 weights.
+    return module, p, p["topk_idx_TK"].long(), p["topk_weights_TK"].bfloat16()
+
+
+def module_step(fn, module, x, idx, w, dy):
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    y = fn(x, idx, w)
+    y.backward(dy)
+    return [y.detach(), x.grad, w.grad, module.gate_up_proj.grad, module.down_proj.grad]
+
+
+def test_compile_fullgraph_equals_eager():
+    module, p, idx, w = module_and_inputs(199, seed=11)
+    compiled = torch.compile(module, fullgraph=True, dynamic=True)
+    for num_tokens in (199, 64):  # a second T runs the dynamic-shape graph
+        args = (p["x_TH"][:num_tokens], idx[:num_tokens], w[:num_tokens], p["dy_TH"][:num_tokens])
+        eager = module_step(module, module, *args)
+        got = module_step(compiled, module, *args)
+        for name, a, b in zip(("y", "dx", "dw", "dw13", "dw2"), got, eager):
+            assert torch.equal(a, b), f"T={num_tokens} {name}: max diff {(a - b).abs().max()}"
+
+
+def test_checkpointing_and_two_micro_batches():
+    from torch.utils.checkpoint import checkpoint
+    module, p, idx, w = module_and_inputs(199, seed=13)
+    batches = [p["x_TH"], p["x_TH"].flip(0).contiguous()]
+
+    def layer(x):
+        return module(torch.nn.functional.rms_norm(x, (x.shape[-1],)), idx, w)
+
+    separate = []
+    for x in batches:
+        module.zero_grad(set_to_none=True)
+        layer(x).backward(p["dy_TH"])
+        separate.append((module.gate_up_proj.grad.clone(), module.down_proj.grad.clone()))
+    module.zero_grad(set_to_none=True)
+    for x in batches:
+        checkpoint(layer, x, use_reentrant=False).backward(p["dy_TH"])
+    assert torch.equal(module.gate_up_proj.grad, separate[0][0] + separate[1][0])
+    assert torch.equal(module.down_proj.grad, separate[0][1] + separate[1][1])
+
+
+def test_errors_from_the_library_and_the_op():
+    p = make_problem(16, 128, 64, 4, 2, "cuda")
+    args = [p[k] for k in ("x_TH", "topk_idx_TK", "topk_weights_TK", "w13_EFH", "w2_EHI")]
+    bad_ids = args[1].clone()
+    bad_ids[3, 1] = 4  # E = 4: out of range
+    with pytest.raises(fusemoe.FusemoeError, match="topk_idx"):
+        fusemoe.moe_experts(args[0], bad_ids, *args[2:])
+    with pytest.raises(ValueError, match="topk_weights must be torch.float32"):
+        fusemoe.moe_experts(args[0], args[1], args[2].bfloat16(), *args[3:])
+    with pytest.raises(ValueError, match="topk_idx is on cpu"):
+        fusemoe.moe_experts(args[0], args[1].cpu(), *args[2:])
+    with pytest.raises(fusemoe.FusemoeError, match="hidden"):
+        fusemoe.moe_experts(args[0][:, :100].contiguous(), args[1], args[2],
+                            args[3][:, :, :100].contiguous(), args[4][:, :100].contiguous())
+    # The layer still works after the errors.
+    check_against_reference(p)

@@ -1,0 +1,180 @@
+"""The Python layer without a GPU: argument validation, library loading and C ABI errors, and
+the op's registration (autograd, fake kernels, torch.compile, checkpointing, accumulation) run
+over CPU kernels from moe_reference.py that stand in for the CUDA library. Needs torch only
+(library tests skip without libfusemoe_c.so). The GPU tests live in test_ops_gpu.py."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fusemoe  # noqa: E402
+from fusemoe import _capi  # noqa: E402
+from moe_reference import (make_problem, moe_experts_backward_fp32, moe_experts_torch,  # noqa: E402
+                           register_cpu_kernels, rel_err)
+
+register_cpu_kernels()
+
+SHAPE = dict(num_tokens=37, hidden=128, intermediate=64, num_experts=6, top_k=2)
+
+
+def op_args(p):
+    return (p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"], p["w13_EFH"], p["w2_EHI"])
+
+
+@pytest.fixture
+def problem():
+    return make_problem(**SHAPE, device="cpu")
+
+
+# ---- validation ----
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda a: a.__setitem__(0, a[0].float()), "x (hidden_states) must be torch.bfloat16"),
+    (lambda a: a.__setitem__(1, a[1].long()), "topk_idx must be torch.int32"),
+    (lambda a: a.__setitem__(2, a[2].bfloat16()), "topk_weights must be torch.float32"),
+    (lambda a: a.__setitem__(3, a[3].float()), "w13 (gate_up_proj) must be torch.bfloat16"),
+    (lambda a: a.__setitem__(0, a[0][:, :64]), "x (hidden_states) must be contiguous"),
+    (lambda a: a.__setitem__(0, a[0][None]), "x (hidden_states) must have 2 dimensions"),
+    (lambda a: a.__setitem__(1, a[1][:5]), "topk_idx must be [T, K] with T = x.shape[0] = 37"),
+    (lambda a: a.__setitem__(2, a[2][:, :1].contiguous()), "topk_weights must have the shape"),
+    (lambda a: a.__setitem__(3, a[3][:, :, :64].contiguous()), "w13 (gate_up_proj) must be [E, 2I, H]"),
+    (lambda a: a.__setitem__(4, a[4][:, :, :32].contiguous()), "w2 (down_proj) must be [E, H, I]"),
+])
+def test_validation_names_the_argument(problem, mutate, message):
+    args = list(op_args(problem))
+    mutate(args)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        fusemoe.moe_experts(*args)
+
+
+def test_validation_under_fake_tensors(problem):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in op_args(problem)]
+        y = fusemoe.moe_experts(*fake)
+        assert y.shape == problem["x_TH"].shape and y.dtype == torch.bfloat16
+        fake[1] = fake[1].long()
+        with pytest.raises(ValueError, match="topk_idx must be torch.int32"):
+            fusemoe.moe_experts(*fake)
+
+
+# ---- library loading and the C ABI ----
+
+def test_missing_library_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUSEMOE_LIBRARY", str(tmp_path / "nowhere.so"))
+    monkeypatch.setattr(_capi, "_lib", None)
+    assert not fusemoe.is_available()
+    with pytest.raises(fusemoe.FusemoeError, match="C library not found at .*nowhere.so"):
+        _capi.workspace_bytes((128, 64, 6, 2, 37), "unfused")
+
+
+def require_library():
+    if not fusemoe.is_available():
+        pytest.skip(f"skipped: libfusemoe_c.so not built (looked at {fusemoe.library_path()})")
+
+
+def test_c_abi_errors_carry_the_library_message():
+    require_library()
+    assert _capi.impl_code("unfused") != _capi.impl_code("reference_fp32")
+    with pytest.raises(fusemoe.FusemoeError, match='unknown implementation "nope".*unfused'):
+        _capi.impl_code("nope")
+    with pytest.raises(fusemoe.FusemoeError, match=r"hidden \(H\) must be a positive multiple of 128"):
+        _capi.workspace_bytes((100, 64, 6, 2, 37), "unfused")
+    with pytest.raises(fusemoe.FusemoeError, match="unknown implementation"):
+        fusemoe.MoEExperts(6, 128, 64, impl="nope")
+    assert _capi.workspace_bytes((128, 64, 6, 2, 37), "unfused") > 0
+
+
+# ---- the reference itself: closed-form backward against autograd ----
+
+def test_reference_backward_matches_autograd(problem):
+    p = {k: v.float() if v.is_floating_point() else v for k, v in problem.items()}
+    leaves = [p[k].clone().requires_grad_() for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
+    y = moe_experts_torch(leaves[0], p["topk_idx_TK"], leaves[1], leaves[2], leaves[3])
+    y.backward(p["dy_TH"])
+    closed = moe_experts_backward_fp32(p["dy_TH"], p["x_TH"], p["topk_idx_TK"],
+                                       p["topk_weights_TK"], p["w13_EFH"], p["w2_EHI"])
+    for leaf, grad in zip(leaves, closed):
+        assert rel_err(grad, leaf.grad) <= 1e-5
+
+
+# ---- registration: autograd, compile, checkpointing, accumulation (CPU stand-in kernels) ----
+
+def grads_of(fn, p):
+    leaves = [p[k].clone().requires_grad_() for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
+    y = fn(leaves[0], p["topk_idx_TK"], leaves[1], leaves[2], leaves[3])
+    y.backward(p["dy_TH"])
+    return [y.detach()] + [leaf.grad for leaf in leaves]
+
+
+def test_autograd_reaches_every_input(problem):
+    got = grads_of(fusemoe.moe_experts, problem)
+    assert [g.dtype for g in got] == [torch.bfloat16, torch.bfloat16, torch.float32,
+                                      torch.bfloat16, torch.bfloat16]
+    ref = moe_experts_backward_fp32(problem["dy_TH"], *op_args(problem))
+    for g, r in zip(got[1:], ref):
+        assert rel_err(g, r) <= 1e-2
+
+
+def test_opcheck(problem):
+    args = op_args(problem)
+    leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in args]
+    torch.library.opcheck(torch.ops.fusemoe.moe_experts_forward.default, (*leaves, "unfused"))
+    torch.library.opcheck(torch.ops.fusemoe.moe_experts_backward.default,
+                          (problem["dy_TH"], *args, "unfused"))
+
+
+def test_compile_fullgraph_equals_eager(problem):
+    module = fusemoe.MoEExperts.from_experts(_experts_holder(problem))
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager", dynamic=True)
+    for num_tokens in (37, 20):
+        x = problem["x_TH"][:num_tokens].clone().requires_grad_()
+        idx = problem["topk_idx_TK"][:num_tokens].long()  # Hugging Face passes int64 ids
+        w = problem["topk_weights_TK"][:num_tokens].clone().requires_grad_()
+        outs = []
+        for fn in (module, compiled):
+            module.zero_grad()
+            x.grad = w.grad = None
+            y = fn(x, idx, w)
+            y.backward(problem["dy_TH"][:num_tokens])
+            outs.append([y, x.grad, w.grad, module.gate_up_proj.grad, module.down_proj.grad])
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+
+
+def _experts_holder(problem):
+    holder = torch.nn.Module()
+    holder.gate_up_proj = torch.nn.Parameter(problem["w13_EFH"].clone())
+    holder.down_proj = torch.nn.Parameter(problem["w2_EHI"].clone())
+    return holder
+
+
+def test_checkpointing_and_accumulation(problem):
+    from torch.utils.checkpoint import checkpoint
+    module = fusemoe.MoEExperts.from_experts(_experts_holder(problem))
+    idx, w, dy = problem["topk_idx_TK"], problem["topk_weights_TK"], problem["dy_TH"]
+
+    def run(x, use_checkpoint):
+        fn = lambda t: module(t * 2, idx, w)  # noqa: E731  (an op before the layer to recompute)
+        return checkpoint(fn, x, use_reentrant=False) if use_checkpoint else fn(x)
+
+    per_batch = []
+    for x in (problem["x_TH"], problem["x_TH"].flip(0).contiguous()):
+        module.zero_grad()
+        run(x, False).backward(dy)
+        per_batch.append((module.gate_up_proj.grad.clone(), module.down_proj.grad.clone()))
+    module.zero_grad()
+    for x in (problem["x_TH"], problem["x_TH"].flip(0).contiguous()):
+        run(x, True).backward(dy)  # two micro-batches, checkpointed, gradients accumulate
+    assert torch.equal(module.gate_up_proj.grad, per_batch[0][0] + per_batch[1][0])
+    assert torch.equal(module.down_proj.grad, per_batch[0][1] + per_batch[1][1])
+
+
+def test_module_shares_parameters_and_converts_inputs(problem):
+    holder = _experts_holder(problem)
+    module = fusemoe.MoEExperts.from_experts(holder)
+    assert module.gate_up_proj is holder.gate_up_proj and module.down_proj is holder.down_proj
+    x3 = problem["x_TH"].float().reshape(1, 37, 128)  # fp32, batched, like an autocast caller
+    y3 = module(x3, problem["topk_idx_TK"].long().reshape(1, 37, 2),
+                problem["topk_weights_TK"].bfloat16().reshape(1, 37, 2))
+    assert y3.shape == x3.shape and y3.dtype == torch.float32
