@@ -10,8 +10,13 @@ bash scripts/setup.sh
 echo "[tests] ctest (labels cpu, gpu)"
 ctest --test-dir "$BUILD_DIR" --output-on-failure
 if ls tests/python/test_*.py >/dev/null 2>&1; then
+  if ! python3 -c "import pytest" 2>/dev/null; then
+    echo "[tests] installing pytest from PyPI (tests/python)"
+    python3 -m pip install -q pytest || echo "[tests] could not install pytest"
+  fi
   if python3 -c "import pytest" 2>/dev/null; then
     echo "[tests] pytest tests/python"
+    export FUSEMOE_LIBRARY="${FUSEMOE_LIBRARY:-$(cd "$BUILD_DIR" && pwd -P)/libfusemoe_c.so}"
     set +e
     python3 -m pytest -q tests/python
     status=$?
