@@ -1,5 +1,6 @@
 // Thin wrappers over the Hopper (sm_90a) PTX that the fused MoE kernels use: mbarriers, TMA
-// tensor loads, wgmma (warpgroup MMA) with shared-memory descriptors, and setmaxnreg.
+// tensor loads, cp.async row copies, wgmma (warpgroup MMA) with shared-memory descriptors, and
+// setmaxnreg.
 //
 // Conventions: shared-memory addresses are 32-bit `.shared::cta` addresses (from
 // smem_addr()); every wrapper is a single PTX instruction or a fixed short sequence, so the
@@ -75,6 +76,29 @@ __device__ __forceinline__ void tma_load_2d(const CUtensorMap* map, uint64_t* ba
       " [%0], [%1, {%2, %3}], [%4];" ::"r"(smem_addr(smem_dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer), "r"(smem_addr(bar))
       : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// cp.async (LDGSTS): 16-byte global -> shared copies issued per thread, for rows that TMA
+// cannot gather. Completion is tracked by an mbarrier: cp_async_mbarrier_arrive_noinc makes
+// one of the barrier's expected arrivals (counted at init) fire once all of this thread's
+// earlier cp.async copies have landed.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* global_src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_dst), "l"(global_src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// cp.async writes shared memory through the generic proxy, wgmma reads it through the async
+// proxy: a thread that has observed the writes (through the mbarrier) orders them before its
+// wgmma reads with this fence.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,23 +1,34 @@
 // Grouped GEMMs of the fused MoE forward on sm_90a: persistent, warp-specialised TMA + wgmma
-// kernels over an expert-sorted row pool (see sm90_moe_gemm.h for the math and shapes).
+// kernels over the expert-sorted row order (see sm90_moe_gemm.h for the math and shapes).
 //
-//   gate/up + SwiGLU : tile = 128 pool rows x (kBlockN/2 gate + kBlockN/2 up) weight rows,
+//   gate/up + SwiGLU : tile = 128 sorted rows x (kBlockN/2 gate + kBlockN/2 up) weight rows,
 //                      epilogue h = silu(g) * u  ->  h[row, n0 : n0 + kBlockN/2]   (bf16)
 //   down + weight    : tile = 128 pool rows x kBlockN rows of W2_e,
 //                      epilogue w * o  ->  ys[row_slot[row], n0 : n0 + kBlockN]    (bf16)
 //
 // Thread roles (384 threads, one CTA per SM, static round-robin over the expert-major tile list):
-//   warpgroup 0 (producer, 40 registers): one thread issues the TMA loads of every
-//     (tile, k-block) into a kStages-deep ring of shared-memory stages; it runs ahead across
-//     tile boundaries, so the next tile's loads overlap the current tile's epilogue.
+//   warpgroup 0 (producer, 40 registers): fills a kStages-deep ring of shared-memory stages
+//     for every (tile, k-block), running ahead across tile boundaries so the next tile's loads
+//     overlap the current tile's epilogue. B (weights) always comes by TMA, issued by thread 0.
+//     A comes either as one [128 rows, 64] TMA box of a pool (thread 0), or, with kGatherA
+//     (direct dispatch), as token rows of x gathered by all 128 producer threads with 16-byte
+//     cp.async copies: thread p copies chunk p % 8 of rows p / 8 + 16 i, i < 8, to the 128-byte
+//     swizzled position (chunk c of row r at c ^ (r % 8)) that a TMA box would have used.
+//     Measured on the H200 (tests/gpu/test_sm90_moe_gemm.cu, 2026-11-29), gate/up direct vs
+//     pool + gather kernel: 30B T=16384 random 1.24 vs 1.31 + 0.31 ms, 235B T=16384 random
+//     5.42 vs 5.32 + 0.65 ms. One-row TMA boxes instead of cp.async (128 per stage from one
+//     warp) measured 5.4x slower: 6.35 ms against 1.11 ms at 30B T=16384 (TMA issue-bound).
 //   warpgroups 1, 2 (consumers, 232 registers): each owns 64 rows of the 128-row tile and
 //     issues wgmma m64 x kBlockN x k16 from shared memory into fp32 registers, then runs the
 //     epilogue from registers straight to global memory (16-byte stores).
-//   Ring protocol: full[s] (1 arrival + TMA bytes) and empty[s] (one arrival per consumer warp).
-// Rows of a tile at or past the expert's end (another expert's rows, or past the pool end where
-// TMA fills zeros) are computed but never stored. (Skipping the MMAs of a warpgroup whose rows
-// are all past the end, or splitting such tiles by columns between the two warpgroups, both
-// measured slower on random routing: 235B gate/up, T=4096, 1.40 ms -> 1.69 ms; not understood.)
+//   Ring protocol: full[s] (1 arrival + TMA bytes, plus one cp.async arrival per producer
+//   thread when gathering) and empty[s] (one arrival per consumer warp).
+// Rows of a tile at or past the expert's end are computed but never stored: a pool box reads
+// another expert's rows (or zeros past the pool end), a gathered tile leaves them uncopied
+// (stale shared memory; each accumulator row depends on its own A row only). (Skipping the
+// MMAs of a warpgroup whose rows are all past the end, or splitting such tiles by columns
+// between the two warpgroups, both measured slower on random routing: 235B gate/up, T=4096,
+// 1.40 ms -> 1.69 ms; not understood.)
 #include "kernels/sm90_moe_gemm.h"
 
 #include <cuda.h>
@@ -25,8 +36,11 @@
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled (driver entry point, no -lcuda)
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
+#include <vector>
 
 #include "device/sm90_expert_tiles.cuh"
 #include "device/sm90_ptx.cuh"
@@ -47,10 +61,18 @@ constexpr int kThreads = kThreadsPerWarpgroup * (1 + kNumConsumers);
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 constexpr int kMaxExpertsInSmem = 1024;  // the tile table holds 2 x (E+1) int32 in shared memory
+constexpr int kRowBytes = kBlockK * 2;    // one K-block row of A: 64 bf16, 8 16-byte chunks
+constexpr int kChunksPerRow = kRowBytes / 16;
+constexpr int kGatherThreads = kThreadsPerWarpgroup;                  // the producer warpgroup
+constexpr int kGatherRowStep = kGatherThreads / kChunksPerRow;        // 16 rows per pass
+constexpr int kGatherRowsPerThread = kBlockM / kGatherRowStep;        // 8 copies per stage
 
 static_assert(kBlockM == kNumConsumers * kWgmmaM, "each consumer warpgroup owns 64 tile rows");
 static_assert(kBlockK * 2 == 128, "a K-block row is exactly one 128-byte swizzle row");
 static_assert(kBlockK % kWgmmaK == 0, "whole wgmma k-steps per K-block");
+static_assert(kBlockM % kGatherRowStep == 0 && kGatherRowStep % 8 == 0,
+              "gathered rows spread evenly over the producer threads, and each thread's rows share "
+              "one swizzle phase (row % 8)");
 static_assert(kProducerRegs * kThreadsPerWarpgroup +
                   kConsumerRegs * kThreadsPerWarpgroup * kNumConsumers <= 65536,
               "register split exceeds the register file");
@@ -68,10 +90,12 @@ struct KernelArgs {
   __nv_bfloat16* h;               // [R_max, I]
   int32_t use_clamp;
   float clamp;
+  const __nv_bfloat16* x;         // gathered A rows: [num_tokens, H], row = row_slot[r] / top_k
+  int32_t top_k;
   // down
   __nv_bfloat16* ys;              // [num_slots, ys_row_stride]
   int64_t ys_row_stride;
-  const int32_t* row_slot;        // [R_max]
+  const int32_t* row_slot;        // [R_max]: slot of each sorted row (down epilogue, gathered A)
   const float* topk_weights;      // [num_slots]
 };
 
@@ -87,9 +111,11 @@ struct KernelConfig {
   static constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
   static constexpr int kAccRegs = Wgmma<kBlockN>::kAccRegs;
   static constexpr int kNumChunks8 = kBlockN / 8;  // n8 column chunks of the accumulator
+  static constexpr bool kIsSwiGLU = kEpilogue == Epilogue::kSwiGLU;
   static constexpr int kAlign = 1024;  // 128B-swizzle atoms must start 1024-byte aligned
 
   static_assert(kTileABytes % kAlign == 0 && kTileBBytes % kAlign == 0, "stage alignment");
+  static_assert(kTileABytes == kBlockM * kRowBytes, "a gathered tile is kBlockM rows of 128 bytes");
   static_assert(kBoxRowsB <= 256, "TMA box dimension limit");
   static_assert(kOutCols % 32 == 0, "quad-transposed stores write groups of 4 n8 chunks");
 
@@ -178,7 +204,91 @@ __device__ __forceinline__ void epilogue_scale_row(const float (&acc)[kRegs], in
   store_row_fragment<kChunks>(words, row_ptr, row_valid, col0, n_valid, lane);
 }
 
-template <Epilogue kEpilogue, int kBlockN, int kStages>
+// The producer of gathered A tiles (direct dispatch), run by all kGatherThreads producer
+// threads. Row r of a tile is token row_slot[r] / top_k of x; thread p copies chunk p % 8 of
+// rows p / 8 + 16 i. Rows past the expert's end are not copied; every thread still arrives
+// (an arrival with no copies outstanding fires at once). Row addresses are kept as 32-bit
+// indices of 16-byte chunks (x < 64 GiB, checked on the host) to fit the producer's 40
+// registers; ptxas still keeps 3 values on the stack (3 L1-resident loads per stage, and
+// the kernel measured as fast as the pool one: see the header).
+template <class Config, int kStages>
+__device__ __forceinline__ void produce_gathered(const __nv_bfloat16* x, const CUtensorMap* map_b,
+                                                 const KernelArgs& args, const ExpertTileTable& table,
+                                                 uint8_t* tiles_a, uint8_t* tiles_b, uint64_t* full,
+                                                 uint64_t* empty, int32_t num_tiles, int thread) {
+  const int chunk = thread % kChunksPerRow;
+  const int row0 = thread / kChunksPerRow;
+  // Rows row0 + 16 i all have row % 8 == row0 % 8, so one swizzled offset serves every copy.
+  const uint32_t dst0 = smem_addr(tiles_a) + row0 * kRowBytes + ((chunk ^ (row0 % 8)) * 16);
+  const uint32_t chunks_per_x_row = static_cast<uint32_t>(args.num_k_blocks) * kChunksPerRow;  // H / 8
+  ExpertTileCursor<kBlockM> cursor;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const ExpertTile tile = cursor.tile(table, t);
+    const int32_t b_row = tile.expert * args.weight_rows_per_expert + tile.n_tile * Config::kOutCols;
+    // Copy i happens iff tile row row0 + 16 i is before the expert's end.
+    const int32_t rows_left = tile.row_end - tile.row_begin - row0;
+    uint32_t src_chunk[kGatherRowsPerThread];  // first chunk of the x row of tile row row0 + 16 i
+#pragma unroll
+    for (int i = 0; i < kGatherRowsPerThread; ++i) {
+      const int32_t row = tile.row_begin + row0 + kGatherRowStep * i;
+      const int32_t token = kGatherRowStep * i < rows_left ? __ldg(args.row_slot + row) / args.top_k : 0;
+      src_chunk[i] = static_cast<uint32_t>(token) * chunks_per_x_row;
+    }
+    const uint4* src = reinterpret_cast<const uint4*>(x) + chunk;  // this K-block, this thread's chunk
+    for (int32_t kb = 0; kb < args.num_k_blocks; ++kb, src += kChunksPerRow) {
+      mbarrier_wait(&empty[stage], phase ^ 1);
+      if (thread == 0) {
+        const int32_t k = kb * kBlockK;
+        mbarrier_arrive_expect_tx(&full[stage], Config::kTileBBytes);
+        uint8_t* tile_b = tiles_b + stage * Config::kTileBBytes;
+        tma_load_2d(map_b, &full[stage], tile_b, k, b_row);
+        if constexpr (Config::kIsSwiGLU) {
+          tma_load_2d(map_b, &full[stage], tile_b + Config::kTileBBytes / 2, k, b_row + args.n_valid);
+        }
+      }
+      const uint32_t dst = dst0 + stage * Config::kTileABytes;
+#pragma unroll
+      for (int i = 0; i < kGatherRowsPerThread; ++i) {
+        if (kGatherRowStep * i < rows_left) cp_async_16(dst + i * kGatherRowStep * kRowBytes, src + src_chunk[i]);
+      }
+      cp_async_mbarrier_arrive_noinc(&full[stage]);
+      if (++stage == kStages) { stage = 0; phase ^= 1; }
+    }
+  }
+  cp_async_wait_all();  // no copy outlives its thread
+}
+
+// The producer of pool A tiles: one thread, one [128, 64] box per stage.
+template <class Config, int kStages>
+__device__ __forceinline__ void produce_boxes(const CUtensorMap* map_a, const CUtensorMap* map_b,
+                                              const KernelArgs& args, const ExpertTileTable& table,
+                                              uint8_t* tiles_a, uint8_t* tiles_b, uint64_t* full,
+                                              uint64_t* empty, int32_t num_tiles) {
+  ExpertTileCursor<kBlockM> cursor;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const ExpertTile tile = cursor.tile(table, t);
+    const int32_t b_row = tile.expert * args.weight_rows_per_expert + tile.n_tile * Config::kOutCols;
+    for (int32_t kb = 0; kb < args.num_k_blocks; ++kb) {
+      mbarrier_wait(&empty[stage], phase ^ 1);
+      mbarrier_arrive_expect_tx(&full[stage], Config::kStageBytes);
+      const int32_t k = kb * kBlockK;
+      uint8_t* tile_b = tiles_b + stage * Config::kTileBBytes;
+      tma_load_2d(map_a, &full[stage], tiles_a + stage * Config::kTileABytes, k, tile.row_begin);
+      tma_load_2d(map_b, &full[stage], tile_b, k, b_row);
+      if constexpr (Config::kIsSwiGLU) {
+        // Up rows of the same output columns: I = n_valid rows below the gate rows.
+        tma_load_2d(map_b, &full[stage], tile_b + Config::kTileBBytes / 2, k, b_row + args.n_valid);
+      }
+      if (++stage == kStages) { stage = 0; phase ^= 1; }
+    }
+  }
+}
+
+template <Epilogue kEpilogue, int kBlockN, int kStages, bool kGatherA>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                     const __grid_constant__ CUtensorMap map_b, const KernelArgs args) {
@@ -204,10 +314,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane = threadIdx.x % 32;
 
   if (threadIdx.x == 0) {
-    prefetch_tensor_map(&map_a);
+    if constexpr (!kGatherA) prefetch_tensor_map(&map_a);  // gathering reads x through args.x
     prefetch_tensor_map(&map_b);
     for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(&full[s], 1);
+      // TMA: the expect_tx arrival; gathering adds one cp.async arrival per producer thread.
+      mbarrier_init(&full[s], 1 + (kGatherA ? kGatherThreads : 0));
       mbarrier_init(&empty[s], kNumConsumers * 4);
     }
     fence_barrier_init();
@@ -218,26 +329,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == 0) {
     // ================================ producer ================================
     setmaxnreg_dec<kProducerRegs>();
-    if (warp_in_wg == 0 && lane == 0) {
-      ExpertTileCursor<kBlockM> cursor;
-      int stage = 0;
-      uint32_t phase = 0;
-      for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const ExpertTile tile = cursor.tile(table, t);
-        const int32_t b_row = tile.expert * args.weight_rows_per_expert + tile.n_tile * Config::kOutCols;
-        for (int32_t kb = 0; kb < args.num_k_blocks; ++kb) {
-          mbarrier_wait(&empty[stage], phase ^ 1);
-          mbarrier_arrive_expect_tx(&full[stage], Config::kStageBytes);
-          const int32_t k = kb * kBlockK;
-          uint8_t* tile_b = tiles_b + stage * Config::kTileBBytes;
-          tma_load_2d(&map_a, &full[stage], tiles_a + stage * Config::kTileABytes, k, tile.row_begin);
-          tma_load_2d(&map_b, &full[stage], tile_b, k, b_row);
-          if constexpr (kEpilogue == Epilogue::kSwiGLU) {
-            // Up rows of the same output columns: I = n_valid rows below the gate rows.
-            tma_load_2d(&map_b, &full[stage], tile_b + Config::kTileBBytes / 2, k, b_row + args.n_valid);
-          }
-          if (++stage == kStages) { stage = 0; phase ^= 1; }
-        }
+    if constexpr (kGatherA) {
+      produce_gathered<Config, kStages>(args.x, &map_b, args, table, tiles_a, tiles_b, full, empty, num_tiles,
+                                        threadIdx.x);
+    } else {
+      if (warp_in_wg == 0 && lane == 0) {
+        produce_boxes<Config, kStages>(&map_a, &map_b, args, table, tiles_a, tiles_b, full, empty, num_tiles);
       }
     }
   } else {
@@ -273,6 +370,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       int prev_stage = 0;
       for (int32_t kb = 0; kb < args.num_k_blocks; ++kb) {
         mbarrier_wait(&full[stage], phase);
+        if constexpr (kGatherA) fence_proxy_async_shared();  // cp.async rows -> wgmma reads
         const uint64_t desc_a = make_smem_desc_sw128(tiles_a + stage * Config::kTileABytes +
                                                      consumer * kWgmmaM * kBlockK * 2);
         const uint64_t desc_b = make_smem_desc_sw128(tiles_b + stage * Config::kTileBBytes);
@@ -351,15 +449,26 @@ CUtensorMap make_tensor_map_bf16(const void* base, uint64_t inner, uint64_t oute
 }
 
 struct DeviceInfo {
+  int device;
   int num_sms;
   int max_smem_optin;
 };
 
-DeviceInfo query_sm90_device() {
+// Facts of the current device, queried once per device: the launchers run on every forward
+// call, and these never change.
+DeviceInfo sm90_device_info() {
   int device = 0;
   FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::vector<DeviceInfo> known;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const DeviceInfo& info : known) {
+      if (info.device == device) return info;
+    }
+  }
   int major = 0, minor = 0;
-  DeviceInfo info{};
+  DeviceInfo info{device, 0, 0};
   FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   FUSEMOE_CHECK(major == 9 && minor == 0,
@@ -369,6 +478,8 @@ DeviceInfo query_sm90_device() {
   FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device));
   FUSEMOE_CUDA_CHECK(
       cudaDeviceGetAttribute(&info.max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  std::lock_guard<std::mutex> lock(mutex);
+  known.push_back(info);
   return info;
 }
 
@@ -388,15 +499,27 @@ void validate_common(int64_t max_rows, int64_t hidden, int64_t intermediate, int
                 "num_experts * 2 * intermediate and num_experts * hidden must be < 2^31");
 }
 
-template <typename Kernel>
-void launch_persistent(Kernel kernel, size_t smem_bytes, const DeviceInfo& info, int num_sms_override,
-                       const CUtensorMap& map_a, const CUtensorMap& map_b, const KernelArgs& args,
-                       cudaStream_t stream) {
-  FUSEMOE_CHECK(smem_bytes <= static_cast<size_t>(info.max_smem_optin),
-                "grouped GEMM needs " << smem_bytes << " bytes of shared memory, the device allows "
-                                      << info.max_smem_optin);
-  FUSEMOE_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
+// Launches one kernel variant on the persistent grid. The dynamic shared-memory limit is raised
+// once per device and variant, to what the largest E needs (a limit, not an allocation: each
+// launch asks for its own E's bytes), so later calls make no attribute call.
+template <Epilogue kEpilogue, int kBlockN, int kStages, bool kGatherA>
+void launch_variant(const DeviceInfo& info, int num_sms_override, int64_t num_experts, const CUtensorMap& map_a,
+                    const CUtensorMap& map_b, const KernelArgs& args, cudaStream_t stream) {
+  using Config = KernelConfig<kEpilogue, kBlockN, kStages>;
+  auto kernel = sm90::moe_gemm_kernel<kEpilogue, kBlockN, kStages, kGatherA>;
+  const size_t smem_bytes = Config::smem_bytes(static_cast<int>(num_experts));
+  const size_t smem_limit =
+      std::min(Config::smem_bytes(sm90::kMaxExpertsInSmem), static_cast<size_t>(info.max_smem_optin));
+  FUSEMOE_CHECK(smem_bytes <= smem_limit, "grouped GEMM needs " << smem_bytes
+                                                                << " bytes of shared memory, the device allows "
+                                                                << info.max_smem_optin);
+  static std::atomic<uint64_t> configured{0};  // bit d: the limit is set on device d (d < 64)
+  const uint64_t device_bit = info.device < 64 ? uint64_t{1} << info.device : 0;
+  if (device_bit == 0 || !(configured.load(std::memory_order_acquire) & device_bit)) {
+    FUSEMOE_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_limit)));
+    configured.fetch_or(device_bit, std::memory_order_acq_rel);
+  }
   const int grid = num_sms_override > 0 ? std::min(num_sms_override, info.num_sms) : info.num_sms;
   kernel<<<grid, sm90::kThreads, smem_bytes, stream>>>(map_a, map_b, args);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
@@ -409,20 +532,39 @@ void launch_sm90_gate_up_swiglu(const Sm90GateUpParams& p) {
   validate_common(p.max_rows, p.hidden, p.intermediate, p.num_experts);
   FUSEMOE_CHECK(!p.use_swiglu_clamp || (p.swiglu_clamp > 0.0f && p.swiglu_clamp < INFINITY),
                 "swiglu_clamp must be finite and > 0 when use_swiglu_clamp, got " << p.swiglu_clamp);
+  const Sm90RowSources& src = p.sources;
+  FUSEMOE_CHECK(src.num_sources >= 0 && src.num_sources <= kMaxRowSources,
+                "sources.num_sources must be in [0, " << kMaxRowSources << "], got " << src.num_sources);
+  const bool direct = src.num_sources > 0;
+  FUSEMOE_CHECK(direct != (p.xs != nullptr),
+                "give either row sources (direct dispatch) or the pool xs, not both and not neither");
   if (p.max_rows == 0) return;
-  FUSEMOE_CHECK(p.xs && aligned16(p.xs), "xs must be a non-null 16-byte aligned device pointer");
+  if (direct) {
+    FUSEMOE_CHECK(src.x[0] && aligned16(src.x[0]), "sources.x[0] must be a non-null 16-byte aligned device pointer");
+    FUSEMOE_CHECK(src.num_rows[0] >= 1 && src.num_rows[0] < (int64_t{1} << 31),
+                  "sources.num_rows[0] must be in [1, 2^31), got " << src.num_rows[0]);
+    FUSEMOE_CHECK(p.row_slot != nullptr, "row_slot must be a non-null device pointer for direct dispatch");
+    FUSEMOE_CHECK(p.top_k >= 1 && p.top_k < (int64_t{1} << 31), "top_k must be >= 1, got " << p.top_k);
+    // The gather addresses x in 32-bit indices of 16-byte chunks.
+    FUSEMOE_CHECK(src.num_rows[0] * p.hidden / 8 <= (int64_t{1} << 32),
+                  "sources.x[0] must be at most 64 GiB for direct dispatch, got " << src.num_rows[0] << " rows of "
+                                                                                  << p.hidden);
+  } else {
+    FUSEMOE_CHECK(aligned16(p.xs), "xs must be a 16-byte aligned device pointer");
+  }
   FUSEMOE_CHECK(p.w13 && aligned16(p.w13), "w13 must be a non-null 16-byte aligned device pointer");
   FUSEMOE_CHECK(p.h && aligned16(p.h), "h must be a non-null 16-byte aligned device pointer");
   FUSEMOE_CHECK(p.expert_offsets != nullptr, "expert_offsets must be a non-null device pointer");
-  const DeviceInfo info = query_sm90_device();
+  const DeviceInfo info = sm90_device_info();
 
-  // ---- configure: 128 x (128 gate + 128 up) tiles, 4 stages of 48 KB
+  // ---- configure: 128 x (128 gate + 128 up) tiles, 4 stages of 48 KB; A gathered from x by
+  // cp.async (direct; the kernel takes no A map, map_b stands in) or one 128-row TMA box of xs
   constexpr int kBlockN = 256, kStages = 4;
   using Config = KernelConfig<Epilogue::kSwiGLU, kBlockN, kStages>;
-  auto kernel = sm90::moe_gemm_kernel<Epilogue::kSwiGLU, kBlockN, kStages>;
-  const CUtensorMap map_a = make_tensor_map_bf16(p.xs, p.hidden, p.max_rows, sm90::kBlockM, "xs");
   const CUtensorMap map_b =
       make_tensor_map_bf16(p.w13, p.hidden, p.num_experts * 2 * p.intermediate, Config::kBoxRowsB, "w13");
+  const CUtensorMap map_a =
+      direct ? map_b : make_tensor_map_bf16(p.xs, p.hidden, p.max_rows, sm90::kBlockM, "xs");
   KernelArgs args{};
   args.expert_offsets = p.expert_offsets;
   args.num_experts = static_cast<int32_t>(p.num_experts);
@@ -432,10 +574,18 @@ void launch_sm90_gate_up_swiglu(const Sm90GateUpParams& p) {
   args.h = static_cast<__nv_bfloat16*>(p.h);
   args.use_clamp = p.use_swiglu_clamp ? 1 : 0;
   args.clamp = p.swiglu_clamp;
+  args.row_slot = p.row_slot;
+  args.x = static_cast<const __nv_bfloat16*>(src.x[0]);
+  args.top_k = static_cast<int32_t>(p.top_k);
 
   // ---- launch
-  launch_persistent(kernel, Config::smem_bytes(static_cast<int>(p.num_experts)), info, p.num_sms,
-                    map_a, map_b, args, p.stream);
+  if (direct) {
+    launch_variant<Epilogue::kSwiGLU, kBlockN, kStages, true>(info, p.num_sms, p.num_experts, map_a, map_b, args,
+                                                              p.stream);
+  } else {
+    launch_variant<Epilogue::kSwiGLU, kBlockN, kStages, false>(info, p.num_sms, p.num_experts, map_a, map_b, args,
+                                                               p.stream);
+  }
 }
 
 namespace {
@@ -443,12 +593,11 @@ namespace {
 template <int kBlockN, int kStages>
 void launch_down_variant(const Sm90DownParams& p, const DeviceInfo& info, const KernelArgs& args) {
   using Config = KernelConfig<Epilogue::kWeightedScatter, kBlockN, kStages>;
-  auto kernel = sm90::moe_gemm_kernel<Epilogue::kWeightedScatter, kBlockN, kStages>;
   const CUtensorMap map_a = make_tensor_map_bf16(p.h, p.intermediate, p.max_rows, sm90::kBlockM, "h");
   const CUtensorMap map_b =
       make_tensor_map_bf16(p.w2, p.intermediate, p.num_experts * p.hidden, Config::kBoxRowsB, "w2");
-  launch_persistent(kernel, Config::smem_bytes(static_cast<int>(p.num_experts)), info, p.num_sms,
-                    map_a, map_b, args, p.stream);
+  launch_variant<Epilogue::kWeightedScatter, kBlockN, kStages, false>(info, p.num_sms, p.num_experts, map_a, map_b,
+                                                                      args, p.stream);
 }
 
 }  // namespace
@@ -469,7 +618,7 @@ void launch_sm90_down_weighted(const Sm90DownParams& p) {
   FUSEMOE_CHECK(p.ys && aligned16(p.ys), "ys must be a non-null 16-byte aligned device pointer");
   FUSEMOE_CHECK(p.expert_offsets && p.row_slot && p.topk_weights,
                 "expert_offsets, row_slot and topk_weights must be non-null device pointers");
-  const DeviceInfo info = query_sm90_device();
+  const DeviceInfo info = sm90_device_info();
 
   // ---- configure
   KernelArgs args{};

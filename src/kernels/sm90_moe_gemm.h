@@ -1,15 +1,20 @@
 // Host launchers of the two grouped GEMMs of the fused MoE forward on sm_90a (TMA + wgmma,
-// persistent, warp-specialised), over an expert-sorted row pool built by routing (routing.h).
+// persistent, warp-specialised), over the expert-sorted row order built by routing (routing.h).
 //
-//   gate/up + SwiGLU : z = xs_r W13_e^T,  h_r = silu(g) * u    (g = z[:I], u = z[I:], fp32)
+//   gate/up + SwiGLU : z = a_r W13_e^T,  h_r = silu(g) * u    (g = z[:I], u = z[I:], fp32)
 //   down + weight    : ys[row_slot[r]] = topk_w[row_slot[r]] * (h_r W2_e^T)
-// for every pool row r in [expert_offsets[e], expert_offsets[e+1]). Shapes (R_max = max_rows,
-// the pool capacity; the rows in use are [0, expert_offsets[E]) and live on the device only):
-//   xs [R_max, H] bf16   w13 [E, 2I, H] bf16   h [R_max, I] bf16
-//   w2 [E, H, I] bf16    ys [num_slots, H] bf16 (row stride ys_row_stride elements)
+// for every sorted row r in [expert_offsets[e], expert_offsets[e+1]). The gate/up input row
+// a_r is either token row_slot[r] / K of x, read straight from x (direct dispatch: the kernel
+// gathers the rows, no pool), or row r of a pool xs that holds the rows in expert order.
+// Shapes (R_max = max_rows, the capacity; the rows in use are [0, expert_offsets[E]) and live
+// on the device only):
+//   x [num_tokens, H] bf16  or  xs [R_max, H] bf16      w13 [E, 2I, H] bf16
+//   h [R_max, I] bf16   w2 [E, H, I] bf16   ys [num_slots, H] bf16 (row stride ys_row_stride)
 //   expert_offsets [E+1] int32, row_slot [R_max] int32, topk_weights [num_slots] fp32
 // Only rows that belong to an expert are written; every other output row keeps its contents.
-// Both launchers are asynchronous on `stream` and never synchronise (graph capturable).
+// Both launchers are asynchronous on `stream` and never synchronise (graph capturable). Device
+// facts and the kernels' shared-memory limits are set up on the first call per device; later
+// calls only check arguments, encode two tensor maps (host-only) and launch.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -18,8 +23,22 @@
 
 namespace fusemoe {
 
+// Token buffers the gate/up kernel gathers rows from. One entry on one GPU (the local x); with
+// expert parallelism each rank's x becomes one entry and routing records each row's source.
+constexpr int kMaxRowSources = 1;
+struct Sm90RowSources {
+  const void* x[kMaxRowSources] = {};     // [num_rows[i], H] bf16 token rows
+  int64_t num_rows[kMaxRowSources] = {};  // T of each source
+  int num_sources = 0;                    // 0: read the pool xs instead
+};
+
 struct Sm90GateUpParams {
-  const void* xs = nullptr;               // [R_max, H] bf16, rows in expert order
+  // A rows: direct dispatch from `sources` (row r reads token row_slot[r] / top_k of source 0),
+  // or, with num_sources == 0, the pool xs. Exactly one of the two.
+  Sm90RowSources sources;
+  const int32_t* row_slot = nullptr;      // [R_max] device: flat slot t*K+j of each sorted row
+  int64_t top_k = 0;                      // K (direct dispatch)
+  const void* xs = nullptr;               // [R_max, H] bf16, rows in expert order (pool)
   const void* w13 = nullptr;              // [E, 2I, H] bf16, gate rows [0, I), up rows [I, 2I)
   void* h = nullptr;                      // [R_max, I] bf16 (output)
   const int32_t* expert_offsets = nullptr;  // [E+1] device

@@ -1,11 +1,14 @@
 // The fused forward (Impl::kFused): every step on the device, no host synchronisation, so the
 // call can be captured in a CUDA graph. Stream order:
 //   1. routing            stable counting sort of the T*K slots (kernels/routing.cu)
-//   2. dispatch           gather x rows into the expert-sorted pool xs [R, H]
-//   3. gate/up + SwiGLU   persistent TMA + wgmma grouped GEMM, h = silu(g) * u  -> h [R, I]
-//   4. down + weight      persistent grouped GEMM, w * (h W2^T) written to the token's slot
+//   2. dispatch + gate/up + SwiGLU
+//                         persistent TMA + wgmma grouped GEMM whose producer gathers the token
+//                         rows of x straight into shared memory (row r = token row_slot[r] / K,
+//                         a source table of one entry at EP = 1; no pool), h = silu(g) * u
+//                         -> h [R, I]
+//   3. down + weight      persistent grouped GEMM, w * (h W2^T) written to the token's slot
 //                         row ys[t*K + j]  (a destination table of one entry at EP = 1)
-//   5. combine            y_t = sum_j ys[t*K + j] in slot order (deterministic)
+//   4. combine            y_t = sum_j ys[t*K + j] in slot order (deterministic)
 // Rows past expert_offsets[E] are never read or written; masked and invalid slots own no row.
 // The row count R lives on the device only: launches are sized for T*K rows, and the GEMM
 // kernels derive their tile lists from expert_offsets.
@@ -22,7 +25,6 @@ constexpr size_t align256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
 // Workspace: routing plan, then the pools (sized for max_tokens * K rows / slots).
 struct FusedWorkspace {
   RoutingPlan plan;
-  void* xs_RH = nullptr;  // bf16 dispatch pool
   void* h_RI = nullptr;   // bf16 SwiGLU output
   void* ys_SH = nullptr;  // bf16 weighted expert output per slot (t*K + j)
   size_t total_bytes = 0;
@@ -37,7 +39,6 @@ struct FusedWorkspace {
       offset += align256(bytes);
       return out;
     };
-    xs_RH = take(rows * c.hidden * 2);
     h_RI = take(rows * c.intermediate * 2);
     ys_SH = take(rows * c.hidden * 2);
     total_bytes = offset;
@@ -59,12 +60,13 @@ void fused_forward(const LayerConfig& c, const ForwardArgs& args) {
   const int64_t num_slots = args.num_tokens * c.top_k;  // upper bound of the rows in use
   launch_routing(args.topk_idx, args.num_tokens, c.top_k, c.num_experts, ws.plan, args.stream);
   if (num_slots == 0) return;
-  const int32_t* num_rows_device = ws.plan.expert_offsets + c.num_experts;
-  launch_gather_rows_device_count(args.x, ws.plan.row_slot, num_rows_device, num_slots, c.top_k,
-                                  c.hidden, ws.xs_RH, args.stream);
 
   Sm90GateUpParams gate_up;
-  gate_up.xs = ws.xs_RH;
+  gate_up.sources.x[0] = args.x;
+  gate_up.sources.num_rows[0] = args.num_tokens;
+  gate_up.sources.num_sources = 1;
+  gate_up.row_slot = ws.plan.row_slot;
+  gate_up.top_k = c.top_k;
   gate_up.w13 = args.w13;
   gate_up.h = ws.h_RI;
   gate_up.expert_offsets = ws.plan.expert_offsets;

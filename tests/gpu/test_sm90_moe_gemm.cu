@@ -1,12 +1,15 @@
 // Standalone test + benchmark of the sm_90a grouped GEMMs (src/kernels/sm90_moe_gemm.h):
-//   gate/up + SwiGLU  h_r = silu(x_r Wg_e^T) * (x_r Wu_e^T)          [R, I]
+//   gate/up + SwiGLU  h_r = silu(a_r Wg_e^T) * (a_r Wu_e^T)          [R, I]
 //   down + weight     ys[slot_r] = w[slot_r] * (h_r W2_e^T)           [T*K, H]
-// Checks against an fp32 GPU reference computed from the same bf16 inputs (tiled naive GEMM),
-// with outputs NaN-poisoned (0xFF bytes) first: every row of an expert must be written and
-// match (|out - ref| <= rtol |ref| + atol, NaN fails), every other row must keep its poison,
-// and a second launch must be bitwise equal. Then times both kernels at the Qwen3 shapes
-// against cuBLAS grouped GEMM (cublasGemmGroupedBatchedEx) and a dense cuBLAS GEMM of the same
-// size, measured in the same run (median of 20 after warm-up, L2 flushed before each launch).
+// a_r = x[row_slot[r] / K]: read straight from x (direct dispatch) or from the pool xs that the
+// library's gather kernel builds (pool dispatch). Checks against an fp32 GPU reference computed
+// from the same bf16 inputs (tiled naive GEMM), with outputs NaN-poisoned (0xFF bytes) first:
+// every row of an expert must be written and match (|out - ref| <= rtol |ref| + atol, NaN
+// fails), every other row must keep its poison, direct and pool dispatch must give the same
+// bits, and a second launch must be bitwise equal. Then times both kernels at the Qwen3 shapes
+// (direct dispatch against gather + pool) against cuBLAS grouped GEMM
+// (cublasGemmGroupedBatchedEx) and a dense cuBLAS GEMM of the same size, measured in the same
+// run (median of 20 after warm-up, L2 flushed before each launch).
 //
 // Legend: T tokens, K top-k, E experts, H hidden, I intermediate, R routed rows (pool rows in
 // use), R_max = T*K pool capacity. Exit 0 pass, 1 fail, 77 "skipped: no sm_90 GPU".
@@ -27,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/moe_elementwise.h"
 #include "kernels/sm90_moe_gemm.h"
 
 #define CHECK_CUDA(expr)                                                                       \
@@ -257,7 +261,7 @@ std::vector<int> random_counts(int64_t E, int64_t R, std::mt19937_64& rng) {
 struct Problem {
   Shape s;
   Routing rt;
-  bf16 *xs, *w13, *w2, *h, *ys;
+  bf16 *x, *xs, *w13, *w2, *h, *ys;
   int *offsets, *row_slot;
   float* topk_w;
   uint8_t *h_keep, *ys_keep;  // rows that the kernels must not touch
@@ -266,13 +270,16 @@ struct Problem {
 
   void allocate(uint64_t seed) {
     const int64_t R_max = rt.num_slots;
+    x = device_alloc<bf16>(s.T * s.H);
     xs = device_alloc<bf16>(R_max * s.H);
     w13 = device_alloc<bf16>(s.E * 2 * s.I * s.H);
     w2 = device_alloc<bf16>(s.E * s.H * s.I);
     h = device_alloc<bf16>(R_max * s.I);
     ys = device_alloc<bf16>(rt.num_slots * s.H);
     // Scales keep z and o around 1 so that bf16 rounding, not range, sets the error.
-    fill_random_bf16<<<kGrid, kBlock>>>(xs, R_max * s.H, seed + 1, 1.0f);
+    fill_random_bf16<<<kGrid, kBlock>>>(x, s.T * s.H, seed + 1, 1.0f);
+    // Pool rows past R (read by the last tile of the last expert, never stored): random too.
+    fill_random_bf16<<<kGrid, kBlock>>>(xs, R_max * s.H, seed + 4, 1.0f);
     fill_random_bf16<<<kGrid, kBlock>>>(w13, s.E * 2 * s.I * s.H, seed + 2, 2.0f / std::sqrt(float(s.H)));
     fill_random_bf16<<<kGrid, kBlock>>>(w2, s.E * s.H * s.I, seed + 3, 4.0f / std::sqrt(float(s.I)));
     CHECK_CUDA(cudaGetLastError());
@@ -283,15 +290,26 @@ struct Problem {
     for (int64_t r = 0; r < R_max; ++r) keep[r] = r >= rt.R;
     h_keep = device_upload(keep);
     ys_keep = device_upload(rt.slot_unused);
+    gather_pool(nullptr);
+  }
+  // xs[r] = x[row_slot[r] / K] for r < R (the pool dispatch of the earlier pipeline).
+  void gather_pool(cudaStream_t stream) const {
+    fusemoe::launch_gather_rows_device_count(x, row_slot, offsets + s.E, rt.num_slots, s.K, s.H, xs, stream);
   }
   void release() {
-    for (void* p : {(void*)xs, (void*)w13, (void*)w2, (void*)h, (void*)ys, (void*)offsets, (void*)row_slot,
+    for (void* p : {(void*)x, (void*)xs, (void*)w13, (void*)w2, (void*)h, (void*)ys, (void*)offsets, (void*)row_slot,
                     (void*)topk_w, (void*)h_keep, (void*)ys_keep})
       CHECK_CUDA(cudaFree(p));
   }
-  void launch_gate_up(cudaStream_t stream) const {
+  void launch_gate_up(cudaStream_t stream, bool direct) const {
     fusemoe::Sm90GateUpParams p;
-    p.xs = xs; p.w13 = w13; p.h = h; p.expert_offsets = offsets;
+    if (direct) {
+      p.sources.x[0] = x; p.sources.num_rows[0] = s.T; p.sources.num_sources = 1;
+      p.row_slot = row_slot; p.top_k = s.K;
+    } else {
+      p.xs = xs;
+    }
+    p.w13 = w13; p.h = h; p.expert_offsets = offsets;
     p.max_rows = rt.num_slots; p.hidden = s.H; p.intermediate = s.I; p.num_experts = s.E;
     p.use_swiglu_clamp = clamp; p.swiglu_clamp = clamp_value; p.stream = stream;
     fusemoe::launch_sm90_gate_up_swiglu(p);
@@ -368,7 +386,7 @@ bool check_problem(Problem& pb) {
   const int64_t R = pb.rt.R, R_max = pb.rt.num_slots;
   bool ok = true;
   CHECK_CUDA(cudaMemset(pb.h, 0xFF, R_max * s.I * sizeof(bf16)));
-  pb.launch_gate_up(nullptr);
+  pb.launch_gate_up(nullptr, /*direct=*/false);
   CHECK_CUDA(cudaDeviceSynchronize());
 
   float* z_ref = device_alloc<float>(R * 2 * s.I);
@@ -384,14 +402,26 @@ bool check_problem(Problem& pb) {
         pb.h, pb.w2, pb.offsets, s.E, s.H, s.I, s.H, o_ref);
     CHECK_CUDA(cudaGetLastError());
   }
-  ok &= compare_and_report("gate/up+SwiGLU h", pb.h, s.I, nullptr, h_ref, nullptr, R, s.I);
-  const unsigned long long h_touched = device_count_overwritten(pb.h, R_max, s.I, pb.h_keep);
+  ok &= compare_and_report("gate/up+SwiGLU h (pool)", pb.h, s.I, nullptr, h_ref, nullptr, R, s.I);
+  unsigned long long h_touched = device_count_overwritten(pb.h, R_max, s.I, pb.h_keep);
   if (h_touched) std::printf("    FAIL: %llu elements of h rows >= R were written\n", h_touched);
   ok &= h_touched == 0;
 
   bf16* h_first = device_alloc<bf16>(R_max * s.I);
   bf16* ys_first = device_alloc<bf16>(R_max * s.H);
   CHECK_CUDA(cudaMemcpy(h_first, pb.h, R_max * s.I * sizeof(bf16), cudaMemcpyDeviceToDevice));
+  // Direct dispatch: the same A rows, the same MMA order, so the same bits as the pool run
+  // (which also covers the untouched rows: both start from the poison).
+  CHECK_CUDA(cudaMemset(pb.h, 0xFF, R_max * s.I * sizeof(bf16)));
+  pb.launch_gate_up(nullptr, /*direct=*/true);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  ok &= compare_and_report("gate/up+SwiGLU h (direct)", pb.h, s.I, nullptr, h_ref, nullptr, R, s.I);
+  h_touched = device_count_overwritten(pb.h, R_max, s.I, pb.h_keep);
+  if (h_touched) std::printf("    FAIL: %llu elements of h rows >= R were written (direct)\n", h_touched);
+  ok &= h_touched == 0;
+  const unsigned long long direct_vs_pool = device_count_different(pb.h, h_first, R_max * s.I);
+  if (direct_vs_pool) std::printf("    FAIL: direct and pool dispatch differ in %llu elements of h\n", direct_vs_pool);
+  ok &= direct_vs_pool == 0;
   for (int block_n : {256, 128}) {
     CHECK_CUDA(cudaMemset(pb.ys, 0xFF, pb.rt.num_slots * s.H * sizeof(bf16)));
     pb.launch_down(nullptr, block_n);
@@ -405,7 +435,7 @@ bool check_problem(Problem& pb) {
     if (block_n == 256) CHECK_CUDA(cudaMemcpy(ys_first, pb.ys, R_max * s.H * sizeof(bf16), cudaMemcpyDeviceToDevice));
   }
   // Determinism: the same launch again must give the same bits.
-  pb.launch_gate_up(nullptr);
+  pb.launch_gate_up(nullptr, /*direct=*/true);
   pb.launch_down(nullptr, 256);
   CHECK_CUDA(cudaDeviceSynchronize());
   const unsigned long long diff = device_count_different(pb.h, h_first, R_max * s.I) +
@@ -501,9 +531,11 @@ void dense_gemm(cublasHandle_t handle, const bf16* act, const bf16* weight, bf16
                             CUBLAS_GEMM_DEFAULT));
 }
 
+// ms[]: gate/up direct, gate/up pool, gather (pool dispatch), cuBLAS grouped gate/up, dense
+// gate/up, down BN256, down BN128, cuBLAS grouped down, dense down.
 struct TimingRow {
   std::string name;
-  double ms[7];
+  double ms[9];
 };
 
 void time_problem(Problem& pb, cublasHandle_t handle, std::vector<TimingRow>& table, const std::string& name) {
@@ -514,24 +546,28 @@ void time_problem(Problem& pb, cublasHandle_t handle, std::vector<TimingRow>& ta
   CublasGrouped grouped_a(pb.rt, s.E, pb.xs, pb.w13, scratch, 2 * s.I, s.H);
   CublasGrouped grouped_b(pb.rt, s.E, pb.h, pb.w2, scratch, s.H, s.I);
   TimingRow row{name, {}};
-  row.ms[0] = timer.median_ms([&] { pb.launch_gate_up(nullptr); });
-  row.ms[1] = timer.median_ms([&] { grouped_a.run(handle); });
-  row.ms[2] = timer.median_ms([&] { dense_gemm(handle, pb.xs, pb.w13, scratch, R, 2 * s.I, s.H); });
-  row.ms[3] = timer.median_ms([&] { pb.launch_down(nullptr, 256); });
-  row.ms[4] = timer.median_ms([&] { pb.launch_down(nullptr, 128); });
-  row.ms[5] = timer.median_ms([&] { grouped_b.run(handle); });
-  row.ms[6] = timer.median_ms([&] { dense_gemm(handle, pb.h, pb.w2, scratch, R, s.H, s.I); });
+  row.ms[0] = timer.median_ms([&] { pb.launch_gate_up(nullptr, /*direct=*/true); });
+  row.ms[1] = timer.median_ms([&] { pb.launch_gate_up(nullptr, /*direct=*/false); });
+  row.ms[2] = timer.median_ms([&] { pb.gather_pool(nullptr); });
+  row.ms[3] = timer.median_ms([&] { grouped_a.run(handle); });
+  row.ms[4] = timer.median_ms([&] { dense_gemm(handle, pb.xs, pb.w13, scratch, R, 2 * s.I, s.H); });
+  row.ms[5] = timer.median_ms([&] { pb.launch_down(nullptr, 256); });
+  row.ms[6] = timer.median_ms([&] { pb.launch_down(nullptr, 128); });
+  row.ms[7] = timer.median_ms([&] { grouped_b.run(handle); });
+  row.ms[8] = timer.median_ms([&] { dense_gemm(handle, pb.h, pb.w2, scratch, R, s.H, s.I); });
   CHECK_CUDA(cudaFree(scratch));
   table.push_back(row);
   const double flop_a = 2.0 * R * s.H * 2 * s.I, flop_b = 2.0 * R * s.I * s.H;
   auto tf = [](double flop, double ms) { return flop / (ms * 1e-3) / 1e12; };
   std::printf("  timing %s (R=%lld)\n", name.c_str(), (long long)R);
-  std::printf("    gate/up  fusemoe %.3f ms %5.0f TF | cuBLAS grouped %.3f ms %5.0f TF | dense %.3f ms %5.0f TF\n",
-              row.ms[0], tf(flop_a, row.ms[0]), row.ms[1], tf(flop_a, row.ms[1]), row.ms[2], tf(flop_a, row.ms[2]));
+  std::printf("    gate/up  direct %.3f ms %5.0f TF | pool %.3f ms %5.0f TF + gather %.3f ms = %.3f ms | "
+              "cuBLAS grouped %.3f ms %5.0f TF | dense %.3f ms %5.0f TF\n",
+              row.ms[0], tf(flop_a, row.ms[0]), row.ms[1], tf(flop_a, row.ms[1]), row.ms[2], row.ms[1] + row.ms[2],
+              row.ms[3], tf(flop_a, row.ms[3]), row.ms[4], tf(flop_a, row.ms[4]));
   std::printf("    down     fusemoe BN256 %.3f ms %5.0f TF, BN128 %.3f ms %5.0f TF | cuBLAS grouped %.3f ms %5.0f TF | "
               "dense %.3f ms %5.0f TF\n",
-              row.ms[3], tf(flop_b, row.ms[3]), row.ms[4], tf(flop_b, row.ms[4]), row.ms[5], tf(flop_b, row.ms[5]),
-              row.ms[6], tf(flop_b, row.ms[6]));
+              row.ms[5], tf(flop_b, row.ms[5]), row.ms[6], tf(flop_b, row.ms[6]), row.ms[7], tf(flop_b, row.ms[7]),
+              row.ms[8], tf(flop_b, row.ms[8]));
 }
 
 // ------------------------------------------------------------------------------------- main
@@ -591,6 +627,7 @@ int main(int argc, char** argv) {
       {"30B T16384 uniform", {16384, 8, 128, 2048, 768}, std::vector<int>(128, 16384 * 8 / 128), -1, false, true, true},
       {"235B T4096 uniform", {4096, 8, 128, 4096, 1536}, std::vector<int>(128, 4096 * 8 / 128), -1, false, true, true},
       {"235B T16384 uniform", {16384, 8, 128, 4096, 1536}, std::vector<int>(128, 16384 * 8 / 128), -1, false, true, true},
+      {"235B T16384 random", {16384, 8, 128, 4096, 1536}, {}, -1, false, true, true},
   };
 
   cublasHandle_t handle;
@@ -617,7 +654,8 @@ int main(int argc, char** argv) {
                 c.clamp ? " clamp 1.5" : "");
     try {
       if (!check) {
-        pb.launch_gate_up(nullptr);
+        pb.launch_gate_up(nullptr, /*direct=*/true);
+        pb.launch_gate_up(nullptr, /*direct=*/false);
         pb.launch_down(nullptr, 256);
         pb.launch_down(nullptr, 128);
         CHECK_CUDA(cudaDeviceSynchronize());
@@ -636,16 +674,17 @@ int main(int argc, char** argv) {
   CHECK_CUBLAS(cublasDestroy(handle));
 
   if (!table.empty()) {
-    std::printf("\n| case | gate/up ms | TF/s | cuBLAS grp TF/s | dense TF/s | down BN256 ms | TF/s | BN128 TF/s | "
-                "cuBLAS grp TF/s | dense TF/s |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    std::printf("\n| case | gate/up direct ms | TF/s | pool ms | + gather ms | cuBLAS grp TF/s | dense TF/s | "
+                "down BN256 ms | TF/s | BN128 TF/s | cuBLAS grp TF/s | dense TF/s |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (const Case& c : cases) {
       for (const TimingRow& row : table) {
         if (row.name != c.name) continue;
         const double R = double(c.s.T * c.s.K);
         const double fa = 2.0 * R * c.s.H * 2 * c.s.I / 1e9, fb = 2.0 * R * c.s.I * c.s.H / 1e9;
-        std::printf("| %s | %.3f | %.0f | %.0f | %.0f | %.3f | %.0f | %.0f | %.0f | %.0f |\n", c.name.c_str(), row.ms[0],
-                    fa / row.ms[0], fa / row.ms[1], fa / row.ms[2], row.ms[3], fb / row.ms[3], fb / row.ms[4],
-                    fb / row.ms[5], fb / row.ms[6]);
+        std::printf("| %s | %.3f | %.0f | %.3f | %.3f | %.0f | %.0f | %.3f | %.0f | %.0f | %.0f | %.0f |\n",
+                    c.name.c_str(), row.ms[0], fa / row.ms[0], row.ms[1], row.ms[2], fa / row.ms[3], fa / row.ms[4],
+                    row.ms[5], fb / row.ms[5], fb / row.ms[6], fb / row.ms[7], fb / row.ms[8]);
       }
     }
   }
