@@ -86,7 +86,7 @@ struct BenchImpl {
 // A new fusemoe::Impl is one line here; the default --impl list is all of them.
 constexpr BenchImpl kBenchImpls[] = {
     {"unfused", fusemoe::Impl::kUnfused, true},
-    {"fused", fusemoe::Impl::kFused, false},  // fused backward: issue 4
+    {"fused", fusemoe::Impl::kFused, true},
 };
 
 enum class Routing { kUniform, kSkewed };
@@ -700,6 +700,7 @@ void run_backward(const fusemoe::LayerConfig& config, fusemoe::Impl impl, const 
   args.dw2 = out.dw2_EHI.get();
   args.weight_grad_dtype = weight_grad_dtype;
   args.accumulate_weight_grads = false;
+  args.sync_check_expert_ids = false;  // as in run_forward
   args.num_tokens = num_tokens;
   args.workspace = workspace.get();
   args.workspace_bytes = workspace.bytes();

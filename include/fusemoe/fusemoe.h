@@ -36,9 +36,10 @@ enum class Impl {
   // The same pipeline with every intermediate and the GEMMs in fp32 (weights widened to fp32
   // inside the workspace each call). Slow; the GPU oracle at full size.
   kReferenceFp32,
-  // Persistent TMA + wgmma kernels on sm_90a (dispatch, gate/up + SwiGLU, down + routing
-  // weight, deterministic combine); no host synchronisation, CUDA-graph capturable.
-  // Forward only for now: backward() with kFused throws (issue 4); use kUnfused for it.
+  // Persistent TMA + wgmma kernels on sm_90a, forward (gate/up + SwiGLU with the row gather,
+  // down + routing weight, deterministic combine) and backward (z recompute, dgrad + SwiGLU
+  // backward + router gradient, dgrad of x, per-expert weight gradients without atomics);
+  // no host synchronisation, CUDA-graph capturable.
   kFused,
 };
 
@@ -105,6 +106,8 @@ struct BackwardArgs {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   cudaStream_t stream = nullptr;
+  // As ForwardArgs::sync_check_expert_ids.
+  bool sync_check_expert_ids = true;
 };
 
 // Throws fusemoe::Error naming the first field that breaks a limit above.

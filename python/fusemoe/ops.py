@@ -149,10 +149,9 @@ def _setup_context(ctx, inputs, output):
     ctx.impl = impl
 
 
-# The implementation that runs the backward of a forward implementation. "fused" has a fused
-# forward only so far (issue 4): its backward runs the unfused path, which computes the same
-# function from the same saved inputs (the forward saves nothing else).
-BACKWARD_IMPL = {"fused": "unfused"}
+# The implementation that runs the backward of a forward implementation (identity today;
+# kept so a forward-only implementation can name a backward).
+BACKWARD_IMPL = {}
 
 
 def _backward(ctx, dy_TH):

@@ -2,6 +2,7 @@
 // lives here, before any device work, so a bad call fails with a message naming the argument
 // and touches no memory. Host-only checks come first (they run without a GPU, which the CPU
 // tests rely on); the device and pointer checks follow.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -9,6 +10,7 @@
 #include "fusemoe/fusemoe.h"
 #include "kernels/routing.h"
 #include "launch/fused_moe.h"
+#include "launch/fused_moe_backward.h"
 #include "launch/unfused_moe.h"
 
 namespace fusemoe {
@@ -103,7 +105,10 @@ void validate_config(const LayerConfig& c) {
 size_t workspace_bytes(const LayerConfig& config, Impl impl) {
   validate_config(config);
   check_impl(impl);
-  if (impl == Impl::kFused) return fused_workspace_bytes(config);
+  // One workspace serves both directions; both carve the routing plan at its start.
+  if (impl == Impl::kFused) {
+    return std::max(fused_workspace_bytes(config), fused_backward_workspace_bytes(config));
+  }
   return unfused_workspace_bytes(config, impl);
 }
 
@@ -164,9 +169,6 @@ void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
 void backward(const LayerConfig& config, Impl impl, const BackwardArgs& a) {
   validate_config(config);
   check_impl(impl);
-  FUSEMOE_CHECK(impl != Impl::kFused,
-                "impl: Impl::kFused has no backward yet (issue 4); call backward with "
-                "Impl::kUnfused and a workspace of workspace_bytes(config, Impl::kUnfused)");
   check_num_tokens(config, a.num_tokens);
   FUSEMOE_CHECK(a.weight_grad_dtype == WeightGradDtype::kFloat32 ||
                     a.weight_grad_dtype == WeightGradDtype::kBFloat16,
@@ -195,6 +197,15 @@ void backward(const LayerConfig& config, Impl impl, const BackwardArgs& a) {
                            {a.d_topk_weights, "d_topk_weights"}}) {
       check_device_pointer(p, name);
     }
+  }
+  if (impl == Impl::kFused) {
+    fused_backward(config, a);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    FUSEMOE_CUDA_CHECK(cudaStreamIsCapturing(a.stream, &capture));
+    if (a.sync_check_expert_ids && capture == cudaStreamCaptureStatusNone) {
+      check_expert_ids(config, impl, a.workspace, a.stream);
+    }
+    return;
   }
   unfused_backward(config, impl, a);
 }

@@ -178,17 +178,5 @@ TEST(FusedForward, InvalidExpertIdsReportedNowOrLater) {
   EXPECT_NO_THROW(check_expert_ids(g.config, Impl::kFused, g.workspace.get(), nullptr));
 }
 
-TEST(FusedForward, BackwardIsRejectedWithGuidance) {
-  Dims d;
-  d.T = 4;
-  const HostProblem p = make_problem(d, Routing::kUniform, 7000);
-  try {
-    run_layer(Impl::kFused, p);
-    ADD_FAILURE() << "backward with Impl::kFused should throw until issue 4 lands";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("Impl::kUnfused"), std::string::npos) << e.what();
-  }
-}
-
 }  // namespace
 }  // namespace fusemoe::test

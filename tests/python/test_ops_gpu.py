@@ -61,7 +61,6 @@ SHAPES = {  # T, H, I, E, K
 }
 
 
-# "fused": fused forward, backward through the unfused path (ops.BACKWARD_IMPL) until issue 4.
 @pytest.mark.parametrize("impl", ["unfused", "fused"])
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_matches_fp32_reference(shape, impl):

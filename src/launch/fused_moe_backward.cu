@@ -1,0 +1,151 @@
+// The fused backward (Impl::kFused): every step on the device, no host synchronisation, so the
+// call can be captured in a CUDA graph. The forward saved only its inputs. Stream order:
+//   1. routing            the forward's stable counting sort, recomputed (kernels/routing.cu)
+//   2. dispatch           gather x and dy rows into the expert-sorted pools xs, dys [R, H]
+//   3. recompute z        z = xs W13_e^T                                   -> z [R, 2I] bf16
+//   4. dgrad + SwiGLU     a = dys W2_e; dz, w*h, per-tile <h, a>           -> dz, wh, partials
+//   5. router reduce      d_topk_w[s] = sum of the row's partials (0 for masked slots)
+//   6. dgrad scatter      dxs = dz W13_e written to the slot row dx_slots[t*K + j]
+//   7. combine            dx_t = sum_j dx_slots[t*K + j] in slot order (deterministic)
+//   8. weight gradients   dW2_e = dys^T wh, dW13_e = dz^T xs, one CTA per output tile
+// Memory per routed row (bf16): xs, dys, dx_slots [H] each + z, dz [2I] each + wh [I], plus
+// one fp32 per row and dgrad tile; nothing is kept from the forward.
+#include "launch/fused_moe_backward.h"
+
+#include "kernels/moe_elementwise.h"
+#include "kernels/sm90_moe_backward_gemm.h"
+
+namespace fusemoe {
+namespace {
+
+constexpr size_t align256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
+
+struct FusedBackwardWorkspace {
+  RoutingPlan plan;
+  void* xs_RH = nullptr;        // bf16 gathered x
+  void* dys_RH = nullptr;       // bf16 gathered dy
+  void* z_RF = nullptr;         // bf16 recomputed [g | u], F = 2I
+  void* dz_RF = nullptr;        // bf16
+  void* wh_RI = nullptr;        // bf16 w * h
+  void* dx_slots_SH = nullptr;  // bf16 per-slot dx rows (t*K + j)
+  float* router_partials = nullptr;  // [R, num dgrad tiles] fp32
+  size_t total_bytes = 0;
+
+  FusedBackwardWorkspace(const LayerConfig& c, void* base) {
+    const int64_t rows = c.max_tokens * c.top_k;
+    const int64_t H = c.hidden, I = c.intermediate;
+    char* p = static_cast<char*>(base);
+    if (base) carve_routing_plan(p, c.max_tokens, c.top_k, c.num_experts, &plan);
+    size_t offset = align256(routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
+    auto take = [&](size_t bytes) -> void* {
+      void* out = base ? p + offset : nullptr;
+      offset += align256(bytes);
+      return out;
+    };
+    xs_RH = take(rows * H * 2);
+    dys_RH = take(rows * H * 2);
+    z_RF = take(rows * 2 * I * 2);
+    dz_RF = take(rows * 2 * I * 2);
+    wh_RI = take(rows * I * 2);
+    dx_slots_SH = take(rows * H * 2);
+    router_partials = static_cast<float*>(take(rows * sm90_dgrad_swiglu_num_n_tiles(I) * sizeof(float)));
+    total_bytes = offset;
+  }
+};
+
+}  // namespace
+
+size_t fused_backward_workspace_bytes(const LayerConfig& config) {
+  return FusedBackwardWorkspace(config, nullptr).total_bytes;
+}
+
+void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
+  const FusedBackwardWorkspace ws(c, args.workspace);
+  const int64_t H = c.hidden, I = c.intermediate, E = c.num_experts;
+  const int64_t num_slots = args.num_tokens * c.top_k;  // upper bound of the rows in use
+  cudaStream_t stream = args.stream;
+  const bool bf16_grads = args.weight_grad_dtype == WeightGradDtype::kBFloat16;
+  launch_routing(args.topk_idx, args.num_tokens, c.top_k, E, ws.plan, stream);
+
+  if (num_slots > 0) {
+    const int32_t* num_rows_device = ws.plan.expert_offsets + E;
+    launch_gather_rows_device_count(args.x, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H,
+                                    ws.xs_RH, stream);
+    launch_gather_rows_device_count(args.dy, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H,
+                                    ws.dys_RH, stream);
+
+    Sm90RecomputeZParams z;
+    z.xs = ws.xs_RH;
+    z.w13 = args.w13;
+    z.z = ws.z_RF;
+    z.expert_offsets = ws.plan.expert_offsets;
+    z.max_rows = num_slots;
+    z.hidden = H;
+    z.intermediate = I;
+    z.num_experts = E;
+    z.stream = stream;
+    launch_sm90_recompute_z(z);
+
+    Sm90DgradSwigluParams d1;
+    d1.dys = ws.dys_RH;
+    d1.w2 = args.w2;
+    d1.z = ws.z_RF;
+    d1.expert_offsets = ws.plan.expert_offsets;
+    d1.row_slot = ws.plan.row_slot;
+    d1.topk_weights = args.topk_weights;
+    d1.dz = ws.dz_RF;
+    d1.wh = ws.wh_RI;
+    d1.router_partials = ws.router_partials;
+    d1.max_rows = num_slots;
+    d1.hidden = H;
+    d1.intermediate = I;
+    d1.num_experts = E;
+    d1.num_slots = num_slots;
+    d1.use_swiglu_clamp = c.use_swiglu_clamp;
+    d1.swiglu_clamp = c.swiglu_clamp;
+    d1.stream = stream;
+    launch_sm90_dgrad_swiglu(d1);
+    launch_router_grad_reduce(ws.router_partials, sm90_dgrad_swiglu_num_n_tiles(I), ws.plan.slot_row,
+                              num_slots, args.d_topk_weights, stream);
+
+    Sm90DgradScatterParams d2;
+    d2.dz = ws.dz_RF;
+    d2.w13 = args.w13;
+    d2.dx_slots = ws.dx_slots_SH;
+    d2.expert_offsets = ws.plan.expert_offsets;
+    d2.row_slot = ws.plan.row_slot;
+    d2.max_rows = num_slots;
+    d2.hidden = H;
+    d2.intermediate = I;
+    d2.num_experts = E;
+    d2.num_slots = num_slots;
+    d2.stream = stream;
+    launch_sm90_dgrad_scatter(d2);
+    launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream);
+  }
+
+  // Weight gradients (max_rows == 0: zeroed, or untouched when accumulating).
+  Sm90WeightGradParams w2g;
+  w2g.act_m = ws.dys_RH;
+  w2g.act_n = ws.wh_RI;
+  w2g.grad = args.dw2;
+  w2g.expert_offsets = ws.plan.expert_offsets;
+  w2g.max_rows = num_slots;
+  w2g.m = H;
+  w2g.n = I;
+  w2g.num_experts = E;
+  w2g.bf16_grad = bf16_grads;
+  w2g.accumulate = args.accumulate_weight_grads;
+  w2g.stream = stream;
+  launch_sm90_weight_grad(w2g);
+
+  Sm90WeightGradParams w13g = w2g;
+  w13g.act_m = ws.dz_RF;
+  w13g.act_n = ws.xs_RH;
+  w13g.grad = args.dw13;
+  w13g.m = 2 * I;
+  w13g.n = H;
+  launch_sm90_weight_grad(w13g);
+}
+
+}  // namespace fusemoe
