@@ -68,6 +68,20 @@ TEST(Validation, WorkspaceGrowsWithMaxTokens) {
   LayerConfig empty = good_config();
   empty.max_tokens = 0;
   EXPECT_GT(workspace_bytes(empty, Impl::kUnfused), 0u);
+  // The fused implementation keeps no weight-sized scratch: smaller than the unfused one.
+  EXPECT_GT(workspace_bytes(large, Impl::kFused), workspace_bytes(small, Impl::kFused));
+  EXPECT_LT(workspace_bytes(large, Impl::kFused), workspace_bytes(large, Impl::kUnfused));
+}
+
+TEST(Validation, CheckExpertIdsNamesItsArguments) {
+  expect_error_mentioning(
+      [] { check_expert_ids(good_config(), Impl::kFused, nullptr, nullptr); }, "workspace");
+  LayerConfig bad = good_config();
+  bad.top_k = 0;
+  int dummy = 0;
+  expect_error_mentioning([&] { check_expert_ids(bad, Impl::kFused, &dummy, nullptr); }, "top_k");
+  expect_error_mentioning(
+      [&] { check_expert_ids(good_config(), static_cast<Impl>(9), &dummy, nullptr); }, "impl");
 }
 
 // Fake but aligned device addresses: host checks reject the call before any pointer is used.
