@@ -18,7 +18,9 @@ if [[ " $* " == *" --build "* ]]; then
   nvcc $flags -Xptxas -v -c src/kernels/sm90_moe_gemm.cu -o "$build/sm90_moe_gemm.o" 2>&1 |
     grep -E "registers|spill|C75[0-9][0-9]" || true
   nvcc $flags -c tests/gpu/test_sm90_moe_gemm.cu -o "$build/test_main.o"
-  nvcc $flags "$build/test_main.o" "$build/sm90_moe_gemm.o" -lcublas -o "$build/test_sm90_moe_gemm"
+  nvcc $flags -c src/kernels/moe_elementwise.cu -o "$build/moe_elementwise.o"
+  nvcc $flags "$build/test_main.o" "$build/sm90_moe_gemm.o" "$build/moe_elementwise.o" -lcublas \
+    -o "$build/test_sm90_moe_gemm"
   exit 0
 fi
 mkdir -p "$out"

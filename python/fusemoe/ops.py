@@ -149,17 +149,11 @@ def _setup_context(ctx, inputs, output):
     ctx.impl = impl
 
 
-# The implementation that runs the backward of a forward implementation (identity today;
-# kept so a forward-only implementation can name a backward).
-BACKWARD_IMPL = {}
-
-
 def _backward(ctx, dy_TH):
     x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI = ctx.saved_tensors
     # dy may arrive expanded (e.g. from y.sum()) or in another layout: the op needs it dense.
     dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI = moe_experts_backward(
-        dy_TH.contiguous(), x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
-        BACKWARD_IMPL.get(ctx.impl, ctx.impl))
+        dy_TH.contiguous(), x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, ctx.impl)
     return dx_TH, None, d_topk_weights_TK, dw13_EFH, dw2_EHI, None
 
 

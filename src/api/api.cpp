@@ -40,6 +40,21 @@ void check_device_pointer(const void* p, const char* name) {
   FUSEMOE_CUDA_CHECK(cudaPointerGetAttributes(&attributes, p));
   FUSEMOE_CHECK(attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged,
                 name << " must point to device memory (got a host or unregistered pointer)");
+  if (attributes.type == cudaMemoryTypeDevice) {
+    int current = 0;
+    FUSEMOE_CUDA_CHECK(cudaGetDevice(&current));
+    FUSEMOE_CHECK(attributes.device == current, name << " is on device " << attributes.device
+                                                     << " but the current device is " << current);
+  }
+}
+
+// After a call with sync_check_expert_ids: synchronise and report bad ids, except while the
+// stream is being captured (a sync is illegal there; the record stays for check_expert_ids).
+void sync_check_unless_capturing(const LayerConfig& config, Impl impl, void* workspace,
+                                 cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  FUSEMOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture == cudaStreamCaptureStatusNone) check_expert_ids(config, impl, workspace, stream);
 }
 
 void check_device() {
@@ -92,9 +107,19 @@ void validate_config(const LayerConfig& c) {
   FUSEMOE_CHECK(c.top_k >= 1 && c.top_k <= kMaxTopK && c.top_k <= c.num_experts,
                 "top_k (K) must be in [1, min(num_experts, " << kMaxTopK << ")], got " << c.top_k);
   FUSEMOE_CHECK(c.max_tokens >= 0, "max_tokens must be >= 0, got " << c.max_tokens);
-  FUSEMOE_CHECK(c.max_tokens * c.top_k < (int64_t(1) << 31),
+  // Divided, not multiplied: the product of two int64 arguments could wrap and pass.
+  FUSEMOE_CHECK(c.max_tokens <= std::numeric_limits<int32_t>::max() / c.top_k,
                 "max_tokens * top_k must be < 2^31 (rows are int32 indices), got "
                     << c.max_tokens << " * " << c.top_k);
+  // TMA tensor maps address the weights as [E * 2I, H] and [E * H, I] rows (32-bit row
+  // counts) and x as [T, H] (at most 2^32 16-byte elements).
+  FUSEMOE_CHECK(c.num_experts * 2 * c.intermediate < (int64_t(1) << 31) &&
+                    c.num_experts * c.hidden < (int64_t(1) << 31),
+                "num_experts * 2 * intermediate and num_experts * hidden must be < 2^31, got E="
+                    << c.num_experts << ", H=" << c.hidden << ", I=" << c.intermediate);
+  FUSEMOE_CHECK(c.max_tokens * c.hidden <= (int64_t(1) << 35),
+                "max_tokens * hidden must be <= 2^35 (x as 16-byte TMA elements < 2^32), got "
+                    << c.max_tokens << " * " << c.hidden);
   if (c.use_swiglu_clamp) {
     FUSEMOE_CHECK(std::isfinite(c.swiglu_clamp) && c.swiglu_clamp > 0.0f,
                   "swiglu_clamp must be finite and > 0 when use_swiglu_clamp is set, got "
@@ -117,6 +142,9 @@ void check_expert_ids(const LayerConfig& config, Impl impl, const void* workspac
   validate_config(config);
   check_impl(impl);
   FUSEMOE_CHECK(workspace != nullptr, "workspace must not be null");
+  FUSEMOE_CHECK(aligned(workspace, kWorkspaceAlignment),
+                "workspace must be " << kWorkspaceAlignment << "-byte aligned");
+  check_device_pointer(workspace, "workspace");
   const RoutingPlan plan = impl == Impl::kFused
                                ? fused_routing_plan(config, const_cast<void*>(workspace))
                                : unfused_routing_plan(config, impl, const_cast<void*>(workspace));
@@ -124,10 +152,7 @@ void check_expert_ids(const LayerConfig& config, Impl impl, const void* workspac
   FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(bad, plan.bad_id_info, sizeof(bad), cudaMemcpyDeviceToHost,
                                      stream));
   FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  FUSEMOE_CHECK(bad[0] == 0, "topk_idx: " << bad[0] << " expert id(s) outside [-1, "
-                                          << config.num_experts << "); first at token "
-                                          << bad[1] / config.top_k << ", slot "
-                                          << bad[1] % config.top_k << ", value " << bad[2]);
+  check_bad_id_record(bad, config.num_experts, config.top_k);
 }
 
 void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
@@ -156,11 +181,7 @@ void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
   }
   if (impl == Impl::kFused) {
     fused_forward(config, a);
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    FUSEMOE_CUDA_CHECK(cudaStreamIsCapturing(a.stream, &capture));
-    if (a.sync_check_expert_ids && capture == cudaStreamCaptureStatusNone) {
-      check_expert_ids(config, impl, a.workspace, a.stream);
-    }
+    if (a.sync_check_expert_ids) sync_check_unless_capturing(config, impl, a.workspace, a.stream);
     return;
   }
   unfused_forward(config, impl, a);
@@ -200,11 +221,7 @@ void backward(const LayerConfig& config, Impl impl, const BackwardArgs& a) {
   }
   if (impl == Impl::kFused) {
     fused_backward(config, a);
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    FUSEMOE_CUDA_CHECK(cudaStreamIsCapturing(a.stream, &capture));
-    if (a.sync_check_expert_ids && capture == cudaStreamCaptureStatusNone) {
-      check_expert_ids(config, impl, a.workspace, a.stream);
-    }
+    if (a.sync_check_expert_ids) sync_check_unless_capturing(config, impl, a.workspace, a.stream);
     return;
   }
   unfused_backward(config, impl, a);

@@ -22,9 +22,9 @@ void launch_gather_rows(const Src* src_TH, const int32_t* row_slot, int64_t num_
                         int64_t top_k, int64_t hidden, Dst* dst_RH, cudaStream_t stream);
 
 // As launch_gather_rows, but the row count is read on the device (*num_rows_device, e.g.
-// expert_offsets[E]) and the grid is sized for max_rows: no host synchronisation. (The fused
-// forward no longer builds a pool: its gate/up kernel gathers x rows itself. This is the pool
-// dispatch that tests/gpu/test_sm90_moe_gemm.cu times against it.)
+// expert_offsets[E]) and the grid is sized for max_rows: no host synchronisation. Used by the
+// fused backward's x/dy pools, and by tests/gpu/test_sm90_moe_gemm.cu as the pool dispatch the
+// forward's in-kernel gather is timed against (the fused forward builds no pool).
 void launch_gather_rows_device_count(const void* src_TH_bf16, const int32_t* row_slot,
                                      const int32_t* num_rows_device, int64_t max_rows,
                                      int64_t top_k, int64_t hidden, void* dst_RH_bf16,

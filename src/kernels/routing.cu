@@ -10,6 +10,7 @@
 
 #include <climits>
 
+#include "common/workspace_carver.h"
 #include "fusemoe/error.h"
 
 namespace fusemoe {
@@ -19,7 +20,6 @@ constexpr int kWarpsPerBlock = kRoutingThreads / 32;
 constexpr int kRoundsPerChunk = kRoutingChunk / kRoutingThreads;
 constexpr int kScanThreads = 1024;  // >= kMaxExperts: one expert per thread in routing_scan
 
-constexpr size_t align256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
 
 __global__ void routing_init_kernel(int32_t* bad_id_info) {
   bad_id_info[0] = 0;
@@ -143,8 +143,8 @@ routing_place_kernel(const int32_t* __restrict__ topk_idx, int64_t num_slots, in
 size_t routing_plan_bytes(int64_t max_tokens, int64_t top_k, int64_t num_experts) {
   const int64_t max_slots = max_tokens * top_k;
   const int64_t num_chunks = routing_num_chunks(max_slots) > 0 ? routing_num_chunks(max_slots) : 1;
-  return align256(num_experts * 4) + align256((num_experts + 1) * 4) +
-         2 * align256(max_slots * 4) + align256(num_chunks * num_experts * 4) + align256(3 * 4);
+  return align_workspace(num_experts * 4) + align_workspace((num_experts + 1) * 4) +
+         2 * align_workspace(max_slots * 4) + align_workspace(num_chunks * num_experts * 4) + align_workspace(3 * 4);
 }
 
 char* carve_routing_plan(char* base, int64_t max_tokens, int64_t top_k, int64_t num_experts,
@@ -153,7 +153,7 @@ char* carve_routing_plan(char* base, int64_t max_tokens, int64_t top_k, int64_t 
   const int64_t num_chunks = routing_num_chunks(max_slots) > 0 ? routing_num_chunks(max_slots) : 1;
   auto take = [&base](size_t bytes) {
     char* p = base;
-    base += align256(bytes);
+    base += align_workspace(bytes);
     return reinterpret_cast<int32_t*>(p);
   };
   plan->expert_counts = take(num_experts * 4);
@@ -163,6 +163,12 @@ char* carve_routing_plan(char* base, int64_t max_tokens, int64_t top_k, int64_t 
   plan->chunk_counts = take(num_chunks * num_experts * 4);
   plan->bad_id_info = take(3 * 4);
   return base;
+}
+
+void check_bad_id_record(const int32_t bad[3], int64_t num_experts, int64_t top_k) {
+  FUSEMOE_CHECK(bad[0] == 0, "topk_idx: " << bad[0] << " expert id(s) outside [-1, " << num_experts
+                                          << "); first at token " << bad[1] / top_k << ", slot "
+                                          << bad[1] % top_k << ", value " << bad[2]);
 }
 
 void launch_routing(const int32_t* topk_idx, int64_t num_tokens, int64_t top_k,

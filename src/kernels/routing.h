@@ -46,6 +46,10 @@ size_t routing_plan_bytes(int64_t max_tokens, int64_t top_k, int64_t num_experts
 char* carve_routing_plan(char* base, int64_t max_tokens, int64_t top_k, int64_t num_experts,
                          RoutingPlan* plan);
 
+// Throws fusemoe::Error naming the first invalid id if `bad` (RoutingPlan::bad_id_info copied
+// to the host) records any.
+void check_bad_id_record(const int32_t bad[3], int64_t num_experts, int64_t top_k);
+
 // Launches the routing kernels on `stream` for T = num_tokens (0 allowed: counts become 0).
 void launch_routing(const int32_t* topk_idx, int64_t num_tokens, int64_t top_k,
                     int64_t num_experts, const RoutingPlan& plan, cudaStream_t stream);

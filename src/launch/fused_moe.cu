@@ -14,13 +14,12 @@
 // kernels derive their tile lists from expert_offsets.
 #include "launch/fused_moe.h"
 
+#include "common/workspace_carver.h"
 #include "kernels/moe_elementwise.h"
 #include "kernels/sm90_moe_gemm.h"
 
 namespace fusemoe {
 namespace {
-
-constexpr size_t align256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
 
 // Workspace: routing plan, then the pools (sized for max_tokens * K rows / slots).
 struct FusedWorkspace {
@@ -31,17 +30,11 @@ struct FusedWorkspace {
 
   FusedWorkspace(const LayerConfig& c, void* base) {
     const int64_t rows = c.max_tokens * c.top_k;
-    char* p = static_cast<char*>(base);
-    if (base) carve_routing_plan(p, c.max_tokens, c.top_k, c.num_experts, &plan);
-    size_t offset = align256(routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
-    auto take = [&](size_t bytes) -> void* {
-      void* out = base ? p + offset : nullptr;
-      offset += align256(bytes);
-      return out;
-    };
-    h_RI = take(rows * c.intermediate * 2);
-    ys_SH = take(rows * c.hidden * 2);
-    total_bytes = offset;
+    if (base) carve_routing_plan(static_cast<char*>(base), c.max_tokens, c.top_k, c.num_experts, &plan);
+    WorkspaceCarver carver(base, routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
+    h_RI = carver.take(rows * c.intermediate * 2);
+    ys_SH = carver.take(rows * c.hidden * 2);
+    total_bytes = carver.bytes();
   }
 };
 

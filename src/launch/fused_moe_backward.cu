@@ -12,13 +12,12 @@
 // one fp32 per row and dgrad tile; nothing is kept from the forward.
 #include "launch/fused_moe_backward.h"
 
+#include "common/workspace_carver.h"
 #include "kernels/moe_elementwise.h"
 #include "kernels/sm90_moe_backward_gemm.h"
 
 namespace fusemoe {
 namespace {
-
-constexpr size_t align256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
 
 struct FusedBackwardWorkspace {
   RoutingPlan plan;
@@ -34,22 +33,16 @@ struct FusedBackwardWorkspace {
   FusedBackwardWorkspace(const LayerConfig& c, void* base) {
     const int64_t rows = c.max_tokens * c.top_k;
     const int64_t H = c.hidden, I = c.intermediate;
-    char* p = static_cast<char*>(base);
-    if (base) carve_routing_plan(p, c.max_tokens, c.top_k, c.num_experts, &plan);
-    size_t offset = align256(routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
-    auto take = [&](size_t bytes) -> void* {
-      void* out = base ? p + offset : nullptr;
-      offset += align256(bytes);
-      return out;
-    };
-    xs_RH = take(rows * H * 2);
-    dys_RH = take(rows * H * 2);
-    z_RF = take(rows * 2 * I * 2);
-    dz_RF = take(rows * 2 * I * 2);
-    wh_RI = take(rows * I * 2);
-    dx_slots_SH = take(rows * H * 2);
-    router_partials = static_cast<float*>(take(rows * sm90_dgrad_swiglu_num_n_tiles(I) * sizeof(float)));
-    total_bytes = offset;
+    if (base) carve_routing_plan(static_cast<char*>(base), c.max_tokens, c.top_k, c.num_experts, &plan);
+    WorkspaceCarver carver(base, routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
+    xs_RH = carver.take(rows * H * 2);
+    dys_RH = carver.take(rows * H * 2);
+    z_RF = carver.take(rows * 2 * I * 2);
+    dz_RF = carver.take(rows * 2 * I * 2);
+    wh_RI = carver.take(rows * I * 2);
+    dx_slots_SH = carver.take(rows * H * 2);
+    router_partials = carver.take<float>(rows * sm90_dgrad_swiglu_num_n_tiles(I) * sizeof(float));
+    total_bytes = carver.bytes();
   }
 };
 

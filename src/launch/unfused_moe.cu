@@ -20,6 +20,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/workspace_carver.h"
 #include "kernels/moe_elementwise.h"
 #include "kernels/routing.h"
 
@@ -36,7 +37,6 @@ using bf16 = __nv_bfloat16;
                         << " (" << cublasGetStatusString(fusemoe_cublas_status_) << ")"); \
   } while (0)
 
-constexpr size_t align256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
 constexpr int kMaxGemmsPerCall = 5;  // backward: z, a, dxs, dW2, dW1
 
 // One cuBLAS handle per (thread, device): handles are not safe to share across threads that
@@ -151,30 +151,23 @@ struct UnfusedWorkspace {
   UnfusedWorkspace(const LayerConfig& c, void* base) {
     const int64_t rows = c.max_tokens * c.top_k;
     const int64_t H = c.hidden, I = c.intermediate, E = c.num_experts;
-    char* p = static_cast<char*>(base);
-    const size_t routing_bytes = routing_plan_bytes(c.max_tokens, c.top_k, E);
-    if (base) carve_routing_plan(p, c.max_tokens, c.top_k, E, &plan);
-    size_t offset = align256(routing_bytes);
-    auto take = [&](size_t bytes) -> char* {
-      char* out = base ? p + offset : nullptr;
-      offset += align256(bytes);
-      return out;
-    };
-    gemm_ptr_arrays = reinterpret_cast<void**>(take(kMaxGemmsPerCall * 3 * E * sizeof(void*)));
-    xs_RH = reinterpret_cast<Pool*>(take(rows * H * sizeof(Pool)));
-    o_or_dys_RH = reinterpret_cast<Pool*>(take(rows * H * sizeof(Pool)));
-    z_RF = reinterpret_cast<Pool*>(take(rows * 2 * I * sizeof(Pool)));
-    h_or_wh_RI = reinterpret_cast<Pool*>(take(rows * I * sizeof(Pool)));
-    a_RI = reinterpret_cast<Pool*>(take(rows * I * sizeof(Pool)));
-    dz_RF = reinterpret_cast<Pool*>(take(rows * 2 * I * sizeof(Pool)));
-    dxs_RH = reinterpret_cast<Pool*>(take(rows * H * sizeof(Pool)));
-    dw13_scratch = reinterpret_cast<Pool*>(take(E * 2 * I * H * sizeof(Pool)));
-    dw2_scratch = reinterpret_cast<Pool*>(take(E * H * I * sizeof(Pool)));
+    if (base) carve_routing_plan(static_cast<char*>(base), c.max_tokens, c.top_k, E, &plan);
+    WorkspaceCarver carver(base, routing_plan_bytes(c.max_tokens, c.top_k, E));
+    gemm_ptr_arrays = carver.take<void*>(kMaxGemmsPerCall * 3 * E * sizeof(void*));
+    xs_RH = carver.take<Pool>(rows * H * sizeof(Pool));
+    o_or_dys_RH = carver.take<Pool>(rows * H * sizeof(Pool));
+    z_RF = carver.take<Pool>(rows * 2 * I * sizeof(Pool));
+    h_or_wh_RI = carver.take<Pool>(rows * I * sizeof(Pool));
+    a_RI = carver.take<Pool>(rows * I * sizeof(Pool));
+    dz_RF = carver.take<Pool>(rows * 2 * I * sizeof(Pool));
+    dxs_RH = carver.take<Pool>(rows * H * sizeof(Pool));
+    dw13_scratch = carver.take<Pool>(E * 2 * I * H * sizeof(Pool));
+    dw2_scratch = carver.take<Pool>(E * H * I * sizeof(Pool));
     if (std::is_same<Pool, float>::value) {
-      w13_f32 = reinterpret_cast<float*>(take(E * 2 * I * H * sizeof(float)));
-      w2_f32 = reinterpret_cast<float*>(take(E * H * I * sizeof(float)));
+      w13_f32 = carver.take<float>(E * 2 * I * H * sizeof(float));
+      w2_f32 = carver.take<float>(E * H * I * sizeof(float));
     }
-    total_bytes = offset;
+    total_bytes = carver.bytes();
   }
 };
 
@@ -198,10 +191,7 @@ std::vector<int32_t> route_and_read_counts(const LayerConfig& c, const int32_t* 
   FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(bad, plan.bad_id_info, sizeof(bad), cudaMemcpyDeviceToHost,
                                      stream));
   FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  FUSEMOE_CHECK(bad[0] == 0, "topk_idx: " << bad[0] << " expert id(s) outside [-1, "
-                                          << c.num_experts << "); first at token "
-                                          << bad[1] / c.top_k << ", slot " << bad[1] % c.top_k
-                                          << ", value " << bad[2]);
+  check_bad_id_record(bad, c.num_experts, c.top_k);
   return counts;
 }
 

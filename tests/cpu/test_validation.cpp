@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <string>
 
 #include "fusemoe/fusemoe.h"
@@ -48,6 +49,12 @@ TEST(Validation, BadConfigsNameTheField) {
       {[](LayerConfig& c) { c.top_k = 9; }, "top_k"},  // > num_experts
       {[](LayerConfig& c) { c.max_tokens = -1; }, "max_tokens"},
       {[](LayerConfig& c) { c.max_tokens = int64_t(1) << 30; }, "max_tokens * top_k"},
+      // Products that would wrap int64 must not pass the limit.
+      {[](LayerConfig& c) { c.max_tokens = int64_t(1) << 62; }, "max_tokens * top_k"},
+      {[](LayerConfig& c) { c.max_tokens = (int64_t(1) << 61) + 1000; c.top_k = 8; }, "max_tokens * top_k"},
+      {[](LayerConfig& c) { c.max_tokens = std::numeric_limits<int64_t>::max(); }, "max_tokens * top_k"},
+      {[](LayerConfig& c) { c.num_experts = 1024; c.intermediate = int64_t(1) << 20; }, "num_experts * 2 * intermediate"},
+      {[](LayerConfig& c) { c.hidden = int64_t(1) << 20; c.max_tokens = int64_t(1) << 16; }, "max_tokens * hidden"},
       {[](LayerConfig& c) { c.use_swiglu_clamp = true; c.swiglu_clamp = 0.0f; }, "swiglu_clamp"},
       {[](LayerConfig& c) { c.use_swiglu_clamp = true; c.swiglu_clamp = 1.0f / 0.0f; }, "swiglu_clamp"},
   };

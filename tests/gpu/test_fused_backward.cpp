@@ -50,7 +50,7 @@ TEST_P(FusedBackwardSmall, MatchesCpuReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Fused, FusedBackwardSmall,
-    ::testing::Combine(::testing::Values<int64_t>(0, 1, 7, 199),
+    ::testing::Combine(::testing::Values<int64_t>(0, 1, 7, 199, 4097),
                        ::testing::Values(Routing::kUniform, Routing::kOneExpert,
                                          Routing::kAllSlotsOne, Routing::kFewExperts,
                                          Routing::kMasked, Routing::kSkewed)),
@@ -120,6 +120,21 @@ TEST(FusedBackward, BitwiseDeterministic) {
     ASSERT_TRUE(again.y == first.y && again.dx == first.dx && again.d_topk_w == first.d_topk_w &&
                 again.dw13 == first.dw13 && again.dw2 == first.dw2)
         << "run " << run << " differs";
+  }
+}
+
+TEST(FusedBackward, InvalidExpertIdsAreReported) {
+  Dims d;
+  d.T = 33;
+  HostProblem p = make_problem(d, Routing::kUniform, 9400);
+  p.idx_TK[17 * d.K + 1] = static_cast<int32_t>(d.E);
+  p.idx_TK[20 * d.K + 0] = -7;
+  try {
+    run_layer(Impl::kFused, p);  // the forward reports first; both directions route the same ids
+    ADD_FAILURE() << "invalid expert ids were not reported";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("token 17, slot 1, value 8"), std::string::npos)
+        << e.what();
   }
 }
 
