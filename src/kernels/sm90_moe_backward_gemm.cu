@@ -25,7 +25,6 @@
 
 #include <cuda.h>
 #include <cuda_bf16.h>
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled (driver entry point, no -lcuda)
 
 #include <algorithm>
 #include <cmath>
@@ -33,6 +32,7 @@
 
 #include "device/sm90_bwd_wgmma.cuh"
 #include "device/sm90_expert_tiles.cuh"
+#include "device/sm90_host.h"
 #include "device/sm90_ptx.cuh"
 #include "fusemoe/error.h"
 
@@ -575,59 +575,10 @@ constexpr int kDgradSwigluDefaultBlockN = 128;
 using sm90::bwd::KernelArgs;
 using sm90::bwd::KernelConfig;
 using sm90::bwd::Mode;
-
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
-    FUSEMOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
-                                                        cudaEnableDefault, &query));
-    FUSEMOE_CHECK(query == cudaDriverEntryPointSuccess && fn != nullptr,
-                  "cuTensorMapEncodeTiled not found in the CUDA driver");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  return encode;
-}
-
-// Row-major bf16 matrix [outer, inner] read in boxes of [box_outer, 64] with the 128-byte
-// swizzle; out-of-range elements read as zero.
-CUtensorMap make_tensor_map_bf16(const void* base, uint64_t inner, uint64_t outer, uint32_t box_outer,
-                                 const char* name) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {inner, outer};
-  const cuuint64_t strides[1] = {inner * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(sm90::bwd::kBlockK), box_outer};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult status = tensor_map_encoder()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  FUSEMOE_CHECK(status == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed for " << name << " (CUresult "
-                                                                            << status << ")");
-  return map;
-}
-
-struct DeviceInfo {
-  int num_sms;
-  int max_smem_optin;
-};
-
-DeviceInfo query_sm90_device() {
-  int device = 0;
-  FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
-  int major = 0, minor = 0;
-  DeviceInfo info{};
-  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  FUSEMOE_CHECK(major == 9 && minor == 0, "the sm90 backward GEMMs need a compute capability 9.0 GPU, device "
-                                              << device << " is " << major << "." << minor);
-  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device));
-  FUSEMOE_CUDA_CHECK(
-      cudaDeviceGetAttribute(&info.max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return info;
-}
-
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+using sm90::DeviceInfo;
+using sm90::aligned16;
+using sm90::make_tensor_map_bf16;
+static_assert(sm90::bwd::kBlockK == sm90::kTensorMapBoxInner, "a K-block is one tensor-map box row");
 
 void check_pointer(const void* ptr, const char* name) {
   FUSEMOE_CHECK(ptr != nullptr && aligned16(ptr), name << " must be a non-null 16-byte aligned device pointer");
@@ -685,7 +636,7 @@ void launch_sm90_recompute_z(const Sm90RecomputeZParams& p) {
   check_pointer(p.w13, "w13");
   check_pointer(p.z, "z");
   FUSEMOE_CHECK(p.expert_offsets != nullptr, "expert_offsets must be a non-null device pointer");
-  const DeviceInfo info = query_sm90_device();
+  const DeviceInfo info = sm90::device_info();
 
   // ---- configure: A = xs [R_max, H] K-major; B = w13 as [E*2I, H] K-major, 256-row boxes
   constexpr int kBlockN = 256;  // 128 x 256 tiles, 4 stages of 48 KB (as the forward's gate/up)
@@ -719,7 +670,7 @@ void launch_sm90_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
   check_pointer(p.wh, "wh");
   FUSEMOE_CHECK(p.expert_offsets && p.row_slot && p.topk_weights && p.router_partials,
                 "expert_offsets, row_slot, topk_weights and router_partials must be non-null device pointers");
-  const DeviceInfo info = query_sm90_device();
+  const DeviceInfo info = sm90::device_info();
 
   // ---- configure: A = dys [R_max, H] K-major; B = w2 as [E*H, I], N-major boxes [64 k][64 n]
   const CUtensorMap map_a = make_tensor_map_bf16(p.dys, p.hidden, p.max_rows, sm90::bwd::kBlockM, "dys");
@@ -760,7 +711,7 @@ void launch_sm90_dgrad_scatter(const Sm90DgradScatterParams& p) {
   check_pointer(p.w13, "w13");
   check_pointer(p.dx_slots, "dx_slots");
   FUSEMOE_CHECK(p.expert_offsets && p.row_slot, "expert_offsets and row_slot must be non-null device pointers");
-  const DeviceInfo info = query_sm90_device();
+  const DeviceInfo info = sm90::device_info();
 
   // ---- configure: A = dz [R_max, 2I] K-major; B = w13 as [E*2I, H], N-major boxes
   const CUtensorMap map_a =
@@ -798,7 +749,7 @@ void launch_sm90_weight_grad(const Sm90WeightGradParams& p) {
   check_pointer(p.act_m, "act_m");
   check_pointer(p.act_n, "act_n");
   FUSEMOE_CHECK(p.expert_offsets != nullptr, "expert_offsets must be a non-null device pointer");
-  const DeviceInfo info = query_sm90_device();
+  const DeviceInfo info = sm90::device_info();
 
   // ---- configure: both operands are pool rows read as MN-major boxes [64 rows][64 columns]
   const CUtensorMap map_a = make_tensor_map_bf16(p.act_m, p.m, p.max_rows, sm90::bwd::kMnBoxRows, "act_m");

@@ -33,16 +33,14 @@
 
 #include <cuda.h>
 #include <cuda_bf16.h>
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled (driver entry point, no -lcuda)
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <mutex>
-#include <vector>
 
 #include "device/sm90_expert_tiles.cuh"
+#include "device/sm90_host.h"
 #include "device/sm90_ptx.cuh"
 #include "fusemoe/error.h"
 
@@ -416,74 +414,10 @@ namespace {
 using sm90::Epilogue;
 using sm90::KernelArgs;
 using sm90::KernelConfig;
-
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
-    FUSEMOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
-                                                        cudaEnableDefault, &query));
-    FUSEMOE_CHECK(query == cudaDriverEntryPointSuccess && fn != nullptr,
-                  "cuTensorMapEncodeTiled not found in the CUDA driver");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  return encode;
-}
-
-// Row-major bf16 matrix [outer, inner] read in boxes of [box_outer, 64] with the 128-byte
-// swizzle that the wgmma descriptors expect; out-of-range elements read as zero.
-CUtensorMap make_tensor_map_bf16(const void* base, uint64_t inner, uint64_t outer, uint32_t box_outer,
-                                 const char* name) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {inner, outer};
-  const cuuint64_t strides[1] = {inner * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(sm90::kBlockK), box_outer};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult status = tensor_map_encoder()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  FUSEMOE_CHECK(status == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed for " << name << " (CUresult "
-                                                                            << status << ")");
-  return map;
-}
-
-struct DeviceInfo {
-  int device;
-  int num_sms;
-  int max_smem_optin;
-};
-
-// Facts of the current device, queried once per device: the launchers run on every forward
-// call, and these never change.
-DeviceInfo sm90_device_info() {
-  int device = 0;
-  FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
-  static std::mutex mutex;
-  static std::vector<DeviceInfo> known;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    for (const DeviceInfo& info : known) {
-      if (info.device == device) return info;
-    }
-  }
-  int major = 0, minor = 0;
-  DeviceInfo info{device, 0, 0};
-  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  FUSEMOE_CHECK(major == 9 && minor == 0,
-                "the sm90 grouped GEMMs need a compute capability 9.0 GPU, device " << device
-                                                                                    << " is " << major
-                                                                                    << "." << minor);
-  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device));
-  FUSEMOE_CUDA_CHECK(
-      cudaDeviceGetAttribute(&info.max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  std::lock_guard<std::mutex> lock(mutex);
-  known.push_back(info);
-  return info;
-}
-
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+using sm90::DeviceInfo;
+using sm90::aligned16;
+using sm90::make_tensor_map_bf16;
+static_assert(sm90::kBlockK == sm90::kTensorMapBoxInner, "a K-block is one tensor-map box row");
 
 void validate_common(int64_t max_rows, int64_t hidden, int64_t intermediate, int64_t num_experts) {
   FUSEMOE_CHECK(max_rows >= 0 && max_rows < (int64_t{1} << 31),
@@ -555,7 +489,7 @@ void launch_sm90_gate_up_swiglu(const Sm90GateUpParams& p) {
   FUSEMOE_CHECK(p.w13 && aligned16(p.w13), "w13 must be a non-null 16-byte aligned device pointer");
   FUSEMOE_CHECK(p.h && aligned16(p.h), "h must be a non-null 16-byte aligned device pointer");
   FUSEMOE_CHECK(p.expert_offsets != nullptr, "expert_offsets must be a non-null device pointer");
-  const DeviceInfo info = sm90_device_info();
+  const DeviceInfo info = sm90::device_info();
 
   // ---- configure: 128 x (128 gate + 128 up) tiles, 4 stages of 48 KB; A gathered from x by
   // cp.async (direct; the kernel takes no A map, map_b stands in) or one 128-row TMA box of xs
@@ -618,7 +552,7 @@ void launch_sm90_down_weighted(const Sm90DownParams& p) {
   FUSEMOE_CHECK(p.ys && aligned16(p.ys), "ys must be a non-null 16-byte aligned device pointer");
   FUSEMOE_CHECK(p.expert_offsets && p.row_slot && p.topk_weights,
                 "expert_offsets, row_slot and topk_weights must be non-null device pointers");
-  const DeviceInfo info = sm90_device_info();
+  const DeviceInfo info = sm90::device_info();
 
   // ---- configure
   KernelArgs args{};

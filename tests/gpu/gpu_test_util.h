@@ -15,6 +15,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "fusemoe/fusemoe.h"
@@ -50,6 +51,16 @@ inline const char* routing_name(Routing r) {
     case Routing::kSkewed: return "skewed";
   }
   return "?";
+}
+
+// Every routing, for suites that run all of them.
+constexpr Routing kAllRoutings[] = {Routing::kUniform,    Routing::kOneExpert, Routing::kAllSlotsOne,
+                                    Routing::kFewExperts, Routing::kMasked,    Routing::kSkewed};
+
+// Test names of (tokens, routing) suites: "T199_masked".
+inline std::string token_routing_name(
+    const ::testing::TestParamInfo<std::tuple<int64_t, Routing>>& info) {
+  return "T" + std::to_string(std::get<0>(info.param)) + "_" + routing_name(std::get<1>(info.param));
 }
 
 struct HostProblem {
@@ -322,6 +333,38 @@ inline std::vector<double> run_forward_only(Impl impl, const HostProblem& p,
   forward(s.config, impl, s.args);
   TEST_CUDA(cudaDeviceSynchronize());
   return widen(s.y.to_host<uint16_t>());
+}
+
+// Random initial weight gradients for accumulate mode, rounded to bf16 so that they are exact
+// in both gradient dtypes.
+struct WeightGradInit {
+  std::vector<float> dw13, dw2;
+};
+
+inline WeightGradInit random_weight_grad_init(const Dims& d, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 0.1f);
+  WeightGradInit init{std::vector<float>(d.E * 2 * d.I * d.H), std::vector<float>(d.E * d.H * d.I)};
+  for (auto& v : init.dw13) v = host::round_to_bf16(dist(rng));
+  for (auto& v : init.dw2) v = host::round_to_bf16(dist(rng));
+  return init;
+}
+
+// Calls check once per weight-gradient mode: {fp32, bf16} x {overwrite, accumulate onto init}.
+template <typename Check>
+void for_each_weight_grad_mode(const WeightGradInit& init, Check&& check) {
+  for (WeightGradDtype dtype : {WeightGradDtype::kFloat32, WeightGradDtype::kBFloat16}) {
+    for (bool accumulate : {false, true}) {
+      std::printf("grad dtype %s, accumulate %d\n",
+                  dtype == WeightGradDtype::kFloat32 ? "fp32" : "bf16", int(accumulate));
+      RunOptions opt;
+      opt.grad_dtype = dtype;
+      opt.accumulate = accumulate;
+      opt.dw13_init = &init.dw13;
+      opt.dw2_init = &init.dw2;
+      check(opt);
+    }
+  }
 }
 
 struct ErrorStats {

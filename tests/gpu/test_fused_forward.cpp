@@ -37,13 +37,8 @@ TEST_P(FusedSmall, MatchesCpuReference) {
 INSTANTIATE_TEST_SUITE_P(
     Fused, FusedSmall,
     ::testing::Combine(::testing::Values<int64_t>(0, 1, 7, 199, 4097),
-                       ::testing::Values(Routing::kUniform, Routing::kOneExpert,
-                                         Routing::kAllSlotsOne, Routing::kFewExperts,
-                                         Routing::kMasked, Routing::kSkewed)),
-    [](const auto& info) {
-      return "T" + std::to_string(std::get<0>(info.param)) + "_" +
-             routing_name(std::get<1>(info.param));
-    });
+                       ::testing::ValuesIn(kAllRoutings)),
+    token_routing_name);
 
 TEST(FusedForward, ClampTopKAndMediumShapes) {
   struct Case {

@@ -66,13 +66,8 @@ TEST_P(SmallShapes, MatchCpuReference) {
 INSTANTIATE_TEST_SUITE_P(
     Baseline, SmallShapes,
     ::testing::Combine(::testing::Values<int64_t>(0, 1, 7, 199),
-                       ::testing::Values(Routing::kUniform, Routing::kOneExpert,
-                                         Routing::kAllSlotsOne, Routing::kFewExperts,
-                                         Routing::kMasked, Routing::kSkewed)),
-    [](const auto& info) {
-      return "T" + std::to_string(std::get<0>(info.param)) + "_" +
-             routing_name(std::get<1>(info.param));
-    });
+                       ::testing::ValuesIn(kAllRoutings)),
+    token_routing_name);
 
 TEST(Unfused, SwigluClampMatchesReference) {
   Dims d;
@@ -116,23 +111,8 @@ TEST(Unfused, WeightGradsBf16AndAccumulate) {
   Dims d;
   d.T = 199;
   const HostProblem p = make_problem(d, Routing::kFewExperts, 31);  // empty experts included
-  std::mt19937_64 rng(5);
-  std::normal_distribution<float> dist(0.0f, 0.1f);
-  std::vector<float> dw13_init(d.E * 2 * d.I * d.H), dw2_init(d.E * d.H * d.I);
-  for (auto& v : dw13_init) v = host::round_to_bf16(dist(rng));  // exact in bf16 too
-  for (auto& v : dw2_init) v = host::round_to_bf16(dist(rng));
-  for (WeightGradDtype dtype : {WeightGradDtype::kFloat32, WeightGradDtype::kBFloat16}) {
-    for (bool accumulate : {false, true}) {
-      std::printf("grad dtype %s, accumulate %d\n",
-                  dtype == WeightGradDtype::kFloat32 ? "fp32" : "bf16", int(accumulate));
-      RunOptions opt;
-      opt.grad_dtype = dtype;
-      opt.accumulate = accumulate;
-      opt.dw13_init = &dw13_init;
-      opt.dw2_init = &dw2_init;
-      check_both(p, opt);
-    }
-  }
+  const WeightGradInit init = random_weight_grad_init(d, 5);
+  for_each_weight_grad_mode(init, [&](const RunOptions& opt) { check_both(p, opt); });
 }
 
 TEST(Unfused, BitwiseDeterministic) {

@@ -1,0 +1,72 @@
+// Host-side helpers of the sm90 launchers (see sm90_host.h). The tensor-map encoder comes from
+// the driver through the runtime's entry-point query, so nothing links -lcuda.
+#include "device/sm90_host.h"
+
+#include <cuda_runtime_api.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+
+#include <mutex>
+#include <vector>
+
+#include "fusemoe/error.h"
+
+namespace fusemoe::sm90 {
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+    FUSEMOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                        cudaEnableDefault, &query));
+    FUSEMOE_CHECK(query == cudaDriverEntryPointSuccess && fn != nullptr,
+                  "cuTensorMapEncodeTiled not found in the CUDA driver");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+}  // namespace
+
+DeviceInfo device_info() {
+  int device = 0;
+  FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::vector<DeviceInfo> known;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const DeviceInfo& info : known) {
+      if (info.device == device) return info;
+    }
+  }
+  int major = 0, minor = 0;
+  DeviceInfo info{device, 0, 0};
+  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  FUSEMOE_CHECK(major == 9 && minor == 0, "the sm90 kernels need a compute capability 9.0 GPU, device "
+                                              << device << " is " << major << "." << minor);
+  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device));
+  FUSEMOE_CUDA_CHECK(
+      cudaDeviceGetAttribute(&info.max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  std::lock_guard<std::mutex> lock(mutex);
+  known.push_back(info);
+  return info;
+}
+
+CUtensorMap make_tensor_map_bf16(const void* base, uint64_t inner, uint64_t outer,
+                                 uint32_t box_outer, const char* name) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {inner * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kTensorMapBoxInner), box_outer};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult status = tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  FUSEMOE_CHECK(status == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed for " << name << " (CUresult "
+                                                                            << status << ")");
+  return map;
+}
+
+}  // namespace fusemoe::sm90

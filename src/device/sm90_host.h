@@ -1,0 +1,32 @@
+// Host-side pieces shared by the sm90 kernel launchers (forward and backward GEMMs): device
+// facts queried once per device, and the one kind of TMA tensor map every kernel uses.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+namespace fusemoe::sm90 {
+
+// bf16 elements of one TMA box row: one 128-byte swizzle row, which is what the wgmma
+// shared-memory descriptors of both GEMM families expect.
+constexpr int kTensorMapBoxInner = 64;
+
+struct DeviceInfo {
+  int device;
+  int num_sms;
+  int max_smem_optin;
+};
+
+// Facts of the current device (checked to be compute capability 9.0), queried once per
+// device: launchers run on every call and these never change.
+DeviceInfo device_info();
+
+// Row-major bf16 matrix [outer, inner] read in boxes of [box_outer, kTensorMapBoxInner] with
+// the 128-byte swizzle; out-of-range elements read as zero. `name` goes into errors.
+CUtensorMap make_tensor_map_bf16(const void* base, uint64_t inner, uint64_t outer,
+                                 uint32_t box_outer, const char* name);
+
+inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+}  // namespace fusemoe::sm90
