@@ -12,8 +12,9 @@ warm-up then cosine decay to 10% of --lr. Data: data/corpus.txt read as bytes; e
 one sequence of --seq-len tokens at an offset drawn once from a seeded generator, so both runs see
 the same sequence. One step = --micro-batches forward/backward passes (gradients accumulate in
 .grad), then clipping and the optimizer. Step time: wall clock between CUDA synchronisations,
-median over the steps after --timing-warmup. Peak memory: torch.cuda.max_memory_allocated over the
-run (weights, gradients, optimizer state, activations, workspaces).
+median over the steps after --timing-warmup and before any --profile-steps. Peak memory:
+torch.cuda.max_memory_allocated over the run (weights, gradients, optimizer state, activations,
+workspaces).
 Exit: 0 done; 1 a loss was not finite; 2 bad arguments or missing transformers / fusemoe library.
 """
 import argparse
@@ -62,6 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=os.path.join(REPO, "data", "corpus.txt"))
     p.add_argument("--print-every", type=int, default=10)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile the last N steps of each run with torch.profiler: the GPU-busy "
+                        "share of the step and the top kernels go to the log and the JSON")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: smoke tests only
     args = p.parse_args(argv)
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
@@ -69,6 +73,8 @@ def parse_args(argv=None):
         p.error(f"--runs must list {RUN_HF} and/or {RUN_FUSEMOE}, got {args.runs}")
     if args.steps < 1 or args.micro_batches < 1 or args.seq_len < 2:
         p.error("--steps and --micro-batches must be >= 1, --seq-len >= 2")
+    if not 0 <= args.profile_steps <= args.steps:
+        p.error(f"--profile-steps must be in [0, --steps], got {args.profile_steps}")
     return args
 
 
@@ -112,6 +118,27 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
+def summarize_profile(prof, num_steps, step_ms, rows=18):
+    """GPU time per step by kernel (and memcpy/memset) from a finished torch.profiler run."""
+    kernels = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us()
+    busy_ms = sum(kernels.values()) / 1e3 / num_steps
+    wall_ms = statistics.median(step_ms)
+    lines = [f"GPU busy {busy_ms:.1f} ms of a {wall_ms:.1f} ms step ({100 * busy_ms / wall_ms:.0f}%); "
+             f"{len(kernels)} distinct kernels; per step:"]
+    for kernel, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:rows]:
+        lines.append(f"  {us / 1e3 / num_steps:8.2f} ms  {kernel[:110]}")
+    return {"gpu_busy_ms_per_step": busy_ms, "wall_ms_per_step": wall_ms, "table": lines}
+
+
+def timed_steps(step_ms, args):
+    """The step times the median is taken over: after the warm-up, before the profiled steps."""
+    end = max(args.timing_warmup + 1, args.steps - args.profile_steps)
+    return step_ms[args.timing_warmup:end] or step_ms
+
+
 def train(name, model, corpus_N, offsets_SM, args):
     """One run from the model's current weights; returns its record."""
     device = torch.device(args.device)
@@ -125,7 +152,12 @@ def train(name, model, corpus_N, offsets_SM, args):
     model.train()
     losses, step_ms = [], []
     finite = True
+    profiler, profile = None, None
     for step in range(args.steps):
+        if is_cuda and args.profile_steps and step == args.steps - args.profile_steps:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
+            profiler.__enter__()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         synchronize(device)
@@ -143,17 +175,25 @@ def train(name, model, corpus_N, offsets_SM, args):
         loss_value = total.item()
         synchronize(device)
         step_ms.append((time.perf_counter() - start) * 1e3)
+        if name == RUN_FUSEMOE:
+            fusemoe.check_expert_ids(synchronize=False)  # the step already synchronised
         losses.append(loss_value)
         if not math.isfinite(loss_value):
             log(f"[{name}] step {step + 1}: loss {loss_value}: stopping this run")
             finite = False
             break
         if (step + 1) % args.print_every == 0 or step + 1 == args.steps or step == 0:
-            timed = step_ms[args.timing_warmup:] or step_ms
+            timed = timed_steps(step_ms, args)
             log(f"[{name}] step {step + 1}/{args.steps} loss {loss_value:.4f} "
                 f"step {step_ms[-1]:.1f} ms (median {statistics.median(timed):.1f} ms)")
-    timed = step_ms[args.timing_warmup:] or step_ms
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        profile = summarize_profile(profiler, args.profile_steps, step_ms[-args.profile_steps:])
+        log(f"[{name}] profile of the last {args.profile_steps} steps:\n" +
+            "\n".join(profile["table"]))
+    timed = timed_steps(step_ms, args)
     record = {
+        "profile": profile,
         "losses": losses,
         "step_ms": step_ms,
         "median_step_ms": statistics.median(timed),

@@ -132,7 +132,7 @@ if command -v compute-sanitizer >/dev/null && [[ -x "$GPU_TESTS_BIN" ]]; then
   log "start memcheck (log: sanitizer.log)"
   timeout --kill-after=15 "${SANITIZER_TIMEOUT_S:-180}" compute-sanitizer --tool memcheck \
     --error-exitcode 1 "$GPU_TESTS_BIN" \
-    --gtest_filter='Baseline/SmallShapes.*:Unfused.InvalidExpertIdsAreReported:Unfused.SwigluClampMatchesReference:Fused/FusedSmall.*:Fused/FusedBackwardSmall.*:FusedForward.InvalidExpertIdsReportedNowOrLater' \
+    --gtest_filter='Baseline/SmallShapes.*:Unfused.InvalidExpertIdsAreReported:Unfused.SwigluClampMatchesReference:Fused/FusedSmall.*:Fused/FusedBackwardSmall.*:FusedForward.InvalidExpertIdsReportedNowOrLater:FusedExpertIdReport.*' \
     >"$OUTDIR/sanitizer.log" 2>&1
   san_rc=$?
   printf '%s\t%d\t%d\t%s\n' memcheck "$san_rc" "$((SECONDS - start))" "" >>"$PARTS/steps.tsv"
@@ -161,7 +161,7 @@ done
 # ---- 4b. PyTorch layer (issue 5): pytest tests/python (a skip is a failure here), a short training run ----
 export FUSEMOE_LIBRARY="${FUSEMOE_LIBRARY:-$(cd "$BUILD_DIR" && pwd -P)/libfusemoe_c.so}" FUSEMOE_REQUIRE_GPU=1
 bench_step pytest timeout --kill-after=15 300 python3 -m pytest -q -rs tests/python
-bench_step train_qwen3_moe timeout --kill-after=15 400 python3 examples/train_qwen3_moe.py --steps "${TRAIN_STEPS:-300}" --impl "${TRAIN_IMPL:-fused}" --out "$OUTDIR"
+bench_step train_qwen3_moe timeout --kill-after=15 400 python3 examples/train_qwen3_moe.py --steps "${TRAIN_STEPS:-300}" --impl "${TRAIN_IMPL:-fused}" --profile-steps 3 --out "$OUTDIR"
 
 # ---- 5. Summary ----
 log "final summary"

@@ -83,6 +83,10 @@ struct ForwardArgs {
   // true (default): the call synchronises its stream at the end and throws on a bad id,
   // except while the stream is being captured into a CUDA graph (a sync is illegal there).
   bool sync_check_expert_ids = true;
+  // Optional ExpertIdReport (see below) that outlives the call. When set, the call never
+  // synchronises for the id check (sync_check_expert_ids is ignored): a call that finds bad ids
+  // writes its record into the report from the device, and the caller reads it when it likes.
+  int32_t* expert_id_report = nullptr;
 };
 
 struct BackwardArgs {
@@ -106,8 +110,9 @@ struct BackwardArgs {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   cudaStream_t stream = nullptr;
-  // As ForwardArgs::sync_check_expert_ids.
+  // As ForwardArgs::sync_check_expert_ids and ForwardArgs::expert_id_report.
   bool sync_check_expert_ids = true;
+  int32_t* expert_id_report = nullptr;
 };
 
 // Throws fusemoe::Error naming the first field that breaks a limit above.
@@ -127,5 +132,20 @@ void backward(const LayerConfig& config, Impl impl, const BackwardArgs& args);
 // was one. For calls made with sync_check_expert_ids = false.
 void check_expert_ids(const LayerConfig& config, Impl impl, const void* workspace,
                       cudaStream_t stream);
+
+// Asynchronous expert-id reporting for callers that must not block (training loops):
+// kExpertIdReportInts int32 that the caller zeroes once and passes as expert_id_report to many
+// calls. Device memory, or pinned host memory mapped at the same address (cudaHostAlloc /
+// torch pin_memory under unified addressing), which the host can read without synchronising.
+// The first call that finds bad ids writes [1] the flat slot t*K+j of its first bad id,
+// [2] that id, then [0] the number of bad ids in that call; later calls leave a non-empty
+// report alone. The kernels write it with plain stores: read [0] first, and treat a report as
+// complete only after the stream work that wrote it is known to be done (or [0] != 0).
+constexpr int kExpertIdReportInts = 3;
+
+// Throws fusemoe::Error naming the first bad id if `report` (a host copy or the pinned report
+// itself) holds one; a no-op for an empty report.
+void throw_if_expert_id_report(const int32_t report[kExpertIdReportInts], int64_t num_experts,
+                               int64_t top_k);
 
 }  // namespace fusemoe

@@ -9,9 +9,10 @@ import ctypes
 import os
 import threading
 
-ABI_VERSION = 1  # FUSEMOE_C_ABI_VERSION this binding is written for
+ABI_VERSION = 2  # FUSEMOE_C_ABI_VERSION this binding is written for
 WEIGHT_GRAD_FLOAT32 = 0
 WEIGHT_GRAD_BFLOAT16 = 1
+EXPERT_ID_REPORT_INTS = 3  # fusemoe::kExpertIdReportInts
 
 _DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "build",
                              "libfusemoe_c.so")
@@ -24,11 +25,15 @@ _SIGNATURES = {
     "fusemoe_c_last_error": ([], ctypes.c_char_p),
     "fusemoe_c_impl_code": ([ctypes.c_char_p, ctypes.POINTER(_i32)], _i32),
     "fusemoe_c_workspace_bytes": (_LAYER + [ctypes.POINTER(_u64)], _i32),
-    # x, topk_idx, topk_weights, w13, w2, y, num_tokens, workspace, workspace_bytes, stream
-    "fusemoe_c_forward": (_LAYER + [_ptr] * 6 + [_i64, _ptr, _u64, _ptr], _i32),
+    # x, topk_idx, topk_weights, w13, w2, y, num_tokens, workspace, workspace_bytes,
+    # expert_id_report, stream
+    "fusemoe_c_forward": (_LAYER + [_ptr] * 6 + [_i64, _ptr, _u64, _ptr, _ptr], _i32),
     # x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights, dw13, dw2, weight_grad_dtype,
-    # accumulate, num_tokens, workspace, workspace_bytes, stream
-    "fusemoe_c_backward": (_LAYER + [_ptr] * 10 + [_i32, _i32, _i64, _ptr, _u64, _ptr], _i32),
+    # accumulate, num_tokens, workspace, workspace_bytes, expert_id_report, stream
+    "fusemoe_c_backward": (_LAYER + [_ptr] * 10 + [_i32, _i32, _i64, _ptr, _u64, _ptr, _ptr],
+                           _i32),
+    # report (host-readable), num_experts, top_k
+    "fusemoe_c_check_expert_id_report": ([_ptr, _i64, _i64], _i32),
 }
 
 
@@ -114,17 +119,26 @@ def workspace_bytes(layer, impl):
 
 
 def forward(layer, impl, x, topk_idx, topk_weights, w13, w2, y, num_tokens, workspace,
-            workspace_bytes_, stream):
-    """Pointers are ints (data_ptr()); stream is a cudaStream_t as an int."""
+            workspace_bytes_, expert_id_report, stream):
+    """Pointers are ints (data_ptr(); expert_id_report may be None); stream is a cudaStream_t
+    as an int."""
     lib = load()
     _check(lib.fusemoe_c_forward(*layer, impl_code(impl), x, topk_idx, topk_weights, w13, w2, y,
-                                 num_tokens, workspace, workspace_bytes_, stream))
+                                 num_tokens, workspace, workspace_bytes_, expert_id_report,
+                                 stream))
 
 
 def backward(layer, impl, x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights, dw13, dw2,
-             weight_grad_dtype, accumulate, num_tokens, workspace, workspace_bytes_, stream):
+             weight_grad_dtype, accumulate, num_tokens, workspace, workspace_bytes_,
+             expert_id_report, stream):
     lib = load()
     _check(lib.fusemoe_c_backward(*layer, impl_code(impl), x, topk_idx, topk_weights, w13, w2, dy,
                                   dx, d_topk_weights, dw13, dw2, weight_grad_dtype,
                                   int(bool(accumulate)), num_tokens, workspace, workspace_bytes_,
-                                  stream))
+                                  expert_id_report, stream))
+
+
+def check_expert_id_report(report, num_experts, top_k):
+    """report: address (int) of 3 host-readable int32; FusemoeError naming the bad id if set."""
+    lib = load()
+    _check(lib.fusemoe_c_check_expert_id_report(report, num_experts, top_k))

@@ -11,13 +11,62 @@ The forward saves only its inputs (the backward recomputes the rest). The backwa
 gradients (weights in their own dtype, d_topk_weights fp32) and autograd accumulates them, so
 gradient accumulation and activation checkpointing need nothing special. Calls run on
 torch.cuda.current_stream(); each call's workspace comes from torch's caching allocator.
+
+Expert ids outside [-1, E) never index memory (the kernels mask them) and are reported without
+blocking the stream: every call passes the library a small per-device report in pinned host
+memory that the first call with bad ids fills from the GPU. The next fusemoe call on that device
+(forward or backward), or fusemoe.check_expert_ids(), raises FusemoeError naming the token, slot
+and value; the report is then cleared. So a bad id surfaces one call late at most, never as a
+silent wrong result, and the ops never synchronise for it ("unfused" syncs anyway: it reads
+per-expert counts on the host).
 """
+import threading
+
 import torch
 from torch import Tensor
 
 from . import _capi
 
-DEFAULT_IMPL = "unfused"
+DEFAULT_IMPL = "fused"  # sm_90a kernels; "unfused" (cuBLAS grouped GEMMs) is the baseline
+
+_reports_lock = threading.Lock()
+_reports = {}  # device index -> (pinned int32 [3] report, (num_experts, top_k) of its last call)
+
+
+def _expert_id_report(device, num_experts, top_k):
+    """The device's pinned report after raising any bad id it holds; its address for the call."""
+    with _reports_lock:
+        entry = _reports.get(device.index)
+        if entry is None:
+            entry = [torch.zeros(_capi.EXPERT_ID_REPORT_INTS, dtype=torch.int32, pin_memory=True),
+                     None]
+            _reports[device.index] = entry
+        _raise_if_reported(entry)
+        entry[1] = (num_experts, top_k)
+        return entry[0].data_ptr()
+
+
+def _raise_if_reported(entry):
+    report, layer = entry
+    if layer is None or int(report[0]) == 0:  # a host read of pinned memory: no sync
+        return
+    try:
+        _capi.check_expert_id_report(report.data_ptr(), *layer)
+    except _capi.FusemoeError as e:
+        report.zero_()  # reported once; later calls start clean
+        raise _capi.FusemoeError(f"{e} (found by an earlier fusemoe call on this device and "
+                                 "reported asynchronously; its outputs are unspecified)") from None
+
+
+def check_expert_ids(synchronize=True):
+    """Raises FusemoeError if an earlier fusemoe call on any device had expert ids outside
+    [-1, E). synchronize=True first waits for the devices' queued work, so every call made so far
+    is covered; False checks only what has already run (no wait)."""
+    with _reports_lock:
+        for index, entry in _reports.items():
+            if synchronize:
+                torch.cuda.synchronize(index)
+            _raise_if_reported(entry)
 
 
 def _fail(message):
@@ -98,10 +147,11 @@ def moe_experts_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tens
     _check_cuda(x_TH)
     y_TH = torch.empty_like(x_TH)
     with torch.cuda.device(x_TH.device):
+        report = _expert_id_report(x_TH.device, layer[2], layer[3])
         workspace, num_bytes = _workspace(layer, impl, x_TH.device)
         _capi.forward(layer, impl, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
                       topk_weights_TK.data_ptr(), w13_EFH.data_ptr(), w2_EHI.data_ptr(),
-                      y_TH.data_ptr(), layer[-1], workspace.data_ptr(), num_bytes,
+                      y_TH.data_ptr(), layer[-1], workspace.data_ptr(), num_bytes, report,
                       torch.cuda.current_stream(x_TH.device).cuda_stream)
     return y_TH
 
@@ -125,12 +175,13 @@ def moe_experts_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
     dw13_EFH = torch.empty_like(w13_EFH)
     dw2_EHI = torch.empty_like(w2_EHI)
     with torch.cuda.device(x_TH.device):
+        report = _expert_id_report(x_TH.device, layer[2], layer[3])
         workspace, num_bytes = _workspace(layer, impl, x_TH.device)
         _capi.backward(layer, impl, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
                        topk_weights_TK.data_ptr(), w13_EFH.data_ptr(), w2_EHI.data_ptr(),
                        dy_TH.data_ptr(), dx_TH.data_ptr(), d_topk_weights_TK.data_ptr(),
                        dw13_EFH.data_ptr(), dw2_EHI.data_ptr(), _capi.WEIGHT_GRAD_BFLOAT16,
-                       False, layer[-1], workspace.data_ptr(), num_bytes,
+                       False, layer[-1], workspace.data_ptr(), num_bytes, report,
                        torch.cuda.current_stream(x_TH.device).cuda_stream)
     return dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI
 

@@ -48,6 +48,23 @@ void check_device_pointer(const void* p, const char* name) {
   }
 }
 
+// The expert-id report may be device memory or pinned host memory that kernels can write at
+// the same address (unified addressing), so the host can poll it without a sync.
+void check_expert_id_report_pointer(const int32_t* report) {
+  FUSEMOE_CHECK(aligned(report, 4), "expert_id_report must be 4-byte aligned, got " << report);
+  cudaPointerAttributes attributes{};
+  FUSEMOE_CUDA_CHECK(cudaPointerGetAttributes(&attributes, report));
+  if (attributes.type == cudaMemoryTypeHost) {
+    FUSEMOE_CHECK(attributes.devicePointer == report,
+                  "expert_id_report: pinned host memory must be mapped into the device at the "
+                  "same address (unified addressing); got host "
+                      << static_cast<const void*>(report) << ", device "
+                      << attributes.devicePointer);
+    return;
+  }
+  check_device_pointer(report, "expert_id_report");
+}
+
 // After a call with sync_check_expert_ids: synchronise and report bad ids, except while the
 // stream is being captured (a sync is illegal there; the record stays for check_expert_ids).
 void sync_check_unless_capturing(const LayerConfig& config, Impl impl, void* workspace,
@@ -155,6 +172,14 @@ void check_expert_ids(const LayerConfig& config, Impl impl, const void* workspac
   check_bad_id_record(bad, config.num_experts, config.top_k);
 }
 
+void throw_if_expert_id_report(const int32_t report[kExpertIdReportInts], int64_t num_experts,
+                               int64_t top_k) {
+  FUSEMOE_CHECK(report != nullptr, "expert id report must not be null");
+  FUSEMOE_CHECK(num_experts >= 1 && top_k >= 1,
+                "num_experts and top_k must be >= 1, got " << num_experts << ", " << top_k);
+  check_bad_id_record(report, num_experts, top_k);
+}
+
 void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
   validate_config(config);
   check_impl(impl);
@@ -179,9 +204,12 @@ void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
       check_device_pointer(p, name);
     }
   }
+  if (a.expert_id_report != nullptr) check_expert_id_report_pointer(a.expert_id_report);
   if (impl == Impl::kFused) {
     fused_forward(config, a);
-    if (a.sync_check_expert_ids) sync_check_unless_capturing(config, impl, a.workspace, a.stream);
+    if (a.sync_check_expert_ids && a.expert_id_report == nullptr) {
+      sync_check_unless_capturing(config, impl, a.workspace, a.stream);
+    }
     return;
   }
   unfused_forward(config, impl, a);
@@ -219,9 +247,12 @@ void backward(const LayerConfig& config, Impl impl, const BackwardArgs& a) {
       check_device_pointer(p, name);
     }
   }
+  if (a.expert_id_report != nullptr) check_expert_id_report_pointer(a.expert_id_report);
   if (impl == Impl::kFused) {
     fused_backward(config, a);
-    if (a.sync_check_expert_ids) sync_check_unless_capturing(config, impl, a.workspace, a.stream);
+    if (a.sync_check_expert_ids && a.expert_id_report == nullptr) {
+      sync_check_unless_capturing(config, impl, a.workspace, a.stream);
+    }
     return;
   }
   unfused_backward(config, impl, a);

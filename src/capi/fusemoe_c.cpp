@@ -118,7 +118,7 @@ int32_t fusemoe_c_forward(int64_t hidden, int64_t intermediate, int64_t num_expe
                           int64_t max_tokens, int32_t impl_code, const void* x,
                           const int32_t* topk_idx, const float* topk_weights, const void* w13,
                           const void* w2, void* y, int64_t num_tokens, void* workspace,
-                          uint64_t workspace_bytes, void* stream) {
+                          uint64_t workspace_bytes, int32_t* expert_id_report, void* stream) {
   return guarded([&] {
     const auto config = make_config(hidden, intermediate, num_experts, top_k, max_tokens);
     const Impl impl = impl_from_code(impl_code);
@@ -132,6 +132,7 @@ int32_t fusemoe_c_forward(int64_t hidden, int64_t intermediate, int64_t num_expe
     args.num_tokens = num_tokens;
     args.workspace = workspace;
     args.workspace_bytes = workspace_bytes;
+    args.expert_id_report = expert_id_report;
     args.stream = static_cast<cudaStream_t>(stream);
     fusemoe::forward(config, impl, args);
   });
@@ -143,7 +144,7 @@ int32_t fusemoe_c_backward(int64_t hidden, int64_t intermediate, int64_t num_exp
                            const void* w2, const void* dy, void* dx, float* d_topk_weights,
                            void* dw13, void* dw2, int32_t weight_grad_dtype,
                            int32_t accumulate_weight_grads, int64_t num_tokens, void* workspace,
-                           uint64_t workspace_bytes, void* stream) {
+                           uint64_t workspace_bytes, int32_t* expert_id_report, void* stream) {
   return guarded([&] {
     const auto config = make_config(hidden, intermediate, num_experts, top_k, max_tokens);
     const Impl impl = impl_from_code(impl_code);
@@ -170,9 +171,15 @@ int32_t fusemoe_c_backward(int64_t hidden, int64_t intermediate, int64_t num_exp
     args.num_tokens = num_tokens;
     args.workspace = workspace;
     args.workspace_bytes = workspace_bytes;
+    args.expert_id_report = expert_id_report;
     args.stream = static_cast<cudaStream_t>(stream);
     fusemoe::backward(config, impl, args);
   });
+}
+
+int32_t fusemoe_c_check_expert_id_report(const int32_t* report, int64_t num_experts,
+                                         int64_t top_k) {
+  return guarded([&] { fusemoe::throw_if_expert_id_report(report, num_experts, top_k); });
 }
 
 }  // extern "C"

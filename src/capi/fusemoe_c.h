@@ -18,7 +18,7 @@ extern "C" {
 #define FUSEMOE_C_API __attribute__((visibility("default")))
 
 /* Raised whenever a function's signature or meaning changes; bindings refuse other versions. */
-#define FUSEMOE_C_ABI_VERSION 1
+#define FUSEMOE_C_ABI_VERSION 2
 
 typedef enum {
   FUSEMOE_C_OK = 0,
@@ -45,13 +45,20 @@ FUSEMOE_C_API int32_t fusemoe_c_workspace_bytes(int64_t hidden, int64_t intermed
                                                 int64_t max_tokens, int32_t impl_code,
                                                 uint64_t* bytes);
 
+/* expert_id_report (forward and backward): NULL, or fusemoe::kExpertIdReportInts (3) int32 the
+ * caller zeroed once, in device memory or pinned host memory (see fusemoe::ForwardArgs::
+ * expert_id_report). NULL: a call with bad expert ids fails (after a stream sync, for "fused").
+ * Set: the call never syncs for the check; the first call with bad ids fills the report and the
+ * caller checks it with fusemoe_c_check_expert_id_report whenever it likes. */
+
 /* y = MoE(x); see fusemoe::forward. */
 FUSEMOE_C_API int32_t fusemoe_c_forward(int64_t hidden, int64_t intermediate, int64_t num_experts,
                                         int64_t top_k, int64_t max_tokens, int32_t impl_code,
                                         const void* x, const int32_t* topk_idx,
                                         const float* topk_weights, const void* w13, const void* w2,
                                         void* y, int64_t num_tokens, void* workspace,
-                                        uint64_t workspace_bytes, void* stream);
+                                        uint64_t workspace_bytes, int32_t* expert_id_report,
+                                        void* stream);
 
 /* dx, d_topk_weights, dw13, dw2 from dy; see fusemoe::backward. accumulate_weight_grads != 0
  * adds to dw13/dw2 instead of overwriting them. */
@@ -63,7 +70,13 @@ FUSEMOE_C_API int32_t fusemoe_c_backward(int64_t hidden, int64_t intermediate, i
                                          float* d_topk_weights, void* dw13, void* dw2,
                                          int32_t weight_grad_dtype,
                                          int32_t accumulate_weight_grads, int64_t num_tokens,
-                                         void* workspace, uint64_t workspace_bytes, void* stream);
+                                         void* workspace, uint64_t workspace_bytes,
+                                         int32_t* expert_id_report, void* stream);
+
+/* FUSEMOE_C_ERROR with the message naming the first bad id if `report` (host-readable: a host
+ * copy or pinned memory) holds one; FUSEMOE_C_OK for an empty report. Reads, never writes. */
+FUSEMOE_C_API int32_t fusemoe_c_check_expert_id_report(const int32_t* report, int64_t num_experts,
+                                                       int64_t top_k);
 
 #ifdef __cplusplus
 }  /* extern "C" */

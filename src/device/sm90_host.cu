@@ -53,6 +53,15 @@ DeviceInfo device_info() {
   return info;
 }
 
+void raise_smem_limit_once(const void* kernel, size_t limit_bytes, int device,
+                           std::atomic<uint64_t>* configured) {
+  const uint64_t device_bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (device_bit != 0 && (configured->load(std::memory_order_acquire) & device_bit)) return;
+  FUSEMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(limit_bytes)));
+  configured->fetch_or(device_bit, std::memory_order_acq_rel);
+}
+
 CUtensorMap make_tensor_map_bf16(const void* base, uint64_t inner, uint64_t outer,
                                  uint32_t box_outer, const char* name) {
   CUtensorMap map;

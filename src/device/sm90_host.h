@@ -4,6 +4,8 @@
 
 #include <cuda.h>
 
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 
 namespace fusemoe::sm90 {
@@ -21,6 +23,14 @@ struct DeviceInfo {
 // Facts of the current device (checked to be compute capability 9.0), queried once per
 // device: launchers run on every call and these never change.
 DeviceInfo device_info();
+
+// Raises `kernel`'s dynamic shared-memory limit to `limit_bytes` on `device`, once: `configured`
+// is the caller's static per-kernel set of devices already done (bit d; devices >= 64 are set
+// on every call). A limit, not an allocation: each launch still asks for what its E needs, so
+// one limit sized for the largest E serves every call, and threads running layers of
+// different E never race on the attribute.
+void raise_smem_limit_once(const void* kernel, size_t limit_bytes, int device,
+                           std::atomic<uint64_t>* configured);
 
 // Row-major bf16 matrix [outer, inner] read in boxes of [box_outer, kTensorMapBoxInner] with
 // the 128-byte swizzle; out-of-range elements read as zero. `name` goes into errors.

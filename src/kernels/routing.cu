@@ -56,7 +56,8 @@ routing_count_kernel(const int32_t* __restrict__ topk_idx, int64_t num_slots, in
 __global__ void __launch_bounds__(kScanThreads)
 routing_scan_kernel(const int32_t* __restrict__ topk_idx, int64_t num_chunks, int num_experts,
                     int32_t* __restrict__ chunk_counts, int32_t* __restrict__ expert_counts,
-                    int32_t* __restrict__ expert_offsets, int32_t* __restrict__ bad_id_info) {
+                    int32_t* __restrict__ expert_offsets, int32_t* __restrict__ bad_id_info,
+                    int32_t* caller_report) {
   __shared__ int32_t scan[kScanThreads];
   const int e = threadIdx.x;
   int32_t total = 0;
@@ -89,7 +90,19 @@ routing_scan_kernel(const int32_t* __restrict__ topk_idx, int64_t num_chunks, in
   if (e < num_experts) expert_offsets[e + 1] = scan[e];
   if (e == 0) {
     expert_offsets[0] = 0;
-    if (bad_id_info[0] > 0) bad_id_info[2] = topk_idx[bad_id_info[1]];
+    if (bad_id_info[0] > 0) {
+      const int32_t first_bad_id = topk_idx[bad_id_info[1]];
+      bad_id_info[2] = first_bad_id;
+      // The caller's report may live in host memory that the host reads without a sync: the
+      // count goes last, after a system-wide fence, so a non-zero count means a whole record.
+      volatile int32_t* report = caller_report;
+      if (report != nullptr && report[0] == 0) {
+        report[1] = bad_id_info[1];
+        report[2] = first_bad_id;
+        __threadfence_system();
+        report[0] = bad_id_info[0];
+      }
+    }
   }
 }
 
@@ -172,7 +185,8 @@ void check_bad_id_record(const int32_t bad[3], int64_t num_experts, int64_t top_
 }
 
 void launch_routing(const int32_t* topk_idx, int64_t num_tokens, int64_t top_k,
-                    int64_t num_experts, const RoutingPlan& plan, cudaStream_t stream) {
+                    int64_t num_experts, const RoutingPlan& plan, int32_t* caller_report,
+                    cudaStream_t stream) {
   FUSEMOE_CHECK(num_experts >= 1 && num_experts <= kScanThreads,
                 "routing supports 1..." << kScanThreads << " experts, got " << num_experts);
   const int64_t num_slots = num_tokens * top_k;
@@ -187,7 +201,8 @@ void launch_routing(const int32_t* topk_idx, int64_t num_tokens, int64_t top_k,
   }
   routing_scan_kernel<<<1, kScanThreads, 0, stream>>>(topk_idx, num_chunks, experts,
                                                       plan.chunk_counts, plan.expert_counts,
-                                                      plan.expert_offsets, plan.bad_id_info);
+                                                      plan.expert_offsets, plan.bad_id_info,
+                                                      caller_report);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
   if (num_chunks > 0) {
     const size_t smem = size_t(experts) * (kWarpsPerBlock + 1) * sizeof(int32_t);

@@ -51,7 +51,10 @@ char* carve_routing_plan(char* base, int64_t max_tokens, int64_t top_k, int64_t 
 void check_bad_id_record(const int32_t bad[3], int64_t num_experts, int64_t top_k);
 
 // Launches the routing kernels on `stream` for T = num_tokens (0 allowed: counts become 0).
+// caller_report: null, or the caller's ExpertIdReport (fusemoe.h) that a call with bad ids
+// fills if it is still empty.
 void launch_routing(const int32_t* topk_idx, int64_t num_tokens, int64_t top_k,
-                    int64_t num_experts, const RoutingPlan& plan, cudaStream_t stream);
+                    int64_t num_experts, const RoutingPlan& plan, int32_t* caller_report,
+                    cudaStream_t stream);
 
 }  // namespace fusemoe

@@ -27,6 +27,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -604,11 +605,13 @@ void launch_mode(const DeviceInfo& info, int num_sms_override, int num_experts, 
   using Config = KernelConfig<kMode, kBlockN>;
   auto kernel = sm90::bwd::moe_backward_gemm_kernel<kMode, kBlockN>;
   const size_t smem_bytes = Config::smem_bytes(num_experts);
-  FUSEMOE_CHECK(smem_bytes <= static_cast<size_t>(info.max_smem_optin),
+  const size_t smem_limit = std::min(Config::smem_bytes(sm90::bwd::kMaxExpertsInSmem),
+                                     static_cast<size_t>(info.max_smem_optin));
+  FUSEMOE_CHECK(smem_bytes <= smem_limit,
                 "backward GEMM needs " << smem_bytes << " bytes of shared memory, the device allows "
                                        << info.max_smem_optin);
-  FUSEMOE_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
+  static std::atomic<uint64_t> configured{0};  // as the forward's launch_variant
+  sm90::raise_smem_limit_once(reinterpret_cast<const void*>(kernel), smem_limit, info.device, &configured);
   const int grid = num_sms_override > 0 ? std::min(num_sms_override, info.num_sms) : info.num_sms;
   kernel<<<grid, sm90::bwd::kThreads, smem_bytes, stream>>>(map_a, map_b, args);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());

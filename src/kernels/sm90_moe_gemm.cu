@@ -447,13 +447,8 @@ void launch_variant(const DeviceInfo& info, int num_sms_override, int64_t num_ex
   FUSEMOE_CHECK(smem_bytes <= smem_limit, "grouped GEMM needs " << smem_bytes
                                                                 << " bytes of shared memory, the device allows "
                                                                 << info.max_smem_optin);
-  static std::atomic<uint64_t> configured{0};  // bit d: the limit is set on device d (d < 64)
-  const uint64_t device_bit = info.device < 64 ? uint64_t{1} << info.device : 0;
-  if (device_bit == 0 || !(configured.load(std::memory_order_acquire) & device_bit)) {
-    FUSEMOE_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_limit)));
-    configured.fetch_or(device_bit, std::memory_order_acq_rel);
-  }
+  static std::atomic<uint64_t> configured{0};
+  sm90::raise_smem_limit_once(reinterpret_cast<const void*>(kernel), smem_limit, info.device, &configured);
   const int grid = num_sms_override > 0 ? std::min(num_sms_override, info.num_sms) : info.num_sms;
   kernel<<<grid, sm90::kThreads, smem_bytes, stream>>>(map_a, map_b, args);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());

@@ -51,7 +51,8 @@ RoutingPlan fused_routing_plan(const LayerConfig& config, void* workspace) {
 void fused_forward(const LayerConfig& c, const ForwardArgs& args) {
   const FusedWorkspace ws(c, args.workspace);
   const int64_t num_slots = args.num_tokens * c.top_k;  // upper bound of the rows in use
-  launch_routing(args.topk_idx, args.num_tokens, c.top_k, c.num_experts, ws.plan, args.stream);
+  launch_routing(args.topk_idx, args.num_tokens, c.top_k, c.num_experts, ws.plan,
+                 args.expert_id_report, args.stream);
   if (num_slots == 0) return;
 
   Sm90GateUpParams gate_up;

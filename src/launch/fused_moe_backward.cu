@@ -58,7 +58,8 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
   const int64_t num_slots = args.num_tokens * c.top_k;  // upper bound of the rows in use
   cudaStream_t stream = args.stream;
   const bool bf16_grads = args.weight_grad_dtype == WeightGradDtype::kBFloat16;
-  launch_routing(args.topk_idx, args.num_tokens, c.top_k, E, ws.plan, stream);
+  launch_routing(args.topk_idx, args.num_tokens, c.top_k, E, ws.plan, args.expert_id_report,
+                 stream);
 
   if (num_slots > 0) {
     const int32_t* num_rows_device = ws.plan.expert_offsets + E;

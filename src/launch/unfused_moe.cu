@@ -179,11 +179,13 @@ constexpr cudaDataType pool_type() {
 SwigluClamp clamp_of(const LayerConfig& c) { return SwigluClamp{c.use_swiglu_clamp, c.swiglu_clamp}; }
 
 // Routes on the device, then copies the per-expert counts to the host (the baseline's one
-// sync) and turns invalid expert ids into an error. Returns counts; offsets follow from them.
+// sync) and turns invalid expert ids into an error, or, when the caller passed an
+// expert_id_report, leaves them to that report (the caller's choice of one reporting channel).
+// Returns counts; offsets follow from them.
 std::vector<int32_t> route_and_read_counts(const LayerConfig& c, const int32_t* topk_idx,
                                            int64_t num_tokens, const RoutingPlan& plan,
-                                           cudaStream_t stream) {
-  launch_routing(topk_idx, num_tokens, c.top_k, c.num_experts, plan, stream);
+                                           int32_t* expert_id_report, cudaStream_t stream) {
+  launch_routing(topk_idx, num_tokens, c.top_k, c.num_experts, plan, expert_id_report, stream);
   std::vector<int32_t> counts(c.num_experts);
   int32_t bad[3] = {0, 0, 0};
   FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(counts.data(), plan.expert_counts, counts.size() * 4,
@@ -191,7 +193,7 @@ std::vector<int32_t> route_and_read_counts(const LayerConfig& c, const int32_t* 
   FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(bad, plan.bad_id_info, sizeof(bad), cudaMemcpyDeviceToHost,
                                      stream));
   FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  check_bad_id_record(bad, c.num_experts, c.top_k);
+  if (expert_id_report == nullptr) check_bad_id_record(bad, c.num_experts, c.top_k);
   return counts;
 }
 
@@ -201,7 +203,8 @@ void forward_impl(const LayerConfig& c, const ForwardArgs& args) {
   const int64_t H = c.hidden, I = c.intermediate, E = c.num_experts;
   cudaStream_t stream = args.stream;
   const std::vector<int32_t> counts =
-      route_and_read_counts(c, args.topk_idx, args.num_tokens, ws.plan, stream);
+      route_and_read_counts(c, args.topk_idx, args.num_tokens, ws.plan, args.expert_id_report,
+                            stream);
   int64_t num_rows = 0;
   for (int32_t n : counts) num_rows += n;
 
@@ -245,7 +248,8 @@ void backward_impl(const LayerConfig& c, const BackwardArgs& args) {
   const bool bf16_grads = args.weight_grad_dtype == WeightGradDtype::kBFloat16;
   cudaStream_t stream = args.stream;
   const std::vector<int32_t> counts =
-      route_and_read_counts(c, args.topk_idx, args.num_tokens, ws.plan, stream);
+      route_and_read_counts(c, args.topk_idx, args.num_tokens, ws.plan, args.expert_id_report,
+                            stream);
   int64_t num_rows = 0;
   for (int32_t n : counts) num_rows += n;
 

@@ -91,6 +91,18 @@ TEST(Validation, CheckExpertIdsNamesItsArguments) {
       [&] { check_expert_ids(good_config(), static_cast<Impl>(9), &dummy, nullptr); }, "impl");
 }
 
+TEST(Validation, ExpertIdReportIsReadOnTheHost) {
+  int32_t report[kExpertIdReportInts] = {0, 0, 0};
+  EXPECT_NO_THROW(throw_if_expert_id_report(report, 8, 2));
+  report[0] = 1;
+  report[1] = 2 * 5 + 1;
+  report[2] = -3;
+  expect_error_mentioning([&] { throw_if_expert_id_report(report, 8, 2); },
+                          "1 expert id(s) outside [-1, 8); first at token 5, slot 1, value -3");
+  expect_error_mentioning([] { throw_if_expert_id_report(nullptr, 8, 2); }, "report");
+  expect_error_mentioning([&] { throw_if_expert_id_report(report, 0, 2); }, "num_experts");
+}
+
 // Fake but aligned device addresses: host checks reject the call before any pointer is used.
 ForwardArgs plausible_forward_args() {
   ForwardArgs a;

@@ -210,6 +210,7 @@ struct RunOptions {
   bool accumulate = false;
   const std::vector<float>* dw13_init = nullptr;  // used when accumulate
   const std::vector<float>* dw2_init = nullptr;
+  int32_t* expert_id_report = nullptr;  // passed to both calls
 };
 
 inline LayerConfig config_of(const Dims& d, int64_t max_tokens) {
@@ -267,6 +268,7 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   fa.num_tokens = d.T;
   fa.workspace = workspace.get();
   fa.workspace_bytes = workspace.bytes();
+  fa.expert_id_report = opt.expert_id_report;
   forward(config, impl, fa);
   workspace.poison();
   BackwardArgs ba;
@@ -285,6 +287,7 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   ba.num_tokens = d.T;
   ba.workspace = workspace.get();
   ba.workspace_bytes = workspace.bytes();
+  ba.expert_id_report = opt.expert_id_report;
   backward(config, impl, ba);
   TEST_CUDA(cudaDeviceSynchronize());
   LayerOutputs out;

@@ -118,6 +118,54 @@ TEST(FusedBackward, InvalidExpertIdsAreReported) {
   }
 }
 
+// The asynchronous report (ForwardArgs::expert_id_report): filled from the device by the first
+// call with bad ids, in pinned host memory (read without a sync) or device memory, left alone by
+// later calls, never touched by good calls; no call throws or syncs for the check.
+TEST(FusedExpertIdReport, FilledByTheFirstBadCallOfEveryImplementation) {
+  Dims d;
+  d.T = 33;
+  HostProblem bad = make_problem(d, Routing::kUniform, 9500);
+  bad.idx_TK[17 * d.K + 1] = static_cast<int32_t>(d.E);
+  bad.idx_TK[20 * d.K + 0] = -7;
+  HostProblem other_bad = bad;
+  other_bad.idx_TK[5 * d.K + 0] = 99;
+  const HostProblem good = make_problem(d, Routing::kUniform, 9501);
+  int32_t* pinned = nullptr;
+  TEST_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&pinned), kExpertIdReportInts * sizeof(int32_t),
+                          cudaHostAllocDefault));
+  DeviceBuffer device_report(kExpertIdReportInts * sizeof(int32_t));
+  for (Impl impl : {Impl::kUnfused, Impl::kFused}) {
+    for (bool on_device : {false, true}) {
+      SCOPED_TRACE(std::string(impl_name(impl)) + (on_device ? " device report" : " pinned report"));
+      int32_t* report = on_device ? static_cast<int32_t*>(device_report.get()) : pinned;
+      TEST_CUDA(cudaMemset(report, 0, kExpertIdReportInts * sizeof(int32_t)));
+      RunOptions opt;
+      opt.expert_id_report = report;
+      EXPECT_NO_THROW(run_layer(impl, good, opt));
+      int32_t host[kExpertIdReportInts];
+      TEST_CUDA(cudaMemcpy(host, report, sizeof(host), cudaMemcpyDefault));
+      EXPECT_EQ(host[0], 0) << "a call with valid ids wrote the report";
+      EXPECT_NO_THROW(throw_if_expert_id_report(host, d.E, d.K));
+      EXPECT_NO_THROW(run_layer(impl, bad, opt));        // reported, not thrown
+      EXPECT_NO_THROW(run_layer(impl, other_bad, opt));  // must not overwrite the first record
+      TEST_CUDA(cudaMemcpy(host, report, sizeof(host), cudaMemcpyDefault));
+      EXPECT_EQ(host[0], 2);
+      EXPECT_EQ(host[1], 17 * d.K + 1);
+      EXPECT_EQ(host[2], d.E);
+      try {
+        throw_if_expert_id_report(host, d.E, d.K);
+        ADD_FAILURE() << "the report holds bad ids but nothing was thrown";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("2 expert id(s) outside [-1, 8); first at token 17, "
+                                             "slot 1, value 8"),
+                  std::string::npos)
+            << e.what();
+      }
+    }
+  }
+  TEST_CUDA(cudaFreeHost(pinned));
+}
+
 // Qwen3-30B-A3B dims (all 128 experts) against the fp32 GPU oracle, every gradient.
 TEST(FusedBackward, Qwen30bAgainstFp32GpuReference) {
   Dims d;

@@ -1042,7 +1042,7 @@ void time_stages(LayerProblem& p, const char* name) {
   for (int rep = 0; rep < 9; ++rep) {
     CHECK_CUDA(cudaMemsetAsync(timer.flush, rep & 0xFF, Timer::kFlushBytes));
     CHECK_CUDA(cudaEventRecord(ev[0]));
-    fusemoe::launch_routing(p.idx, T, K, E, plan, nullptr);
+    fusemoe::launch_routing(p.idx, T, K, E, plan, nullptr, nullptr);
     CHECK_CUDA(cudaEventRecord(ev[1]));
     fusemoe::launch_gather_rows_device_count(p.x, plan.row_slot, num_rows, S, K, H, xs, nullptr);
     fusemoe::launch_gather_rows_device_count(p.dy, plan.row_slot, num_rows, S, K, H, dys, nullptr);

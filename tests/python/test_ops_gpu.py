@@ -19,6 +19,8 @@ from moe_reference import calc_diff, make_problem, moe_experts_torch, rel_err  #
 
 ATOL = 1e-3  # relative L2: keeps a near-zero bf16 baseline error from demanding bitwise equality
 OUTPUTS = ("y", "dx", "d_topk_weights", "dw13", "dw2")
+IMPLS = ["unfused", "fused"]
+each_impl = pytest.mark.parametrize("impl", IMPLS)
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +63,7 @@ SHAPES = {  # T, H, I, E, K
 }
 
 
-@pytest.mark.parametrize("impl", ["unfused", "fused"])
+@each_impl
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_matches_fp32_reference(shape, impl):
     num_tokens, hidden, intermediate, num_experts, top_k = shape
@@ -69,52 +71,58 @@ def test_matches_fp32_reference(shape, impl):
                                          "cuda", seed=sum(shape)), impl)
 
 
-def test_all_tokens_to_one_expert():
-    check_against_reference(make_problem(300, 256, 128, 8, 1, "cuda", routing="one_expert"))
+@each_impl
+def test_all_tokens_to_one_expert(impl):
+    check_against_reference(make_problem(300, 256, 128, 8, 1, "cuda", routing="one_expert"), impl)
 
 
-def test_masked_slots():
+@each_impl
+def test_masked_slots(impl):
     p = make_problem(131, 256, 128, 8, 4, "cuda", seed=3)
     mask_TK = torch.rand(p["topk_idx_TK"].shape, device="cuda") < 0.3
     mask_TK[:5] = True  # five tokens with every slot masked
     p["topk_idx_TK"] = p["topk_idx_TK"].masked_fill(mask_TK, -1)
     p["topk_weights_TK"] = p["topk_weights_TK"].masked_fill(mask_TK, float("nan"))  # never read
-    got = check_against_reference(p)
+    got = check_against_reference(p, impl)
     assert torch.all(got["y"][:5] == 0) and torch.all(got["dx"][:5] == 0)
     assert torch.all(got["d_topk_weights"][mask_TK] == 0)
 
 
-def test_zero_tokens():
+@each_impl
+def test_zero_tokens(impl):
     p = make_problem(0, 128, 64, 4, 2, "cuda")
-    got = run_layer(fusemoe.moe_experts, p, torch.bfloat16)
+    got = run_layer(functools.partial(fusemoe.moe_experts, impl=impl), p, torch.bfloat16)
     assert got["y"].shape == (0, 128) and got["dx"].shape == (0, 128)
     assert torch.all(got["dw13"] == 0) and torch.all(got["dw2"] == 0)
 
 
-def test_side_stream_matches_default_stream():
+@each_impl
+def test_side_stream_matches_default_stream(impl):
     p = make_problem(199, 256, 128, 8, 2, "cuda", seed=5)
-    expected = run_layer(fusemoe.moe_experts, p, torch.bfloat16)
+    layer = functools.partial(fusemoe.moe_experts, impl=impl)
+    expected = run_layer(layer, p, torch.bfloat16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        got = run_layer(fusemoe.moe_experts, p, torch.bfloat16)
+        got = run_layer(layer, p, torch.bfloat16)
     torch.cuda.current_stream().wait_stream(stream)
     for name in OUTPUTS:
         assert torch.equal(got[name], expected[name]), name
 
 
-def test_opcheck():
+@each_impl
+def test_opcheck(impl):
     p = make_problem(37, 128, 64, 6, 2, "cuda", seed=7)
     args = [p[k] for k in ("x_TH", "topk_idx_TK", "topk_weights_TK", "w13_EFH", "w2_EHI")]
     leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in args]
-    torch.library.opcheck(torch.ops.fusemoe.moe_experts_forward.default, (*leaves, "unfused"))
+    torch.library.opcheck(torch.ops.fusemoe.moe_experts_forward.default, (*leaves, impl))
     torch.library.opcheck(torch.ops.fusemoe.moe_experts_backward.default,
-                          (p["dy_TH"], *args, "unfused"))
+                          (p["dy_TH"], *args, impl))
 
 
-def module_and_inputs(num_tokens, seed):
+def module_and_inputs(num_tokens, seed, impl):
     p = make_problem(num_tokens, 256, 128, 8, 2, "cuda", seed=seed)
-    module = fusemoe.MoEExperts(8, 256, 128, device="cuda")
+    module = fusemoe.MoEExperts(8, 256, 128, impl=impl, device="cuda")
     with torch.no_grad():
         module.gate_up_proj.copy_(p["w13_EFH"])
         module.down_proj.copy_(p["w2_EHI"])
@@ -131,8 +139,9 @@ def module_step(fn, module, x, idx, w, dy):
     return [y.detach(), x.grad, w.grad, module.gate_up_proj.grad, module.down_proj.grad]
 
 
-def test_compile_fullgraph_equals_eager():
-    module, p, idx, w = module_and_inputs(199, seed=11)
+@each_impl
+def test_compile_fullgraph_equals_eager(impl):
+    module, p, idx, w = module_and_inputs(199, seed=11, impl=impl)
     compiled = torch.compile(module, fullgraph=True, dynamic=True)
     for num_tokens in (199, 64):  # a second T runs the dynamic-shape graph
         args = (p["x_TH"][:num_tokens], idx[:num_tokens], w[:num_tokens], p["dy_TH"][:num_tokens])
@@ -142,9 +151,10 @@ def test_compile_fullgraph_equals_eager():
             assert torch.equal(a, b), f"T={num_tokens} {name}: max diff {(a - b).abs().max()}"
 
 
-def test_checkpointing_and_two_micro_batches():
+@each_impl
+def test_checkpointing_and_two_micro_batches(impl):
     from torch.utils.checkpoint import checkpoint
-    module, p, idx, w = module_and_inputs(199, seed=13)
+    module, p, idx, w = module_and_inputs(199, seed=13, impl=impl)
     batches = [p["x_TH"], p["x_TH"].flip(0).contiguous()]
 
     def layer(x):
@@ -162,13 +172,32 @@ def test_checkpointing_and_two_micro_batches():
     assert torch.equal(module.down_proj.grad, separate[0][1] + separate[1][1])
 
 
-def test_errors_from_the_library_and_the_op():
+@each_impl
+def test_bad_expert_ids_are_reported_without_a_sync(impl):
     p = make_problem(16, 128, 64, 4, 2, "cuda")
     args = [p[k] for k in ("x_TH", "topk_idx_TK", "topk_weights_TK", "w13_EFH", "w2_EHI")]
     bad_ids = args[1].clone()
     bad_ids[3, 1] = 4  # E = 4: out of range
-    with pytest.raises(fusemoe.FusemoeError, match="topk_idx"):
-        fusemoe.moe_experts(args[0], bad_ids, *args[2:])
+    bad_ids[9, 0] = -7
+    fusemoe.check_expert_ids()  # nothing pending from earlier tests
+    y = fusemoe.moe_experts(args[0], bad_ids, *args[2:], impl=impl)  # masked, reported later
+    assert torch.isfinite(y).all()
+    message = "2 expert id.s. outside \\[-1, 4\\); first at token 3, slot 1, value 4"
+    with pytest.raises(fusemoe.FusemoeError, match=message):
+        fusemoe.check_expert_ids()
+    fusemoe.check_expert_ids()  # reported once, then cleared
+    # The next call raises instead when nobody asked: the report is read before every call.
+    fusemoe.moe_experts(args[0], bad_ids, *args[2:], impl=impl)
+    torch.cuda.synchronize()
+    with pytest.raises(fusemoe.FusemoeError, match="token 3, slot 1.*reported asynchronously"):
+        fusemoe.moe_experts(*args, impl=impl)
+    check_against_reference(p, impl)
+    fusemoe.check_expert_ids()
+
+
+def test_errors_from_the_library_and_the_op():
+    p = make_problem(16, 128, 64, 4, 2, "cuda")
+    args = [p[k] for k in ("x_TH", "topk_idx_TK", "topk_weights_TK", "w13_EFH", "w2_EHI")]
     with pytest.raises(ValueError, match="topk_weights must be torch.float32"):
         fusemoe.moe_experts(args[0], args[1], args[2].bfloat16(), *args[3:])
     with pytest.raises(ValueError, match="topk_idx is on cpu"):

@@ -85,6 +85,19 @@ def test_c_abi_errors_carry_the_library_message():
     assert _capi.workspace_bytes((128, 64, 6, 2, 37), "unfused") > 0
 
 
+def test_expert_id_report_message():
+    require_library()
+    import ctypes
+    report = (ctypes.c_int32 * _capi.EXPERT_ID_REPORT_INTS)(0, 0, 0)
+    _capi.check_expert_id_report(ctypes.addressof(report), 6, 2)  # empty: no error
+    report[0], report[1], report[2] = 3, 7, 9  # 3 bad ids, first at flat slot 7 = (3, 1), id 9
+    with pytest.raises(fusemoe.FusemoeError,
+                       match=r"3 expert id\(s\) outside \[-1, 6\); first at token 3, slot 1, value 9"):
+        _capi.check_expert_id_report(ctypes.addressof(report), 6, 2)
+    with pytest.raises(fusemoe.FusemoeError, match="num_experts and top_k"):
+        _capi.check_expert_id_report(ctypes.addressof(report), 6, 0)
+
+
 # ---- the reference itself: closed-form backward against autograd ----
 
 def test_reference_backward_matches_autograd(problem):
