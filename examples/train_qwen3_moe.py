@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Trains a small Hugging Face Qwen3-MoE twice, from the same initialisation on the same data
 order: with the model's own experts (transformers' default experts implementation, "grouped_mm")
-and with fusemoe experts (--impl) swapped in by fusemoe.replace_qwen3_moe_experts. Prints
+and with fusemoe experts (--impl) swapped in by fusemoe.replace_qwen3_moe_experts, and optionally
+(--runs ...,hf_reordered) with Hugging Face experts again on the same batches in another
+micro-batch order: mathematically the same training, so its distance from the first run is the
+bf16 noise floor the fusemoe curve is judged against. Prints
 progress; reports the largest difference between the two loss curves, the median step time and
 the peak memory of each; writes OUT/train_qwen3_moe.json and OUT/train_qwen3_moe.png.
 
@@ -18,6 +21,7 @@ workspaces).
 Exit: 0 done; 1 a loss was not finite; 2 bad arguments or missing transformers / fusemoe library.
 """
 import argparse
+import bisect
 import datetime
 import gc
 import json
@@ -26,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -35,6 +40,10 @@ sys.path.insert(0, os.path.join(REPO, "python"))
 import fusemoe  # noqa: E402
 
 RUN_HF, RUN_FUSEMOE = "hf", "fusemoe"
+# The bf16 noise floor: Hugging Face experts again with each step's micro-batches in reverse
+# order (the same gradients mathematically, other roundings of the accumulation).
+RUN_HF_REORDERED = "hf_reordered"
+RUN_NAMES = (RUN_HF, RUN_FUSEMOE, RUN_HF_REORDERED)
 
 
 def parse_args(argv=None):
@@ -46,7 +55,11 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--out", default="train_qwen3_moe_out", help="output folder")
     p.add_argument("--runs", default=f"{RUN_HF},{RUN_FUSEMOE}",
-                   help="which runs, in this order: hf, fusemoe or both")
+                   help=f"which runs, in this order, from {', '.join(RUN_NAMES)} ({RUN_HF_REORDERED}: "
+                        "the Hugging Face run with reversed micro-batch order, the bf16 noise floor)")
+    p.add_argument("--grad-in-place", action="store_true",
+                   help="fusemoe run: expert weight gradients accumulate inside the backward kernels "
+                        "(fusemoe.MoEExperts grad_in_place) instead of autograd's separate add")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--moe-intermediate", type=int, default=768)
@@ -69,8 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: smoke tests only
     args = p.parse_args(argv)
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    if not args.runs or any(r not in (RUN_HF, RUN_FUSEMOE) for r in args.runs):
-        p.error(f"--runs must list {RUN_HF} and/or {RUN_FUSEMOE}, got {args.runs}")
+    if not args.runs or any(r not in RUN_NAMES for r in args.runs) or len(set(args.runs)) < len(args.runs):
+        p.error(f"--runs must list distinct names from {', '.join(RUN_NAMES)}, got {args.runs}")
     if args.steps < 1 or args.micro_batches < 1 or args.seq_len < 2:
         p.error("--steps and --micro-batches must be >= 1, --seq-len >= 2")
     if not 0 <= args.profile_steps <= args.steps:
@@ -118,19 +131,69 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
-def summarize_profile(prof, num_steps, step_ms, rows=18):
-    """GPU time per step by kernel (and memcpy/memset) from a finished torch.profiler run."""
-    kernels = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us()
-    busy_ms = sum(kernels.values()) / 1e3 / num_steps
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # not gpu_user_annotation (a range)
+
+
+def innermost_enclosing(spans, starts, ts):
+    """Name of the innermost of the nested (start, end, name) spans (sorted by start; `starts`
+    their starts) that holds ts: the latest-starting one that has not ended by ts."""
+    for i in range(bisect.bisect_right(starts, ts) - 1, -1, -1):
+        if spans[i][1] >= ts:
+            return spans[i][2]
+    return "(no enclosing op)"
+
+
+def summarize_profile(prof, num_steps, step_ms, rows=14, gap_us=5.0):
+    """Where a step's time goes, from a finished torch.profiler run over num_steps steps: GPU
+    time by kernel; idle GPU time (gaps between GPU activities) by the CPU op that launched the
+    work after each gap (what the GPU was waiting for); CUDA runtime/driver calls by CPU time
+    (synchronisations show up here)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = [e for e in json.load(open(f.name))["traceEvents"] if e.get("ph") == "X"]
+    gpu = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    cpu_ops = {}
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            cpu_ops.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    for spans in cpu_ops.values():
+        spans.sort()
+    starts = {tid: [span[0] for span in spans] for tid, spans in cpu_ops.items()}
+    kernels, idle, runtime = {}, {}, {}
+    busy_us = idle_us = 0.0
+    frontier = None  # end of the GPU work seen so far
+    for e in gpu:
+        kernels[e["name"]] = kernels.get(e["name"], 0.0) + e["dur"]
+        start, end = e["ts"], e["ts"] + e["dur"]
+        if frontier is not None and start - frontier > gap_us:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            cause = (innermost_enclosing(cpu_ops.get(launch["tid"], []),
+                                         starts.get(launch["tid"], []), launch["ts"])
+                     if launch else "(launch not traced)")
+            idle[cause] = idle.get(cause, 0.0) + start - frontier
+            idle_us += start - frontier
+        busy_us += max(0.0, end - max(start, frontier or start))
+        frontier = end if frontier is None else max(frontier, end)
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            runtime[e["name"]] = runtime.get(e["name"], 0.0) + e["dur"]
+    per_step = 1e3 * num_steps  # us over the run -> ms per step
     wall_ms = statistics.median(step_ms)
-    lines = [f"GPU busy {busy_ms:.1f} ms of a {wall_ms:.1f} ms step ({100 * busy_ms / wall_ms:.0f}%); "
-             f"{len(kernels)} distinct kernels; per step:"]
-    for kernel, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:rows]:
-        lines.append(f"  {us / 1e3 / num_steps:8.2f} ms  {kernel[:110]}")
-    return {"gpu_busy_ms_per_step": busy_ms, "wall_ms_per_step": wall_ms, "table": lines}
+    lines = [f"GPU busy {busy_us / per_step:.1f} ms, idle between GPU work {idle_us / per_step:.1f} "
+             f"ms (gaps > {gap_us:.0f} us), of a {wall_ms:.1f} ms step (profiled); per step:",
+             "GPU time by kernel:"]
+    lines += [f"  {us / per_step:8.2f} ms  {name[:110]}"
+              for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:rows]]
+    lines.append("GPU idle by the CPU op that launched the work after the gap:")
+    lines += [f"  {us / per_step:8.2f} ms  {name[:110]}"
+              for name, us in sorted(idle.items(), key=lambda kv: -kv[1])[:rows]]
+    lines.append("CPU time in CUDA runtime/driver calls:")
+    lines += [f"  {us / per_step:8.2f} ms  {name[:110]}"
+              for name, us in sorted(runtime.items(), key=lambda kv: -kv[1])[:8]]
+    return {"gpu_busy_ms_per_step": busy_us / per_step, "gpu_idle_ms_per_step": idle_us / per_step,
+            "wall_ms_per_step": wall_ms, "table": lines}
 
 
 def timed_steps(step_ms, args):
@@ -163,7 +226,8 @@ def train(name, model, corpus_N, offsets_SM, args):
         synchronize(device)
         start = time.perf_counter()
         total = torch.zeros((), device=device)
-        for m in range(args.micro_batches):
+        order = range(args.micro_batches)
+        for m in (reversed(order) if name == RUN_HF_REORDERED else order):
             offset = int(offsets_SM[step, m])
             ids = corpus_N[offset:offset + args.seq_len].to(torch.int64)[None]
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss / args.micro_batches
@@ -207,20 +271,32 @@ def train(name, model, corpus_N, offsets_SM, args):
     return record
 
 
+def loss_diffs(a, b):
+    """(max |diff|, its 1-based step, mean |diff|) of two loss curves over their common steps."""
+    n = min(len(a), len(b))
+    diffs = [abs(x - y) for x, y in zip(a[:n], b[:n])]
+    worst = max(range(n), key=lambda i: diffs[i])
+    return diffs[worst], worst + 1, sum(diffs) / n
+
+
 def compare(runs):
     hf, fm = runs[RUN_HF], runs[RUN_FUSEMOE]
     n = min(len(hf["losses"]), len(fm["losses"]))
-    diffs = [abs(a - b) for a, b in zip(hf["losses"][:n], fm["losses"][:n])]
-    worst = max(range(n), key=lambda i: diffs[i])
-    return {
-        "max_abs_loss_diff": diffs[worst],
-        "max_abs_loss_diff_step": worst + 1,
-        "mean_abs_loss_diff": sum(diffs) / n,
+    worst, worst_step, mean = loss_diffs(hf["losses"], fm["losses"])
+    result = {
+        "max_abs_loss_diff": worst,
+        "max_abs_loss_diff_step": worst_step,
+        "mean_abs_loss_diff": mean,
         "final_loss_diff": fm["losses"][n - 1] - hf["losses"][n - 1],
         "speedup_step_time": hf["median_step_ms"] / fm["median_step_ms"],
         "peak_memory_ratio": (fm["peak_memory_gib"] / hf["peak_memory_gib"]
                               if hf["peak_memory_gib"] else None),
     }
+    if RUN_HF_REORDERED in runs:
+        noise, noise_step, noise_mean = loss_diffs(hf["losses"], runs[RUN_HF_REORDERED]["losses"])
+        result.update(noise_max_abs_loss_diff=noise, noise_max_abs_loss_diff_step=noise_step,
+                      noise_mean_abs_loss_diff=noise_mean)
+    return result
 
 
 def plot(result, path):
@@ -232,7 +308,8 @@ def plot(result, path):
         log("matplotlib is not installed: no plot")
         return False
     runs = result["runs"]
-    fig, axes = plt.subplots(1, 2 if len(runs) == 2 else 1, figsize=(12, 4.5), squeeze=False)
+    both = RUN_HF in runs and RUN_FUSEMOE in runs
+    fig, axes = plt.subplots(1, 2 if both else 1, figsize=(12, 4.5), squeeze=False)
     ax = axes[0][0]
     for name, record in runs.items():
         label = f"{name} ({record['experts']}): median step {record['median_step_ms']:.0f} ms"
@@ -241,18 +318,25 @@ def plot(result, path):
     ax.set_ylabel("training loss (nats / byte)")
     ax.legend()
     ax.grid(alpha=0.3)
-    if len(runs) == 2:
-        hf, fm = runs[RUN_HF]["losses"], runs[RUN_FUSEMOE]["losses"]
-        n = min(len(hf), len(fm))
-        axes[0][1].plot(range(1, n + 1), [b - a for a, b in zip(hf[:n], fm[:n])], linewidth=1)
+    if both:
+        hf = runs[RUN_HF]["losses"]
+        for name in (RUN_FUSEMOE, RUN_HF_REORDERED):
+            if name in runs:
+                other = runs[name]["losses"]
+                n = min(len(hf), len(other))
+                axes[0][1].plot(range(1, n + 1), [b - a for a, b in zip(hf[:n], other[:n])],
+                                linewidth=1, label=f"loss({name}) - loss({RUN_HF})")
         axes[0][1].set_xlabel("optimizer step")
-        axes[0][1].set_ylabel("loss(fusemoe) - loss(hf)")
+        axes[0][1].set_ylabel("loss difference")
+        axes[0][1].legend()
         axes[0][1].grid(alpha=0.3)
         c = result["comparison"]
         fig.suptitle(f"Qwen3-MoE {result['config']['layers']} layers, "
                      f"{result['config']['micro_batches']}x{result['config']['seq_len']} tokens/step: "
                      f"fusemoe {c['speedup_step_time']:.2f}x step speed, "
-                     f"max |loss diff| {c['max_abs_loss_diff']:.3g}")
+                     f"max |loss diff| {c['max_abs_loss_diff']:.3g}" +
+                     (f" (noise floor {c['noise_max_abs_loss_diff']:.3g})"
+                      if "noise_max_abs_loss_diff" in c else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -315,8 +399,10 @@ def main(argv=None):
     runs = {}
     for name in args.runs:
         if name == RUN_FUSEMOE:
-            replaced = fusemoe.replace_qwen3_moe_experts(model, impl=args.impl)
-            log(f"fusemoe experts (impl={args.impl}) in {len(replaced)} layers")
+            replaced = fusemoe.replace_qwen3_moe_experts(model, impl=args.impl,
+                                                         grad_in_place=args.grad_in_place)
+            log(f"fusemoe experts (impl={args.impl}, grad_in_place={args.grad_in_place}) in "
+                f"{len(replaced)} layers")
         else:
             for module_name, module in hf_modules.items():
                 parent, _, child = module_name.rpartition(".")
@@ -337,11 +423,15 @@ def main(argv=None):
         "corpus_bytes": len(corpus),
         "runs": runs,
     }
-    if len(runs) == 2:
+    if RUN_HF in runs and RUN_FUSEMOE in runs:
         c = result["comparison"] = compare(runs)
         log(f"loss curves: max |diff| {c['max_abs_loss_diff']:.4f} at step "
             f"{c['max_abs_loss_diff_step']}, mean |diff| {c['mean_abs_loss_diff']:.4f}, final "
             f"fusemoe - hf {c['final_loss_diff']:+.4f}")
+        if "noise_max_abs_loss_diff" in c:
+            log(f"bf16 noise floor ({RUN_HF_REORDERED} vs {RUN_HF}): max |diff| "
+                f"{c['noise_max_abs_loss_diff']:.4f} at step {c['noise_max_abs_loss_diff_step']}, "
+                f"mean |diff| {c['noise_mean_abs_loss_diff']:.4f}")
         memory = (f"; peak memory {runs[RUN_FUSEMOE]['peak_memory_gib']:.2f} vs "
                   f"{runs[RUN_HF]['peak_memory_gib']:.2f} GiB" if c["peak_memory_ratio"] else "")
         log(f"step time: fusemoe {runs[RUN_FUSEMOE]['median_step_ms']:.1f} ms vs hf "

@@ -30,9 +30,12 @@ class MoEExperts(nn.Module):
     """The experts block of an MoE layer, computed by fusemoe (impl: "unfused", ...)."""
 
     def __init__(self, num_experts, hidden_dim, intermediate_dim, impl=DEFAULT_IMPL, device=None,
-                 dtype=torch.bfloat16, init_std=0.02):
+                 dtype=torch.bfloat16, init_std=0.02, grad_in_place=False):
+        """grad_in_place: the backward adds the weight gradients straight into .grad (see
+        fusemoe.moe_experts; eager mode, bf16 parameters, no gradient hooks on them)."""
         super().__init__()
         _check_impl_name(impl)
+        self.grad_in_place = bool(grad_in_place)
         self.num_experts = num_experts
         self.hidden_dim = hidden_dim
         self.intermediate_dim = intermediate_dim
@@ -50,11 +53,12 @@ class MoEExperts(nn.Module):
         nn.init.normal_(self.down_proj, std=self.init_std)
 
     @classmethod
-    def from_experts(cls, experts, impl=DEFAULT_IMPL):
+    def from_experts(cls, experts, impl=DEFAULT_IMPL, grad_in_place=False):
         """A MoEExperts over the very Parameter objects of `experts` (no copy): an optimizer or a
         state dict that holds them keeps working."""
         num_experts, two_intermediate, hidden_dim = experts.gate_up_proj.shape
-        module = cls(num_experts, hidden_dim, two_intermediate // 2, impl=impl, device="meta")
+        module = cls(num_experts, hidden_dim, two_intermediate // 2, impl=impl, device="meta",
+                     grad_in_place=grad_in_place)
         module.gate_up_proj = experts.gate_up_proj
         module.down_proj = experts.down_proj
         return module
@@ -69,12 +73,14 @@ class MoEExperts(nn.Module):
         x_TH = hidden_states.reshape(-1, self.hidden_dim).to(torch.bfloat16).contiguous()
         topk_idx_TK = top_k_index.reshape(-1, top_k).to(torch.int32).contiguous()
         topk_weights_TK = top_k_weights.reshape(-1, top_k).to(torch.float32).contiguous()
-        y_TH = moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=self.impl)
+        y_TH = moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=self.impl,
+                           grad_in_place=self.grad_in_place)
         return y_TH.to(hidden_states.dtype).reshape(hidden_states.shape)
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
-                f"intermediate_dim={self.intermediate_dim}, impl={self.impl!r}")
+                f"intermediate_dim={self.intermediate_dim}, impl={self.impl!r}" +
+                (", grad_in_place=True" if self.grad_in_place else ""))
 
 
 def _check_swappable(name, experts):
@@ -95,10 +101,10 @@ def _check_swappable(name, experts):
                          f"{tuple(w2_EHI.shape)} are not [E, 2I, H] and [E, H, I]")
 
 
-def replace_qwen3_moe_experts(model, impl=DEFAULT_IMPL):
+def replace_qwen3_moe_experts(model, impl=DEFAULT_IMPL, grad_in_place=False):
     """Replaces every Qwen3MoeExperts module of a transformers Qwen3-MoE model by a MoEExperts
     that shares its weights (same Parameter objects). Returns the names of the replaced modules;
-    raises ValueError if there is none."""
+    raises ValueError if there is none. grad_in_place: see MoEExperts."""
     _check_impl_name(impl)
     found = [(name, module) for name, module in model.named_modules()
              if type(module).__name__ in _QWEN3_MOE_EXPERTS_CLASSES]
@@ -110,5 +116,6 @@ def replace_qwen3_moe_experts(model, impl=DEFAULT_IMPL):
     for name, experts in found:
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child_name, MoEExperts.from_experts(experts, impl=impl))
+        setattr(parent, child_name,
+                MoEExperts.from_experts(experts, impl=impl, grad_in_place=grad_in_place))
     return [name for name, _ in found]

@@ -142,7 +142,9 @@ def _workspace(layer, impl, device):
 
 @torch.library.custom_op("fusemoe::moe_experts_forward", mutates_args=())
 def moe_experts_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
-                        w13_EFH: Tensor, w2_EHI: Tensor, impl: str) -> Tensor:
+                        w13_EFH: Tensor, w2_EHI: Tensor, impl: str,
+                        grad_in_place: bool = False) -> Tensor:
+    """grad_in_place: see moe_experts()."""
     layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
     _check_cuda(x_TH)
     y_TH = torch.empty_like(x_TH)
@@ -157,7 +159,8 @@ def moe_experts_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tens
 
 
 @moe_experts_forward.register_fake
-def _moe_experts_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl):
+def _moe_experts_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                              grad_in_place=False):
     _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
     _check_impl(impl)
     return torch.empty_like(x_TH)
@@ -168,22 +171,30 @@ def moe_experts_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                          topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
                          impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dx [T, H] bf16, d_topk_weights [T, K] fp32, dw13 [E, F, H], dw2 [E, H, I])."""
-    layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
-    _check_cuda(x_TH)
-    dx_TH = torch.empty_like(x_TH)
-    d_topk_weights_TK = torch.empty_like(topk_weights_TK)
     dw13_EFH = torch.empty_like(w13_EFH)
     dw2_EHI = torch.empty_like(w2_EHI)
+    dx_TH, d_topk_weights_TK = _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK,
+                                                w13_EFH, w2_EHI, dw13_EFH, dw2_EHI, False, impl)
+    return dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI
+
+
+def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13_EFH,
+                     dw2_EHI, accumulate, impl):
+    layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+    _check_cuda(x_TH)
+    grad_dtype = _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
+    dx_TH = torch.empty_like(x_TH)
+    d_topk_weights_TK = torch.empty_like(topk_weights_TK)
     with torch.cuda.device(x_TH.device):
         report = _expert_id_report(x_TH.device, layer[2], layer[3])
         workspace, num_bytes = _workspace(layer, impl, x_TH.device)
         _capi.backward(layer, impl, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
                        topk_weights_TK.data_ptr(), w13_EFH.data_ptr(), w2_EHI.data_ptr(),
                        dy_TH.data_ptr(), dx_TH.data_ptr(), d_topk_weights_TK.data_ptr(),
-                       dw13_EFH.data_ptr(), dw2_EHI.data_ptr(), _capi.WEIGHT_GRAD_BFLOAT16,
-                       False, layer[-1], workspace.data_ptr(), num_bytes, report,
+                       dw13_EFH.data_ptr(), dw2_EHI.data_ptr(), grad_dtype, accumulate,
+                       layer[-1], workspace.data_ptr(), num_bytes, report,
                        torch.cuda.current_stream(x_TH.device).cuda_stream)
-    return dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI
+    return dx_TH, d_topk_weights_TK
 
 
 @moe_experts_backward.register_fake
@@ -194,24 +205,98 @@ def _moe_experts_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EF
             torch.empty_like(w2_EHI))
 
 
+@torch.library.custom_op("fusemoe::moe_experts_backward_into",
+                         mutates_args=("dw13_EFH", "dw2_EHI"))
+def moe_experts_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
+                              topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
+                              dw13_EFH: Tensor, dw2_EHI: Tensor, accumulate: bool,
+                              impl: str) -> tuple[Tensor, Tensor]:
+    """The backward with the weight gradients written (accumulate=False) or added (True) into
+    dw13/dw2 (bf16 or fp32, one dtype, the shapes of w13/w2); returns (dx, d_topk_weights)."""
+    return _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13_EFH,
+                            dw2_EHI, accumulate, impl)
+
+
+@moe_experts_backward_into.register_fake
+def _moe_experts_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
+                                    dw13_EFH, dw2_EHI, accumulate, impl):
+    _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+    _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
+    _check_impl(impl)
+    return torch.empty_like(x_TH), torch.empty_like(topk_weights_TK)
+
+
+def _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI):
+    """The C library's weight_grad_dtype code for gradient buffers dw13/dw2."""
+    codes = {torch.float32: _capi.WEIGHT_GRAD_FLOAT32, torch.bfloat16: _capi.WEIGHT_GRAD_BFLOAT16}
+    for name, grad, weight in (("dw13", dw13_EFH, w13_EFH), ("dw2", dw2_EHI, w2_EHI)):
+        if not isinstance(grad, Tensor) or grad.dtype not in codes:
+            _fail(f"{name} must be a float32 or bfloat16 tensor, got "
+                  f"{getattr(grad, 'dtype', type(grad).__name__)}")
+        if grad.shape != weight.shape or not grad.is_contiguous() or grad.device != weight.device:
+            _fail(f"{name} must be contiguous, on {weight.device}, of shape {tuple(weight.shape)}; "
+                  f"got {tuple(grad.shape)} on {grad.device}, strides {grad.stride()}")
+    if dw13_EFH.dtype != dw2_EHI.dtype:
+        _fail(f"dw13 and dw2 must have one dtype, got {dw13_EFH.dtype} and {dw2_EHI.dtype}")
+    return codes[dw13_EFH.dtype]
+
+
 def _setup_context(ctx, inputs, output):
-    x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl = inputs
+    x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, grad_in_place = inputs
     ctx.save_for_backward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
     ctx.impl = impl
+    # In-place gradients need the leaf Parameters themselves (not a converted copy).
+    ctx.params = ((w13_EFH, w2_EHI) if grad_in_place and w13_EFH.is_leaf and w2_EHI.is_leaf and
+                  w13_EFH.requires_grad and w2_EHI.requires_grad else None)
 
 
 def _backward(ctx, dy_TH):
     x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI = ctx.saved_tensors
     # dy may arrive expanded (e.g. from y.sum()) or in another layout: the op needs it dense.
+    dy_TH = dy_TH.contiguous()
+    if ctx.params is not None:
+        return _backward_into_grads(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH,
+                                    w2_EHI)
     dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI = moe_experts_backward(
-        dy_TH.contiguous(), x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, ctx.impl)
-    return dx_TH, None, d_topk_weights_TK, dw13_EFH, dw2_EHI, None
+        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, ctx.impl)
+    return dx_TH, None, d_topk_weights_TK, dw13_EFH, dw2_EHI, None, None
+
+
+def _backward_into_grads(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI):
+    """grad_in_place: the kernels add the weight gradients to the Parameters' .grad (or write a
+    fresh .grad when both are None) and autograd gets None for them, so no separate add runs."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("fusemoe: grad_in_place=True sets Parameter.grad inside the backward, "
+                           "which a compiled backward cannot trace; use grad_in_place=False "
+                           "under torch.compile")
+    w13_param, w2_param = ctx.params
+    fresh = w13_param.grad is None and w2_param.grad is None
+    if fresh:
+        grads = torch.empty_like(w13_param), torch.empty_like(w2_param)
+    else:
+        for param in (w13_param, w2_param):
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grads = w13_param.grad, w2_param.grad
+    dx_TH, d_topk_weights_TK = moe_experts_backward_into(
+        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, *grads, not fresh, ctx.impl)
+    if fresh:
+        w13_param.grad, w2_param.grad = grads
+    return dx_TH, None, d_topk_weights_TK, None, None, None, None
 
 
 moe_experts_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAULT_IMPL):
+def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAULT_IMPL,
+                grad_in_place=False):
     """The experts block as a differentiable function (strict inputs: see the module docstring;
-    fusemoe.MoEExperts converts dtypes and layouts for you)."""
-    return moe_experts_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl)
+    fusemoe.MoEExperts converts dtypes and layouts for you).
+
+    grad_in_place=True (eager mode, leaf w13/w2 such as Parameters): the backward kernels add the
+    weight gradients straight into w13.grad / w2.grad (gradient accumulation over micro-batches
+    without a separate elementwise add; .grad in the Parameters' dtype), and autograd sees no
+    gradient for w13/w2, so their hooks (register_post_accumulate_grad_hook, DDP/FSDP reducers)
+    do not fire. Like Megatron's gradient_accumulation_fusion. Not traceable by torch.compile."""
+    return moe_experts_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                               grad_in_place)

@@ -173,6 +173,30 @@ def test_checkpointing_and_two_micro_batches(impl):
 
 
 @each_impl
+def test_grad_in_place_accumulates_into_grad(impl):
+    """grad_in_place: the first micro-batch writes .grad (bitwise the autograd gradient), the
+    second adds in the kernel (one rounding of fp32 acc + bf16 .grad, so close to, not bitwise,
+    autograd's bf16 add), and x / topk_weights still get their gradients through autograd."""
+    module, p, idx, w = module_and_inputs(199, seed=17, impl=impl)
+    batches = [p["x_TH"], p["x_TH"].flip(0).contiguous()]
+    separate = []
+    for x in batches:
+        separate.append(module_step(module, module, x, idx, w, p["dy_TH"]))
+    in_place = fusemoe.MoEExperts.from_experts(module, impl=impl, grad_in_place=True)
+    first = module_step(in_place, module, batches[0], idx, w, p["dy_TH"])
+    for name, a, b in zip(("y", "dx", "dw", "dw13", "dw2"), first, separate[0]):
+        assert torch.equal(a, b), f"first micro-batch {name}: max diff {(a - b).abs().max()}"
+    x = batches[1].clone().requires_grad_()
+    in_place(x, idx, w).backward(p["dy_TH"])  # no zero_grad: accumulates
+    assert torch.equal(x.grad, separate[1][1])
+    for grad, parts in ((module.gate_up_proj.grad, (separate[0][3], separate[1][3])),
+                        (module.down_proj.grad, (separate[0][4], separate[1][4]))):
+        exact = parts[0].float() + parts[1].float()
+        err = rel_err(grad, exact)
+        assert err < 4e-3, f"accumulated weight gradient rel err {err:.2e}"
+
+
+@each_impl
 def test_bad_expert_ids_are_reported_without_a_sync(impl):
     p = make_problem(16, 128, 64, 4, 2, "cuda")
     args = [p[k] for k in ("x_TH", "topk_idx_TK", "topk_weights_TK", "w13_EFH", "w2_EHI")]
