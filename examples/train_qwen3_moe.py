@@ -176,9 +176,18 @@ def summarize_profile(prof, num_steps, step_ms, rows=14, gap_us=5.0):
             idle_us += start - frontier
         busy_us += max(0.0, end - max(start, frontier or start))
         frontier = end if frontier is None else max(frontier, end)
+    syncs, fusemoe_ops = {}, {}
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver"):
             runtime[e["name"]] = runtime.get(e["name"], 0.0) + e["dur"]
+            if "Synchronize" in e["name"]:  # who made the CPU wait for the GPU
+                cause = innermost_enclosing(cpu_ops.get(e["tid"], []), starts.get(e["tid"], []),
+                                            e["ts"])
+                count, us = syncs.get(cause, (0, 0.0))
+                syncs[cause] = (count + 1, us + e["dur"])
+        elif e.get("cat") == "cpu_op" and "fusemoe" in e["name"]:
+            count, us = fusemoe_ops.get(e["name"], (0, 0.0))
+            fusemoe_ops[e["name"]] = (count + 1, us + e["dur"])
     per_step = 1e3 * num_steps  # us over the run -> ms per step
     wall_ms = statistics.median(step_ms)
     lines = [f"GPU busy {busy_us / per_step:.1f} ms, idle between GPU work {idle_us / per_step:.1f} "
@@ -192,6 +201,12 @@ def summarize_profile(prof, num_steps, step_ms, rows=14, gap_us=5.0):
     lines.append("CPU time in CUDA runtime/driver calls:")
     lines += [f"  {us / per_step:8.2f} ms  {name[:110]}"
               for name, us in sorted(runtime.items(), key=lambda kv: -kv[1])[:8]]
+    lines.append("Synchronisations (CPU waits) by the CPU op that made them:")
+    lines += [f"  {us / per_step:8.2f} ms  {count / num_steps:5.1f} x  {name[:100]}"
+              for name, (count, us) in sorted(syncs.items(), key=lambda kv: -kv[1][1])[:8]]
+    lines.append("CPU time of the fusemoe ops (host side: checks, allocation, launches):")
+    lines += [f"  {us / count:8.1f} us per call  {count / num_steps:5.1f} calls  {name[:90]}"
+              for name, (count, us) in sorted(fusemoe_ops.items())]
     return {"gpu_busy_ms_per_step": busy_us / per_step, "gpu_idle_ms_per_step": idle_us / per_step,
             "wall_ms_per_step": wall_ms, "table": lines}
 

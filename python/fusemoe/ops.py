@@ -134,8 +134,14 @@ def _check_impl(impl):
         _capi.impl_code(impl)
 
 
+_workspace_sizes = {}  # (layer, impl) -> bytes: the size query is a C call, the op runs often
+
+
 def _workspace(layer, impl, device):
-    num_bytes = _capi.workspace_bytes(layer, impl)
+    key = (layer, impl)
+    num_bytes = _workspace_sizes.get(key)
+    if num_bytes is None:
+        num_bytes = _workspace_sizes.setdefault(key, _capi.workspace_bytes(layer, impl))
     # The caching allocator returns 512-byte aligned blocks (the library needs 256).
     return torch.empty(max(num_bytes, 1), dtype=torch.uint8, device=device), num_bytes
 
