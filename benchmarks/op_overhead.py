@@ -20,11 +20,13 @@ from fusemoe import _capi, ops  # noqa: E402
 
 
 def per_call_us(fn, calls, repeats=5):
-    """Best of `repeats` bursts of `calls` calls, each burst starting on an idle GPU and short
-    enough (calls x ~15 launches) that the launch queue never fills: the host never waits."""
+    """Best of `repeats` bursts of `calls` calls, each queued behind a ~50 ms GPU sleep and short
+    enough (calls x ~25 launches) that the launch queue never fills: the host never waits for
+    the GPU, so the time is host time only."""
     best = float("inf")
     for _ in range(repeats):
         torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # cycles: tens of ms at H200 clocks
         start = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -36,7 +38,7 @@ def per_call_us(fn, calls, repeats=5):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--impl", default="fused")
-    p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--calls", type=int, default=20)
     p.add_argument("--tokens", type=int, default=256)
     args = p.parse_args()
     T, H, I, E, K = args.tokens, 2048, 768, 128, 8
@@ -98,7 +100,37 @@ def main():
     rows.append(("C ABI backward", per_call_us(c_backward, args.calls)))
     rows.append(("op forward, no grad", per_call_us(op_forward, args.calls)))
     rows.append(("op backward_into", per_call_us(op_backward_into, args.calls)))
+    def forward_autograd():
+        fusemoe.moe_experts(xg, idx, w, w13, w2, impl=args.impl)
+
+    out_keep = fusemoe.moe_experts(xg, idx, w, w13, w2, impl=args.impl)
+
+    def backward_only():
+        out_keep.backward(dy, retain_graph=True)
+
+    rows.append(("forward with autograd (graph built, no backward)",
+                 per_call_us(forward_autograd, args.calls)))
+    rows.append(("backward() of a kept graph (engine + _backward + op + AccumulateGrad)",
+                 per_call_us(backward_only, args.calls)))
     rows.append(("forward + backward, autograd", per_call_us(autograd_step(False), args.calls)))
+
+    class ViaFunction(torch.autograd.Function):  # the same ops under a plain autograd.Function
+        @staticmethod
+        def forward(ctx, x_, idx_, w_, w13_, w2_):
+            ctx.save_for_backward(x_, idx_, w_, w13_, w2_)
+            return torch.ops.fusemoe.moe_experts_forward(x_, idx_, w_, w13_, w2_, args.impl)
+
+        @staticmethod
+        def backward(ctx, dy_):
+            dx_, dtw_, d13, d2 = torch.ops.fusemoe.moe_experts_backward(
+                dy_.contiguous(), *ctx.saved_tensors, args.impl)
+            return dx_, None, dtw_, d13, d2
+
+    def function_step():
+        ViaFunction.apply(xg, idx, w, w13, w2).backward(dy)
+
+    rows.append(("forward + backward, autograd.Function variant",
+                 per_call_us(function_step, args.calls)))
     rows.append(("forward + backward, grad_in_place",
                  per_call_us(autograd_step(True), args.calls)))
     print(f"host time per call, impl={args.impl}, T={T} (GPU {torch.cuda.get_device_name()}):")

@@ -12,9 +12,12 @@ Model: the MoE dims of Qwen3-30B-A3B (H=2048, I=768, E=128, top-8, normalised to
 --layers decoder layers, 32 query / 4 key-value heads of 128, a byte vocabulary (256), sdpa
 attention, bf16 parameters, fused AdamW (0.9, 0.95, wd 0.1), gradient clipping at 1.0, linear
 warm-up then cosine decay to 10% of --lr. Data: data/corpus.txt read as bytes; every micro-batch is
-one sequence of --seq-len tokens at an offset drawn once from a seeded generator, so both runs see
-the same sequence. One step = --micro-batches forward/backward passes (gradients accumulate in
-.grad), then clipping and the optimizer. Step time: wall clock between CUDA synchronisations,
+--batch-size sequences of --seq-len tokens at offsets drawn once from a seeded generator, so every
+run sees the same sequences. One step = --micro-batches forward/backward passes (gradients
+accumulate in .grad; for the fusemoe experts inside the backward kernels with --grad-in-place,
+the default), then clipping and the optimizer. Defaults: 2 micro-batches of 4 x 4096 tokens
+(T = 16384 tokens per MoE call, the benchmark's main case; with 4096-token micro-batches the step
+is partly bound by the host: Python model code and a per-forward sync inside transformers). Step time: wall clock between CUDA synchronisations,
 median over the steps after --timing-warmup and before any --profile-steps. Peak memory:
 torch.cuda.max_memory_allocated over the run (weights, gradients, optimizer state, activations,
 workspaces).
@@ -51,15 +54,18 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     p.add_argument("--impl", default=fusemoe.DEFAULT_IMPL, help="fusemoe implementation")
-    p.add_argument("--micro-batches", type=int, default=4, help="sequences per optimizer step")
+    p.add_argument("--micro-batches", type=int, default=2,
+                   help="forward/backward passes per optimizer step (gradient accumulation)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--out", default="train_qwen3_moe_out", help="output folder")
     p.add_argument("--runs", default=f"{RUN_HF},{RUN_FUSEMOE}",
                    help=f"which runs, in this order, from {', '.join(RUN_NAMES)} ({RUN_HF_REORDERED}: "
                         "the Hugging Face run with reversed micro-batch order, the bf16 noise floor)")
-    p.add_argument("--grad-in-place", action="store_true",
+    p.add_argument("--grad-in-place", action=argparse.BooleanOptionalAction, default=True,
                    help="fusemoe run: expert weight gradients accumulate inside the backward kernels "
-                        "(fusemoe.MoEExperts grad_in_place) instead of autograd's separate add")
+                        "(fusemoe.MoEExperts grad_in_place; fine here: one GPU, no gradient hooks) "
+                        "instead of autograd's separate add")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--moe-intermediate", type=int, default=768)
@@ -84,8 +90,8 @@ def parse_args(argv=None):
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     if not args.runs or any(r not in RUN_NAMES for r in args.runs) or len(set(args.runs)) < len(args.runs):
         p.error(f"--runs must list distinct names from {', '.join(RUN_NAMES)}, got {args.runs}")
-    if args.steps < 1 or args.micro_batches < 1 or args.seq_len < 2:
-        p.error("--steps and --micro-batches must be >= 1, --seq-len >= 2")
+    if args.steps < 1 or args.micro_batches < 1 or args.batch_size < 1 or args.seq_len < 2:
+        p.error("--steps, --micro-batches and --batch-size must be >= 1, --seq-len >= 2")
     if not 0 <= args.profile_steps <= args.steps:
         p.error(f"--profile-steps must be in [0, --steps], got {args.profile_steps}")
     return args
@@ -217,7 +223,7 @@ def timed_steps(step_ms, args):
     return step_ms[args.timing_warmup:end] or step_ms
 
 
-def train(name, model, corpus_N, offsets_SM, args):
+def train(name, model, corpus_N, offsets_SMB, args):
     """One run from the model's current weights; returns its record."""
     device = torch.device(args.device)
     is_cuda = device.type == "cuda"
@@ -243,8 +249,8 @@ def train(name, model, corpus_N, offsets_SM, args):
         total = torch.zeros((), device=device)
         order = range(args.micro_batches)
         for m in (reversed(order) if name == RUN_HF_REORDERED else order):
-            offset = int(offsets_SM[step, m])
-            ids = corpus_N[offset:offset + args.seq_len].to(torch.int64)[None]
+            ids = torch.stack([corpus_N[int(o):int(o) + args.seq_len]
+                               for o in offsets_SMB[step, m]]).to(torch.int64)
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss / args.micro_batches
             loss.backward()
             total += loss.detach()
@@ -347,7 +353,8 @@ def plot(result, path):
         axes[0][1].grid(alpha=0.3)
         c = result["comparison"]
         fig.suptitle(f"Qwen3-MoE {result['config']['layers']} layers, "
-                     f"{result['config']['micro_batches']}x{result['config']['seq_len']} tokens/step: "
+                     f"{result['config']['micro_batches']}x{result['config']['batch_size']}x"
+                     f"{result['config']['seq_len']} tokens/step: "
                      f"fusemoe {c['speedup_step_time']:.2f}x step speed, "
                      f"max |loss diff| {c['max_abs_loss_diff']:.3g}" +
                      (f" (noise floor {c['noise_max_abs_loss_diff']:.3g})"
@@ -397,11 +404,13 @@ def main(argv=None):
         return 2
     os.makedirs(args.out, exist_ok=True)
     corpus_N = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).to(args.device)
-    offsets_SM = torch.randint(0, len(corpus) - args.seq_len, (args.steps, args.micro_batches),
+    offsets_SMB = torch.randint(0, len(corpus) - args.seq_len,
+                                (args.steps, args.micro_batches, args.batch_size),
                                generator=torch.Generator().manual_seed(args.seed + 1))
 
     log(f"building Qwen3-MoE: {args.layers} layers, H={args.hidden}, I={args.moe_intermediate}, "
-        f"E={args.experts}, top-{args.top_k}, {args.micro_batches} x {args.seq_len} tokens/step")
+        f"E={args.experts}, top-{args.top_k}, {args.micro_batches} micro-batches x {args.batch_size} x "
+        f"{args.seq_len} tokens/step")
     model = build_model(args, transformers)
     num_params = sum(prm.numel() for prm in model.parameters())
     hf_experts = model.config._experts_implementation
@@ -424,7 +433,7 @@ def main(argv=None):
                 setattr(model.get_submodule(parent), child, module)
         model.load_state_dict(initial)  # the same Parameter objects serve both kinds of experts
         log(f"[{name}] training {args.steps} steps")
-        record = train(name, model, corpus_N, offsets_SM, args)
+        record = train(name, model, corpus_N, offsets_SMB, args)
         record["experts"] = args.impl if name == RUN_FUSEMOE else hf_experts
         runs[name] = record
         peak = record["peak_memory_gib"]

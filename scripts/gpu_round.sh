@@ -161,7 +161,7 @@ done
 # ---- 4b. PyTorch layer (issue 5): pytest tests/python (a skip is a failure here), a short training run ----
 export FUSEMOE_LIBRARY="${FUSEMOE_LIBRARY:-$(cd "$BUILD_DIR" && pwd -P)/libfusemoe_c.so}" FUSEMOE_REQUIRE_GPU=1
 bench_step pytest timeout --kill-after=15 300 python3 -m pytest -q -rs tests/python
-bench_step train_qwen3_moe timeout --kill-after=15 400 python3 examples/train_qwen3_moe.py --steps "${TRAIN_STEPS:-300}" --impl "${TRAIN_IMPL:-fused}" --profile-steps 3 --out "$OUTDIR"
+bench_step train_qwen3_moe timeout --kill-after=15 420 python3 examples/train_qwen3_moe.py --steps "${TRAIN_STEPS:-200}" --impl "${TRAIN_IMPL:-fused}" --runs hf,fusemoe,hf_reordered --profile-steps 2 --out "$OUTDIR"
 
 # ---- 5. Summary ----
 log "final summary"
