@@ -1,12 +1,11 @@
 // Thin wrappers over the Hopper (sm_90a) PTX that the fused MoE kernels use: mbarriers, TMA
 // tensor loads, cp.async row copies, wgmma (warpgroup MMA) with shared-memory descriptors, and
-// setmaxnreg.
+// setmaxnreg, named barriers.
 //
 // Conventions: shared-memory addresses are 32-bit `.shared::cta` addresses (from
 // smem_addr()); every wrapper is a single PTX instruction or a fixed short sequence, so the
-// kernels read as the algorithm and this file as the ISA. Operand tiles are K-major with the
-// 128-byte swizzle that TMA writes (SWIZZLE_128B): row r of a tile is 128 bytes (64 bf16), its
-// 16-byte chunk c is stored at chunk c ^ (r % 8), and 8 rows form one 1024-byte swizzle atom.
+// kernels read as the algorithm and this file as the ISA. Operand tiles carry the 128-byte
+// swizzle that TMA writes (SWIZZLE_128B): see the wgmma section for the two layouts.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (types only; nothing here links libcuda)
@@ -94,9 +93,10 @@ __device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* bar) {
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// cp.async writes shared memory through the generic proxy, wgmma reads it through the async
-// proxy: a thread that has observed the writes (through the mbarrier) orders them before its
-// wgmma reads with this fence.
+// Shared memory written through the generic proxy (cp.async, st.shared) and read through the
+// async proxy (wgmma, TMA store): a thread that has observed the writes (through an mbarrier)
+// orders them before its async-proxy reads with this fence; a barrier must follow where other
+// threads wrote the bytes.
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
@@ -117,25 +117,56 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// wgmma: D[64 x N] (+)= A[64 x 16] * B[N x 16]^T, A and B K-major in shared memory, fp32 D in
+// wgmma: D[64 x N] (+)= A[64 x 16] B[16 x N], bf16 operands in shared memory, fp32 D in
 // registers spread over the 128 threads of a warpgroup. Accumulator fragment (per thread,
 // warp w = warp index in the warpgroup, lane l): d[4*j + 2*h + b] holds row 16*w + l/4 + 8*h,
 // column 8*j + 2*(l%4) + b, for j in [0, N/8), h, b in {0, 1}.
+//
+// Each operand is K-major or MN-major in shared memory, both with TMA's 128-byte swizzle and
+// boxes whose inner extent is 64 bf16 = 128 bytes:
+//   K-major tile  [rows (M or N)][64 k]  : row r at r * 128 B, 16-byte chunk c at c ^ (r % 8).
+//   MN-major tile boxes [64 k][64 mn], box b at b * kMnBoxBytes: k-row kk at kk * 128 B, chunk
+//                 c (8 consecutive m/n) at c ^ (kk % 8). 8 k-rows form one 1024-byte atom.
+// The forward reads both operands K-major (x rows and W13_e / W2_e rows); the backward also
+// reads B N-major (a weight [K rows, N cols] row-major: W2_e as [H, I], W13_e as [2I, H]) and
+// A M-major (activations transposed, dys^T and dz^T, for the weight gradients).
+// Descriptor fields (16-byte units): start address, leading byte offset (LBO), stride byte
+// offset (SBO), layout 1 = SWIZZLE_128B. K-major: SBO = 1024 (next 8 rows), LBO unused.
+// MN-major (canonical ((8 x 8 elements, m atoms), (8 k, k groups)) with strides
+// ((1, 8, LBO), (64, SBO)) elements): LBO = distance between 64-wide MN atoms (the next TMA
+// box, kMnBoxBytes), SBO = distance between groups of 8 k-rows (1024 B).
 // ---------------------------------------------------------------------------------------------
 
-// Shared-memory matrix descriptor for a K-major, 128B-swizzled tile whose base is 1024-byte
-// aligned: start address >> 4 (bits 0-13), leading offset unused by this layout (1), stride
-// between 8-row groups 1024 B >> 4 (bits 32-45), layout type 1 = SWIZZLE_128B (bits 62-63).
-__device__ __forceinline__ uint64_t make_smem_desc_sw128(const void* smem_tile) {
-  constexpr uint64_t kLeadingOffset = 1;
-  constexpr uint64_t kStrideOffset = 1024 >> 4;
+constexpr int kSwizzleRowBytes = 128;                       // one TMA box row: 64 bf16
+constexpr int kSwizzleAtomBytes = 1024;                     // 8 rows x 128 B
+constexpr int kMnBoxRows = 64;                              // k-rows per MN-major TMA box
+constexpr int kMnBoxBytes = kMnBoxRows * kSwizzleRowBytes;  // 8 KB
+
+// Descriptor for a 1024-byte aligned swizzled tile (both majors; the instruction's transpose
+// bits say which one it is).
+__device__ __forceinline__ uint64_t make_desc_sw128(const void* smem_tile, uint32_t lbo_bytes,
+                                                    uint32_t sbo_bytes) {
   constexpr uint64_t kSwizzle128B = 1;
-  return static_cast<uint64_t>((smem_addr(smem_tile) & 0x3FFFF) >> 4) | (kLeadingOffset << 16) |
-         (kStrideOffset << 32) | (kSwizzle128B << 62);
+  return static_cast<uint64_t>((smem_addr(smem_tile) & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>(lbo_bytes >> 4) << 16) |
+         (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (kSwizzle128B << 62);
 }
-// Advancing K by 16 bf16 (32 bytes) inside a 128-byte swizzled row moves the start address by
-// 32 >> 4 = 2; the hardware applies the swizzle to the computed address.
-constexpr uint64_t kDescStepK16 = 2;
+
+template <bool kMnMajor>
+struct OperandLayout {
+  // K-major: LBO is ignored by the hardware for swizzled K-major tiles (1 as CUTLASS writes it).
+  static constexpr uint32_t kLbo = kMnMajor ? kMnBoxBytes : 16;
+  static constexpr uint32_t kSbo = kSwizzleAtomBytes;
+  // Start-address step of one k16 slice: 32 bytes along a K-major row (the hardware applies the
+  // swizzle to the computed address); 16 k-rows of 128 bytes (two whole atoms, so the swizzle
+  // phase is unchanged) for MN-major.
+  static constexpr uint64_t kDescStepK16 = kMnMajor ? (16 * kSwizzleRowBytes) >> 4 : 32 >> 4;
+};
+
+// Descriptor of a K-major tile (the forward's operands).
+__device__ __forceinline__ uint64_t make_kmajor_desc_sw128(const void* smem_tile) {
+  return make_desc_sw128(smem_tile, OperandLayout<false>::kLbo, OperandLayout<false>::kSbo);
+}
 
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -164,12 +195,13 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[kRegs]) {
   "%" #a ", %" #b ", %" #c ", %" #d ", %" #e ", %" #f ", %" #g ", %" #h ", %" #i ", %" #j ", %" #k ", %" #l ", %" #m ", %" #n ", %" #o ", %" #p
 
 // wgmma.mma_async m64 x kN x k16, bf16 inputs, fp32 accumulators d[0, kN/2).
-// scale_d = 0 overwrites the accumulators (first k-step of a tile), 1 accumulates.
-template <int kN>
+// kTransA / kTransB: 0 = K-major, 1 = MN-major. scale_d = 0 overwrites the accumulators (first
+// k-step of a tile), 1 accumulates.
+template <int kN, int kTransA = 0, int kTransB = 0>
 struct Wgmma;
 
-template <>
-struct Wgmma<128> {
+template <int kTransA, int kTransB>
+struct Wgmma<128, kTransA, kTransB> {
   static constexpr int kAccRegs = 64;
   __device__ __forceinline__ static void mma(float (&d)[kAccRegs], uint64_t desc_a, uint64_t desc_b,
                                              uint32_t scale_d) {
@@ -180,14 +212,14 @@ struct Wgmma<128> {
         FUSEMOE_REGS16(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31) ", "
         FUSEMOE_REGS16(32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47) ", "
         FUSEMOE_REGS16(48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63)
-        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
         : FUSEMOE_ACC32(0), FUSEMOE_ACC32(32)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
   }
 };
 
-template <>
-struct Wgmma<256> {
+template <int kTransA, int kTransB>
+struct Wgmma<256, kTransA, kTransB> {
   static constexpr int kAccRegs = 128;
   __device__ __forceinline__ static void mma(float (&d)[kAccRegs], uint64_t desc_a, uint64_t desc_b,
                                              uint32_t scale_d) {
@@ -202,14 +234,19 @@ struct Wgmma<256> {
         FUSEMOE_REGS16(80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95) ", "
         FUSEMOE_REGS16(96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111) ", "
         FUSEMOE_REGS16(112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127)
-        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
         : FUSEMOE_ACC32(0), FUSEMOE_ACC32(32), FUSEMOE_ACC32(64), FUSEMOE_ACC32(96)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
   }
 };
 
 #undef FUSEMOE_REGS16
 #undef FUSEMOE_ACC32
 #undef FUSEMOE_ACC8
+
+// Named barrier over `num_threads` threads (a multiple of 32); id 0 is __syncthreads.
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t num_threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
+}
 
 }  // namespace fusemoe::sm90

@@ -31,8 +31,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "device/sm90_bwd_wgmma.cuh"
 #include "device/sm90_expert_tiles.cuh"
+#include "device/sm90_fragment.cuh"
 #include "device/sm90_host.h"
 #include "device/sm90_ptx.cuh"
 #include "fusemoe/error.h"
@@ -104,7 +104,7 @@ struct KernelConfig : ModeShape<kMode> {
   static constexpr int kAlign = 1024;           // 128B-swizzle atoms start 1024-byte aligned
   using LayoutA = OperandLayout<kAMnMajor>;
   using LayoutB = OperandLayout<kBMnMajor>;
-  using Mma = WgmmaBf16<kBlockN, kAMnMajor ? 1 : 0, kBMnMajor ? 1 : 0>;
+  using Mma = Wgmma<kBlockN, kAMnMajor ? 1 : 0, kBMnMajor ? 1 : 0>;
 
   static_assert(kBlockN == 128 || kBlockN == 256, "wgmma N of the wrappers");
   static_assert(kStages >= 3, "a ring of at least 3 stages keeps TMA ahead of the MMAs");
@@ -200,42 +200,6 @@ struct TileScheduler {
 };
 
 // ------------------------------------------------------------------------- epilogue helpers
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-__device__ __forceinline__ void unpack_bf16x8(const uint4& bits, float (&out)[8]) {
-  const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
-}
-
-__device__ __forceinline__ float round_bf16(float x) {
-  return __bfloat162float(__float2bfloat16_rn(x));
-}
-
-// 4 x 4 transpose inside a quad of lanes (q = lane % 4): on entry v[p] is this lane's element
-// of n8 chunk 4a + p; on exit v[p] is lane p's element of chunk 4a + q. Two butterfly steps on
-// bits 0 and 1 of (lane, position). All 32 lanes must call it.
-template <typename T>
-__device__ __forceinline__ void quad_transpose(T (&v)[4], int q) {
-  const bool odd = q & 1;
-  T x0 = odd ? v[0] : v[1], x1 = odd ? v[2] : v[3];
-  x0 = __shfl_xor_sync(0xFFFFFFFFu, x0, 1);
-  x1 = __shfl_xor_sync(0xFFFFFFFFu, x1, 1);
-  if (odd) { v[0] = x0; v[2] = x1; } else { v[1] = x0; v[3] = x1; }
-  const bool high = q & 2;
-  T y0 = high ? v[0] : v[2], y1 = high ? v[1] : v[3];
-  y0 = __shfl_xor_sync(0xFFFFFFFFu, y0, 2);
-  y1 = __shfl_xor_sync(0xFFFFFFFFu, y1, 2);
-  if (high) { v[0] = y0; v[1] = y1; } else { v[2] = y0; v[3] = y1; }
-}
 
 // The 8 fp32 accumulator values of row half h (rows l/4 and l/4 + 8) in chunk 4a + q, in
 // column order: out[2p + b] = column 8(4a + q) + 2p + b.
@@ -407,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int j = consumer; j < Config::kNumBBoxes; j += kNumConsumers) {
               zero_box_rows(tile_b + j * kMnBoxBytes, valid_rows, tid_in_wg);
             }
-            fence_proxy_async_smem();
+            fence_proxy_async_shared();
             named_barrier_sync(kConsumerBarrierId, kNumConsumers * kThreadsPerWarpgroup);
           }
         }
@@ -678,7 +642,7 @@ void launch_sm90_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
   // ---- configure: A = dys [R_max, H] K-major; B = w2 as [E*H, I], N-major boxes [64 k][64 n]
   const CUtensorMap map_a = make_tensor_map_bf16(p.dys, p.hidden, p.max_rows, sm90::bwd::kBlockM, "dys");
   const CUtensorMap map_b =
-      make_tensor_map_bf16(p.w2, p.intermediate, p.num_experts * p.hidden, sm90::bwd::kMnBoxRows, "w2");
+      make_tensor_map_bf16(p.w2, p.intermediate, p.num_experts * p.hidden, sm90::kMnBoxRows, "w2");
   KernelArgs args = base_args(p.expert_offsets, p.num_experts);
   args.num_k_blocks = static_cast<int32_t>(p.hidden / sm90::bwd::kBlockK);
   args.n_valid = static_cast<int32_t>(p.intermediate);
@@ -720,7 +684,7 @@ void launch_sm90_dgrad_scatter(const Sm90DgradScatterParams& p) {
   const CUtensorMap map_a =
       make_tensor_map_bf16(p.dz, 2 * p.intermediate, p.max_rows, sm90::bwd::kBlockM, "dz");
   const CUtensorMap map_b =
-      make_tensor_map_bf16(p.w13, p.hidden, p.num_experts * 2 * p.intermediate, sm90::bwd::kMnBoxRows, "w13");
+      make_tensor_map_bf16(p.w13, p.hidden, p.num_experts * 2 * p.intermediate, sm90::kMnBoxRows, "w13");
   KernelArgs args = base_args(p.expert_offsets, p.num_experts);
   args.num_k_blocks = static_cast<int32_t>(2 * p.intermediate / sm90::bwd::kBlockK);
   args.n_valid = static_cast<int32_t>(p.hidden);
@@ -755,8 +719,8 @@ void launch_sm90_weight_grad(const Sm90WeightGradParams& p) {
   const DeviceInfo info = sm90::device_info();
 
   // ---- configure: both operands are pool rows read as MN-major boxes [64 rows][64 columns]
-  const CUtensorMap map_a = make_tensor_map_bf16(p.act_m, p.m, p.max_rows, sm90::bwd::kMnBoxRows, "act_m");
-  const CUtensorMap map_b = make_tensor_map_bf16(p.act_n, p.n, p.max_rows, sm90::bwd::kMnBoxRows, "act_n");
+  const CUtensorMap map_a = make_tensor_map_bf16(p.act_m, p.m, p.max_rows, sm90::kMnBoxRows, "act_m");
+  const CUtensorMap map_b = make_tensor_map_bf16(p.act_n, p.n, p.max_rows, sm90::kMnBoxRows, "act_n");
   KernelArgs args = base_args(p.expert_offsets, p.num_experts);
   args.n_valid = static_cast<int32_t>(p.n);
   args.m_valid = static_cast<int32_t>(p.m);

@@ -40,6 +40,7 @@
 #include <cstdint>
 
 #include "device/sm90_expert_tiles.cuh"
+#include "device/sm90_fragment.cuh"
 #include "device/sm90_host.h"
 #include "device/sm90_ptx.cuh"
 #include "fusemoe/error.h"
@@ -128,11 +129,6 @@ struct KernelConfig {
 // overflows and the result is -0, where the exact value is below 1e-36 in magnitude anyway.
 __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // Stores one accumulator row fragment: this thread holds words[j] = output columns
 // col0 + 8j + 2q, +1 (q = lane % 4) of one row, j in [0, kChunks). A quad of lanes holds the row.
 // A 4x4 transpose inside the quad turns every 4 chunks into one 16-byte store per lane (lane q
@@ -146,18 +142,7 @@ __device__ __forceinline__ void store_row_fragment(uint32_t (&words)[kChunks], _
 #pragma unroll
   for (int a = 0; a < kChunks / 4; ++a) {
     uint32_t w[4] = {words[4 * a], words[4 * a + 1], words[4 * a + 2], words[4 * a + 3]};
-    // Butterfly transpose: after the step on bit s, bit s of (owner lane, position) is swapped
-    // for every element whose position and owner disagree on that bit.
-    const bool odd = q & 1;
-    uint32_t x0 = odd ? w[0] : w[1], x1 = odd ? w[2] : w[3];
-    x0 = __shfl_xor_sync(0xFFFFFFFFu, x0, 1);
-    x1 = __shfl_xor_sync(0xFFFFFFFFu, x1, 1);
-    if (odd) { w[0] = x0; w[2] = x1; } else { w[1] = x0; w[3] = x1; }
-    const bool high = q & 2;
-    uint32_t y0 = high ? w[0] : w[2], y1 = high ? w[1] : w[3];
-    y0 = __shfl_xor_sync(0xFFFFFFFFu, y0, 2);
-    y1 = __shfl_xor_sync(0xFFFFFFFFu, y1, 2);
-    if (high) { w[0] = y0; w[1] = y1; } else { w[2] = y0; w[3] = y1; }
+    quad_transpose(w, q);
     // Lane q now holds chunk 4a+q: columns col0 - 2q + 8(4a+q) .. +7.
     const int col = col0 - 2 * q + 8 * (4 * a + q);
     if (row_valid && col < n_valid) {
@@ -369,13 +354,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int32_t kb = 0; kb < args.num_k_blocks; ++kb) {
         mbarrier_wait(&full[stage], phase);
         if constexpr (kGatherA) fence_proxy_async_shared();  // cp.async rows -> wgmma reads
-        const uint64_t desc_a = make_smem_desc_sw128(tiles_a + stage * Config::kTileABytes +
-                                                     consumer * kWgmmaM * kBlockK * 2);
-        const uint64_t desc_b = make_smem_desc_sw128(tiles_b + stage * Config::kTileBBytes);
+        const uint64_t desc_a = make_kmajor_desc_sw128(tiles_a + stage * Config::kTileABytes +
+                                                       consumer * kWgmmaM * kBlockK * 2);
+        const uint64_t desc_b = make_kmajor_desc_sw128(tiles_b + stage * Config::kTileBBytes);
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < kBlockK / kWgmmaK; ++k) {
-          Wgmma<kBlockN>::mma(acc, desc_a + k * kDescStepK16, desc_b + k * kDescStepK16,
+          Wgmma<kBlockN>::mma(acc, desc_a + k * OperandLayout<false>::kDescStepK16,
+                              desc_b + k * OperandLayout<false>::kDescStepK16,
                               (kb > 0 || k > 0) ? 1u : 0u);
         }
         wgmma_commit_group();
