@@ -107,6 +107,7 @@ struct BenchParams {
   bool check = true;
   // Token counts above this are timed but not checked (the fp32 reference is slow at 235B).
   int64_t check_max_tokens = std::numeric_limits<int64_t>::max();
+  bool save_z = false;  // fused: the forward saves z, the backward reads it
 };
 
 struct UsageError {
@@ -117,7 +118,7 @@ const char* kUsage =
     "usage: fusemoe_bench [--preset qwen3-30b-a3b|qwen3-235b-a22b] [--tokens N[,N...]]\n"
     "                     [--routing uniform|skewed] [--impl NAME[,NAME...]] [--iters N]\n"
     "                     [--warmup N] [--json PATH] [--seed N] [--no-check]\n"
-    "                     [--check-max-tokens N]\n"
+    "                     [--check-max-tokens N] [--save-z]\n"
     "  --preset            layer shape (default qwen3-30b-a3b: H=2048 I=768 E=128 K=8;\n"
     "                      qwen3-235b-a22b: H=4096 I=1536 E=128 K=8)\n"
     "  --tokens            token counts to run, comma separated (default 4096)\n"
@@ -129,6 +130,9 @@ const char* kUsage =
     "  --seed              seed of the inputs and the routing (default 1234)\n"
     "  --no-check          skip the correctness check against the fp32 reference\n"
     "  --check-max-tokens  check only token counts <= N (others are timed, check 'skipped')\n"
+    "  --save-z            fused: the forward saves the pre-activations z and the backward reads\n"
+    "                      them instead of recomputing (ForwardArgs::saved_z; the PyTorch op's\n"
+    "                      default when gradients are needed)\n"
     "exit: 0 ok, 1 correctness failure, 2 bad arguments, 3 no Hopper GPU, 4 runtime error\n";
 
 int64_t parse_int(const std::string& flag, const std::string& text, int64_t min_value) {
@@ -229,6 +233,9 @@ BenchParams parse_args(int argc, char** argv) {
       params.check = false;
     } else if (flag == "--check-max-tokens") {
       params.check_max_tokens = parse_int(flag, next_value(), 0);
+    } else if (flag == "--save-z") {
+      if (has_inline_value) throw UsageError{"--save-z takes no value"};
+      params.save_z = true;
     } else {
       throw UsageError{"unknown argument '" + std::string(argv[i]) + "'"};
     }
@@ -644,13 +651,20 @@ struct LayerInputs {
 // in their first half when the weight-gradient dtype is bf16.
 struct LayerOutputs {
   DeviceBuffer y_TH, dx_TH, d_topk_w_TK, dw13_EFH, dw2_EHI;
+  DeviceBuffer saved_z_SF;  // --save-z: the fused forward's z, read by the next backward
 
-  explicit LayerOutputs(const fusemoe::LayerConfig& c)
+  LayerOutputs(const fusemoe::LayerConfig& c, bool save_z)
       : y_TH(c.max_tokens * c.hidden * sizeof(bf16)),
         dx_TH(c.max_tokens * c.hidden * sizeof(bf16)),
         d_topk_w_TK(c.max_tokens * c.top_k * sizeof(float)),
         dw13_EFH(c.num_experts * 2 * c.intermediate * c.hidden * sizeof(float)),
-        dw2_EHI(c.num_experts * c.hidden * c.intermediate * sizeof(float)) {}
+        dw2_EHI(c.num_experts * c.hidden * c.intermediate * sizeof(float)),
+        saved_z_SF(save_z ? fusemoe::saved_z_bytes(c) : 0) {}
+
+  // The saved-z buffer for `impl` (only the fused implementation takes one).
+  void* saved_z(fusemoe::Impl impl) const {
+    return impl == fusemoe::Impl::kFused && saved_z_SF.bytes() > 0 ? saved_z_SF.get() : nullptr;
+  }
 
   void poison(cudaStream_t stream) const {
     for (const DeviceBuffer* buffer : {&y_TH, &dx_TH, &d_topk_w_TK, &dw13_EFH, &dw2_EHI}) {
@@ -681,6 +695,7 @@ void run_forward(const fusemoe::LayerConfig& config, fusemoe::Impl impl, const L
   // As a training loop runs it: no per-call sync. The correctness check calls
   // check_expert_ids() once after its forward, which would report a bad id.
   args.sync_check_expert_ids = false;
+  args.saved_z = out.saved_z(impl);
   fusemoe::forward(config, impl, args);
 }
 
@@ -701,6 +716,7 @@ void run_backward(const fusemoe::LayerConfig& config, fusemoe::Impl impl, const 
   args.weight_grad_dtype = weight_grad_dtype;
   args.accumulate_weight_grads = false;
   args.sync_check_expert_ids = false;  // as in run_forward
+  args.saved_z = out.saved_z(impl);     // written by the forward of these inputs just before
   args.num_tokens = num_tokens;
   args.workspace = workspace.get();
   args.workspace_bytes = workspace.bytes();
@@ -984,6 +1000,7 @@ void write_json(const std::string& path, const BenchParams& params, const BenchR
   json.field("num_experts", params.preset.num_experts);
   json.field("top_k", params.preset.top_k);
   json.field("routing", routing_name(params.routing));
+  json.field("save_z", params.save_z);
   json.field("skew_exponent", params.routing == Routing::kSkewed ? kSkewExponent : 0.0);
   json.field("seed", params.seed);
   json.field("iters", params.iters);
@@ -1268,7 +1285,7 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
   std::fprintf(stderr, "[bench] %s: generating inputs for up to T=%lld ...\n", preset.short_name,
                static_cast<long long>(config.max_tokens));
   LayerInputs inputs = make_inputs(config, params.seed, stream);
-  LayerOutputs outputs(config);
+  LayerOutputs outputs(config, params.save_z);
   std::vector<DeviceBuffer> workspaces;
   for (const BenchImpl& impl : params.impls)
     workspaces.push_back(allocate_workspace(config, impl.impl));
@@ -1286,7 +1303,7 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
   std::unique_ptr<LayerOutputs> reference_outputs;
   if (reference_config.max_tokens > 0) {
     reference_workspace = allocate_workspace(reference_config, fusemoe::Impl::kReferenceFp32);
-    reference_outputs = std::make_unique<LayerOutputs>(reference_config);
+    reference_outputs = std::make_unique<LayerOutputs>(reference_config, false);
   }
 
   BenchContext ctx{params, config, inputs, outputs, workspaces, timer, result.ceiling.tflops,

@@ -87,6 +87,10 @@ struct ForwardArgs {
   // synchronises for the id check (sync_check_expert_ids is ignored): a call that finds bad ids
   // writes its record into the report from the device, and the caller reads it when it likes.
   int32_t* expert_id_report = nullptr;
+  // Optional (Impl::kFused only): saved_z_bytes(config) bytes of device memory where the forward
+  // also stores the pre-activations z = [g | u] of every routed row, for a backward that then
+  // skips recomputing them (BackwardArgs::saved_z).
+  void* saved_z = nullptr;
 };
 
 struct BackwardArgs {
@@ -113,6 +117,11 @@ struct BackwardArgs {
   // As ForwardArgs::sync_check_expert_ids and ForwardArgs::expert_id_report.
   bool sync_check_expert_ids = true;
   int32_t* expert_id_report = nullptr;
+  // Optional (Impl::kFused only): the ForwardArgs::saved_z buffer of the forward of these same
+  // inputs (topk_idx, num_tokens, x, w13); null recomputes z (one more grouped GEMM of 4·H·I
+  // FLOPs per routed row). Its layout is internal (rows in the routing's expert order): pass it
+  // only from a forward to the backward of the same inputs.
+  const void* saved_z = nullptr;
 };
 
 // Throws fusemoe::Error naming the first field that breaks a limit above.
@@ -120,6 +129,10 @@ void validate_config(const LayerConfig& config);
 
 // Bytes of device workspace that forward and backward need for this config (same for both).
 size_t workspace_bytes(const LayerConfig& config, Impl impl);
+
+// Bytes of a ForwardArgs::saved_z buffer: max_tokens * top_k * 2 * intermediate bf16
+// (2·I·K·2 bytes per token: 24 KiB for Qwen3-30B-A3B, 48 KiB for Qwen3-235B-A22B).
+size_t saved_z_bytes(const LayerConfig& config);
 
 // Expert ids outside [-1, E) are never used to index memory: the routing step counts them,
 // treats them as masked, and the call then throws fusemoe::Error naming the first bad

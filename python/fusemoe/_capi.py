@@ -9,7 +9,7 @@ import ctypes
 import os
 import threading
 
-ABI_VERSION = 2  # FUSEMOE_C_ABI_VERSION this binding is written for
+ABI_VERSION = 3  # FUSEMOE_C_ABI_VERSION this binding is written for
 WEIGHT_GRAD_FLOAT32 = 0
 WEIGHT_GRAD_BFLOAT16 = 1
 EXPERT_ID_REPORT_INTS = 3  # fusemoe::kExpertIdReportInts
@@ -25,13 +25,14 @@ _SIGNATURES = {
     "fusemoe_c_last_error": ([], ctypes.c_char_p),
     "fusemoe_c_impl_code": ([ctypes.c_char_p, ctypes.POINTER(_i32)], _i32),
     "fusemoe_c_workspace_bytes": (_LAYER + [ctypes.POINTER(_u64)], _i32),
+    "fusemoe_c_saved_z_bytes": (_LAYER[:-1] + [ctypes.POINTER(_u64)], _i32),
     # x, topk_idx, topk_weights, w13, w2, y, num_tokens, workspace, workspace_bytes,
-    # expert_id_report, stream
-    "fusemoe_c_forward": (_LAYER + [_ptr] * 6 + [_i64, _ptr, _u64, _ptr, _ptr], _i32),
+    # expert_id_report, saved_z, stream
+    "fusemoe_c_forward": (_LAYER + [_ptr] * 6 + [_i64, _ptr, _u64, _ptr, _ptr, _ptr], _i32),
     # x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights, dw13, dw2, weight_grad_dtype,
-    # accumulate, num_tokens, workspace, workspace_bytes, expert_id_report, stream
-    "fusemoe_c_backward": (_LAYER + [_ptr] * 10 + [_i32, _i32, _i64, _ptr, _u64, _ptr, _ptr],
-                           _i32),
+    # accumulate, num_tokens, workspace, workspace_bytes, expert_id_report, saved_z, stream
+    "fusemoe_c_backward": (_LAYER + [_ptr] * 10 + [_i32, _i32, _i64, _ptr, _u64, _ptr, _ptr,
+                                                    _ptr], _i32),
     # report (host-readable), num_experts, top_k
     "fusemoe_c_check_expert_id_report": ([_ptr, _i64, _i64], _i32),
 }
@@ -118,24 +119,32 @@ def workspace_bytes(layer, impl):
     return out.value
 
 
+def saved_z_bytes(layer):
+    """Bytes of the forward's saved pre-activations for layer (H, I, E, K, max_tokens)."""
+    lib = load()
+    out = _u64()
+    _check(lib.fusemoe_c_saved_z_bytes(*layer, ctypes.byref(out)))
+    return out.value
+
+
 def forward(layer, impl, x, topk_idx, topk_weights, w13, w2, y, num_tokens, workspace,
-            workspace_bytes_, expert_id_report, stream):
-    """Pointers are ints (data_ptr(); expert_id_report may be None); stream is a cudaStream_t
-    as an int."""
+            workspace_bytes_, expert_id_report, saved_z, stream):
+    """Pointers are ints (data_ptr(); expert_id_report and saved_z may be None); stream is a
+    cudaStream_t as an int."""
     lib = load()
     _check(lib.fusemoe_c_forward(*layer, impl_code(impl), x, topk_idx, topk_weights, w13, w2, y,
                                  num_tokens, workspace, workspace_bytes_, expert_id_report,
-                                 stream))
+                                 saved_z, stream))
 
 
 def backward(layer, impl, x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights, dw13, dw2,
              weight_grad_dtype, accumulate, num_tokens, workspace, workspace_bytes_,
-             expert_id_report, stream):
+             expert_id_report, saved_z, stream):
     lib = load()
     _check(lib.fusemoe_c_backward(*layer, impl_code(impl), x, topk_idx, topk_weights, w13, w2, dy,
                                   dx, d_topk_weights, dw13, dw2, weight_grad_dtype,
                                   int(bool(accumulate)), num_tokens, workspace, workspace_bytes_,
-                                  expert_id_report, stream))
+                                  expert_id_report, saved_z, stream))
 
 
 def check_expert_id_report(report, num_experts, top_k):

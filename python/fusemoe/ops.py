@@ -7,9 +7,11 @@ formula that links them.
 Shape legend: T tokens, H hidden, I expert intermediate, F = 2I (gate rows, then up rows),
 E experts, K top-k. x, y, dy, dx bf16 [T, H]; topk_idx int32 [T, K]; topk_weights fp32 [T, K];
 w13 bf16 [E, F, H] (Hugging Face gate_up_proj); w2 bf16 [E, H, I] (down_proj).
-The forward saves only its inputs (the backward recomputes the rest). The backward returns fresh
-gradients (weights in their own dtype, d_topk_weights fp32) and autograd accumulates them, so
-gradient accumulation and activation checkpointing need nothing special. Calls run on
+The forward saves its inputs and, for impl "fused" with gradients required, the pre-activations
+z (2I bf16 per routed row; recompute_z=True recomputes them in the backward instead). The
+backward returns fresh gradients (weights in their own dtype, d_topk_weights fp32) and autograd
+accumulates them, so gradient accumulation and activation checkpointing need nothing special
+(grad_in_place is the opt-in exception, see moe_experts). Calls run on
 torch.cuda.current_stream(); each call's workspace comes from torch's caching allocator.
 
 Expert ids outside [-1, E) never index memory (the kernels mask them) and are reported without
@@ -21,6 +23,7 @@ silent wrong result, and the ops never synchronise for it ("unfused" syncs anywa
 per-expert counts on the host).
 """
 import threading
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -146,49 +149,86 @@ def _workspace(layer, impl, device):
     return torch.empty(max(num_bytes, 1), dtype=torch.uint8, device=device), num_bytes
 
 
+def _empty_saved_z(x_TH, layer, save_z):
+    """The forward's saved pre-activations z [T*K, 2I] bf16 (expert-sorted rows, an opaque
+    buffer for the backward), or an empty tensor when z is not saved."""
+    hidden, intermediate, _, top_k, num_tokens = layer
+    shape = (num_tokens * top_k, 2 * intermediate) if save_z else (0,)
+    return x_TH.new_empty(shape)
+
+
 @torch.library.custom_op("fusemoe::moe_experts_forward", mutates_args=())
 def moe_experts_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
                         w13_EFH: Tensor, w2_EHI: Tensor, impl: str,
-                        grad_in_place: bool = False) -> Tensor:
-    """grad_in_place: see moe_experts()."""
+                        grad_in_place: bool = False,
+                        save_z: bool = False) -> tuple[Tensor, Tensor]:
+    """Returns (y, z): z is the saved pre-activations when save_z ("fused" only), else empty.
+    grad_in_place and save_z: see moe_experts()."""
     layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
     _check_cuda(x_TH)
+    _check_save_z(save_z, impl)
     y_TH = torch.empty_like(x_TH)
+    z_SF = _empty_saved_z(x_TH, layer, save_z)
     with torch.cuda.device(x_TH.device):
         report = _expert_id_report(x_TH.device, layer[2], layer[3])
         workspace, num_bytes = _workspace(layer, impl, x_TH.device)
         _capi.forward(layer, impl, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
                       topk_weights_TK.data_ptr(), w13_EFH.data_ptr(), w2_EHI.data_ptr(),
                       y_TH.data_ptr(), layer[-1], workspace.data_ptr(), num_bytes, report,
+                      z_SF.data_ptr() if save_z and z_SF.numel() else None,
                       torch.cuda.current_stream(x_TH.device).cuda_stream)
-    return y_TH
+    return y_TH, z_SF
 
 
 @moe_experts_forward.register_fake
 def _moe_experts_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                              grad_in_place=False):
-    _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
+                              grad_in_place=False, save_z=False):
+    layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
     _check_impl(impl)
-    return torch.empty_like(x_TH)
+    _check_save_z(save_z, impl)
+    return torch.empty_like(x_TH), _empty_saved_z(x_TH, layer, save_z)
+
+
+def _check_save_z(save_z, impl):
+    if save_z and impl != "fused":
+        _fail(f"save_z needs impl=\"fused\" (got {impl!r})")
+
+
+def _check_saved_z(saved_z_SF, layer, x_TH):
+    """A backward's saved_z: None, or the (non-empty) z of the forward of these inputs."""
+    if saved_z_SF is None or saved_z_SF.numel() == 0:
+        return None
+    hidden, intermediate, _, top_k, num_tokens = layer
+    expected = (num_tokens * top_k, 2 * intermediate)
+    if (tuple(saved_z_SF.shape) != expected or saved_z_SF.dtype != torch.bfloat16
+            or not saved_z_SF.is_contiguous() or saved_z_SF.device != x_TH.device):
+        _fail(f"saved_z must be the forward's z: contiguous bf16 {expected} on {x_TH.device}, got "
+              f"{saved_z_SF.dtype} {tuple(saved_z_SF.shape)} on {saved_z_SF.device}")
+    return saved_z_SF
 
 
 @torch.library.custom_op("fusemoe::moe_experts_backward", mutates_args=())
 def moe_experts_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                          topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
-                         impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dx [T, H] bf16, d_topk_weights [T, K] fp32, dw13 [E, F, H], dw2 [E, H, I])."""
+                         impl: str, saved_z_SF: Optional[Tensor] = None
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dx [T, H] bf16, d_topk_weights [T, K] fp32, dw13 [E, F, H], dw2 [E, H, I]).
+    saved_z: the z output of the forward of these inputs (skips recomputing it), or None."""
     dw13_EFH = torch.empty_like(w13_EFH)
     dw2_EHI = torch.empty_like(w2_EHI)
     dx_TH, d_topk_weights_TK = _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK,
-                                                w13_EFH, w2_EHI, dw13_EFH, dw2_EHI, False, impl)
+                                                w13_EFH, w2_EHI, dw13_EFH, dw2_EHI, False, impl,
+                                                saved_z_SF)
     return dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI
 
 
 def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13_EFH,
-                     dw2_EHI, accumulate, impl):
+                     dw2_EHI, accumulate, impl, saved_z_SF):
     layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
     _check_cuda(x_TH)
     grad_dtype = _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
+    saved_z_SF = _check_saved_z(saved_z_SF, layer, x_TH)
+    _check_save_z(saved_z_SF is not None, impl)
     dx_TH = torch.empty_like(x_TH)
     d_topk_weights_TK = torch.empty_like(topk_weights_TK)
     with torch.cuda.device(x_TH.device):
@@ -199,14 +239,17 @@ def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                        dy_TH.data_ptr(), dx_TH.data_ptr(), d_topk_weights_TK.data_ptr(),
                        dw13_EFH.data_ptr(), dw2_EHI.data_ptr(), grad_dtype, accumulate,
                        layer[-1], workspace.data_ptr(), num_bytes, report,
+                       saved_z_SF.data_ptr() if saved_z_SF is not None else None,
                        torch.cuda.current_stream(x_TH.device).cuda_stream)
     return dx_TH, d_topk_weights_TK
 
 
 @moe_experts_backward.register_fake
-def _moe_experts_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl):
-    _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+def _moe_experts_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                               saved_z_SF=None):
+    layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
     _check_impl(impl)
+    _check_save_z(_check_saved_z(saved_z_SF, layer, x_TH) is not None, impl)
     return (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK), torch.empty_like(w13_EFH),
             torch.empty_like(w2_EHI))
 
@@ -216,19 +259,21 @@ def _moe_experts_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EF
 def moe_experts_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                               topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
                               dw13_EFH: Tensor, dw2_EHI: Tensor, accumulate: bool,
-                              impl: str) -> tuple[Tensor, Tensor]:
+                              impl: str, saved_z_SF: Optional[Tensor] = None
+                              ) -> tuple[Tensor, Tensor]:
     """The backward with the weight gradients written (accumulate=False) or added (True) into
     dw13/dw2 (bf16 or fp32, one dtype, the shapes of w13/w2); returns (dx, d_topk_weights)."""
     return _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13_EFH,
-                            dw2_EHI, accumulate, impl)
+                            dw2_EHI, accumulate, impl, saved_z_SF)
 
 
 @moe_experts_backward_into.register_fake
 def _moe_experts_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
-                                    dw13_EFH, dw2_EHI, accumulate, impl):
-    _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+                                    dw13_EFH, dw2_EHI, accumulate, impl, saved_z_SF=None):
+    layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
     _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
     _check_impl(impl)
+    _check_save_z(_check_saved_z(saved_z_SF, layer, x_TH) is not None, impl)
     return torch.empty_like(x_TH), torch.empty_like(topk_weights_TK)
 
 
@@ -248,27 +293,31 @@ def _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI):
 
 
 def _setup_context(ctx, inputs, output):
-    x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, grad_in_place = inputs
-    ctx.save_for_backward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
+    x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, grad_in_place, save_z = inputs
+    z_SF = output[1]
+    ctx.mark_non_differentiable(z_SF)
+    ctx.save_for_backward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, z_SF)
     ctx.impl = impl
     # In-place gradients need the leaf Parameters themselves (not a converted copy).
     ctx.params = ((w13_EFH, w2_EHI) if grad_in_place and w13_EFH.is_leaf and w2_EHI.is_leaf and
                   w13_EFH.requires_grad and w2_EHI.requires_grad else None)
 
 
-def _backward(ctx, dy_TH):
-    x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI = ctx.saved_tensors
+def _backward(ctx, dy_TH, _dz_unused):
+    x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, z_SF = ctx.saved_tensors
+    saved_z_SF = z_SF if z_SF.numel() else None
     # dy may arrive expanded (e.g. from y.sum()) or in another layout: the op needs it dense.
     dy_TH = dy_TH.contiguous()
     if ctx.params is not None:
         return _backward_into_grads(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH,
-                                    w2_EHI)
+                                    w2_EHI, saved_z_SF)
     dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI = moe_experts_backward(
-        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, ctx.impl)
-    return dx_TH, None, d_topk_weights_TK, dw13_EFH, dw2_EHI, None, None
+        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, ctx.impl, saved_z_SF)
+    return dx_TH, None, d_topk_weights_TK, dw13_EFH, dw2_EHI, None, None, None
 
 
-def _backward_into_grads(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI):
+def _backward_into_grads(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
+                         saved_z_SF):
     """grad_in_place: the kernels add the weight gradients to the Parameters' .grad (or write a
     fresh .grad when both are None) and autograd gets None for them, so no separate add runs."""
     if torch.compiler.is_compiling():
@@ -285,17 +334,18 @@ def _backward_into_grads(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH
                 param.grad = torch.zeros_like(param)
         grads = w13_param.grad, w2_param.grad
     dx_TH, d_topk_weights_TK = moe_experts_backward_into(
-        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, *grads, not fresh, ctx.impl)
+        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, *grads, not fresh, ctx.impl,
+        saved_z_SF)
     if fresh:
         w13_param.grad, w2_param.grad = grads
-    return dx_TH, None, d_topk_weights_TK, None, None, None, None
+    return dx_TH, None, d_topk_weights_TK, None, None, None, None, None
 
 
 moe_experts_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAULT_IMPL,
-                grad_in_place=False):
+                grad_in_place=False, recompute_z=False):
     """The experts block as a differentiable function (strict inputs: see the module docstring;
     fusemoe.MoEExperts converts dtypes and layouts for you).
 
@@ -303,6 +353,14 @@ def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAUL
     weight gradients straight into w13.grad / w2.grad (gradient accumulation over micro-batches
     without a separate elementwise add; .grad in the Parameters' dtype), and autograd sees no
     gradient for w13/w2, so their hooks (register_post_accumulate_grad_hook, DDP/FSDP reducers)
-    do not fire. Like Megatron's gradient_accumulation_fusion. Not traceable by torch.compile."""
+    do not fire. Like Megatron's gradient_accumulation_fusion. Not traceable by torch.compile.
+
+    recompute_z: with impl="fused" and gradients required, the forward by default also saves the
+    pre-activations z (2·I·K bf16 per token: 24 KiB for Qwen3-30B-A3B) and the backward skips
+    recomputing them (one grouped GEMM of 4·H·I FLOPs per routed row); recompute_z=True trades
+    that time for the memory."""
+    save_z = (impl == "fused" and not recompute_z and torch.is_grad_enabled()
+              and any(isinstance(t, Tensor) and t.requires_grad
+                      for t in (x_TH, topk_weights_TK, w13_EFH, w2_EHI)))
     return moe_experts_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                               grad_in_place)
+                               grad_in_place, save_z)[0]

@@ -65,6 +65,15 @@ void check_expert_id_report_pointer(const int32_t* report) {
   check_device_pointer(report, "expert_id_report");
 }
 
+// ForwardArgs / BackwardArgs::saved_z (host checks): optional, fused only, 16-byte aligned.
+void check_saved_z(Impl impl, const void* saved_z) {
+  if (saved_z == nullptr) return;
+  FUSEMOE_CHECK(impl == Impl::kFused, "saved_z is supported by Impl::kFused only (got "
+                                          << impl_name(impl) << "): pass null");
+  FUSEMOE_CHECK(aligned(saved_z, kTmaAlignment),
+                "saved_z must be " << kTmaAlignment << "-byte aligned, got " << saved_z);
+}
+
 // After a call with sync_check_expert_ids: synchronise and report bad ids, except while the
 // stream is being captured (a sync is illegal there; the record stays for check_expert_ids).
 void sync_check_unless_capturing(const LayerConfig& config, Impl impl, void* workspace,
@@ -172,6 +181,11 @@ void check_expert_ids(const LayerConfig& config, Impl impl, const void* workspac
   check_bad_id_record(bad, config.num_experts, config.top_k);
 }
 
+size_t saved_z_bytes(const LayerConfig& config) {
+  validate_config(config);
+  return static_cast<size_t>(config.max_tokens) * config.top_k * 2 * config.intermediate * 2;
+}
+
 void throw_if_expert_id_report(const int32_t report[kExpertIdReportInts], int64_t num_experts,
                                int64_t top_k) {
   FUSEMOE_CHECK(report != nullptr, "expert id report must not be null");
@@ -192,6 +206,7 @@ void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
     check_tensor(a.topk_weights, "topk_weights", 4);
     check_tensor(a.y, "y", kTmaAlignment);
   }
+  check_saved_z(impl, a.saved_z);
   check_workspace(config, impl, a.workspace, a.workspace_bytes);
   check_device();
   for (auto [p, name] : {std::pair<const void*, const char*>{a.w13, "w13"}, {a.w2, "w2"},
@@ -205,6 +220,7 @@ void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
     }
   }
   if (a.expert_id_report != nullptr) check_expert_id_report_pointer(a.expert_id_report);
+  if (a.saved_z != nullptr) check_device_pointer(a.saved_z, "saved_z");
   if (impl == Impl::kFused) {
     fused_forward(config, a);
     if (a.sync_check_expert_ids && a.expert_id_report == nullptr) {
@@ -234,6 +250,7 @@ void backward(const LayerConfig& config, Impl impl, const BackwardArgs& a) {
     check_tensor(a.dx, "dx", kTmaAlignment);
     check_tensor(a.d_topk_weights, "d_topk_weights", 4);
   }
+  check_saved_z(impl, a.saved_z);
   check_workspace(config, impl, a.workspace, a.workspace_bytes);
   check_device();
   for (auto [p, name] : {std::pair<const void*, const char*>{a.w13, "w13"}, {a.w2, "w2"},
@@ -248,6 +265,7 @@ void backward(const LayerConfig& config, Impl impl, const BackwardArgs& a) {
     }
   }
   if (a.expert_id_report != nullptr) check_expert_id_report_pointer(a.expert_id_report);
+  if (a.saved_z != nullptr) check_device_pointer(a.saved_z, "saved_z");
   if (impl == Impl::kFused) {
     fused_backward(config, a);
     if (a.sync_check_expert_ids && a.expert_id_report == nullptr) {

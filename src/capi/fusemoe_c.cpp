@@ -114,15 +114,25 @@ int32_t fusemoe_c_workspace_bytes(int64_t hidden, int64_t intermediate, int64_t 
   });
 }
 
+int32_t fusemoe_c_saved_z_bytes(int64_t hidden, int64_t intermediate, int64_t num_experts,
+                                int64_t top_k, int64_t max_tokens, uint64_t* bytes) {
+  return guarded([&] {
+    FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
+    *bytes = fusemoe::saved_z_bytes(make_config(hidden, intermediate, num_experts, top_k, max_tokens));
+  });
+}
+
 int32_t fusemoe_c_forward(int64_t hidden, int64_t intermediate, int64_t num_experts, int64_t top_k,
                           int64_t max_tokens, int32_t impl_code, const void* x,
                           const int32_t* topk_idx, const float* topk_weights, const void* w13,
                           const void* w2, void* y, int64_t num_tokens, void* workspace,
-                          uint64_t workspace_bytes, int32_t* expert_id_report, void* stream) {
+                          uint64_t workspace_bytes, int32_t* expert_id_report, void* saved_z,
+                          void* stream) {
   return guarded([&] {
     const auto config = make_config(hidden, intermediate, num_experts, top_k, max_tokens);
     const Impl impl = impl_from_code(impl_code);
     fusemoe::ForwardArgs args;
+    args.saved_z = saved_z;
     args.x = x;
     args.topk_idx = topk_idx;
     args.topk_weights = topk_weights;
@@ -144,7 +154,8 @@ int32_t fusemoe_c_backward(int64_t hidden, int64_t intermediate, int64_t num_exp
                            const void* w2, const void* dy, void* dx, float* d_topk_weights,
                            void* dw13, void* dw2, int32_t weight_grad_dtype,
                            int32_t accumulate_weight_grads, int64_t num_tokens, void* workspace,
-                           uint64_t workspace_bytes, int32_t* expert_id_report, void* stream) {
+                           uint64_t workspace_bytes, int32_t* expert_id_report,
+                           const void* saved_z, void* stream) {
   return guarded([&] {
     const auto config = make_config(hidden, intermediate, num_experts, top_k, max_tokens);
     const Impl impl = impl_from_code(impl_code);
@@ -154,6 +165,7 @@ int32_t fusemoe_c_backward(int64_t hidden, int64_t intermediate, int64_t num_exp
                                                << FUSEMOE_C_WEIGHT_GRAD_BFLOAT16
                                                << " (bfloat16), got " << weight_grad_dtype);
     fusemoe::BackwardArgs args;
+    args.saved_z = saved_z;
     args.x = x;
     args.topk_idx = topk_idx;
     args.topk_weights = topk_weights;

@@ -18,7 +18,7 @@ extern "C" {
 #define FUSEMOE_C_API __attribute__((visibility("default")))
 
 /* Raised whenever a function's signature or meaning changes; bindings refuse other versions. */
-#define FUSEMOE_C_ABI_VERSION 2
+#define FUSEMOE_C_ABI_VERSION 3
 
 typedef enum {
   FUSEMOE_C_OK = 0,
@@ -51,6 +51,13 @@ FUSEMOE_C_API int32_t fusemoe_c_workspace_bytes(int64_t hidden, int64_t intermed
  * Set: the call never syncs for the check; the first call with bad ids fills the report and the
  * caller checks it with fusemoe_c_check_expert_id_report whenever it likes. */
 
+/* saved_z (forward: output, backward: input): NULL, or fusemoe_c_saved_z_bytes() bytes of device
+ * memory ("fused" only): the forward stores the pre-activations there and the backward of the
+ * same inputs reads them instead of recomputing (fusemoe::ForwardArgs::saved_z). */
+FUSEMOE_C_API int32_t fusemoe_c_saved_z_bytes(int64_t hidden, int64_t intermediate,
+                                              int64_t num_experts, int64_t top_k,
+                                              int64_t max_tokens, uint64_t* bytes);
+
 /* y = MoE(x); see fusemoe::forward. */
 FUSEMOE_C_API int32_t fusemoe_c_forward(int64_t hidden, int64_t intermediate, int64_t num_experts,
                                         int64_t top_k, int64_t max_tokens, int32_t impl_code,
@@ -58,7 +65,7 @@ FUSEMOE_C_API int32_t fusemoe_c_forward(int64_t hidden, int64_t intermediate, in
                                         const float* topk_weights, const void* w13, const void* w2,
                                         void* y, int64_t num_tokens, void* workspace,
                                         uint64_t workspace_bytes, int32_t* expert_id_report,
-                                        void* stream);
+                                        void* saved_z, void* stream);
 
 /* dx, d_topk_weights, dw13, dw2 from dy; see fusemoe::backward. accumulate_weight_grads != 0
  * adds to dw13/dw2 instead of overwriting them. */
@@ -71,7 +78,8 @@ FUSEMOE_C_API int32_t fusemoe_c_backward(int64_t hidden, int64_t intermediate, i
                                          int32_t weight_grad_dtype,
                                          int32_t accumulate_weight_grads, int64_t num_tokens,
                                          void* workspace, uint64_t workspace_bytes,
-                                         int32_t* expert_id_report, void* stream);
+                                         int32_t* expert_id_report, const void* saved_z,
+                                         void* stream);
 
 /* FUSEMOE_C_ERROR with the message naming the first bad id if `report` (host-readable: a host
  * copy or pinned memory) holds one; FUSEMOE_C_OK for an empty report. Reads, never writes. */

@@ -87,6 +87,7 @@ struct KernelArgs {
   int32_t weight_rows_per_expert; // 2I (w13) or H (w2): row stride of one expert in the B map
   // gate/up
   __nv_bfloat16* h;               // [R_max, I]
+  __nv_bfloat16* z;               // [R_max, 2I] pre-activation [g | u] for the backward, or null
   int32_t use_clamp;
   float clamp;
   const __nv_bfloat16* x;         // gathered A rows: [num_tokens, H], row = row_slot[r] / top_k
@@ -152,12 +153,27 @@ __device__ __forceinline__ void store_row_fragment(uint32_t (&words)[kChunks], _
 }
 
 // SwiGLU epilogue of one of the thread's two accumulator rows (h): output chunk j pairs gate
-// registers acc[4j + 2h + b] with up registers acc[4(j + kOutChunks) + 2h + b].
+// registers acc[4j + 2h + b] with up registers acc[4(j + kOutChunks) + 2h + b]. With z_row
+// (saved pre-activations), g and u are stored first, before the clamp, as the backward's
+// recompute would produce them: gate columns at z_row[c], up columns at z_row[I + c].
 template <int kOutChunks, int kRegs>
 __device__ __forceinline__ void epilogue_swiglu_row(const float (&acc)[kRegs], int h, const KernelArgs& args,
-                                                    __nv_bfloat16* row_ptr, bool row_valid, int col0, int lane) {
+                                                    __nv_bfloat16* row_ptr, __nv_bfloat16* z_row,
+                                                    bool row_valid, int col0, int lane) {
   static_assert(8 * kOutChunks == kRegs, "gate and up halves fill the accumulators");
   uint32_t words[kOutChunks];
+  if (z_row != nullptr) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int j = 0; j < kOutChunks; ++j) {
+        const int reg = 4 * (j + half * kOutChunks) + 2 * h;
+        words[j] = pack_bf16x2(acc[reg], acc[reg + 1]);
+      }
+      store_row_fragment<kOutChunks>(words, z_row + half * args.n_valid, row_valid, col0, args.n_valid,
+                                     lane);
+    }
+  }
 #pragma unroll
   for (int j = 0; j < kOutChunks; ++j) {
     const int gate = 4 * j + 2 * h, up = gate + 4 * kOutChunks;
@@ -381,7 +397,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int h = 0; h < 2; ++h) {
         if constexpr (kEpilogue == Epilogue::kSwiGLU) {
           __nv_bfloat16* row_ptr = args.h + static_cast<int64_t>(rows[h]) * args.n_valid;
-          epilogue_swiglu_row<Config::kNumChunks8 / 2>(acc, h, args, row_ptr, row_valid[h], col0, lane);
+          __nv_bfloat16* z_row =
+              args.z == nullptr ? nullptr : args.z + static_cast<int64_t>(rows[h]) * 2 * args.n_valid;
+          epilogue_swiglu_row<Config::kNumChunks8 / 2>(acc, h, args, row_ptr, z_row, row_valid[h], col0,
+                                                       lane);
         } else {
           __nv_bfloat16* row_ptr = args.ys + static_cast<int64_t>(slots[h]) * args.ys_row_stride;
           epilogue_scale_row<Config::kNumChunks8>(acc, h, weights[h], row_ptr, row_valid[h], col0, args.n_valid,
@@ -469,6 +488,7 @@ void launch_sm90_gate_up_swiglu(const Sm90GateUpParams& p) {
   }
   FUSEMOE_CHECK(p.w13 && aligned16(p.w13), "w13 must be a non-null 16-byte aligned device pointer");
   FUSEMOE_CHECK(p.h && aligned16(p.h), "h must be a non-null 16-byte aligned device pointer");
+  FUSEMOE_CHECK(aligned16(p.z), "z must be null or a 16-byte aligned device pointer");
   FUSEMOE_CHECK(p.expert_offsets != nullptr, "expert_offsets must be a non-null device pointer");
   const DeviceInfo info = sm90::device_info();
 
@@ -487,6 +507,7 @@ void launch_sm90_gate_up_swiglu(const Sm90GateUpParams& p) {
   args.n_valid = static_cast<int32_t>(p.intermediate);
   args.weight_rows_per_expert = static_cast<int32_t>(2 * p.intermediate);
   args.h = static_cast<__nv_bfloat16*>(p.h);
+  args.z = static_cast<__nv_bfloat16*>(p.z);
   args.use_clamp = p.use_swiglu_clamp ? 1 : 0;
   args.clamp = p.swiglu_clamp;
   args.row_slot = p.row_slot;

@@ -41,6 +41,9 @@ struct Sm90GateUpParams {
   const void* xs = nullptr;               // [R_max, H] bf16, rows in expert order (pool)
   const void* w13 = nullptr;              // [E, 2I, H] bf16, gate rows [0, I), up rows [I, 2I)
   void* h = nullptr;                      // [R_max, I] bf16 (output)
+  // Optional output: [R_max, 2I] bf16 pre-activations [g | u] (before the clamp), rows as h,
+  // the layout of the backward's z recompute, so the backward can skip it.
+  void* z = nullptr;
   const int32_t* expert_offsets = nullptr;  // [E+1] device
   int64_t max_rows = 0;                   // R_max
   int64_t hidden = 0;                     // H, multiple of 128

@@ -63,6 +63,7 @@ void fused_forward(const LayerConfig& c, const ForwardArgs& args) {
   gate_up.top_k = c.top_k;
   gate_up.w13 = args.w13;
   gate_up.h = ws.h_RI;
+  gate_up.z = args.saved_z;  // null: the backward recomputes z
   gate_up.expert_offsets = ws.plan.expert_offsets;
   gate_up.max_rows = num_slots;
   gate_up.hidden = c.hidden;

@@ -68,22 +68,28 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
     launch_gather_rows_device_count(args.dy, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H,
                                     ws.dys_RH, stream);
 
-    Sm90RecomputeZParams z;
-    z.xs = ws.xs_RH;
-    z.w13 = args.w13;
-    z.z = ws.z_RF;
-    z.expert_offsets = ws.plan.expert_offsets;
-    z.max_rows = num_slots;
-    z.hidden = H;
-    z.intermediate = I;
-    z.num_experts = E;
-    z.stream = stream;
-    launch_sm90_recompute_z(z);
+    // z from the forward (BackwardArgs::saved_z: same routing, so the same row order) or
+    // recomputed here.
+    const void* z_RF = args.saved_z;
+    if (z_RF == nullptr) {
+      Sm90RecomputeZParams z;
+      z.xs = ws.xs_RH;
+      z.w13 = args.w13;
+      z.z = ws.z_RF;
+      z.expert_offsets = ws.plan.expert_offsets;
+      z.max_rows = num_slots;
+      z.hidden = H;
+      z.intermediate = I;
+      z.num_experts = E;
+      z.stream = stream;
+      launch_sm90_recompute_z(z);
+      z_RF = ws.z_RF;
+    }
 
     Sm90DgradSwigluParams d1;
     d1.dys = ws.dys_RH;
     d1.w2 = args.w2;
-    d1.z = ws.z_RF;
+    d1.z = z_RF;
     d1.expert_offsets = ws.plan.expert_offsets;
     d1.row_slot = ws.plan.row_slot;
     d1.topk_weights = args.topk_weights;

@@ -137,6 +137,8 @@ TEST(Validation, ForwardArgumentsNamed) {
       {[](ForwardArgs& a) { a.workspace = nullptr; }, "workspace"},
       {[](ForwardArgs& a) { a.workspace = reinterpret_cast<void*>(0x70010); }, "workspace must be 256-byte aligned"},
       {[](ForwardArgs& a) { a.workspace_bytes -= 1; }, "workspace_bytes"},
+      {[](ForwardArgs& a) { a.saved_z = reinterpret_cast<void*>(0x90000); },
+       "saved_z is supported by Impl::kFused only"},
   };
   for (const Case& tc : cases) {
     ForwardArgs a = plausible_forward_args();
@@ -145,6 +147,10 @@ TEST(Validation, ForwardArgumentsNamed) {
   }
   ForwardArgs a = plausible_forward_args();
   expect_error_mentioning([&] { forward(c, static_cast<Impl>(42), a); }, "impl");
+  a.saved_z = reinterpret_cast<void*>(0x90008);
+  expect_error_mentioning([&] { forward(c, Impl::kFused, a); }, "saved_z must be 16-byte aligned");
+  // 2 I K bf16 per token.
+  EXPECT_EQ(saved_z_bytes(c), static_cast<size_t>(c.max_tokens * c.top_k * 2 * c.intermediate * 2));
 }
 
 TEST(Validation, BackwardArgumentsNamed) {
@@ -176,6 +182,8 @@ TEST(Validation, BackwardArgumentsNamed) {
       {[](BackwardArgs& a) { a.weight_grad_dtype = static_cast<WeightGradDtype>(7); }, "weight_grad_dtype"},
       {[](BackwardArgs& a) { a.num_tokens = 100; }, "num_tokens"},
       {[](BackwardArgs& a) { a.workspace_bytes = 0; }, "workspace_bytes"},
+      {[](BackwardArgs& a) { a.saved_z = reinterpret_cast<const void*>(0xc0000); },
+       "saved_z is supported by Impl::kFused only"},
   };
   for (const Case& tc : cases) {
     BackwardArgs a = base;

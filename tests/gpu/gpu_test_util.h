@@ -211,6 +211,7 @@ struct RunOptions {
   const std::vector<float>* dw13_init = nullptr;  // used when accumulate
   const std::vector<float>* dw2_init = nullptr;
   int32_t* expert_id_report = nullptr;  // passed to both calls
+  bool save_z = false;  // Impl::kFused: the forward saves z, the backward reads it
 };
 
 inline LayerConfig config_of(const Dims& d, int64_t max_tokens) {
@@ -244,7 +245,8 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   const size_t grad_elem = opt.grad_dtype == WeightGradDtype::kBFloat16 ? 2 : 4;
   DeviceBuffer dw13(d.E * 2 * d.I * d.H * grad_elem), dw2(d.E * d.H * d.I * grad_elem);
   DeviceBuffer workspace(workspace_bytes(config, impl));
-  for (DeviceBuffer* b : {&y, &dx, &dtw, &dw13, &dw2, &workspace}) b->poison();
+  DeviceBuffer saved_z(opt.save_z ? saved_z_bytes(config) : 0);
+  for (DeviceBuffer* b : {&y, &dx, &dtw, &dw13, &dw2, &workspace, &saved_z}) b->poison();
   if (opt.accumulate) {
     auto upload = [&](DeviceBuffer& dst, const std::vector<float>& init) {
       if (opt.grad_dtype == WeightGradDtype::kFloat32) {
@@ -269,6 +271,7 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   fa.workspace = workspace.get();
   fa.workspace_bytes = workspace.bytes();
   fa.expert_id_report = opt.expert_id_report;
+  fa.saved_z = opt.save_z ? saved_z.get() : nullptr;
   forward(config, impl, fa);
   workspace.poison();
   BackwardArgs ba;
@@ -288,6 +291,7 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   ba.workspace = workspace.get();
   ba.workspace_bytes = workspace.bytes();
   ba.expert_id_report = opt.expert_id_report;
+  ba.saved_z = opt.save_z ? saved_z.get() : nullptr;
   backward(config, impl, ba);
   TEST_CUDA(cudaDeviceSynchronize());
   LayerOutputs out;

@@ -22,7 +22,9 @@ void expect_all_fa3(const HostProblem& p, const RunOptions& opt = {}) {
     for (size_t i = 0; i < g.dw2_EHI.size(); ++i) g.dw2_EHI[i] += (*opt.dw2_init)[i];
   }
   const LayerOutputs fused = run_layer(Impl::kFused, p, opt);
-  const LayerOutputs base = run_layer(Impl::kUnfused, p, opt);
+  RunOptions base_opt = opt;
+  base_opt.save_z = false;  // a fused-only option
+  const LayerOutputs base = run_layer(Impl::kUnfused, p, base_opt);
   struct Item {
     const char* name;
     const std::vector<double>& got;
@@ -44,8 +46,14 @@ TEST_P(FusedBackwardSmall, MatchesCpuReference) {
   const auto [tokens, routing] = GetParam();
   Dims d;
   d.T = tokens;
-  std::printf("T=%lld routing=%s\n", static_cast<long long>(tokens), routing_name(routing));
-  expect_all_fa3(make_problem(d, routing, 8000 + tokens));
+  const HostProblem p = make_problem(d, routing, 8000 + tokens);
+  for (bool save_z : {false, true}) {
+    std::printf("T=%lld routing=%s z %s\n", static_cast<long long>(tokens), routing_name(routing),
+                save_z ? "saved by the forward" : "recomputed");
+    RunOptions opt;
+    opt.save_z = save_z;
+    expect_all_fa3(p, opt);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -73,8 +81,12 @@ TEST(FusedBackward, ClampMediumAndOddShapes) {
        {std::tuple<const char*, Dims, Routing>{"clamp", clamp, Routing::kUniform},
         {"medium skewed", medium, Routing::kSkewed},
         {"H=384 I=192 masked", odd, Routing::kMasked}}) {
-    std::printf("%s\n", name);
-    expect_all_fa3(make_problem(d, routing, 9000));
+    for (bool save_z : {false, true}) {
+      std::printf("%s, z %s\n", name, save_z ? "saved" : "recomputed");
+      RunOptions opt;
+      opt.save_z = save_z;
+      expect_all_fa3(make_problem(d, routing, 9000), opt);
+    }
   }
 }
 
@@ -94,8 +106,16 @@ TEST(FusedBackward, BitwiseDeterministic) {
   d.E = 16;
   d.K = 4;
   const HostProblem p = make_problem(d, Routing::kSkewed, 9200);
+  RunOptions saving;
+  saving.save_z = true;
   const LayerOutputs first = run_layer(Impl::kFused, p);
+  const LayerOutputs first_saved = run_layer(Impl::kFused, p, saving);
   for (int run = 0; run < 20; ++run) {
+    const LayerOutputs again_saved = run_layer(Impl::kFused, p, saving);
+    ASSERT_TRUE(again_saved.y == first_saved.y && again_saved.dx == first_saved.dx &&
+                again_saved.d_topk_w == first_saved.d_topk_w && again_saved.dw13 == first_saved.dw13 &&
+                again_saved.dw2 == first_saved.dw2)
+        << "run " << run << " (z saved) differs";
     const LayerOutputs again = run_layer(Impl::kFused, p);
     ASSERT_TRUE(again.y == first.y && again.dx == first.dx && again.d_topk_w == first.d_topk_w &&
                 again.dw13 == first.dw13 && again.dw2 == first.dw2)
@@ -176,7 +196,10 @@ TEST(FusedBackward, Qwen30bAgainstFp32GpuReference) {
   d.K = 8;
   const HostProblem p = make_problem(d, Routing::kUniform, 9300);
   const LayerOutputs ref = run_layer(Impl::kReferenceFp32, p);
+  RunOptions saving;
+  saving.save_z = true;
   const LayerOutputs fused = run_layer(Impl::kFused, p);
+  const LayerOutputs fused_saved = run_layer(Impl::kFused, p, saving);
   const LayerOutputs base = run_layer(Impl::kUnfused, p);
   auto check = [](const char* name, const std::vector<double>& got,
                   const std::vector<double>& baseline, const std::vector<double>& r) {
@@ -187,6 +210,15 @@ TEST(FusedBackward, Qwen30bAgainstFp32GpuReference) {
   check("d_topk_weights", fused.d_topk_w, base.d_topk_w, ref.d_topk_w);
   check("dw13", fused.dw13, base.dw13, ref.dw13);
   check("dw2", fused.dw2, base.dw2, ref.dw2);
+  check("y (z saved)", fused_saved.y, base.y, ref.y);
+  check("dx (z saved)", fused_saved.dx, base.dx, ref.dx);
+  check("d_topk_weights (z saved)", fused_saved.d_topk_w, base.d_topk_w, ref.d_topk_w);
+  check("dw13 (z saved)", fused_saved.dw13, base.dw13, ref.dw13);
+  check("dw2 (z saved)", fused_saved.dw2, base.dw2, ref.dw2);
+  // The forward's z and the recomputed z come from the same fp32 dot products in the same
+  // k order; report how far the two paths' gradients are apart.
+  std::printf("saved vs recomputed z: dx max |diff| %.3g, dw13 max |diff| %.3g\n",
+              compare(fused_saved.dx, fused.dx).max_abs, compare(fused_saved.dw13, fused.dw13).max_abs);
 }
 
 }  // namespace

@@ -66,17 +66,21 @@ def register_cpu_kernels():
     """CPU kernels for the fusemoe ops (fp32 math, outputs in the op's dtypes), so the Python
     layer (autograd, fake kernels, torch.compile, checkpointing) can be tested without a GPU.
     Like the CUDA kernels they validate their arguments with fusemoe.ops._check_inputs first."""
-    from fusemoe.ops import _check_inputs
+    from fusemoe.ops import _check_inputs, _empty_saved_z
 
     @torch.library.register_kernel("fusemoe::moe_experts_forward", "cpu")
-    def _forward_cpu(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl):
-        _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
+    def _forward_cpu(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                     grad_in_place=False, save_z=False):
+        layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
         y_TH = moe_experts_torch(x_TH.float(), topk_idx_TK, topk_weights_TK, w13_EFH.float(),
                                  w2_EHI.float())
-        return y_TH.to(x_TH.dtype)
+        # z's layout is the library's own (an opaque buffer): zeros of its shape here, and the
+        # CPU backward recomputes.
+        return y_TH.to(x_TH.dtype), _empty_saved_z(x_TH, layer, save_z).zero_()
 
     @torch.library.register_kernel("fusemoe::moe_experts_backward", "cpu")
-    def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl):
+    def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                      saved_z_SF=None):
         _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
         dx_TH, dw_TK, dw13_EFH, dw2_EHI = moe_experts_backward_fp32(
             dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)

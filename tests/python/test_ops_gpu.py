@@ -37,8 +37,9 @@ def run_layer(fn, p, dtype):
     return dict(zip(OUTPUTS, [y.detach()] + [leaf.grad for leaf in leaves]))
 
 
-def check_against_reference(p, impl=fusemoe.DEFAULT_IMPL):
-    got = run_layer(functools.partial(fusemoe.moe_experts, impl=impl), p, torch.bfloat16)
+def check_against_reference(p, impl=fusemoe.DEFAULT_IMPL, **options):
+    got = run_layer(functools.partial(fusemoe.moe_experts, impl=impl, **options), p,
+                    torch.bfloat16)
     same_precision = run_layer(moe_experts_torch, p, torch.bfloat16)
     ref = run_layer(moe_experts_torch, p, torch.float32)
     lines, failures = [], []
@@ -69,6 +70,13 @@ def test_matches_fp32_reference(shape, impl):
     num_tokens, hidden, intermediate, num_experts, top_k = shape
     check_against_reference(make_problem(num_tokens, hidden, intermediate, num_experts, top_k,
                                          "cuda", seed=sum(shape)), impl)
+
+
+@pytest.mark.parametrize("shape", [SHAPES["small"], SHAPES["qwen3_30b_a3b"]],
+                         ids=["small", "qwen3_30b_a3b"])
+def test_fused_with_recomputed_z(shape):
+    """The fused op saves z in the forward by default; recompute_z=True takes the other path."""
+    check_against_reference(make_problem(*shape, "cuda", seed=23), "fused", recompute_z=True)
 
 
 @each_impl
