@@ -80,14 +80,19 @@ struct BenchImpl {
   const char* name;  // command-line and report name
   fusemoe::Impl impl;
   bool has_backward;  // false: forward only (its backward is not implemented yet)
+  bool save_z;        // the forward saves z (ForwardArgs::saved_z), the backward reads it
 };
 
 // Implementations the benchmark can time (the fp32 reference is the oracle, never timed).
 // A new fusemoe::Impl is one line here; the default --impl list is all of them.
 constexpr BenchImpl kBenchImpls[] = {
-    {"unfused", fusemoe::Impl::kUnfused, true},
-    {"fused", fusemoe::Impl::kFused, true},
+    {"unfused", fusemoe::Impl::kUnfused, true, false},
+    {"fused", fusemoe::Impl::kFused, true, false},
+    // As the PyTorch op runs it when gradients are needed.
+    {"fused_saved_z", fusemoe::Impl::kFused, true, true},
 };
+// The fp32 GPU oracle every implementation is checked against.
+constexpr BenchImpl kReferenceImpl = {"reference_fp32", fusemoe::Impl::kReferenceFp32, true, false};
 
 enum class Routing { kUniform, kSkewed };
 
@@ -107,7 +112,6 @@ struct BenchParams {
   bool check = true;
   // Token counts above this are timed but not checked (the fp32 reference is slow at 235B).
   int64_t check_max_tokens = std::numeric_limits<int64_t>::max();
-  bool save_z = false;  // fused: the forward saves z, the backward reads it
 };
 
 struct UsageError {
@@ -118,21 +122,20 @@ const char* kUsage =
     "usage: fusemoe_bench [--preset qwen3-30b-a3b|qwen3-235b-a22b] [--tokens N[,N...]]\n"
     "                     [--routing uniform|skewed] [--impl NAME[,NAME...]] [--iters N]\n"
     "                     [--warmup N] [--json PATH] [--seed N] [--no-check]\n"
-    "                     [--check-max-tokens N] [--save-z]\n"
+    "                     [--check-max-tokens N]\n"
     "  --preset            layer shape (default qwen3-30b-a3b: H=2048 I=768 E=128 K=8;\n"
     "                      qwen3-235b-a22b: H=4096 I=1536 E=128 K=8)\n"
     "  --tokens            token counts to run, comma separated (default 4096)\n"
     "  --routing           uniform: K distinct experts uniformly at random per token;\n"
     "                      skewed: Zipf popularity p(e) ~ 1/(rank+1)^1.2 (default uniform)\n"
-    "  --impl              implementations to time (default: all of them)\n"
+    "  --impl              implementations to time (default: all of them: unfused, fused, and\n"
+    "                      fused_saved_z = fused with the forward saving z for the backward)\n"
     "  --iters, --warmup   timed runs (median reported) and untimed runs before (20, 5)\n"
     "  --json              write all figures and metadata to PATH\n"
     "  --seed              seed of the inputs and the routing (default 1234)\n"
     "  --no-check          skip the correctness check against the fp32 reference\n"
     "  --check-max-tokens  check only token counts <= N (others are timed, check 'skipped')\n"
-    "  --save-z            fused: the forward saves the pre-activations z and the backward reads\n"
-    "                      them instead of recomputing (ForwardArgs::saved_z; the PyTorch op's\n"
-    "                      default when gradients are needed)\n"
+
     "exit: 0 ok, 1 correctness failure, 2 bad arguments, 3 no Hopper GPU, 4 runtime error\n";
 
 int64_t parse_int(const std::string& flag, const std::string& text, int64_t min_value) {
@@ -233,9 +236,7 @@ BenchParams parse_args(int argc, char** argv) {
       params.check = false;
     } else if (flag == "--check-max-tokens") {
       params.check_max_tokens = parse_int(flag, next_value(), 0);
-    } else if (flag == "--save-z") {
-      if (has_inline_value) throw UsageError{"--save-z takes no value"};
-      params.save_z = true;
+
     } else {
       throw UsageError{"unknown argument '" + std::string(argv[i]) + "'"};
     }
@@ -651,7 +652,7 @@ struct LayerInputs {
 // in their first half when the weight-gradient dtype is bf16.
 struct LayerOutputs {
   DeviceBuffer y_TH, dx_TH, d_topk_w_TK, dw13_EFH, dw2_EHI;
-  DeviceBuffer saved_z_SF;  // --save-z: the fused forward's z, read by the next backward
+  DeviceBuffer saved_z_SF;  // z of the last forward of an impl with save_z, read by its backward
 
   LayerOutputs(const fusemoe::LayerConfig& c, bool save_z)
       : y_TH(c.max_tokens * c.hidden * sizeof(bf16)),
@@ -661,10 +662,7 @@ struct LayerOutputs {
         dw2_EHI(c.num_experts * c.hidden * c.intermediate * sizeof(float)),
         saved_z_SF(save_z ? fusemoe::saved_z_bytes(c) : 0) {}
 
-  // The saved-z buffer for `impl` (only the fused implementation takes one).
-  void* saved_z(fusemoe::Impl impl) const {
-    return impl == fusemoe::Impl::kFused && saved_z_SF.bytes() > 0 ? saved_z_SF.get() : nullptr;
-  }
+  void* saved_z(const BenchImpl& impl) const { return impl.save_z ? saved_z_SF.get() : nullptr; }
 
   void poison(cudaStream_t stream) const {
     for (const DeviceBuffer* buffer : {&y_TH, &dx_TH, &d_topk_w_TK, &dw13_EFH, &dw2_EHI}) {
@@ -678,7 +676,7 @@ DeviceBuffer allocate_workspace(const fusemoe::LayerConfig& config, fusemoe::Imp
   return DeviceBuffer(std::max<size_t>(fusemoe::workspace_bytes(config, impl), 256));
 }
 
-void run_forward(const fusemoe::LayerConfig& config, fusemoe::Impl impl, const LayerInputs& in,
+void run_forward(const fusemoe::LayerConfig& config, const BenchImpl& impl, const LayerInputs& in,
                  const LayerOutputs& out, const DeviceBuffer& workspace, int64_t num_tokens,
                  cudaStream_t stream) {
   fusemoe::ForwardArgs args;
@@ -696,10 +694,10 @@ void run_forward(const fusemoe::LayerConfig& config, fusemoe::Impl impl, const L
   // check_expert_ids() once after its forward, which would report a bad id.
   args.sync_check_expert_ids = false;
   args.saved_z = out.saved_z(impl);
-  fusemoe::forward(config, impl, args);
+  fusemoe::forward(config, impl.impl, args);
 }
 
-void run_backward(const fusemoe::LayerConfig& config, fusemoe::Impl impl, const LayerInputs& in,
+void run_backward(const fusemoe::LayerConfig& config, const BenchImpl& impl, const LayerInputs& in,
                   const LayerOutputs& out, const DeviceBuffer& workspace, int64_t num_tokens,
                   fusemoe::WeightGradDtype weight_grad_dtype, cudaStream_t stream) {
   fusemoe::BackwardArgs args;
@@ -721,7 +719,7 @@ void run_backward(const fusemoe::LayerConfig& config, fusemoe::Impl impl, const 
   args.workspace = workspace.get();
   args.workspace_bytes = workspace.bytes();
   args.stream = stream;
-  fusemoe::backward(config, impl, args);
+  fusemoe::backward(config, impl.impl, args);
 }
 
 const char* wgrad_name(fusemoe::WeightGradDtype dtype) {
@@ -783,10 +781,10 @@ std::vector<CheckLine> check_case(
   std::fprintf(stderr, "[bench] %s: fp32 reference forward + backward ...\n", label.c_str());
   ref.poison(stream);
   reference_workspace.poison(stream);
-  run_forward(reference_config, fusemoe::Impl::kReferenceFp32, in, ref, reference_workspace,
+  run_forward(reference_config, kReferenceImpl, in, ref, reference_workspace,
               num_tokens, stream);
   reference_workspace.poison(stream);
-  run_backward(reference_config, fusemoe::Impl::kReferenceFp32, in, ref, reference_workspace,
+  run_backward(reference_config, kReferenceImpl, in, ref, reference_workspace,
                num_tokens, WeightGradDtype::kFloat32, stream);
   FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
 
@@ -798,7 +796,7 @@ std::vector<CheckLine> check_case(
 
     out.poison(stream);
     workspace.poison(stream);
-    run_forward(config, impls[i].impl, in, out, workspace, num_tokens, stream);
+    run_forward(config, impls[i], in, out, workspace, num_tokens, stream);
     fusemoe::check_expert_ids(config, impls[i].impl, workspace.get(), stream);
     lines.push_back(compare<bf16, bf16>(name, "y", "-", out.y_TH, ref.y_TH, y_elems, stream));
 
@@ -806,7 +804,7 @@ std::vector<CheckLine> check_case(
     for (WeightGradDtype dtype : {WeightGradDtype::kFloat32, WeightGradDtype::kBFloat16}) {
       out.poison(stream);
       workspace.poison(stream);
-      run_backward(config, impls[i].impl, in, out, workspace, num_tokens, dtype, stream);
+      run_backward(config, impls[i], in, out, workspace, num_tokens, dtype, stream);
       const std::string wgrad = wgrad_name(dtype);
       // dx and d_topk_weights do not depend on the weight-gradient dtype: checked once.
       if (dtype == WeightGradDtype::kFloat32) {
@@ -1000,7 +998,6 @@ void write_json(const std::string& path, const BenchParams& params, const BenchR
   json.field("num_experts", params.preset.num_experts);
   json.field("top_k", params.preset.top_k);
   json.field("routing", routing_name(params.routing));
-  json.field("save_z", params.save_z);
   json.field("skew_exponent", params.routing == Routing::kSkewed ? kSkewExponent : 0.0);
   json.field("seed", params.seed);
   json.field("iters", params.iters);
@@ -1166,11 +1163,11 @@ std::vector<TimingLine> time_case(const BenchContext& ctx, int64_t num_tokens, i
                    pass_name(m.pass), m.pass == Pass::kForward ? "" : " wgrad=",
                    m.pass == Pass::kForward ? "" : line.wgrad.c_str());
       auto forward = [&]() {
-        run_forward(ctx.config, impl.impl, ctx.inputs, ctx.outputs, workspace, num_tokens,
+        run_forward(ctx.config, impl, ctx.inputs, ctx.outputs, workspace, num_tokens,
                     ctx.stream);
       };
       auto backward = [&]() {
-        run_backward(ctx.config, impl.impl, ctx.inputs, ctx.outputs, workspace, num_tokens, m.dtype,
+        run_backward(ctx.config, impl, ctx.inputs, ctx.outputs, workspace, num_tokens, m.dtype,
                      ctx.stream);
       };
       std::function<void()> op;
@@ -1285,7 +1282,9 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
   std::fprintf(stderr, "[bench] %s: generating inputs for up to T=%lld ...\n", preset.short_name,
                static_cast<long long>(config.max_tokens));
   LayerInputs inputs = make_inputs(config, params.seed, stream);
-  LayerOutputs outputs(config, params.save_z);
+  const bool any_saves_z = std::any_of(params.impls.begin(), params.impls.end(),
+                                        [](const BenchImpl& impl) { return impl.save_z; });
+  LayerOutputs outputs(config, any_saves_z);
   std::vector<DeviceBuffer> workspaces;
   for (const BenchImpl& impl : params.impls)
     workspaces.push_back(allocate_workspace(config, impl.impl));

@@ -140,6 +140,18 @@ inline HostProblem make_problem(const Dims& d, Routing routing, uint64_t seed) {
   return p;
 }
 
+// The invalid-id problem every implementation's tests use: default dims, T = 33, uniform
+// routing, with (token 17, slot 1) = E (one past the end) and (token 20, slot 0) = -7, so the
+// report names "token 17, slot 1, value 8" (E = 8) and counts 2 bad ids.
+inline HostProblem make_problem_with_bad_ids(uint64_t seed) {
+  Dims d;
+  d.T = 33;
+  HostProblem p = make_problem(d, Routing::kUniform, seed);
+  p.idx_TK[17 * d.K + 1] = static_cast<int32_t>(d.E);
+  p.idx_TK[20 * d.K + 0] = -7;
+  return p;
+}
+
 inline std::vector<double> widen(const std::vector<uint16_t>& bits) {
   std::vector<double> out(bits.size());
   for (size_t i = 0; i < bits.size(); ++i) out[i] = host::bf16_bits_to_float(bits[i]);

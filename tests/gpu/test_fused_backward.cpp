@@ -124,11 +124,7 @@ TEST(FusedBackward, BitwiseDeterministic) {
 }
 
 TEST(FusedBackward, InvalidExpertIdsAreReported) {
-  Dims d;
-  d.T = 33;
-  HostProblem p = make_problem(d, Routing::kUniform, 9400);
-  p.idx_TK[17 * d.K + 1] = static_cast<int32_t>(d.E);
-  p.idx_TK[20 * d.K + 0] = -7;
+  const HostProblem p = make_problem_with_bad_ids(9400);
   try {
     run_layer(Impl::kFused, p);  // the forward reports first; both directions route the same ids
     ADD_FAILURE() << "invalid expert ids were not reported";
@@ -142,11 +138,8 @@ TEST(FusedBackward, InvalidExpertIdsAreReported) {
 // call with bad ids, in pinned host memory (read without a sync) or device memory, left alone by
 // later calls, never touched by good calls; no call throws or syncs for the check.
 TEST(FusedExpertIdReport, FilledByTheFirstBadCallOfEveryImplementation) {
-  Dims d;
-  d.T = 33;
-  HostProblem bad = make_problem(d, Routing::kUniform, 9500);
-  bad.idx_TK[17 * d.K + 1] = static_cast<int32_t>(d.E);
-  bad.idx_TK[20 * d.K + 0] = -7;
+  const HostProblem bad = make_problem_with_bad_ids(9500);
+  const Dims& d = bad.d;
   HostProblem other_bad = bad;
   other_bad.idx_TK[5 * d.K + 0] = 99;
   const HostProblem good = make_problem(d, Routing::kUniform, 9501);

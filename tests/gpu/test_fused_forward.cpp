@@ -143,11 +143,8 @@ TEST(FusedForward, BitwiseDeterministicAndGraphReplay) {
 }
 
 TEST(FusedForward, InvalidExpertIdsReportedNowOrLater) {
-  Dims d;
-  d.T = 33;
-  HostProblem p = make_problem(d, Routing::kUniform, 6000);
-  p.idx_TK[17 * d.K + 1] = static_cast<int32_t>(d.E);
-  p.idx_TK[20 * d.K + 0] = -7;
+  const HostProblem p = make_problem_with_bad_ids(6000);
+  const Dims& d = p.d;
   ForwardSetup s(Impl::kFused, p);
   try {
     forward(s.config, Impl::kFused, s.args);

@@ -135,11 +135,8 @@ TEST(Unfused, BitwiseDeterministic) {
 }
 
 TEST(Unfused, InvalidExpertIdsAreReported) {
-  Dims d;
-  d.T = 33;
-  HostProblem p = make_problem(d, Routing::kUniform, 51);
-  p.idx_TK[17 * d.K + 1] = static_cast<int32_t>(d.E);  // one past the end
-  p.idx_TK[20 * d.K + 0] = -7;
+  const HostProblem p = make_problem_with_bad_ids(51);
+  const Dims& d = p.d;
   for (Impl impl : {Impl::kUnfused, Impl::kReferenceFp32}) {
     try {
       run_layer(impl, p);
