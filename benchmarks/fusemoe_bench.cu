@@ -135,7 +135,6 @@ const char* kUsage =
     "  --seed              seed of the inputs and the routing (default 1234)\n"
     "  --no-check          skip the correctness check against the fp32 reference\n"
     "  --check-max-tokens  check only token counts <= N (others are timed, check 'skipped')\n"
-
     "exit: 0 ok, 1 correctness failure, 2 bad arguments, 3 no Hopper GPU, 4 runtime error\n";
 
 int64_t parse_int(const std::string& flag, const std::string& text, int64_t min_value) {
@@ -236,7 +235,6 @@ BenchParams parse_args(int argc, char** argv) {
       params.check = false;
     } else if (flag == "--check-max-tokens") {
       params.check_max_tokens = parse_int(flag, next_value(), 0);
-
     } else {
       throw UsageError{"unknown argument '" + std::string(argv[i]) + "'"};
     }
