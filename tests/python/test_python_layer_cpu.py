@@ -58,6 +58,44 @@ def test_validation_under_fake_tensors(problem):
             fusemoe.moe_experts(*fake)
 
 
+def test_z_is_saved_only_when_it_can_be_used(problem, monkeypatch):
+    """moe_experts asks the forward to save z for impl "fused" with a gradient required, unless
+    recompute_z; never for "unfused" (the library refuses it) or without gradients."""
+    from fusemoe import ops
+    asked = []
+    real_forward = ops.moe_experts_forward
+
+    def spy(*args):
+        asked.append(args[-1])  # save_z
+        return real_forward(*args)
+
+    monkeypatch.setattr(ops, "moe_experts_forward", spy)
+    x, idx, w, w13, w2 = op_args(problem)
+    w13_leaf = w13.clone().requires_grad_()
+    fusemoe.moe_experts(x, idx, w, w13_leaf, w2, impl="fused")
+    fusemoe.moe_experts(x, idx, w, w13_leaf, w2, impl="fused", recompute_z=True)
+    fusemoe.moe_experts(x, idx, w, w13_leaf, w2, impl="unfused")
+    with torch.no_grad():
+        fusemoe.moe_experts(x, idx, w, w13_leaf, w2, impl="fused")
+    fusemoe.moe_experts(x, idx, w, w13, w2, impl="fused")  # nothing requires a gradient
+    assert asked == [True, False, False, False, False]
+
+
+def test_saved_z_arguments_are_checked(problem):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        x, idx, w, w13, w2, dy = [mode.from_tensor(t) for t in (*op_args(problem), problem["dy_TH"])]
+        with pytest.raises(ValueError, match='save_z needs impl="fused"'):
+            torch.ops.fusemoe.moe_experts_forward(x, idx, w, w13, w2, "unfused", False, True)
+        y, z = torch.ops.fusemoe.moe_experts_forward(x, idx, w, w13, w2, "fused", False, True)
+        assert tuple(z.shape) == (SHAPE["num_tokens"] * SHAPE["top_k"], 2 * SHAPE["intermediate"])
+        torch.ops.fusemoe.moe_experts_backward(dy, x, idx, w, w13, w2, "fused", z)
+        with pytest.raises(ValueError, match="saved_z must be the forward's z"):
+            torch.ops.fusemoe.moe_experts_backward(dy, x, idx, w, w13, w2, "fused", z[:-1])
+        with pytest.raises(ValueError, match='save_z needs impl="fused"'):
+            torch.ops.fusemoe.moe_experts_backward(dy, x, idx, w, w13, w2, "unfused", z)
+
+
 # ---- library loading and the C ABI ----
 
 def test_missing_library_error(monkeypatch, tmp_path):
