@@ -33,28 +33,31 @@ from . import _capi
 DEFAULT_IMPL = "fused"  # sm_90a kernels; "unfused" (cuBLAS grouped GEMMs) is the baseline
 
 _reports_lock = threading.Lock()
-_reports = {}  # device index -> (pinned int32 [3] report, (num_experts, top_k) of its last call)
+# (device index, num_experts, top_k) -> pinned int32 [3] report. One per layer shape, so a
+# report is always decoded with the E and K of the calls that can have written it.
+_reports = {}
 
 
 def _expert_id_report(device, num_experts, top_k):
-    """The device's pinned report after raising any bad id it holds; its address for the call."""
+    """Raises any bad id reported on this device so far; returns the address of the report for
+    a call of this layer shape."""
+    key = (device.index, num_experts, top_k)
     with _reports_lock:
-        entry = _reports.get(device.index)
-        if entry is None:
-            entry = [torch.zeros(_capi.EXPERT_ID_REPORT_INTS, dtype=torch.int32, pin_memory=True),
-                     None]
-            _reports[device.index] = entry
-        _raise_if_reported(entry)
-        entry[1] = (num_experts, top_k)
-        return entry[0].data_ptr()
+        for (index, experts, k), report in _reports.items():
+            if index == device.index:
+                _raise_if_reported(report, experts, k)
+        report = _reports.get(key)
+        if report is None:
+            report = torch.zeros(_capi.EXPERT_ID_REPORT_INTS, dtype=torch.int32, pin_memory=True)
+            _reports[key] = report
+        return report.data_ptr()
 
 
-def _raise_if_reported(entry):
-    report, layer = entry
-    if layer is None or int(report[0]) == 0:  # a host read of pinned memory: no sync
+def _raise_if_reported(report, num_experts, top_k):
+    if int(report[0]) == 0:  # a host read of pinned memory: no sync
         return
     try:
-        _capi.check_expert_id_report(report.data_ptr(), *layer)
+        _capi.check_expert_id_report(report.data_ptr(), num_experts, top_k)
     except _capi.FusemoeError as e:
         report.zero_()  # reported once; later calls start clean
         raise _capi.FusemoeError(f"{e} (found by an earlier fusemoe call on this device and "
@@ -66,10 +69,11 @@ def check_expert_ids(synchronize=True):
     [-1, E). synchronize=True first waits for the devices' queued work, so every call made so far
     is covered; False checks only what has already run (no wait)."""
     with _reports_lock:
-        for index, entry in _reports.items():
-            if synchronize:
+        if synchronize:
+            for index in sorted({key[0] for key in _reports}):
                 torch.cuda.synchronize(index)
-            _raise_if_reported(entry)
+        for (_, num_experts, top_k), report in _reports.items():
+            _raise_if_reported(report, num_experts, top_k)
 
 
 def _fail(message):

@@ -123,6 +123,37 @@ def test_c_abi_errors_carry_the_library_message():
     assert _capi.workspace_bytes((128, 64, 6, 2, 37), "unfused") > 0
 
 
+def test_expert_id_reports_are_raised_once_with_their_own_layer_shape(monkeypatch):
+    """The op's asynchronous bad-id reports, driven by hand on host memory (the real ones are
+    pinned and written by the GPU): one report per (device, E, K); any pending report of the
+    device is raised before the next call, decoded with its own K, then cleared."""
+    require_library()
+    from fusemoe import ops
+    real_zeros = torch.zeros
+
+    def host_zeros(*args, pin_memory=False, **kwargs):  # pinned memory needs CUDA
+        return real_zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", host_zeros)
+    monkeypatch.setattr(ops, "_reports", {})
+    device = torch.device("cuda", 0)
+    address_k2 = ops._expert_id_report(device, 8, 2)
+    address_k4 = ops._expert_id_report(device, 16, 4)
+    assert address_k2 != address_k4 and ops._expert_id_report(device, 8, 2) == address_k2
+    report_k2 = ops._reports[(0, 8, 2)]
+    report_k2.copy_(torch.tensor([2, 7, 8], dtype=torch.int32))  # flat slot 7 = token 3, slot 1
+    with pytest.raises(fusemoe.FusemoeError,
+                       match=r"2 expert id\(s\) outside \[-1, 8\); first at token 3, slot 1, "
+                             r"value 8 .*\(found by an earlier fusemoe call"):
+        ops._expert_id_report(device, 16, 4)  # a call of another layer shape raises it too
+    assert int(report_k2[0]) == 0
+    ops._expert_id_report(device, 16, 4)  # cleared: no error
+    ops._reports[(0, 16, 4)].copy_(torch.tensor([1, 9, -5], dtype=torch.int32))
+    with pytest.raises(fusemoe.FusemoeError, match="token 2, slot 1, value -5"):
+        ops.check_expert_ids(synchronize=False)
+    ops.check_expert_ids(synchronize=False)
+
+
 def test_expert_id_report_message():
     require_library()
     import ctypes
