@@ -15,9 +15,10 @@ accumulates them, so gradient accumulation and activation checkpointing need not
 torch.cuda.current_stream(); each call's workspace comes from torch's caching allocator.
 
 Expert ids outside [-1, E) never index memory (the kernels mask them) and are reported without
-blocking the stream: every call passes the library a small per-device report in pinned host
-memory that the first call with bad ids fills from the GPU. The next fusemoe call on that device
-(forward or backward), or fusemoe.check_expert_ids(), raises FusemoeError naming the token, slot
+blocking the stream: every call passes the library a small report in pinned host memory (one
+per device and layer shape) that the first call with bad ids fills from the GPU. The next
+fusemoe call on that device (forward or backward), or fusemoe.check_expert_ids(), raises
+FusemoeError naming the token, slot
 and value; the report is then cleared. So a bad id surfaces one call late at most, never as a
 silent wrong result, and the ops never synchronise for it ("unfused" syncs anyway: it reads
 per-expert counts on the host).
