@@ -18,10 +18,9 @@ Expert ids outside [-1, E) never index memory (the kernels mask them) and are re
 blocking the stream: every call passes the library a small report in pinned host memory (one
 per device and layer shape) that the first call with bad ids fills from the GPU. The next
 fusemoe call on that device (forward or backward), or fusemoe.check_expert_ids(), raises
-FusemoeError naming the token, slot
-and value; the report is then cleared. So a bad id surfaces one call late at most, never as a
-silent wrong result, and the ops never synchronise for it ("unfused" syncs anyway: it reads
-per-expert counts on the host).
+FusemoeError naming the token, slot and value; the report is then cleared. So a bad id surfaces
+one call late at most, never as a silent wrong result, and the ops never synchronise for it
+("unfused" syncs anyway: it reads per-expert counts on the host).
 """
 import threading
 from typing import Optional
