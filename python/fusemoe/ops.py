@@ -198,10 +198,11 @@ def _check_save_z(save_z, impl):
         _fail(f"save_z needs impl=\"fused\" (got {impl!r})")
 
 
-def _check_saved_z(saved_z_SF, layer, x_TH):
-    """A backward's saved_z: None, or the (non-empty) z of the forward of these inputs."""
+def _check_saved_z(saved_z_SF, layer, x_TH, impl):
+    """A backward's saved_z: None, or the (non-empty) z of a "fused" forward of these inputs."""
     if saved_z_SF is None or saved_z_SF.numel() == 0:
         return None
+    _check_save_z(True, impl)
     hidden, intermediate, _, top_k, num_tokens = layer
     expected = (num_tokens * top_k, 2 * intermediate)
     if (tuple(saved_z_SF.shape) != expected or saved_z_SF.dtype != torch.bfloat16
@@ -231,8 +232,7 @@ def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
     layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
     _check_cuda(x_TH)
     grad_dtype = _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
-    saved_z_SF = _check_saved_z(saved_z_SF, layer, x_TH)
-    _check_save_z(saved_z_SF is not None, impl)
+    saved_z_SF = _check_saved_z(saved_z_SF, layer, x_TH, impl)
     dx_TH = torch.empty_like(x_TH)
     d_topk_weights_TK = torch.empty_like(topk_weights_TK)
     with torch.cuda.device(x_TH.device):
@@ -253,7 +253,7 @@ def _moe_experts_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EF
                                saved_z_SF=None):
     layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
     _check_impl(impl)
-    _check_save_z(_check_saved_z(saved_z_SF, layer, x_TH) is not None, impl)
+    _check_saved_z(saved_z_SF, layer, x_TH, impl)
     return (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK), torch.empty_like(w13_EFH),
             torch.empty_like(w2_EHI))
 
@@ -277,7 +277,7 @@ def _moe_experts_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w
     layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
     _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
     _check_impl(impl)
-    _check_save_z(_check_saved_z(saved_z_SF, layer, x_TH) is not None, impl)
+    _check_saved_z(saved_z_SF, layer, x_TH, impl)
     return torch.empty_like(x_TH), torch.empty_like(topk_weights_TK)
 
 

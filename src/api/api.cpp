@@ -83,6 +83,21 @@ void sync_check_unless_capturing(const LayerConfig& config, Impl impl, void* wor
   if (capture == cudaStreamCaptureStatusNone) check_expert_ids(config, impl, workspace, stream);
 }
 
+// Device checks of the optional pointers both directions take.
+void check_optional_pointers(const int32_t* expert_id_report, const void* saved_z) {
+  if (expert_id_report != nullptr) check_expert_id_report_pointer(expert_id_report);
+  if (saved_z != nullptr) check_device_pointer(saved_z, "saved_z");
+}
+
+// The end of a fused call: the expert-id check the caller chose. A caller's report gets the
+// record from the device (no sync); otherwise sync_check_expert_ids syncs and throws here.
+void finish_fused_call(const LayerConfig& config, bool sync_check_expert_ids,
+                       const int32_t* expert_id_report, void* workspace, cudaStream_t stream) {
+  if (sync_check_expert_ids && expert_id_report == nullptr) {
+    sync_check_unless_capturing(config, Impl::kFused, workspace, stream);
+  }
+}
+
 void check_device() {
   int device = 0;
   FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -219,13 +234,10 @@ void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
       check_device_pointer(p, name);
     }
   }
-  if (a.expert_id_report != nullptr) check_expert_id_report_pointer(a.expert_id_report);
-  if (a.saved_z != nullptr) check_device_pointer(a.saved_z, "saved_z");
+  check_optional_pointers(a.expert_id_report, a.saved_z);
   if (impl == Impl::kFused) {
     fused_forward(config, a);
-    if (a.sync_check_expert_ids && a.expert_id_report == nullptr) {
-      sync_check_unless_capturing(config, impl, a.workspace, a.stream);
-    }
+    finish_fused_call(config, a.sync_check_expert_ids, a.expert_id_report, a.workspace, a.stream);
     return;
   }
   unfused_forward(config, impl, a);
@@ -264,13 +276,10 @@ void backward(const LayerConfig& config, Impl impl, const BackwardArgs& a) {
       check_device_pointer(p, name);
     }
   }
-  if (a.expert_id_report != nullptr) check_expert_id_report_pointer(a.expert_id_report);
-  if (a.saved_z != nullptr) check_device_pointer(a.saved_z, "saved_z");
+  check_optional_pointers(a.expert_id_report, a.saved_z);
   if (impl == Impl::kFused) {
     fused_backward(config, a);
-    if (a.sync_check_expert_ids && a.expert_id_report == nullptr) {
-      sync_check_unless_capturing(config, impl, a.workspace, a.stream);
-    }
+    finish_fused_call(config, a.sync_check_expert_ids, a.expert_id_report, a.workspace, a.stream);
     return;
   }
   unfused_backward(config, impl, a);

@@ -132,7 +132,6 @@ int32_t fusemoe_c_forward(int64_t hidden, int64_t intermediate, int64_t num_expe
     const auto config = make_config(hidden, intermediate, num_experts, top_k, max_tokens);
     const Impl impl = impl_from_code(impl_code);
     fusemoe::ForwardArgs args;
-    args.saved_z = saved_z;
     args.x = x;
     args.topk_idx = topk_idx;
     args.topk_weights = topk_weights;
@@ -143,6 +142,7 @@ int32_t fusemoe_c_forward(int64_t hidden, int64_t intermediate, int64_t num_expe
     args.workspace = workspace;
     args.workspace_bytes = workspace_bytes;
     args.expert_id_report = expert_id_report;
+    args.saved_z = saved_z;
     args.stream = static_cast<cudaStream_t>(stream);
     fusemoe::forward(config, impl, args);
   });
@@ -165,7 +165,6 @@ int32_t fusemoe_c_backward(int64_t hidden, int64_t intermediate, int64_t num_exp
                                                << FUSEMOE_C_WEIGHT_GRAD_BFLOAT16
                                                << " (bfloat16), got " << weight_grad_dtype);
     fusemoe::BackwardArgs args;
-    args.saved_z = saved_z;
     args.x = x;
     args.topk_idx = topk_idx;
     args.topk_weights = topk_weights;
@@ -184,6 +183,7 @@ int32_t fusemoe_c_backward(int64_t hidden, int64_t intermediate, int64_t num_exp
     args.workspace = workspace;
     args.workspace_bytes = workspace_bytes;
     args.expert_id_report = expert_id_report;
+    args.saved_z = saved_z;
     args.stream = static_cast<cudaStream_t>(stream);
     fusemoe::backward(config, impl, args);
   });

@@ -56,12 +56,7 @@ TEST(FusedForward, ClampTopKAndMediumShapes) {
   k1.K = 1;
   Dims k8 = k1;
   k8.K = 8;
-  Dims medium;
-  medium.T = 300;
-  medium.H = 512;
-  medium.I = 256;
-  medium.E = 16;
-  medium.K = 4;
+  Dims medium = medium_dims(300);
   Dims odd = medium;  // H and I not multiples of the 256-column tiles
   odd.H = 384;
   odd.I = 192;
@@ -81,12 +76,7 @@ TEST(FusedForward, ClampTopKAndMediumShapes) {
 
 // Both Qwen3 layer shapes at full size (E = 128) against the fp32 GPU oracle.
 TEST(FusedForward, QwenShapesAgainstFp32GpuReference) {
-  Dims d30;
-  d30.T = 1000;
-  d30.H = 2048;
-  d30.I = 768;
-  d30.E = 128;
-  d30.K = 8;
+  Dims d30 = qwen3_30b_dims(1000);
   Dims d235 = d30;
   d235.H = 4096;
   d235.I = 1536;
@@ -103,12 +93,7 @@ TEST(FusedForward, QwenShapesAgainstFp32GpuReference) {
 }
 
 TEST(FusedForward, BitwiseDeterministicAndGraphReplay) {
-  Dims d;
-  d.T = 2000;
-  d.H = 512;
-  d.I = 256;
-  d.E = 16;
-  d.K = 4;
+  const Dims d = medium_dims(2000);
   const HostProblem p = make_problem(d, Routing::kSkewed, 5000);
   ForwardSetup s(Impl::kFused, p);
   s.y.poison();

@@ -40,15 +40,8 @@
 #include "kernels/routing.h"
 #include "kernels/sm90_moe_backward_gemm.h"
 #include "launch/fused_moe_backward.h"
+#include "sm90_standalone.h"  // this folder
 
-#define CHECK_CUDA(expr)                                                                       \
-  do {                                                                                         \
-    cudaError_t status_ = (expr);                                                              \
-    if (status_ != cudaSuccess) {                                                              \
-      std::printf("%s:%d: %s failed: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(status_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
 
 using bf16 = __nv_bfloat16;
 
@@ -311,18 +304,6 @@ __global__ void count_not_doubled(const float* out, const float* base, int64_t n
 }
 
 // ---------------------------------------------------------------------------------- host side
-template <typename T>
-T* device_alloc(size_t count) {
-  T* ptr = nullptr;
-  CHECK_CUDA(cudaMalloc(&ptr, std::max<size_t>(count, 1) * sizeof(T)));
-  return ptr;
-}
-template <typename T>
-T* device_upload(const std::vector<T>& host) {
-  T* ptr = device_alloc<T>(host.size());
-  if (!host.empty()) CHECK_CUDA(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return ptr;
-}
 constexpr int kGrid = 2048, kBlock = 256;
 
 unsigned long long run_count(const std::function<void(unsigned long long*)>& launch) {
@@ -393,10 +374,6 @@ bool compare(const char* what, const Out* out, int64_t out_stride, const int* ro
 }
 
 // ============================================================================ part 1: kernels
-struct Shape {
-  int64_t T, K, E, H, I;
-};
-
 struct Routing {
   std::vector<int> counts, offsets, row_slot, slot_row;
   std::vector<float> topk_w;
@@ -425,13 +402,6 @@ Routing make_routing(const Shape& s, const std::vector<int>& counts, std::mt1993
   rt.topk_w.resize(rt.S);
   for (auto& w : rt.topk_w) w = uni(rng);
   return rt;
-}
-
-std::vector<int> random_counts(int64_t E, int64_t R, std::mt19937_64& rng) {
-  std::vector<int> counts(E, 0);
-  std::uniform_int_distribution<int64_t> pick(0, E - 1);
-  for (int64_t r = 0; r < R; ++r) ++counts[pick(rng)];
-  return counts;
 }
 
 struct KernelProblem {
@@ -1130,22 +1100,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  int num_devices = 0;
-  if (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0) {
-    std::printf("skipped: no sm_90 GPU\n");
-    return 77;
-  }
-  cudaDeviceProp prop;
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  if (prop.major != 9 || prop.minor != 0) {
-    std::printf("skipped: no sm_90 GPU (device 0 is %s, sm_%d%d)\n", prop.name, prop.major, prop.minor);
-    return 77;
-  }
-  int driver = 0, runtime = 0;
-  cudaDriverGetVersion(&driver);
-  cudaRuntimeGetVersion(&runtime);
-  std::printf("device: %s, %d SMs, L2 %d MB, driver %d, runtime %d\n", prop.name, prop.multiProcessorCount,
-              prop.l2CacheSize >> 20, driver, runtime);
+  if (const int skip = require_sm90_or_skip()) return skip;
 
   std::vector<Case> cases = {
       {"small odd counts", {100, 8, 8, 256, 128}, {0, 1, 7, 199, 0, 128, 129, 64}},

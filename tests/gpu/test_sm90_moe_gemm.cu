@@ -32,16 +32,8 @@
 
 #include "kernels/moe_elementwise.h"
 #include "kernels/sm90_moe_gemm.h"
+#include "sm90_standalone.h"  // this folder
 
-#define CHECK_CUDA(expr)                                                                       \
-  do {                                                                                         \
-    cudaError_t status_ = (expr);                                                              \
-    if (status_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #expr,               \
-                   cudaGetErrorString(status_));                                               \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
 #define CHECK_CUBLAS(expr)                                                                     \
   do {                                                                                         \
     cublasStatus_t status_ = (expr);                                                           \
@@ -201,23 +193,7 @@ __global__ void count_different(const uint16_t* a, const uint16_t* b, int64_t n,
 }
 
 // ---------------------------------------------------------------------------------- host side
-template <typename T>
-T* device_alloc(size_t count) {
-  T* ptr = nullptr;
-  CHECK_CUDA(cudaMalloc(&ptr, std::max<size_t>(count, 1) * sizeof(T)));
-  return ptr;
-}
-template <typename T>
-T* device_upload(const std::vector<T>& host) {
-  T* ptr = device_alloc<T>(host.size());
-  if (!host.empty()) CHECK_CUDA(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return ptr;
-}
 constexpr int kGrid = 2048, kBlock = 256;
-
-struct Shape {
-  int64_t T, K, E, H, I;
-};
 
 // Expert-sorted routing built on the host: counts[e] rows for expert e, drawn from random
 // distinct slots of the T*K slot space (the rest are masked); inside an expert, rows are in
@@ -248,13 +224,6 @@ Routing make_routing(const Shape& s, const std::vector<int>& counts, std::mt1993
   rt.topk_w.resize(rt.num_slots);
   for (auto& w : rt.topk_w) w = uni(rng);
   return rt;
-}
-
-std::vector<int> random_counts(int64_t E, int64_t R, std::mt19937_64& rng) {
-  std::vector<int> counts(E, 0);
-  std::uniform_int_distribution<int64_t> pick(0, E - 1);
-  for (int64_t r = 0; r < R; ++r) ++counts[pick(rng)];
-  return counts;
 }
 
 // Device buffers of one problem.
@@ -594,22 +563,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  int num_devices = 0;
-  if (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0) {
-    std::printf("skipped: no sm_90 GPU\n");
-    return 77;
-  }
-  cudaDeviceProp prop;
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  if (prop.major != 9 || prop.minor != 0) {
-    std::printf("skipped: no sm_90 GPU (device 0 is %s, sm_%d%d)\n", prop.name, prop.major, prop.minor);
-    return 77;
-  }
-  int driver = 0, runtime = 0;
-  cudaDriverGetVersion(&driver);
-  cudaRuntimeGetVersion(&runtime);
-  std::printf("device: %s, %d SMs, L2 %d MB, driver %d, runtime %d\n", prop.name, prop.multiProcessorCount,
-              prop.l2CacheSize >> 20, driver, runtime);
+  if (const int skip = require_sm90_or_skip()) return skip;
 
   const Shape small{333, 8, 8, 256, 128};
   std::vector<Case> cases = {

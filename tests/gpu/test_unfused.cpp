@@ -97,12 +97,7 @@ TEST(Unfused, TopKOneAndTopKEqualsExperts) {
 }
 
 TEST(Unfused, MediumShapeAndWorkspaceLargerThanTokens) {
-  Dims d;
-  d.T = 300;
-  d.H = 512;
-  d.I = 256;
-  d.E = 16;
-  d.K = 4;
+  const Dims d = medium_dims(300);
   const HostProblem p = make_problem(d, Routing::kSkewed, 21);
   check_both(p, {}, /*max_tokens=*/1000);
 }
@@ -116,12 +111,7 @@ TEST(Unfused, WeightGradsBf16AndAccumulate) {
 }
 
 TEST(Unfused, BitwiseDeterministic) {
-  Dims d;
-  d.T = 512;
-  d.H = 512;
-  d.I = 256;
-  d.E = 16;
-  d.K = 4;
+  const Dims d = medium_dims(512);
   const HostProblem p = make_problem(d, Routing::kSkewed, 41);
   const LayerOutputs first = run_layer(Impl::kUnfused, p);
   for (int run = 0; run < 5; ++run) {
@@ -189,12 +179,7 @@ TEST(Unfused, QwenShapesAgainstFp32GpuReference) {
     const char* name;
     Dims d;
   };
-  Dims d30;
-  d30.T = 256;
-  d30.H = 2048;
-  d30.I = 768;
-  d30.E = 128;
-  d30.K = 8;
+  Dims d30 = qwen3_30b_dims(256);
   Dims d235 = d30;
   d235.H = 4096;
   d235.I = 1536;
