@@ -62,20 +62,37 @@ void raise_smem_limit_once(const void* kernel, size_t limit_bytes, int device,
   configured->fetch_or(device_bit, std::memory_order_acq_rel);
 }
 
-CUtensorMap make_tensor_map_bf16(const void* base, uint64_t inner, uint64_t outer,
-                                 uint32_t box_outer, const char* name) {
+namespace {
+
+// 2-D row-major map with 128-byte-swizzled boxes of [box_outer rows, 128 bytes].
+CUtensorMap make_tensor_map_2d(const void* base, CUtensorMapDataType type, uint32_t element_bytes,
+                               uint64_t inner, uint64_t outer, uint32_t box_outer, const char* name) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {inner, outer};
-  const cuuint64_t strides[1] = {inner * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kTensorMapBoxInner), box_outer};
+  const cuuint64_t strides[1] = {inner * element_bytes};
+  const cuuint32_t box[2] = {kSwizzleBytes / element_bytes, box_outer};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult status = tensor_map_encoder()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      &map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   FUSEMOE_CHECK(status == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed for " << name << " (CUresult "
                                                                             << status << ")");
   return map;
+}
+
+}  // namespace
+
+CUtensorMap make_tensor_map_bf16(const void* base, uint64_t inner, uint64_t outer,
+                                 uint32_t box_outer, const char* name) {
+  static_assert(kTensorMapBoxInner * 2 == kSwizzleBytes, "a bf16 box row is one swizzle row");
+  return make_tensor_map_2d(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, inner, outer, box_outer, name);
+}
+
+CUtensorMap make_store_tensor_map(const void* base, bool fp32, uint64_t inner, uint64_t outer,
+                                  uint32_t box_outer, const char* name) {
+  return fp32 ? make_tensor_map_2d(base, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, inner, outer, box_outer, name)
+              : make_tensor_map_2d(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, inner, outer, box_outer, name);
 }
 
 }  // namespace fusemoe::sm90

@@ -13,6 +13,8 @@ namespace fusemoe::sm90 {
 // bf16 elements of one TMA box row: one 128-byte swizzle row, which is what the wgmma
 // shared-memory descriptors of both GEMM families expect.
 constexpr int kTensorMapBoxInner = 64;
+// Bytes of one box row of every tensor map here (the 128-byte swizzle span).
+constexpr uint32_t kSwizzleBytes = 128;
 
 struct DeviceInfo {
   int device;
@@ -36,6 +38,12 @@ void raise_smem_limit_once(const void* kernel, size_t limit_bytes, int device,
 // the 128-byte swizzle; out-of-range elements read as zero. `name` goes into errors.
 CUtensorMap make_tensor_map_bf16(const void* base, uint64_t inner, uint64_t outer,
                                  uint32_t box_outer, const char* name);
+
+// Row-major fp32 or bf16 matrix [outer, inner] stored in boxes of [box_outer, 128 bytes] with
+// the 128-byte swizzle (32 fp32 or 64 bf16 per box row); elements outside the matrix are not
+// written. The weight-gradient epilogue's output map.
+CUtensorMap make_store_tensor_map(const void* base, bool fp32, uint64_t inner, uint64_t outer,
+                                  uint32_t box_outer, const char* name);
 
 inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 

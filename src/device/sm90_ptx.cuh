@@ -77,6 +77,30 @@ __device__ __forceinline__ void tma_load_2d(const CUtensorMap* map, uint64_t* ba
       : "memory");
 }
 
+// Stores the shared-memory box at smem_src to element coordinates (inner, outer); elements
+// outside the tensor are not written. The copy runs asynchronously in the TMA unit: the
+// issuing thread tracks it with bulk_commit_group / bulk_wait_group*, and the smem bytes
+// must have been made visible to the async proxy (fence_proxy_async_shared + barrier).
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* smem_src, int32_t inner,
+                                             int32_t outer) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(inner), "r"(outer), "r"(smem_addr(smem_src))
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// Waits until at most kPending of this thread's committed store groups still read their
+// shared-memory source (after which the source may be overwritten).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
+
+// Waits until all of this thread's committed store groups have completed (written to global).
+__device__ __forceinline__ void bulk_wait_group_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
 // ---------------------------------------------------------------------------------------------
 // cp.async (LDGSTS): 16-byte global -> shared copies issued per thread, for rows that TMA
 // cannot gather. Completion is tracked by an mbarrier: cp_async_mbarrier_arrive_noinc makes

@@ -53,6 +53,7 @@ constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 constexpr int kMaxExpertsInSmem = 1024;      // tile table: 2 x (E+1) int32 in shared memory
 constexpr uint32_t kConsumerBarrierId = 1;   // named barrier of the two consumer warpgroups
+constexpr uint32_t kStagingBarrierId0 = 2;   // + consumer: one warpgroup's staging barrier
 
 static_assert(kBlockM == kNumConsumers * kWgmmaM, "each consumer warpgroup owns 64 tile rows");
 static_assert(kBlockK * 2 == kSwizzleRowBytes && kBlockK == kMnBoxRows,
@@ -83,9 +84,13 @@ struct ModeShape<Mode::kWeightGrad> {
   static constexpr bool kAMnMajor = true, kBMnMajor = true;
 };
 
-// The ring takes 192 KB of the 227 KB of shared memory (the rest: alignment, barriers, the
-// tile table of up to 1024 experts): 4 stages of 48 KB at kBlockN = 256, 6 of 32 KB at 128.
-constexpr int kRingBytes = 192 * 1024;
+// Ring and output staging share 208 KB of the 227 KB of shared memory (the rest: alignment,
+// barriers, the tile table of up to 1024 experts). Rows modes: no staging, 4 stages of 48 KB
+// at kBlockN = 256, 6 of 32 KB at 128. kWeightGrad: 64 KB of staging (32 KB per consumer
+// warpgroup: 4 boxes of [64 rows][128 B]) and 3 stages of 48 KB.
+constexpr int kSmemDataBytes = 208 * 1024;
+constexpr int kStagingBoxBytes = kWgmmaM * 128;  // one TMA store box: 64 rows x 128 bytes
+constexpr int kStagingBoxes = 4;                 // per consumer warpgroup and pass
 
 template <Mode kMode, int kBlockN_>
 struct KernelConfig : ModeShape<kMode> {
@@ -96,7 +101,9 @@ struct KernelConfig : ModeShape<kMode> {
   static constexpr int kTileABytes = kBlockM * kBlockK * 2;
   static constexpr int kTileBBytes = kBlockN * kBlockK * 2;
   static constexpr int kStageBytes = kTileABytes + kTileBBytes;
-  static constexpr int kStages = kRingBytes / kStageBytes;
+  static constexpr int kStagingBytes =
+      kMode == Mode::kWeightGrad ? kNumConsumers * kStagingBoxes * kStagingBoxBytes : 0;
+  static constexpr int kStages = (kSmemDataBytes - kStagingBytes) / kStageBytes;
   static constexpr bool kAMnMajor = Shape::kAMnMajor, kBMnMajor = Shape::kBMnMajor;
   static constexpr int kNumBBoxes = kBMnMajor ? kBlockN / 64 : 1;  // TMA boxes of B per stage
   static constexpr int kAccRegs = kBlockN / 2;
@@ -111,9 +118,11 @@ struct KernelConfig : ModeShape<kMode> {
   static_assert(kTileABytes % kAlign == 0 && kTileBBytes % kAlign == 0, "stage alignment");
   static_assert(kWgmmaM * kSwizzleRowBytes == kMnBoxBytes, "consumer offset is one MN box");
   static_assert(kBMnMajor || kBlockN <= 256, "TMA box dimension limit");
+  static_assert(kMode != Mode::kWeightGrad || kBlockN == 256,
+                "weight-grad staging: 256 columns = 4 boxes of 64 bf16, or 2 passes of 4 boxes of 32 fp32");
 
   static size_t smem_bytes(int num_experts) {
-    return kAlign + static_cast<size_t>(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) +
+    return kAlign + static_cast<size_t>(kStages) * kStageBytes + kStagingBytes + 2 * kStages * sizeof(uint64_t) +
            2 * (static_cast<size_t>(num_experts) + 1) * sizeof(int32_t);
   }
 };
@@ -244,10 +253,85 @@ __device__ __forceinline__ void zero_box_rows(uint8_t* box, int valid_rows, int 
   }
 }
 
+// Weight-gradient epilogue of one consumer warpgroup: its 64 rows x 256 columns of the output
+// tile go through its 32 KB of shared-memory staging, 4 boxes of [64 rows][128 B] (the
+// 128-byte swizzle: 16-byte chunk c of row r sits at chunk c ^ (r % 8), so the fragment
+// writes are bank-conflict free) per pass, and out through TMA stores that drain while the
+// warpgroup runs the next tile's main loop (the register epilogue stalled the tensor cores
+// for the whole DRAM write of every tile). fp32: two passes of 128 columns (32 per box);
+// bf16: one pass of 256 (64 per box). Accumulate mode adds the old value in fp32 first, as
+// before: the same bits.
+struct WeightGradStore {
+  const CUtensorMap* map;  // grad as [E*M rows, N], boxes of [64 rows][128 B]
+  uint8_t* staging;        // this warpgroup's 4 boxes, 1024-byte aligned
+  int32_t row0;            // grad row of the warpgroup's first tile row: e*M + m0 + 64c
+  int32_t n0;              // first column of the tile
+  int row_in_wg;           // this thread's accumulator rows: row_in_wg, row_in_wg + 8
+  int q;                   // lane % 4: columns 2q, 2q + 1 of each n8 chunk
+  int tid_in_wg;
+  uint32_t barrier_id;
+  bool acc_valid;          // false: the expert has no rows, store zeros
+
+  // Stages accumulator chunks [kFirst, kFirst + kChunks) (8 columns each) and stores them.
+  template <bool kFp32, int kFirst, int kChunks, int kAccRegs>
+  __device__ __forceinline__ void pass(const float (&acc)[kAccRegs], const KernelArgs& args) const {
+    constexpr int kChunksPerBox = kFp32 ? 4 : 8;  // 128 B of fp32 or bf16
+    static_assert(kChunks == kStagingBoxes * kChunksPerBox, "a pass fills the 4 staging boxes");
+    const int64_t N = args.n_valid;
+    // The staging is free once the previous pass's stores have read it.
+    if (tid_in_wg == 0) bulk_wait_group_read<0>();
+    named_barrier_sync(barrier_id, kThreadsPerWarpgroup);
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      const int box = j / kChunksPerBox;
+      const int64_t col = n0 + 8 * (kFirst + j) + 2 * q;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row_in_wg + 8 * h;
+        float v0 = acc_valid ? acc[4 * (kFirst + j) + 2 * h] : 0.0f;
+        float v1 = acc_valid ? acc[4 * (kFirst + j) + 2 * h + 1] : 0.0f;
+        const int64_t offset = static_cast<int64_t>(row0 + r) * N + col;
+        if (args.accumulate && col < N) {
+          if constexpr (kFp32) {
+            const float2 old = *reinterpret_cast<const float2*>(static_cast<const float*>(args.grad) + offset);
+            v0 += old.x;
+            v1 += old.y;
+          } else {
+            const __nv_bfloat162 old =
+                *reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(args.grad) + offset);
+            v0 += __low2float(old);
+            v1 += __high2float(old);
+          }
+        }
+        uint8_t* line = staging + box * kStagingBoxBytes + r * 128;
+        if constexpr (kFp32) {
+          const int chunk = 2 * (j % 4) + q / 2;  // byte 32 (j % 4) + 8q of the line
+          *reinterpret_cast<float2*>(line + ((chunk ^ (r % 8)) * 16) + (q % 2) * 8) = make_float2(v0, v1);
+        } else {
+          const int chunk = j % 8;  // byte 16 (j % 8) + 4q of the line
+          *reinterpret_cast<uint32_t*>(line + ((chunk ^ (r % 8)) * 16) + q * 4) = pack_bf16x2(v0, v1);
+        }
+      }
+    }
+    fence_proxy_async_shared();
+    named_barrier_sync(barrier_id, kThreadsPerWarpgroup);
+    if (tid_in_wg == 0) {
+      constexpr int kBoxCols = 8 * kChunksPerBox;
+#pragma unroll
+      for (int b = 0; b < kStagingBoxes; ++b) {
+        const int32_t col = n0 + 8 * kFirst + b * kBoxCols;
+        if (col < N) tma_store_2d(map, staging + b * kStagingBoxBytes, col, row0);
+      }
+      bulk_commit_group();
+    }
+  }
+};
+
 template <Mode kMode, int kBlockN_>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_backward_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
-                             const __grid_constant__ CUtensorMap map_b, const KernelArgs args) {
+                             const __grid_constant__ CUtensorMap map_b,
+                             const __grid_constant__ CUtensorMap map_out, const KernelArgs args) {
   using Config = KernelConfig<kMode, kBlockN_>;
   constexpr int kBlockN = Config::kBlockN;
   constexpr int kStages = Config::kStages;
@@ -259,7 +343,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       (reinterpret_cast<uintptr_t>(smem_raw) + Config::kAlign - 1) & ~uintptr_t(Config::kAlign - 1));
   uint8_t* tiles_a = smem;                                  // [kStages][16 KB]
   uint8_t* tiles_b = smem + kStages * Config::kTileABytes;  // [kStages][kBlockN x 128 B]
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * Config::kStageBytes);
+  uint8_t* staging = smem + kStages * Config::kStageBytes;  // kWeightGrad: [2][4 boxes x 8 KB]
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging + Config::kStagingBytes);
   uint64_t* empty = full + kStages;
   TileScheduler<kMode> sched;
   sched.table.offsets = reinterpret_cast<int32_t*>(empty + kStages);
@@ -276,6 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     prefetch_tensor_map(&map_a);
     prefetch_tensor_map(&map_b);
+    if constexpr (kMode == Mode::kWeightGrad) prefetch_tensor_map(&map_out);
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], 1);
       mbarrier_init(&empty[s], kNumConsumers * 4);
@@ -472,44 +558,27 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {  // kWeightGrad
         const bool skip = args.accumulate && !acc_valid;  // untouched when empty
         if (!skip) {
-          const int64_t N = args.n_valid;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int64_t m = tile.m_tile * kBlockM + consumer * kWgmmaM + row_in_wg + 8 * h;
-            const int64_t row_offset = (static_cast<int64_t>(tile.expert) * args.m_valid + m) * N;
-#pragma unroll
-            for (int a = 0; a < Config::kGroups; ++a) {
-              float v[8];
-              gather_chunk_fp32(acc, a, h, q, v);
-#pragma unroll
-              for (int i = 0; i < 8; ++i) v[i] = acc_valid ? v[i] : 0.0f;
-              const int64_t col = n0 + 8 * (4 * a + q);
-              if (col < N) {
-                if (args.grad_bf16) {
-                  uint4* ptr = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(args.grad) + row_offset + col);
-                  if (args.accumulate) {
-                    float old[8];
-                    unpack_bf16x8(*ptr, old);
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) v[i] += old[i];
-                  }
-                  *ptr = make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
-                                    pack_bf16x2(v[6], v[7]));
-                } else {
-                  float4* ptr = reinterpret_cast<float4*>(static_cast<float*>(args.grad) + row_offset + col);
-                  if (args.accumulate) {
-                    const float4 o0 = ptr[0], o1 = ptr[1];
-                    v[0] += o0.x; v[1] += o0.y; v[2] += o0.z; v[3] += o0.w;
-                    v[4] += o1.x; v[5] += o1.y; v[6] += o1.z; v[7] += o1.w;
-                  }
-                  ptr[0] = make_float4(v[0], v[1], v[2], v[3]);
-                  ptr[1] = make_float4(v[4], v[5], v[6], v[7]);
-                }
-              }
-            }
+          WeightGradStore store{&map_out,
+                                staging + consumer * kStagingBoxes * kStagingBoxBytes,
+                                tile.expert * args.m_valid + tile.m_tile * kBlockM + consumer * kWgmmaM,
+                                n0,
+                                row_in_wg,
+                                q,
+                                tid_in_wg,
+                                kStagingBarrierId0 + consumer,
+                                acc_valid};
+          if (args.grad_bf16) {
+            store.pass<false, 0, kBlockN / 8>(acc, args);
+          } else {
+            store.pass<true, 0, kBlockN / 16>(acc, args);
+            store.pass<true, kBlockN / 16, kBlockN / 16>(acc, args);
           }
         }
       }
+    }
+    // The CTA's shared memory must outlive the stores still reading it.
+    if constexpr (kMode == Mode::kWeightGrad) {
+      if (tid_in_wg == 0) bulk_wait_group_all();
     }
   }
 }
@@ -565,7 +634,8 @@ void validate_rows_problem(int64_t max_rows, int64_t hidden, int64_t intermediat
 
 template <Mode kMode, int kBlockN>
 void launch_mode(const DeviceInfo& info, int num_sms_override, int num_experts, const CUtensorMap& map_a,
-                 const CUtensorMap& map_b, const KernelArgs& args, cudaStream_t stream) {
+                 const CUtensorMap& map_b, const CUtensorMap& map_out, const KernelArgs& args,
+                 cudaStream_t stream) {
   using Config = KernelConfig<kMode, kBlockN>;
   auto kernel = sm90::bwd::moe_backward_gemm_kernel<kMode, kBlockN>;
   const size_t smem_bytes = Config::smem_bytes(num_experts);
@@ -577,9 +647,12 @@ void launch_mode(const DeviceInfo& info, int num_sms_override, int num_experts, 
   static std::atomic<uint64_t> configured{0};  // as the forward's launch_variant
   sm90::raise_smem_limit_once(reinterpret_cast<const void*>(kernel), smem_limit, info.device, &configured);
   const int grid = num_sms_override > 0 ? std::min(num_sms_override, info.num_sms) : info.num_sms;
-  kernel<<<grid, sm90::bwd::kThreads, smem_bytes, stream>>>(map_a, map_b, args);
+  kernel<<<grid, sm90::bwd::kThreads, smem_bytes, stream>>>(map_a, map_b, map_out, args);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
+
+// Rows modes store from registers: their output-map parameter is never read.
+const CUtensorMap kNoOutputMap{};
 
 KernelArgs base_args(const int32_t* expert_offsets, int64_t num_experts) {
   KernelArgs args{};
@@ -618,7 +691,7 @@ void launch_sm90_recompute_z(const Sm90RecomputeZParams& p) {
   args.out_row_stride = 2 * p.intermediate;
 
   // ---- launch
-  launch_mode<Mode::kRecomputeZ, kBlockN>(info, p.num_sms, static_cast<int>(p.num_experts), map_a, map_b, args, p.stream);
+  launch_mode<Mode::kRecomputeZ, kBlockN>(info, p.num_sms, static_cast<int>(p.num_experts), map_a, map_b, kNoOutputMap, args, p.stream);
 }
 
 void launch_sm90_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
@@ -661,10 +734,10 @@ void launch_sm90_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
   // ---- launch
   const int block_n = p.block_n == 0 ? kDgradSwigluDefaultBlockN : p.block_n;
   if (block_n == 128) {
-    launch_mode<Mode::kDgradSwiglu, 128>(info, p.num_sms, static_cast<int>(p.num_experts), map_a, map_b, args,
+    launch_mode<Mode::kDgradSwiglu, 128>(info, p.num_sms, static_cast<int>(p.num_experts), map_a, map_b, kNoOutputMap, args,
                                          p.stream);
   } else {
-    launch_mode<Mode::kDgradSwiglu, 256>(info, p.num_sms, static_cast<int>(p.num_experts), map_a, map_b, args,
+    launch_mode<Mode::kDgradSwiglu, 256>(info, p.num_sms, static_cast<int>(p.num_experts), map_a, map_b, kNoOutputMap, args,
                                          p.stream);
   }
 }
@@ -694,7 +767,7 @@ void launch_sm90_dgrad_scatter(const Sm90DgradScatterParams& p) {
   args.row_slot = p.row_slot;
 
   // ---- launch
-  launch_mode<Mode::kDgradScatter, 256>(info, p.num_sms, static_cast<int>(p.num_experts), map_a, map_b, args, p.stream);
+  launch_mode<Mode::kDgradScatter, 256>(info, p.num_sms, static_cast<int>(p.num_experts), map_a, map_b, kNoOutputMap, args, p.stream);
 }
 
 void launch_sm90_weight_grad(const Sm90WeightGradParams& p) {
@@ -705,6 +778,7 @@ void launch_sm90_weight_grad(const Sm90WeightGradParams& p) {
   FUSEMOE_CHECK(p.num_experts >= 1 && p.num_experts <= sm90::bwd::kMaxExpertsInSmem,
                 "num_experts must be in [1, " << sm90::bwd::kMaxExpertsInSmem << "], got " << p.num_experts);
   FUSEMOE_CHECK(p.num_experts * (p.m / 128) * ((p.n + 255) / 256) < (int64_t{1} << 31), "too many output tiles");
+  FUSEMOE_CHECK(p.num_experts * p.m < (int64_t{1} << 31), "num_experts * m must be < 2^31 (TMA row coordinates)");
   FUSEMOE_CHECK(p.num_sms >= 0, "num_sms must be >= 0, got " << p.num_sms);
   check_pointer(p.grad, "grad");
   if (p.max_rows == 0) {  // every expert is empty
@@ -721,6 +795,9 @@ void launch_sm90_weight_grad(const Sm90WeightGradParams& p) {
   // ---- configure: both operands are pool rows read as MN-major boxes [64 rows][64 columns]
   const CUtensorMap map_a = make_tensor_map_bf16(p.act_m, p.m, p.max_rows, sm90::kMnBoxRows, "act_m");
   const CUtensorMap map_b = make_tensor_map_bf16(p.act_n, p.n, p.max_rows, sm90::kMnBoxRows, "act_n");
+  // grad as [E*M rows, N]: each consumer warpgroup stores boxes of [64 rows][128 B].
+  const CUtensorMap map_out =
+      sm90::make_store_tensor_map(p.grad, !p.bf16_grad, p.n, p.num_experts * p.m, sm90::bwd::kWgmmaM, "grad");
   KernelArgs args = base_args(p.expert_offsets, p.num_experts);
   args.n_valid = static_cast<int32_t>(p.n);
   args.m_valid = static_cast<int32_t>(p.m);
@@ -729,7 +806,8 @@ void launch_sm90_weight_grad(const Sm90WeightGradParams& p) {
   args.accumulate = p.accumulate ? 1 : 0;
 
   // ---- launch
-  launch_mode<Mode::kWeightGrad, 256>(info, p.num_sms, static_cast<int>(p.num_experts), map_a, map_b, args, p.stream);
+  launch_mode<Mode::kWeightGrad, 256>(info, p.num_sms, static_cast<int>(p.num_experts), map_a, map_b, map_out, args,
+                                      p.stream);
 }
 
 void launch_router_grad_reduce(const float* router_partials, int64_t num_n_tiles, const int32_t* slot_row,
