@@ -603,8 +603,6 @@ __global__ void router_grad_reduce_kernel(const float* __restrict__ partials, in
 // ============================================ host ============================================
 namespace {
 
-// dgrad + SwiGLU tile width when the caller leaves block_n at 0.
-constexpr int kDgradSwigluDefaultBlockN = 128;
 
 using sm90::bwd::KernelArgs;
 using sm90::bwd::KernelConfig;
@@ -663,9 +661,15 @@ KernelArgs base_args(const int32_t* expert_offsets, int64_t num_experts) {
 
 }  // namespace
 
+int sm90_dgrad_swiglu_block_n(int64_t hidden, int block_n) {
+  FUSEMOE_CHECK(block_n == 0 || block_n == 128 || block_n == 256, "block_n must be 0, 128 or 256, got " << block_n);
+  if (block_n != 0) return block_n;
+  return hidden >= 4096 ? 256 : 128;
+}
+
 int64_t sm90_dgrad_swiglu_num_n_tiles(int64_t intermediate, int block_n) {
-  const int64_t columns = block_n == 0 ? kDgradSwigluDefaultBlockN : block_n;
-  return (intermediate + columns - 1) / columns;
+  FUSEMOE_CHECK(block_n == 128 || block_n == 256, "block_n must be 128 or 256 here, got " << block_n);
+  return (intermediate + block_n - 1) / block_n;
 }
 
 void launch_sm90_recompute_z(const Sm90RecomputeZParams& p) {
@@ -726,13 +730,13 @@ void launch_sm90_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
   args.dz = static_cast<__nv_bfloat16*>(p.dz);
   args.wh = static_cast<__nv_bfloat16*>(p.wh);
   args.router_partials = p.router_partials;
-  args.num_n_tiles = static_cast<int32_t>(sm90_dgrad_swiglu_num_n_tiles(p.intermediate, p.block_n));
+  const int block_n = sm90_dgrad_swiglu_block_n(p.hidden, p.block_n);
+  args.num_n_tiles = static_cast<int32_t>(sm90_dgrad_swiglu_num_n_tiles(p.intermediate, block_n));
   args.intermediate = static_cast<int32_t>(p.intermediate);
   args.use_clamp = p.use_swiglu_clamp ? 1 : 0;
   args.clamp = p.swiglu_clamp;
 
   // ---- launch
-  const int block_n = p.block_n == 0 ? kDgradSwigluDefaultBlockN : p.block_n;
   if (block_n == 128) {
     launch_mode<Mode::kDgradSwiglu, 128>(info, p.num_sms, static_cast<int>(p.num_experts), map_a, map_b, kNoOutputMap, args,
                                          p.stream);

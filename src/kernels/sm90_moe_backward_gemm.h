@@ -49,7 +49,7 @@ struct Sm90DgradSwigluParams {
   const float* topk_weights = nullptr;      // [S] device
   void* dz = nullptr;                       // [R_max, 2I] bf16 (output)
   void* wh = nullptr;                       // [R_max, I] bf16 (output)
-  float* router_partials = nullptr;         // [R_max, sm90_dgrad_swiglu_num_n_tiles(I, block_n)] fp32
+  float* router_partials = nullptr;         // [R_max, num_n_tiles(I, the block_n used)] fp32
   int64_t max_rows = 0;
   int64_t hidden = 0;
   int64_t intermediate = 0;
@@ -58,7 +58,7 @@ struct Sm90DgradSwigluParams {
   bool use_swiglu_clamp = false;            // g <- min(g, c), u <- clamp(u, -c, c)
   float swiglu_clamp = 0.0f;
   int num_sms = 0;
-  // Output tile width over I: 0 = default (128), or 128 / 256. Exposed for benchmarking.
+  // Output tile width over I: 0 = by shape (sm90_dgrad_swiglu_block_n), or 128 / 256.
   int block_n = 0;
   cudaStream_t stream = nullptr;
 };
@@ -95,9 +95,17 @@ struct Sm90WeightGradParams {
   cudaStream_t stream = nullptr;
 };
 
-// Number of output tiles over I of the dgrad + SwiGLU kernel for a block_n as in
-// Sm90DgradSwigluParams (0 = default): the second dimension of router_partials.
-int64_t sm90_dgrad_swiglu_num_n_tiles(int64_t intermediate, int block_n = 0);
+// The output tile width over I the dgrad + SwiGLU kernel uses for Sm90DgradSwigluParams::block_n
+// (128 or 256 returned as given; 0 = by shape: 256 when hidden >= 4096, else 128). Measured on
+// the H200 (tests/gpu/test_sm90_moe_backward_gemm.cu timing, two runs on 2026-11-29, ms at
+// 256 / 128): Qwen3-30B (H=2048, I=768) R=131072 1.31 / 1.17 and 1.32 / 1.22, R=32768 0.37 /
+// 0.32; Qwen3-235B (H=4096, I=1536) R=131072 3.62 / 4.26 and 3.62 / 3.68, R=32768 1.01 / 0.99
+// and 0.99 / 1.03. The longer main loop (K = H) amortises the wider tile's epilogue.
+int sm90_dgrad_swiglu_block_n(int64_t hidden, int block_n = 0);
+
+// Number of output tiles over I for a resolved block_n (128 or 256): the second dimension of
+// router_partials. 128 gives the most: buffers sized with it serve either width.
+int64_t sm90_dgrad_swiglu_num_n_tiles(int64_t intermediate, int block_n);
 
 // validate -> configure -> launch. Throw fusemoe::Error naming the argument on bad input.
 // max_rows == 0 launches nothing (the weight-gradient launcher then zeroes grad unless

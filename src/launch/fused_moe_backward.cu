@@ -41,7 +41,8 @@ struct FusedBackwardWorkspace {
     dz_RF = carver.take(rows * 2 * I * 2);
     wh_RI = carver.take(rows * I * 2);
     dx_slots_SH = carver.take(rows * H * 2);
-    router_partials = carver.take<float>(rows * sm90_dgrad_swiglu_num_n_tiles(I) * sizeof(float));
+    // Sized for the narrowest dgrad tile (the most partials per row).
+    router_partials = carver.take<float>(rows * sm90_dgrad_swiglu_num_n_tiles(I, 128) * sizeof(float));
     total_bytes = carver.bytes();
   }
 };
@@ -105,7 +106,9 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
     d1.swiglu_clamp = c.swiglu_clamp;
     d1.stream = stream;
     launch_sm90_dgrad_swiglu(d1);
-    launch_router_grad_reduce(ws.router_partials, sm90_dgrad_swiglu_num_n_tiles(I), ws.plan.slot_row,
+    launch_router_grad_reduce(ws.router_partials,
+                              sm90_dgrad_swiglu_num_n_tiles(I, sm90_dgrad_swiglu_block_n(H, d1.block_n)),
+                              ws.plan.slot_row,
                               num_slots, args.d_topk_weights, stream);
 
     Sm90DgradScatterParams d2;

@@ -468,7 +468,8 @@ struct KernelProblem {
     fusemoe::launch_sm90_dgrad_swiglu(p);
   }
   void router_reduce(int block_n = 0) const {
-    fusemoe::launch_router_grad_reduce(partials, fusemoe::sm90_dgrad_swiglu_num_n_tiles(s.I, block_n), slot_row,
+    const int width = fusemoe::sm90_dgrad_swiglu_block_n(s.H, block_n);  // as the launcher resolves 0
+    fusemoe::launch_router_grad_reduce(partials, fusemoe::sm90_dgrad_swiglu_num_n_tiles(s.I, width), slot_row,
                                        rt.S, d_topk_w, nullptr);
   }
   void dgrad_scatter() const {
@@ -520,7 +521,7 @@ void check_kernels(KernelProblem& pb, bool determinism) {
                                                        pb.clamp_value, dz_ref, wh_ref, dot_ref);
     CHECK_CUDA(cudaGetLastError());
   }
-  for (int block_n : {256, 0}) {
+  for (int block_n : {256, 128}) {
     CHECK_CUDA(cudaMemset(pb.dz, 0xFF, R_max * 2 * I * sizeof(bf16)));
     CHECK_CUDA(cudaMemset(pb.wh, 0xFF, R_max * I * sizeof(bf16)));
     CHECK_CUDA(cudaMemset(pb.partials, 0xFF, R_max * pb.num_n_tiles * sizeof(float)));
@@ -529,9 +530,9 @@ void check_kernels(KernelProblem& pb, bool determinism) {
     pb.router_reduce(block_n);
     wait_device("dgrad_swiglu + router_reduce");
     char what[3][64];
-    std::snprintf(what[0], sizeof(what[0]), "dz (SwiGLU bwd) BN=%d", block_n == 0 ? 128 : block_n);
-    std::snprintf(what[1], sizeof(what[1]), "wh = w h BN=%d", block_n == 0 ? 128 : block_n);
-    std::snprintf(what[2], sizeof(what[2]), "d_topk_w = <h, a> BN=%d", block_n == 0 ? 128 : block_n);
+    std::snprintf(what[0], sizeof(what[0]), "dz (SwiGLU bwd) BN=%d", block_n);
+    std::snprintf(what[1], sizeof(what[1]), "wh = w h BN=%d", block_n);
+    std::snprintf(what[2], sizeof(what[2]), "d_topk_w = <h, a> BN=%d", block_n);
     compare<bf16>(what[0], pb.dz, 2 * I, nullptr, dz_ref, nullptr, R, 2 * I, 1e-2f, 1e-3f);
     compare<bf16>(what[1], pb.wh, I, nullptr, wh_ref, nullptr, R, I, 1e-2f, 1e-3f);
     // Router gradient: d_topk_w[slot_r] vs <h, a>_r; unused slots must be exactly 0.
@@ -931,7 +932,8 @@ void time_kernels(KernelProblem& pb, const char* name) {
   const double R = double(pb.rt.R), H = double(s.H), I = double(s.I);
   Timer timer;
   const double t_z = timer.median_ms("z", [&] { pb.recompute_z(); });
-  const double t_d1 = timer.median_ms("dgrad1", [&] { pb.dgrad_swiglu(); });
+  const double t_d1 = timer.median_ms("dgrad1", [&] { pb.dgrad_swiglu(); });  // width by shape
+  const double t_d1n = timer.median_ms("dgrad1 BN128", [&] { pb.dgrad_swiglu(128); });
   const double t_d1w = timer.median_ms("dgrad1 BN256", [&] { pb.dgrad_swiglu(256); });
   const double t_red = timer.median_ms("reduce", [&] { pb.router_reduce(); });
   const double t_d2 = timer.median_ms("dgrad2", [&] { pb.dgrad_scatter(); });
@@ -945,7 +947,8 @@ void time_kernels(KernelProblem& pb, const char* name) {
   const double total = t_z + t_d1 + t_red + t_d2 + t_w2 + t_w13;
   std::printf("  timing %s (R=%lld uniform)\n", name, (long long)pb.rt.R);
   std::printf("    recompute z    %.3f ms %4.0f TF/s\n", t_z, tf(f_z, t_z));
-  std::printf("    dgrad1+SwiGLU  %.3f ms %4.0f TF/s   BN=256 %.3f ms %4.0f TF/s\n", t_d1, tf(f_d1, t_d1), t_d1w,
+  std::printf("    dgrad1+SwiGLU  %.3f ms %4.0f TF/s (BN=%d by shape)   BN=128 %.3f ms %4.0f TF/s   BN=256 %.3f ms %4.0f TF/s\n",
+              t_d1, tf(f_d1, t_d1), fusemoe::sm90_dgrad_swiglu_block_n(s.H), t_d1n, tf(f_d1, t_d1n), t_d1w,
               tf(f_d1, t_d1w));
   std::printf("    router reduce  %.3f ms\n", t_red);
   std::printf("    dgrad2 scatter %.3f ms %4.0f TF/s\n", t_d2, tf(f_d2, t_d2));
@@ -998,7 +1001,7 @@ void time_stages(LayerProblem& p, const char* name) {
   bf16* dz = device_alloc<bf16>(S * 2 * I);
   bf16* wh = device_alloc<bf16>(S * I);
   bf16* dx_slots = device_alloc<bf16>(S * H);
-  const int64_t num_n_tiles = fusemoe::sm90_dgrad_swiglu_num_n_tiles(I);
+  const int64_t num_n_tiles = fusemoe::sm90_dgrad_swiglu_num_n_tiles(I, fusemoe::sm90_dgrad_swiglu_block_n(H));
   float* partials = device_alloc<float>(S * num_n_tiles);
   Grads g = alloc_grads(p, false);
   constexpr int kSteps = 9;
