@@ -268,6 +268,31 @@ struct Wgmma<256, kTransA, kTransB> {
 #undef FUSEMOE_ACC32
 #undef FUSEMOE_ACC8
 
+// ---------------------------------------------------------------------------------------------
+// Flags between CTAs of one grid (readiness counters): release add, acquire load, a clock for
+// bounded waits, and the proxy fence that lets TMA (async proxy) read what other CTAs stored
+// through the generic proxy once the acquire has observed it.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void red_release_gpu_add(int32_t* ptr, int32_t value) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* ptr) {
+  int32_t value;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 // Named barrier over `num_threads` threads (a multiple of 32); id 0 is __syncthreads.
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t num_threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");

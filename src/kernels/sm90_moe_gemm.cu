@@ -1,10 +1,19 @@
-// Grouped GEMMs of the fused MoE forward on sm_90a: persistent, warp-specialised TMA + wgmma
-// kernels over the expert-sorted row order (see sm90_moe_gemm.h for the math and shapes).
+// Grouped GEMMs of the fused MoE forward on sm_90a: one persistent, warp-specialised TMA +
+// wgmma kernel over the expert-sorted row order (see sm90_moe_gemm.h for the math and shapes)
+// that runs one pass or both:
 //
 //   gate/up + SwiGLU : tile = 128 sorted rows x (kBlockN/2 gate + kBlockN/2 up) weight rows,
 //                      epilogue h = silu(g) * u  ->  h[row, n0 : n0 + kBlockN/2]   (bf16)
 //   down + weight    : tile = 128 pool rows x kBlockN rows of W2_e,
 //                      epilogue w * o  ->  ys[row_slot[row], n0 : n0 + kBlockN]    (bf16)
+//
+// Passes::kBoth (the fused forward): each CTA runs its gate/up tiles, then its down tiles, the
+// two lists continuing one round-robin; the ring and its phases carry over. A down tile's
+// producer waits for its 128-row block's readiness counter (every gate/up column tile of the
+// block has stored h; the consumers signal it, see consume_pass) before loading h, so down
+// tiles of finished blocks overlap the last gate/up tiles instead of waiting for a kernel
+// boundary. All CTAs are resident (one per SM) and every CTA issues all its gate/up stages
+// before any down stage, so the waits always end.
 //
 // Thread roles (384 threads, one CTA per SM, static round-robin over the expert-major tile list):
 //   warpgroup 0 (producer, 40 registers): fills a kStages-deep ring of shared-memory stages
@@ -77,14 +86,22 @@ static_assert(kProducerRegs * kThreadsPerWarpgroup +
               "register split exceeds the register file");
 
 enum class Epilogue { kSwiGLU, kWeightedScatter };
+constexpr uint32_t kConsumerBarrierId = 1;  // named barrier of the two consumer warpgroups
 
-// Everything the kernel needs besides the two tensor maps (by value, in the param space).
+// The shape of one of the two GEMMs.
+struct PassShape {
+  int32_t num_k_blocks;            // K / kBlockK   (K = H for gate/up, I for down)
+  int32_t n_valid;                 // output columns: I (gate/up) or H (down)
+  int32_t weight_rows_per_expert;  // 2I (w13) or H (w2): row stride of one expert in the B map
+};
+
+// Everything the kernel needs besides the tensor maps (by value, in the param space).
 struct KernelArgs {
   const int32_t* expert_offsets;  // [E+1]
   int32_t num_experts;
-  int32_t num_k_blocks;           // K / kBlockK   (K = H for gate/up, I for down)
-  int32_t n_valid;                // output columns: I (gate/up) or H (down)
-  int32_t weight_rows_per_expert; // 2I (w13) or H (w2): row stride of one expert in the B map
+  PassShape gate_up;
+  PassShape down;
+  int32_t* h_ready;               // Passes::kBoth: per 128-row block, gate/up tiles done (zeroed)
   // gate/up
   __nv_bfloat16* h;               // [R_max, I]
   __nv_bfloat16* z;               // [R_max, 2I] pre-activation [g | u] for the backward, or null
@@ -99,8 +116,9 @@ struct KernelArgs {
   const float* topk_weights;      // [num_slots]
 };
 
-template <Epilogue kEpilogue, int kBlockN, int kStages>
+template <Epilogue kEpilogue, int kBlockN_, int kStages>
 struct KernelConfig {
+  static constexpr int kBlockN = kBlockN_;
   static constexpr int kTileABytes = kBlockM * kBlockK * 2;  // [128 rows, 64 k] bf16 = 16 KB
   static constexpr int kTileBBytes = kBlockN * kBlockK * 2;  // [kBlockN rows, 64 k] bf16
   static constexpr int kStageBytes = kTileABytes + kTileBBytes;
@@ -112,6 +130,8 @@ struct KernelConfig {
   static constexpr int kAccRegs = Wgmma<kBlockN>::kAccRegs;
   static constexpr int kNumChunks8 = kBlockN / 8;  // n8 column chunks of the accumulator
   static constexpr bool kIsSwiGLU = kEpilogue == Epilogue::kSwiGLU;
+  // By value: a reference into the kernel's parameter space would make ptxas copy it to the stack.
+  __device__ static PassShape shape(const KernelArgs& args) { return kIsSwiGLU ? args.gate_up : args.down; }
   static constexpr int kAlign = 1024;  // 128B-swizzle atoms must start 1024-byte aligned
 
   static_assert(kTileABytes % kAlign == 0 && kTileBBytes % kAlign == 0, "stage alignment");
@@ -170,7 +190,7 @@ __device__ __forceinline__ void epilogue_swiglu_row(const float (&acc)[kRegs], i
         const int reg = 4 * (j + half * kOutChunks) + 2 * h;
         words[j] = pack_bf16x2(acc[reg], acc[reg + 1]);
       }
-      store_row_fragment<kOutChunks>(words, z_row + half * args.n_valid, row_valid, col0, args.n_valid,
+      store_row_fragment<kOutChunks>(words, z_row + half * args.gate_up.n_valid, row_valid, col0, args.gate_up.n_valid,
                                      lane);
     }
   }
@@ -186,7 +206,7 @@ __device__ __forceinline__ void epilogue_swiglu_row(const float (&acc)[kRegs], i
     }
     words[j] = pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
   }
-  store_row_fragment<kOutChunks>(words, row_ptr, row_valid, col0, args.n_valid, lane);
+  store_row_fragment<kOutChunks>(words, row_ptr, row_valid, col0, args.gate_up.n_valid, lane);
 }
 
 // Down epilogue of one accumulator row: w * o for chunks [0, kChunks).
@@ -203,6 +223,47 @@ __device__ __forceinline__ void epilogue_scale_row(const float (&acc)[kRegs], in
   store_row_fragment<kChunks>(words, row_ptr, row_valid, col0, n_valid, lane);
 }
 
+// Which GEMMs one launch runs. kBoth: the gate/up tiles, then the down tiles, on one persistent
+// grid; each CTA takes its gate/up tiles before its down tiles, and a down tile's producer
+// waits until every gate/up tile of its 128-row block has stored h (a readiness counter per
+// block), so down tiles of finished blocks run while other blocks' gate/up tiles still do.
+enum class Passes { kGateUp, kDown, kBoth };
+
+// The tiles of one pass a CTA takes: t = first, first + gridDim.x, ... < num_tiles, where
+// the passes' tiles continue one round-robin (down tile t is global tile N_gate_up + t).
+struct PassTiles {
+  int32_t first;
+  int32_t num_tiles;
+};
+
+// Ring position, carried from one pass to the next.
+struct RingCursor {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance(int num_stages) {
+    if (++stage == num_stages) { stage = 0; phase ^= 1; }
+  }
+};
+
+// Index of a tile's 128-row block among all the experts' blocks (the readiness counter).
+__device__ __forceinline__ int32_t row_block_index(const ExpertTileTable& table, const ExpertTile& tile) {
+  return table.m_prefix[tile.expert] + (tile.row_begin - table.offsets[tile.expert]) / kBlockM;
+}
+
+// Waits (one thread) until the gate/up tiles of a row block have all stored h. A bounded
+// spin: after kReadyTimeoutNs (far beyond any gate/up pass) it traps, so a broken dependency
+// fails the launch (cudaErrorLaunchFailure) instead of hanging. It cannot print what it waited
+// for: a printf call anywhere in the kernel makes ptxas serialise every wgmma (C7510).
+constexpr uint64_t kReadyTimeoutNs = 5ull * 1000 * 1000 * 1000;
+__device__ __forceinline__ void wait_row_block_ready(const int32_t* counter, int32_t target) {
+  if (ld_acquire_gpu(counter) >= target) return;
+  const uint64_t start = globaltimer_ns();
+  while (ld_acquire_gpu(counter) < target) {
+    __nanosleep(128);
+    if (globaltimer_ns() - start > kReadyTimeoutNs) __trap();
+  }
+}
+
 // The producer of gathered A tiles (direct dispatch), run by all kGatherThreads producer
 // threads. Row r of a tile is token row_slot[r] / top_k of x; thread p copies chunk p % 8 of
 // rows p / 8 + 16 i. Rows past the expert's end are not copied; every thread still arrives
@@ -214,18 +275,17 @@ template <class Config, int kStages>
 __device__ __forceinline__ void produce_gathered(const __nv_bfloat16* x, const CUtensorMap* map_b,
                                                  const KernelArgs& args, const ExpertTileTable& table,
                                                  uint8_t* tiles_a, uint8_t* tiles_b, uint64_t* full,
-                                                 uint64_t* empty, int32_t num_tiles, int thread) {
+                                                 uint64_t* empty, PassTiles tiles, int thread, RingCursor& ring) {
+  const PassShape shape = Config::shape(args);
   const int chunk = thread % kChunksPerRow;
   const int row0 = thread / kChunksPerRow;
   // Rows row0 + 16 i all have row % 8 == row0 % 8, so one swizzled offset serves every copy.
   const uint32_t dst0 = smem_addr(tiles_a) + row0 * kRowBytes + ((chunk ^ (row0 % 8)) * 16);
-  const uint32_t chunks_per_x_row = static_cast<uint32_t>(args.num_k_blocks) * kChunksPerRow;  // H / 8
+  const uint32_t chunks_per_x_row = static_cast<uint32_t>(shape.num_k_blocks) * kChunksPerRow;  // H / 8
   ExpertTileCursor<kBlockM> cursor;
-  int stage = 0;
-  uint32_t phase = 0;
-  for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+  for (int32_t t = tiles.first; t < tiles.num_tiles; t += gridDim.x) {
     const ExpertTile tile = cursor.tile(table, t);
-    const int32_t b_row = tile.expert * args.weight_rows_per_expert + tile.n_tile * Config::kOutCols;
+    const int32_t b_row = tile.expert * shape.weight_rows_per_expert + tile.n_tile * Config::kOutCols;
     // Copy i happens iff tile row row0 + 16 i is before the expert's end.
     const int32_t rows_left = tile.row_end - tile.row_begin - row0;
     uint32_t src_chunk[kGatherRowsPerThread];  // first chunk of the x row of tile row row0 + 16 i
@@ -236,15 +296,16 @@ __device__ __forceinline__ void produce_gathered(const __nv_bfloat16* x, const C
       src_chunk[i] = static_cast<uint32_t>(token) * chunks_per_x_row;
     }
     const uint4* src = reinterpret_cast<const uint4*>(x) + chunk;  // this K-block, this thread's chunk
-    for (int32_t kb = 0; kb < args.num_k_blocks; ++kb, src += kChunksPerRow) {
-      mbarrier_wait(&empty[stage], phase ^ 1);
+    for (int32_t kb = 0; kb < shape.num_k_blocks; ++kb, src += kChunksPerRow) {
+      const int stage = ring.stage;
+      mbarrier_wait(&empty[stage], ring.phase ^ 1);
       if (thread == 0) {
         const int32_t k = kb * kBlockK;
         mbarrier_arrive_expect_tx(&full[stage], Config::kTileBBytes);
         uint8_t* tile_b = tiles_b + stage * Config::kTileBBytes;
         tma_load_2d(map_b, &full[stage], tile_b, k, b_row);
         if constexpr (Config::kIsSwiGLU) {
-          tma_load_2d(map_b, &full[stage], tile_b + Config::kTileBBytes / 2, k, b_row + args.n_valid);
+          tma_load_2d(map_b, &full[stage], tile_b + Config::kTileBBytes / 2, k, b_row + shape.n_valid);
         }
       }
       const uint32_t dst = dst0 + stage * Config::kTileABytes;
@@ -253,46 +314,159 @@ __device__ __forceinline__ void produce_gathered(const __nv_bfloat16* x, const C
         if (kGatherRowStep * i < rows_left) cp_async_16(dst + i * kGatherRowStep * kRowBytes, src + src_chunk[i]);
       }
       cp_async_mbarrier_arrive_noinc(&full[stage]);
-      if (++stage == kStages) { stage = 0; phase ^= 1; }
+      ring.advance(kStages);
     }
   }
   cp_async_wait_all();  // no copy outlives its thread
 }
 
-// The producer of pool A tiles: one thread, one [128, 64] box per stage.
-template <class Config, int kStages>
+// The producer of pool A tiles: thread 0 loads one [128, 64] box of A and B's boxes per stage.
+// With kAllArrive (the full barriers count every producer thread, as for gathering) the other
+// threads walk the same stages and add their arrival. ready (kBoth's down pass): the row block's
+// readiness counters, waited for before a tile's first load.
+template <class Config, int kStages, bool kAllArrive>
 __device__ __forceinline__ void produce_boxes(const CUtensorMap* map_a, const CUtensorMap* map_b,
                                               const KernelArgs& args, const ExpertTileTable& table,
                                               uint8_t* tiles_a, uint8_t* tiles_b, uint64_t* full,
-                                              uint64_t* empty, int32_t num_tiles) {
+                                              uint64_t* empty, PassTiles tiles, int thread, RingCursor& ring,
+                                              const int32_t* ready, int32_t ready_target) {
+  const PassShape shape = Config::shape(args);
   ExpertTileCursor<kBlockM> cursor;
-  int stage = 0;
-  uint32_t phase = 0;
-  for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+  for (int32_t t = tiles.first; t < tiles.num_tiles; t += gridDim.x) {
     const ExpertTile tile = cursor.tile(table, t);
-    const int32_t b_row = tile.expert * args.weight_rows_per_expert + tile.n_tile * Config::kOutCols;
-    for (int32_t kb = 0; kb < args.num_k_blocks; ++kb) {
-      mbarrier_wait(&empty[stage], phase ^ 1);
-      mbarrier_arrive_expect_tx(&full[stage], Config::kStageBytes);
-      const int32_t k = kb * kBlockK;
-      uint8_t* tile_b = tiles_b + stage * Config::kTileBBytes;
-      tma_load_2d(map_a, &full[stage], tiles_a + stage * Config::kTileABytes, k, tile.row_begin);
-      tma_load_2d(map_b, &full[stage], tile_b, k, b_row);
-      if constexpr (Config::kIsSwiGLU) {
-        // Up rows of the same output columns: I = n_valid rows below the gate rows.
-        tma_load_2d(map_b, &full[stage], tile_b + Config::kTileBBytes / 2, k, b_row + args.n_valid);
+    const int32_t b_row = tile.expert * shape.weight_rows_per_expert + tile.n_tile * Config::kOutCols;
+    if (thread == 0 && ready != nullptr) {
+      wait_row_block_ready(ready + row_block_index(table, tile), ready_target);
+      // h was stored through the generic proxy by other CTAs; the TMA loads below read it
+      // through the async proxy.
+      fence_proxy_async_global();
+    }
+    for (int32_t kb = 0; kb < shape.num_k_blocks; ++kb) {
+      const int stage = ring.stage;
+      mbarrier_wait(&empty[stage], ring.phase ^ 1);
+      if (thread == 0) {
+        mbarrier_arrive_expect_tx(&full[stage], Config::kStageBytes);
+        const int32_t k = kb * kBlockK;
+        uint8_t* tile_b = tiles_b + stage * Config::kTileBBytes;
+        tma_load_2d(map_a, &full[stage], tiles_a + stage * Config::kTileABytes, k, tile.row_begin);
+        tma_load_2d(map_b, &full[stage], tile_b, k, b_row);
+        if constexpr (Config::kIsSwiGLU) {
+          // Up rows of the same output columns: I = n_valid rows below the gate rows.
+          tma_load_2d(map_b, &full[stage], tile_b + Config::kTileBBytes / 2, k, b_row + shape.n_valid);
+        }
       }
-      if (++stage == kStages) { stage = 0; phase ^= 1; }
+      if constexpr (kAllArrive) mbarrier_arrive(&full[stage]);
+      ring.advance(kStages);
     }
   }
 }
 
-template <Epilogue kEpilogue, int kBlockN, int kStages, bool kGatherA>
+// Marks the h rows of a row block stored by this CTA's two consumer warpgroups: once both have
+// passed the barrier (their stores before it), one thread makes them visible GPU-wide and bumps
+// the block's counter (bar.sync orders the other threads' stores before that thread's fence,
+// which is cumulative).
+__device__ __forceinline__ void signal_row_block(int32_t* counter, int consumer, int warp_in_wg, int lane) {
+  named_barrier_sync(kConsumerBarrierId, kNumConsumers * kThreadsPerWarpgroup);
+  if (consumer == 0 && warp_in_wg == 0 && lane == 0) {
+    __threadfence();
+    red_release_gpu_add(counter, 1);
+  }
+}
+
+// The consumers' loop over one pass's tiles: main loop, then the pass's epilogue from the
+// registers. ready (kBoth's gate/up pass): a tile's row block is signalled after the main loop
+// of the CTA's next tile (or after its last tile), not right after its own stores: by then the
+// stores have long completed, so the signalling thread's fence returns at once instead of
+// holding its warpgroup's wgmma for the DRAM write latency (measured 2-4% at Qwen3-235B when
+// signalled right away).
+template <class Config, int kStages, bool kGatherA>
+__device__ __forceinline__ void consume_pass(const KernelArgs& args, const ExpertTileTable& table, uint8_t* tiles_a,
+                                             uint8_t* tiles_b, uint64_t* full, uint64_t* empty, PassTiles tiles,
+                                             int consumer, int warp_in_wg, int lane, RingCursor& ring,
+                                             int32_t* ready) {
+  constexpr int kBlockN = Config::kBlockN;
+  const PassShape shape = Config::shape(args);
+  const int row_in_wg = warp_in_wg * 16 + lane / 4;  // accumulator rows row_in_wg, row_in_wg + 8
+  float acc[Config::kAccRegs];
+  ExpertTileCursor<kBlockM> cursor;
+  int32_t* pending = nullptr;  // counter of the previous tile's row block, not yet signalled
+  for (int32_t t = tiles.first; t < tiles.num_tiles; t += gridDim.x) {
+    const ExpertTile tile = cursor.tile(table, t);
+    // Consumer c owns tile rows [64c, 64c + 64) x all kBlockN columns.
+    const int32_t wg_row0 = tile.row_begin + consumer * kWgmmaM;
+    const int32_t rows[2] = {wg_row0 + row_in_wg, wg_row0 + row_in_wg + 8};
+    const bool row_valid[2] = {rows[0] < tile.row_end, rows[1] < tile.row_end};
+
+    // Down epilogue inputs, loaded now so their latency hides under the main loop.
+    int32_t slots[2] = {0, 0};
+    float weights[2] = {0.0f, 0.0f};
+    if constexpr (!Config::kIsSwiGLU) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (row_valid[h]) {
+          slots[h] = __ldg(args.row_slot + rows[h]);
+          weights[h] = __ldg(args.topk_weights + slots[h]);
+        }
+      }
+    }
+
+    // ---- main loop: acc[64 rows, kBlockN] = A[rows 64c .. 64c+63, K] * B[kBlockN rows, K]^T
+    int prev_stage = 0;
+    for (int32_t kb = 0; kb < shape.num_k_blocks; ++kb) {
+      const int stage = ring.stage;
+      mbarrier_wait(&full[stage], ring.phase);
+      if constexpr (kGatherA && Config::kIsSwiGLU) fence_proxy_async_shared();  // cp.async rows -> wgmma reads
+      const uint64_t desc_a = make_kmajor_desc_sw128(tiles_a + stage * Config::kTileABytes +
+                                                     consumer * kWgmmaM * kBlockK * 2);
+      const uint64_t desc_b = make_kmajor_desc_sw128(tiles_b + stage * Config::kTileBBytes);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBlockK / kWgmmaK; ++k) {
+        Wgmma<kBlockN>::mma(acc, desc_a + k * OperandLayout<false>::kDescStepK16,
+                            desc_b + k * OperandLayout<false>::kDescStepK16, (kb > 0 || k > 0) ? 1u : 0u);
+      }
+      wgmma_commit_group();
+      // Keep this K-block's MMAs in flight; the previous block's have finished reading.
+      wgmma_wait_group<1>();
+      if (kb > 0 && lane == 0) mbarrier_arrive(&empty[prev_stage]);
+      prev_stage = stage;
+      ring.advance(kStages);
+    }
+    wgmma_wait_group<0>();
+    fence_accumulators(acc);
+    if (lane == 0) mbarrier_arrive(&empty[prev_stage]);
+    if (pending != nullptr) signal_row_block(pending, consumer, warp_in_wg, lane);
+
+    // ---- epilogue: registers -> bf16 -> global, rows past the expert's end masked
+    const int col0 = tile.n_tile * Config::kOutCols + 2 * (lane % 4);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (Config::kIsSwiGLU) {
+        __nv_bfloat16* row_ptr = args.h + static_cast<int64_t>(rows[h]) * shape.n_valid;
+        __nv_bfloat16* z_row =
+            args.z == nullptr ? nullptr : args.z + static_cast<int64_t>(rows[h]) * 2 * shape.n_valid;
+        epilogue_swiglu_row<Config::kNumChunks8 / 2>(acc, h, args, row_ptr, z_row, row_valid[h], col0, lane);
+      } else {
+        __nv_bfloat16* row_ptr = args.ys + static_cast<int64_t>(slots[h]) * args.ys_row_stride;
+        epilogue_scale_row<Config::kNumChunks8>(acc, h, weights[h], row_ptr, row_valid[h], col0, shape.n_valid,
+                                                lane);
+      }
+    }
+    if (ready != nullptr) pending = ready + row_block_index(table, tile);
+  }
+  if (pending != nullptr) signal_row_block(pending, consumer, warp_in_wg, lane);
+}
+
+template <Passes kPasses, int kBlockN, int kStages, bool kGatherA>
 __global__ void __launch_bounds__(kThreads, 1)
-    moe_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
-                    const __grid_constant__ CUtensorMap map_b, const KernelArgs args) {
-  using Config = KernelConfig<kEpilogue, kBlockN, kStages>;
-  constexpr int kAccRegs = Config::kAccRegs;
+    moe_gemm_kernel(const __grid_constant__ CUtensorMap map_xs, const __grid_constant__ CUtensorMap map_w13,
+                    const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w2,
+                    const KernelArgs args) {
+  using GateUp = KernelConfig<Epilogue::kSwiGLU, kBlockN, kStages>;
+  using Down = KernelConfig<Epilogue::kWeightedScatter, kBlockN, kStages>;
+  constexpr bool kHasGateUp = kPasses != Passes::kDown, kHasDown = kPasses != Passes::kGateUp;
+  static_assert(GateUp::kStageBytes == Down::kStageBytes, "both passes share the ring");
+  using Config = GateUp;  // the shared-memory layout
 
   // ---- shared memory: [stages x A tile] [stages x B tile] [full, empty barriers] [tile table]
   extern __shared__ uint8_t smem_raw[];
@@ -302,111 +476,75 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* tiles_b = smem + kStages * Config::kTileABytes;   // [kStages][kBlockN][64] bf16
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * Config::kStageBytes);
   uint64_t* empty = full + kStages;
-  ExpertTileTable table;
-  table.offsets = reinterpret_cast<int32_t*>(empty + kStages);
-  table.m_prefix = table.offsets + args.num_experts + 1;
-  table.num_experts = args.num_experts;
-  table.num_n_tiles = (args.n_valid + Config::kOutCols - 1) / Config::kOutCols;
+  // One table per pass (they differ in the number of column tiles only).
+  ExpertTileTable gate_up_table;
+  gate_up_table.offsets = reinterpret_cast<int32_t*>(empty + kStages);
+  gate_up_table.m_prefix = gate_up_table.offsets + args.num_experts + 1;
+  gate_up_table.num_experts = args.num_experts;
+  gate_up_table.num_n_tiles = (args.gate_up.n_valid + GateUp::kOutCols - 1) / GateUp::kOutCols;
+  ExpertTileTable down_table = gate_up_table;
+  down_table.num_n_tiles = (args.down.n_valid + Down::kOutCols - 1) / Down::kOutCols;
 
   const int warpgroup = threadIdx.x / kThreadsPerWarpgroup;
   const int warp_in_wg = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
 
   if (threadIdx.x == 0) {
-    if constexpr (!kGatherA) prefetch_tensor_map(&map_a);  // gathering reads x through args.x
-    prefetch_tensor_map(&map_b);
+    if constexpr (kHasGateUp) {
+      if constexpr (!kGatherA) prefetch_tensor_map(&map_xs);  // gathering reads x through args.x
+      prefetch_tensor_map(&map_w13);
+    }
+    if constexpr (kHasDown) {
+      prefetch_tensor_map(&map_h);
+      prefetch_tensor_map(&map_w2);
+    }
     for (int s = 0; s < kStages; ++s) {
-      // TMA: the expect_tx arrival; gathering adds one cp.async arrival per producer thread.
+      // TMA: the expect_tx arrival; gathering adds one arrival per producer thread.
       mbarrier_init(&full[s], 1 + (kGatherA ? kGatherThreads : 0));
       mbarrier_init(&empty[s], kNumConsumers * 4);
     }
     fence_barrier_init();
   }
-  build_expert_tile_table<kBlockM>(args.expert_offsets, table);  // ends with __syncthreads()
-  const int32_t num_tiles = table.num_tiles();
+  build_expert_tile_table<kBlockM>(args.expert_offsets, gate_up_table);  // ends with __syncthreads()
+  // Tiles of this CTA: gate/up t = blockIdx.x + i * grid, then the down tiles continuing the
+  // same round-robin after the gate/up ones.
+  const int32_t num_gate_up_tiles = kHasGateUp ? gate_up_table.num_tiles() : 0;
+  const PassTiles gate_up_tiles{static_cast<int32_t>(blockIdx.x), num_gate_up_tiles};
+  const int32_t grid = gridDim.x;
+  const PassTiles down_tiles{((static_cast<int32_t>(blockIdx.x) - num_gate_up_tiles) % grid + grid) % grid,
+                             kHasDown ? down_table.num_tiles() : 0};
+  int32_t* ready = kPasses == Passes::kBoth ? args.h_ready : nullptr;
+  RingCursor ring;
 
   if (warpgroup == 0) {
     // ================================ producer ================================
     setmaxnreg_dec<kProducerRegs>();
-    if constexpr (kGatherA) {
-      produce_gathered<Config, kStages>(args.x, &map_b, args, table, tiles_a, tiles_b, full, empty, num_tiles,
-                                        threadIdx.x);
-    } else {
-      if (warp_in_wg == 0 && lane == 0) {
-        produce_boxes<Config, kStages>(&map_a, &map_b, args, table, tiles_a, tiles_b, full, empty, num_tiles);
+    if constexpr (kHasGateUp) {
+      if constexpr (kGatherA) {
+        produce_gathered<GateUp, kStages>(args.x, &map_w13, args, gate_up_table, tiles_a, tiles_b, full, empty,
+                                          gate_up_tiles, threadIdx.x, ring);
+      } else if (threadIdx.x == 0) {
+        produce_boxes<GateUp, kStages, false>(&map_xs, &map_w13, args, gate_up_table, tiles_a, tiles_b, full,
+                                              empty, gate_up_tiles, threadIdx.x, ring, nullptr, 0);
+      }
+    }
+    if constexpr (kHasDown) {
+      if (kGatherA || threadIdx.x == 0) {
+        produce_boxes<Down, kStages, kGatherA>(&map_h, &map_w2, args, down_table, tiles_a, tiles_b, full, empty,
+                                               down_tiles, threadIdx.x, ring, ready, gate_up_table.num_n_tiles);
       }
     }
   } else {
     // ================================ consumers ================================
     setmaxnreg_inc<kConsumerRegs>();
     const int consumer = warpgroup - 1;
-    const int row_in_wg = warp_in_wg * 16 + lane / 4;  // accumulator rows row_in_wg, row_in_wg + 8
-    float acc[kAccRegs];
-    ExpertTileCursor<kBlockM> cursor;
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const ExpertTile tile = cursor.tile(table, t);
-      // Consumer c owns tile rows [64c, 64c + 64) x all kBlockN columns.
-      const int32_t wg_row0 = tile.row_begin + consumer * kWgmmaM;
-      const int32_t rows[2] = {wg_row0 + row_in_wg, wg_row0 + row_in_wg + 8};
-      const bool row_valid[2] = {rows[0] < tile.row_end, rows[1] < tile.row_end};
-
-      // Down epilogue inputs, loaded now so their latency hides under the main loop.
-      int32_t slots[2] = {0, 0};
-      float weights[2] = {0.0f, 0.0f};
-      if constexpr (kEpilogue == Epilogue::kWeightedScatter) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (row_valid[h]) {
-            slots[h] = __ldg(args.row_slot + rows[h]);
-            weights[h] = __ldg(args.topk_weights + slots[h]);
-          }
-        }
-      }
-
-      // ---- main loop: acc[64 rows, kBlockN] = A[rows 64c .. 64c+63, K] * B[kBlockN rows, K]^T
-      int prev_stage = 0;
-      for (int32_t kb = 0; kb < args.num_k_blocks; ++kb) {
-        mbarrier_wait(&full[stage], phase);
-        if constexpr (kGatherA) fence_proxy_async_shared();  // cp.async rows -> wgmma reads
-        const uint64_t desc_a = make_kmajor_desc_sw128(tiles_a + stage * Config::kTileABytes +
-                                                       consumer * kWgmmaM * kBlockK * 2);
-        const uint64_t desc_b = make_kmajor_desc_sw128(tiles_b + stage * Config::kTileBBytes);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < kBlockK / kWgmmaK; ++k) {
-          Wgmma<kBlockN>::mma(acc, desc_a + k * OperandLayout<false>::kDescStepK16,
-                              desc_b + k * OperandLayout<false>::kDescStepK16,
-                              (kb > 0 || k > 0) ? 1u : 0u);
-        }
-        wgmma_commit_group();
-        // Keep this K-block's MMAs in flight; the previous block's have finished reading.
-        wgmma_wait_group<1>();
-        if (kb > 0 && lane == 0) mbarrier_arrive(&empty[prev_stage]);
-        prev_stage = stage;
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
-      }
-      wgmma_wait_group<0>();
-      fence_accumulators(acc);
-      if (lane == 0) mbarrier_arrive(&empty[prev_stage]);
-
-      // ---- epilogue: registers -> bf16 -> global, rows past the expert's end masked
-      const int col0 = tile.n_tile * Config::kOutCols + 2 * (lane % 4);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if constexpr (kEpilogue == Epilogue::kSwiGLU) {
-          __nv_bfloat16* row_ptr = args.h + static_cast<int64_t>(rows[h]) * args.n_valid;
-          __nv_bfloat16* z_row =
-              args.z == nullptr ? nullptr : args.z + static_cast<int64_t>(rows[h]) * 2 * args.n_valid;
-          epilogue_swiglu_row<Config::kNumChunks8 / 2>(acc, h, args, row_ptr, z_row, row_valid[h], col0,
-                                                       lane);
-        } else {
-          __nv_bfloat16* row_ptr = args.ys + static_cast<int64_t>(slots[h]) * args.ys_row_stride;
-          epilogue_scale_row<Config::kNumChunks8>(acc, h, weights[h], row_ptr, row_valid[h], col0, args.n_valid,
-                                                  lane);
-        }
-      }
+    if constexpr (kHasGateUp) {
+      consume_pass<GateUp, kStages, kGatherA>(args, gate_up_table, tiles_a, tiles_b, full, empty, gate_up_tiles,
+                                              consumer, warp_in_wg, lane, ring, ready);
+    }
+    if constexpr (kHasDown) {
+      consume_pass<Down, kStages, kGatherA>(args, down_table, tiles_a, tiles_b, full, empty, down_tiles, consumer,
+                                            warp_in_wg, lane, ring, nullptr);
     }
   }
 }
@@ -418,6 +556,7 @@ namespace {
 
 using sm90::Epilogue;
 using sm90::KernelArgs;
+using sm90::Passes;
 using sm90::KernelConfig;
 using sm90::DeviceInfo;
 using sm90::aligned16;
@@ -441,11 +580,12 @@ void validate_common(int64_t max_rows, int64_t hidden, int64_t intermediate, int
 // Launches one kernel variant on the persistent grid. The dynamic shared-memory limit is raised
 // once per device and variant, to what the largest E needs (a limit, not an allocation: each
 // launch asks for its own E's bytes), so later calls make no attribute call.
-template <Epilogue kEpilogue, int kBlockN, int kStages, bool kGatherA>
-void launch_variant(const DeviceInfo& info, int num_sms_override, int64_t num_experts, const CUtensorMap& map_a,
-                    const CUtensorMap& map_b, const KernelArgs& args, cudaStream_t stream) {
-  using Config = KernelConfig<kEpilogue, kBlockN, kStages>;
-  auto kernel = sm90::moe_gemm_kernel<kEpilogue, kBlockN, kStages, kGatherA>;
+template <Passes kPasses, int kBlockN, int kStages, bool kGatherA>
+void launch_variant(const DeviceInfo& info, int num_sms_override, int64_t num_experts, const CUtensorMap& map_xs,
+                    const CUtensorMap& map_w13, const CUtensorMap& map_h, const CUtensorMap& map_w2,
+                    const KernelArgs& args, cudaStream_t stream) {
+  using Config = KernelConfig<Epilogue::kSwiGLU, kBlockN, kStages>;  // both passes: the same layout
+  auto kernel = sm90::moe_gemm_kernel<kPasses, kBlockN, kStages, kGatherA>;
   const size_t smem_bytes = Config::smem_bytes(static_cast<int>(num_experts));
   const size_t smem_limit =
       std::min(Config::smem_bytes(sm90::kMaxExpertsInSmem), static_cast<size_t>(info.max_smem_optin));
@@ -455,24 +595,34 @@ void launch_variant(const DeviceInfo& info, int num_sms_override, int64_t num_ex
   static std::atomic<uint64_t> configured{0};
   sm90::raise_smem_limit_once(reinterpret_cast<const void*>(kernel), smem_limit, info.device, &configured);
   const int grid = num_sms_override > 0 ? std::min(num_sms_override, info.num_sms) : info.num_sms;
-  kernel<<<grid, sm90::kThreads, smem_bytes, stream>>>(map_a, map_b, args);
+  kernel<<<grid, sm90::kThreads, smem_bytes, stream>>>(map_xs, map_w13, map_h, map_w2, args);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-}  // namespace
+// The tensor-map parameter of an operand the launch does not read.
+const CUtensorMap kUnusedMap{};
 
-void launch_sm90_gate_up_swiglu(const Sm90GateUpParams& p) {
-  // ---- validate
+// Argument checks of the gate/up GEMM that hold even when there are no rows.
+void validate_gate_up(const Sm90GateUpParams& p) {
   validate_common(p.max_rows, p.hidden, p.intermediate, p.num_experts);
   FUSEMOE_CHECK(!p.use_swiglu_clamp || (p.swiglu_clamp > 0.0f && p.swiglu_clamp < INFINITY),
                 "swiglu_clamp must be finite and > 0 when use_swiglu_clamp, got " << p.swiglu_clamp);
   const Sm90RowSources& src = p.sources;
   FUSEMOE_CHECK(src.num_sources >= 0 && src.num_sources <= kMaxRowSources,
                 "sources.num_sources must be in [0, " << kMaxRowSources << "], got " << src.num_sources);
-  const bool direct = src.num_sources > 0;
-  FUSEMOE_CHECK(direct != (p.xs != nullptr),
+  FUSEMOE_CHECK((src.num_sources > 0) != (p.xs != nullptr),
                 "give either row sources (direct dispatch) or the pool xs, not both and not neither");
-  if (p.max_rows == 0) return;
+}
+
+// The gate/up GEMM's maps (xs, w13) and its part of the kernel arguments, after the pointer
+// checks (rows to compute). map_xs is unused with direct dispatch.
+struct GateUpLaunch {
+  CUtensorMap map_xs, map_w13;
+  bool direct;
+};
+GateUpLaunch configure_gate_up(const Sm90GateUpParams& p, KernelArgs* args) {
+  const Sm90RowSources& src = p.sources;
+  const bool direct = src.num_sources > 0;
   if (direct) {
     FUSEMOE_CHECK(src.x[0] && aligned16(src.x[0]), "sources.x[0] must be a non-null 16-byte aligned device pointer");
     FUSEMOE_CHECK(src.num_rows[0] >= 1 && src.num_rows[0] < (int64_t{1} << 31),
@@ -490,89 +640,139 @@ void launch_sm90_gate_up_swiglu(const Sm90GateUpParams& p) {
   FUSEMOE_CHECK(p.h && aligned16(p.h), "h must be a non-null 16-byte aligned device pointer");
   FUSEMOE_CHECK(aligned16(p.z), "z must be null or a 16-byte aligned device pointer");
   FUSEMOE_CHECK(p.expert_offsets != nullptr, "expert_offsets must be a non-null device pointer");
-  const DeviceInfo info = sm90::device_info();
 
-  // ---- configure: 128 x (128 gate + 128 up) tiles, 4 stages of 48 KB; A gathered from x by
-  // cp.async (direct; the kernel takes no A map, map_b stands in) or one 128-row TMA box of xs
-  constexpr int kBlockN = 256, kStages = 4;
-  using Config = KernelConfig<Epilogue::kSwiGLU, kBlockN, kStages>;
-  const CUtensorMap map_b =
+  // 128 x (128 gate + 128 up) tiles; A gathered from x by cp.async (direct) or one 128-row TMA
+  // box of xs per stage.
+  using Config = KernelConfig<Epilogue::kSwiGLU, 256, 4>;
+  GateUpLaunch out;
+  out.direct = direct;
+  out.map_w13 =
       make_tensor_map_bf16(p.w13, p.hidden, p.num_experts * 2 * p.intermediate, Config::kBoxRowsB, "w13");
-  const CUtensorMap map_a =
-      direct ? map_b : make_tensor_map_bf16(p.xs, p.hidden, p.max_rows, sm90::kBlockM, "xs");
-  KernelArgs args{};
-  args.expert_offsets = p.expert_offsets;
-  args.num_experts = static_cast<int32_t>(p.num_experts);
-  args.num_k_blocks = static_cast<int32_t>(p.hidden / sm90::kBlockK);
-  args.n_valid = static_cast<int32_t>(p.intermediate);
-  args.weight_rows_per_expert = static_cast<int32_t>(2 * p.intermediate);
-  args.h = static_cast<__nv_bfloat16*>(p.h);
-  args.z = static_cast<__nv_bfloat16*>(p.z);
-  args.use_clamp = p.use_swiglu_clamp ? 1 : 0;
-  args.clamp = p.swiglu_clamp;
-  args.row_slot = p.row_slot;
-  args.x = static_cast<const __nv_bfloat16*>(src.x[0]);
-  args.top_k = static_cast<int32_t>(p.top_k);
-
-  // ---- launch
-  if (direct) {
-    launch_variant<Epilogue::kSwiGLU, kBlockN, kStages, true>(info, p.num_sms, p.num_experts, map_a, map_b, args,
-                                                              p.stream);
-  } else {
-    launch_variant<Epilogue::kSwiGLU, kBlockN, kStages, false>(info, p.num_sms, p.num_experts, map_a, map_b, args,
-                                                               p.stream);
-  }
+  out.map_xs = direct ? kUnusedMap : make_tensor_map_bf16(p.xs, p.hidden, p.max_rows, sm90::kBlockM, "xs");
+  args->expert_offsets = p.expert_offsets;
+  args->num_experts = static_cast<int32_t>(p.num_experts);
+  args->gate_up.num_k_blocks = static_cast<int32_t>(p.hidden / sm90::kBlockK);
+  args->gate_up.n_valid = static_cast<int32_t>(p.intermediate);
+  args->gate_up.weight_rows_per_expert = static_cast<int32_t>(2 * p.intermediate);
+  args->h = static_cast<__nv_bfloat16*>(p.h);
+  args->z = static_cast<__nv_bfloat16*>(p.z);
+  args->use_clamp = p.use_swiglu_clamp ? 1 : 0;
+  args->clamp = p.swiglu_clamp;
+  args->row_slot = p.row_slot;
+  args->x = static_cast<const __nv_bfloat16*>(src.x[0]);
+  args->top_k = static_cast<int32_t>(p.top_k);
+  return out;
 }
 
-namespace {
-
-template <int kBlockN, int kStages>
-void launch_down_variant(const Sm90DownParams& p, const DeviceInfo& info, const KernelArgs& args) {
-  using Config = KernelConfig<Epilogue::kWeightedScatter, kBlockN, kStages>;
-  const CUtensorMap map_a = make_tensor_map_bf16(p.h, p.intermediate, p.max_rows, sm90::kBlockM, "h");
-  const CUtensorMap map_b =
-      make_tensor_map_bf16(p.w2, p.intermediate, p.num_experts * p.hidden, Config::kBoxRowsB, "w2");
-  launch_variant<Epilogue::kWeightedScatter, kBlockN, kStages, false>(info, p.num_sms, p.num_experts, map_a, map_b,
-                                                                      args, p.stream);
-}
-
-}  // namespace
-
-void launch_sm90_down_weighted(const Sm90DownParams& p) {
-  // ---- validate
+void validate_down(const Sm90DownParams& p) {
   validate_common(p.max_rows, p.hidden, p.intermediate, p.num_experts);
-  const int64_t ys_stride = p.ys_row_stride == 0 ? p.hidden : p.ys_row_stride;
-  FUSEMOE_CHECK(ys_stride >= p.hidden && ys_stride % 8 == 0,
+  FUSEMOE_CHECK(p.ys_row_stride == 0 || (p.ys_row_stride >= p.hidden && p.ys_row_stride % 8 == 0),
                 "ys_row_stride must be 0 or a multiple of 8 that is >= hidden, got " << p.ys_row_stride);
   FUSEMOE_CHECK(p.num_slots >= 0 && p.num_slots < (int64_t{1} << 31),
                 "num_slots must be in [0, 2^31), got " << p.num_slots);
   FUSEMOE_CHECK(p.block_n == 0 || p.block_n == 128 || p.block_n == 256,
                 "block_n must be 0, 128 or 256, got " << p.block_n);
-  if (p.max_rows == 0) return;
+}
+
+// The down GEMM's maps (h, w2: boxes of block_n rows) and its part of the kernel arguments.
+struct DownLaunch {
+  CUtensorMap map_h, map_w2;
+};
+DownLaunch configure_down(const Sm90DownParams& p, int block_n, KernelArgs* args) {
   FUSEMOE_CHECK(p.h && aligned16(p.h), "h must be a non-null 16-byte aligned device pointer");
   FUSEMOE_CHECK(p.w2 && aligned16(p.w2), "w2 must be a non-null 16-byte aligned device pointer");
   FUSEMOE_CHECK(p.ys && aligned16(p.ys), "ys must be a non-null 16-byte aligned device pointer");
   FUSEMOE_CHECK(p.expert_offsets && p.row_slot && p.topk_weights,
                 "expert_offsets, row_slot and topk_weights must be non-null device pointers");
+  DownLaunch out;
+  out.map_h = make_tensor_map_bf16(p.h, p.intermediate, p.max_rows, sm90::kBlockM, "h");
+  out.map_w2 = make_tensor_map_bf16(p.w2, p.intermediate, p.num_experts * p.hidden, block_n, "w2");
+  args->expert_offsets = p.expert_offsets;
+  args->num_experts = static_cast<int32_t>(p.num_experts);
+  args->down.num_k_blocks = static_cast<int32_t>(p.intermediate / sm90::kBlockK);
+  args->down.n_valid = static_cast<int32_t>(p.hidden);
+  args->down.weight_rows_per_expert = static_cast<int32_t>(p.hidden);
+  args->ys = static_cast<__nv_bfloat16*>(p.ys);
+  args->ys_row_stride = p.ys_row_stride == 0 ? p.hidden : p.ys_row_stride;
+  args->row_slot = p.row_slot;
+  args->topk_weights = p.topk_weights;
+  return out;
+}
+
+}  // namespace
+
+int64_t sm90_forward_row_blocks(int64_t max_rows, int64_t num_experts) {
+  return (max_rows + sm90::kBlockM - 1) / sm90::kBlockM + num_experts;
+}
+
+void launch_sm90_gate_up_swiglu(const Sm90GateUpParams& p) {
+  // ---- validate
+  validate_gate_up(p);
+  if (p.max_rows == 0) return;
+  KernelArgs args{};
+  const GateUpLaunch g = configure_gate_up(p, &args);  // pointer checks, maps, arguments
   const DeviceInfo info = sm90::device_info();
 
-  // ---- configure
+  // ---- launch: 128 x 256 tiles, 4 stages of 48 KB
+  if (g.direct) {
+    launch_variant<Passes::kGateUp, 256, 4, true>(info, p.num_sms, p.num_experts, g.map_xs, g.map_w13, kUnusedMap,
+                                                  kUnusedMap, args, p.stream);
+  } else {
+    launch_variant<Passes::kGateUp, 256, 4, false>(info, p.num_sms, p.num_experts, g.map_xs, g.map_w13, kUnusedMap,
+                                                   kUnusedMap, args, p.stream);
+  }
+}
+
+void launch_sm90_down_weighted(const Sm90DownParams& p) {
+  // ---- validate
+  validate_down(p);
+  if (p.max_rows == 0) return;
   KernelArgs args{};
-  args.expert_offsets = p.expert_offsets;
-  args.num_experts = static_cast<int32_t>(p.num_experts);
-  args.num_k_blocks = static_cast<int32_t>(p.intermediate / sm90::kBlockK);
-  args.n_valid = static_cast<int32_t>(p.hidden);
-  args.weight_rows_per_expert = static_cast<int32_t>(p.hidden);
-  args.ys = static_cast<__nv_bfloat16*>(p.ys);
-  args.ys_row_stride = ys_stride;
-  args.row_slot = p.row_slot;
-  args.topk_weights = p.topk_weights;
+  const int block_n = p.block_n == 0 ? 256 : p.block_n;
+  const DownLaunch d = configure_down(p, block_n, &args);
+  const DeviceInfo info = sm90::device_info();
 
   // ---- launch: 128 x 256 tiles with 4 stages of 48 KB, or 128 x 128 with 6 stages of 32 KB
-  if (p.block_n == 128) {
-    launch_down_variant<128, 6>(p, info, args);
+  if (block_n == 128) {
+    launch_variant<Passes::kDown, 128, 6, false>(info, p.num_sms, p.num_experts, kUnusedMap, kUnusedMap, d.map_h,
+                                                 d.map_w2, args, p.stream);
   } else {
-    launch_down_variant<256, 4>(p, info, args);
+    launch_variant<Passes::kDown, 256, 4, false>(info, p.num_sms, p.num_experts, kUnusedMap, kUnusedMap, d.map_h,
+                                                 d.map_w2, args, p.stream);
+  }
+}
+
+void launch_sm90_forward_gemms(const Sm90GateUpParams& gate_up, const Sm90DownParams& down, int32_t* h_ready) {
+  // ---- validate: each GEMM's own checks, then that they describe one layer and one launch
+  validate_gate_up(gate_up);
+  validate_down(down);
+  FUSEMOE_CHECK(gate_up.max_rows == down.max_rows && gate_up.hidden == down.hidden &&
+                    gate_up.intermediate == down.intermediate && gate_up.num_experts == down.num_experts,
+                "gate_up and down must have the same max_rows, hidden, intermediate and num_experts");
+  FUSEMOE_CHECK(gate_up.expert_offsets == down.expert_offsets && gate_up.h == down.h,
+                "gate_up and down must share expert_offsets and h");
+  FUSEMOE_CHECK(gate_up.num_sms == down.num_sms && gate_up.stream == down.stream,
+                "gate_up and down must have the same num_sms and stream (one launch)");
+  FUSEMOE_CHECK(down.block_n == 0 || down.block_n == 256, "down.block_n must be 0 or 256 in the one-launch forward");
+  if (gate_up.max_rows == 0) return;
+  FUSEMOE_CHECK(h_ready != nullptr && aligned16(h_ready),
+                "h_ready must be a 16-byte aligned device buffer of sm90_forward_row_blocks() int32");
+  KernelArgs args{};
+  const GateUpLaunch g = configure_gate_up(gate_up, &args);
+  const DownLaunch d = configure_down(down, 256, &args);
+  args.h_ready = h_ready;
+  const DeviceInfo info = sm90::device_info();
+
+  // ---- launch: the counters start at zero (a memset node; graph capturable), then one grid
+  FUSEMOE_CUDA_CHECK(cudaMemsetAsync(h_ready, 0,
+                                     sm90_forward_row_blocks(gate_up.max_rows, gate_up.num_experts) * sizeof(int32_t),
+                                     gate_up.stream));
+  if (g.direct) {
+    launch_variant<Passes::kBoth, 256, 4, true>(info, gate_up.num_sms, gate_up.num_experts, g.map_xs, g.map_w13,
+                                                d.map_h, d.map_w2, args, gate_up.stream);
+  } else {
+    launch_variant<Passes::kBoth, 256, 4, false>(info, gate_up.num_sms, gate_up.num_experts, g.map_xs, g.map_w13,
+                                                 d.map_h, d.map_w2, args, gate_up.stream);
   }
 }
 

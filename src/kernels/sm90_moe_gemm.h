@@ -79,4 +79,16 @@ struct Sm90DownParams {
 void launch_sm90_gate_up_swiglu(const Sm90GateUpParams& params);
 void launch_sm90_down_weighted(const Sm90DownParams& params);
 
+// Both GEMMs in one persistent launch: each CTA runs its gate/up tiles, then its down tiles; a
+// down tile starts as soon as the gate/up tiles of its 128-row block have stored h (one
+// readiness counter per block: h_ready, sm90_forward_row_blocks(max_rows, E) int32 of device
+// scratch, zeroed by this launch), not when the whole gate/up GEMM has finished. The two
+// params must describe one layer (same shapes, expert_offsets, h, num_sms, stream);
+// down.block_n 0 or 256. Deadlock-free because every CTA of the grid is resident (one per SM)
+// and every CTA issues all its gate/up tiles before any down tile; a wait longer than 5 s (a
+// bug, or a device shared with a kernel that never yields SMs) traps: the launch fails with
+// cudaErrorLaunchFailure instead of hanging.
+void launch_sm90_forward_gemms(const Sm90GateUpParams& gate_up, const Sm90DownParams& down, int32_t* h_ready);
+int64_t sm90_forward_row_blocks(int64_t max_rows, int64_t num_experts);
+
 }  // namespace fusemoe
