@@ -1,16 +1,19 @@
 // The fused forward (Impl::kFused): every step on the device, no host synchronisation, so the
 // call can be captured in a CUDA graph. Stream order:
 //   1. routing            stable counting sort of the T*K slots (kernels/routing.cu)
-//   2. one persistent TMA + wgmma launch of both grouped GEMMs (launch_sm90_forward_gemms):
-//      dispatch + gate/up + SwiGLU
-//                         the producer gathers the token rows of x straight into shared memory
-//                         (row r = token row_slot[r] / K, a source table of one entry at EP = 1;
-//                         no pool), h = silu(g) * u -> h [R, I]
-//      down + weight      w * (h W2^T) written to the token's slot row ys[t*K + j] (a
-//                         destination table of one entry at EP = 1); a down tile starts once
-//                         the gate/up tiles of its 128-row block are done (readiness counters),
-//                         while other blocks' gate/up tiles still run
-//   3. combine            y_t = sum_j ys[t*K + j] in slot order (deterministic)
+//   2. dispatch + gate/up + SwiGLU
+//                         persistent TMA + wgmma grouped GEMM whose producer gathers the token
+//                         rows of x straight into shared memory (row r = token row_slot[r] / K,
+//                         a source table of one entry at EP = 1; no pool), h = silu(g) * u
+//                         -> h [R, I]
+//   3. down + weight      persistent grouped GEMM, w * (h W2^T) written to the token's slot
+//                         row ys[t*K + j]  (a destination table of one entry at EP = 1)
+//   4. combine            y_t = sum_j ys[t*K + j] in slot order (deterministic)
+// Steps 2 and 3 as one launch with readiness counters (launch_sm90_forward_gemms: down tiles
+// of a 128-row block start once its gate/up tiles are done) gave bitwise the same output but
+// measured slower than two launches on the H200 (2026-11-29, standalone GEMM test, two
+// launches timed before and after): 30B T=16384 2.19 vs 2.03 ms, 235B T=16384 8.06 vs 7.94,
+// only 30B T=4096 faster (0.52 vs 0.54). So the forward keeps two launches.
 // Rows past expert_offsets[E] are never read or written; masked and invalid slots own no row.
 // The row count R lives on the device only: launches are sized for T*K rows, and the GEMM
 // kernels derive their tile lists from expert_offsets.
@@ -28,7 +31,6 @@ struct FusedWorkspace {
   RoutingPlan plan;
   void* h_RI = nullptr;   // bf16 SwiGLU output
   void* ys_SH = nullptr;  // bf16 weighted expert output per slot (t*K + j)
-  int32_t* h_ready = nullptr;  // per 128-row block: gate/up tiles done (zeroed by the launch)
   size_t total_bytes = 0;
 
   FusedWorkspace(const LayerConfig& c, void* base) {
@@ -37,7 +39,6 @@ struct FusedWorkspace {
     WorkspaceCarver carver(base, routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
     h_RI = carver.take(rows * c.intermediate * 2);
     ys_SH = carver.take(rows * c.hidden * 2);
-    h_ready = carver.take<int32_t>(sm90_forward_row_blocks(rows, c.num_experts) * sizeof(int32_t));
     total_bytes = carver.bytes();
   }
 };
@@ -76,6 +77,7 @@ void fused_forward(const LayerConfig& c, const ForwardArgs& args) {
   gate_up.use_swiglu_clamp = c.use_swiglu_clamp;
   gate_up.swiglu_clamp = c.swiglu_clamp;
   gate_up.stream = args.stream;
+  launch_sm90_gate_up_swiglu(gate_up);
 
   Sm90DownParams down;
   down.h = ws.h_RI;
@@ -90,7 +92,7 @@ void fused_forward(const LayerConfig& c, const ForwardArgs& args) {
   down.num_experts = c.num_experts;
   down.num_slots = num_slots;
   down.stream = args.stream;
-  launch_sm90_forward_gemms(gate_up, down, ws.h_ready);
+  launch_sm90_down_weighted(down);
 
   launch_combine_slots(ws.ys_SH, ws.plan.slot_row, args.num_tokens, c.top_k, c.hidden, args.y,
                        args.stream);
