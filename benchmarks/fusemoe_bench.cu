@@ -4,7 +4,8 @@
 //   backward, 18·H·I forward + backward; masked slots count nothing.
 // One run: GPU facts → bf16 GEMM ceiling (cuBLAS 8192³) → weights → per token count: routing
 // on the host, correctness check (NaN-poisoned outputs), timings (CUDA events, median, L2
-// flushed before every timed call) → table on stdout, progress on stderr, figures in --json.
+// flushed before every timed call, the implementations interleaved call by call) → table on
+// stdout, progress on stderr, figures in --json.
 // Exit: 0 ok, 1 a correctness check failed, 2 bad arguments, 3 no Hopper GPU, 4 runtime error.
 // Shapes: T tokens, H hidden, I expert intermediate, E experts, K top-k, R valid routed rows.
 #include <cublas_v2.h>
@@ -564,37 +565,52 @@ TimingStats summarize(std::vector<float> samples_ms) {
   return stats;
 }
 
-// Times `op` with CUDA events on `stream`: `warmup` untimed runs, then `iters` timed ones.
-// With `flush_l2`, a 256 MiB write precedes every run (outside the events) so no run reads
-// weights the previous one left in L2.
+// Times ops with CUDA events on `stream`: `warmup` untimed rounds, then `iters` timed ones;
+// a round runs every op once, in order, so the ops compared share the GPU's thermal and clock
+// state (run back to back, a kernel's time drifts by 5-10% as the GPU heats, which made a
+// sequential comparison favour whatever ran first). With `flush_l2`, a 256 MiB write precedes
+// every run (outside the events) so no run reads weights the previous one left in L2.
 class EventTimer {
  public:
   explicit EventTimer(cudaStream_t stream) : stream_(stream), flush_(kL2FlushBytes) {}
 
-  TimingStats run(const std::function<void()>& op, int warmup, int iters, bool flush_l2) {
-    std::vector<cudaEvent_t> events(2 * static_cast<size_t>(iters));
+  std::vector<TimingStats> run_interleaved(const std::vector<std::function<void()>>& ops, int warmup, int iters,
+                                           bool flush_l2) {
+    const size_t num_ops = ops.size();
+    std::vector<cudaEvent_t> events(2 * static_cast<size_t>(iters) * num_ops);
     for (cudaEvent_t& event : events) FUSEMOE_CUDA_CHECK(cudaEventCreate(&event));
+    auto event = [&](size_t op, int timed, int end) -> cudaEvent_t& { return events[(op * iters + timed) * 2 + end]; };
     try {
       for (int i = 0; i < warmup + iters; ++i) {
-        if (flush_l2) {
-          FUSEMOE_CUDA_CHECK(cudaMemsetAsync(flush_.get(), i & 0xFF, flush_.bytes(), stream_));
-        }
         const int timed = i - warmup;
-        if (timed >= 0) FUSEMOE_CUDA_CHECK(cudaEventRecord(events[2 * timed], stream_));
-        op();
-        if (timed >= 0) FUSEMOE_CUDA_CHECK(cudaEventRecord(events[2 * timed + 1], stream_));
+        for (size_t j = 0; j < num_ops; ++j) {
+          if (flush_l2) {
+            FUSEMOE_CUDA_CHECK(cudaMemsetAsync(flush_.get(), i & 0xFF, flush_.bytes(), stream_));
+          }
+          if (timed >= 0) FUSEMOE_CUDA_CHECK(cudaEventRecord(event(j, timed, 0), stream_));
+          ops[j]();
+          if (timed >= 0) FUSEMOE_CUDA_CHECK(cudaEventRecord(event(j, timed, 1), stream_));
+        }
       }
       FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      std::vector<float> samples_ms(iters);
-      for (int i = 0; i < iters; ++i) {
-        FUSEMOE_CUDA_CHECK(cudaEventElapsedTime(&samples_ms[i], events[2 * i], events[2 * i + 1]));
+      std::vector<TimingStats> stats;
+      for (size_t j = 0; j < num_ops; ++j) {
+        std::vector<float> samples_ms(iters);
+        for (int i = 0; i < iters; ++i) {
+          FUSEMOE_CUDA_CHECK(cudaEventElapsedTime(&samples_ms[i], event(j, i, 0), event(j, i, 1)));
+        }
+        stats.push_back(summarize(std::move(samples_ms)));
       }
-      for (cudaEvent_t event : events) cudaEventDestroy(event);
-      return summarize(std::move(samples_ms));
+      for (cudaEvent_t e : events) cudaEventDestroy(e);
+      return stats;
     } catch (...) {
-      for (cudaEvent_t event : events) cudaEventDestroy(event);
+      for (cudaEvent_t e : events) cudaEventDestroy(e);
       throw;
     }
+  }
+
+  TimingStats run(const std::function<void()>& op, int warmup, int iters, bool flush_l2) {
+    return run_interleaved({op}, warmup, iters, flush_l2).front();
   }
 
  private:
@@ -1148,48 +1164,66 @@ std::vector<TimingLine> time_case(const BenchContext& ctx, int64_t num_tokens, i
   };
   const double hi = static_cast<double>(ctx.config.hidden) * ctx.config.intermediate;
   std::vector<TimingLine> lines;
-  for (size_t i = 0; i < ctx.params.impls.size(); ++i) {
-    const BenchImpl& impl = ctx.params.impls[i];
-    const DeviceBuffer& workspace = ctx.workspaces[i];
-    for (const Measurement& m : kMeasurements) {
+  // Per measurement, the implementations run interleaved (EventTimer::run_interleaved), so the
+  // ratios between them do not depend on the order they are listed in.
+  for (const Measurement& m : kMeasurements) {
+    std::vector<std::function<void()>> ops;
+    std::vector<TimingLine> measured;
+    for (size_t i = 0; i < ctx.params.impls.size(); ++i) {
+      const BenchImpl& impl = ctx.params.impls[i];
+      const DeviceBuffer& workspace = ctx.workspaces[i];
       if (m.pass != Pass::kForward && !impl.has_backward) continue;
       TimingLine line;
       line.impl = impl.name;
       line.pass = m.pass;
       line.wgrad = m.pass == Pass::kForward ? "-" : wgrad_name(m.dtype);
-      std::fprintf(stderr, "[bench] %s: timing %s %s%s%s ...\n", label.c_str(), impl.name,
-                   pass_name(m.pass), m.pass == Pass::kForward ? "" : " wgrad=",
-                   m.pass == Pass::kForward ? "" : line.wgrad.c_str());
-      auto forward = [&]() {
-        run_forward(ctx.config, impl, ctx.inputs, ctx.outputs, workspace, num_tokens,
-                    ctx.stream);
+      measured.push_back(line);
+      auto forward = [&ctx, &impl, &workspace, num_tokens]() {
+        run_forward(ctx.config, impl, ctx.inputs, ctx.outputs, workspace, num_tokens, ctx.stream);
       };
-      auto backward = [&]() {
-        run_backward(ctx.config, impl, ctx.inputs, ctx.outputs, workspace, num_tokens, m.dtype,
-                     ctx.stream);
+      auto backward = [&ctx, &impl, &workspace, num_tokens, m]() {
+        run_backward(ctx.config, impl, ctx.inputs, ctx.outputs, workspace, num_tokens, m.dtype, ctx.stream);
       };
-      std::function<void()> op;
       switch (m.pass) {
         case Pass::kForward:
-          op = forward;
+          ops.push_back(forward);
           break;
         case Pass::kBackward:
-          op = backward;
+          ops.push_back(backward);
           break;
         case Pass::kForwardBackward:
-          op = [&]() {
+          ops.push_back([forward, backward]() {
             forward();
             backward();
-          };
+          });
           break;
       }
-      line.stats = ctx.timer.run(op, ctx.params.warmup, ctx.params.iters, /*flush_l2=*/true);
+    }
+    if (ops.empty()) continue;
+    std::fprintf(stderr, "[bench] %s: timing %s%s%s of %zu implementation(s), interleaved ...\n", label.c_str(),
+                 pass_name(m.pass), m.pass == Pass::kForward ? "" : " wgrad=",
+                 m.pass == Pass::kForward ? "" : wgrad_name(m.dtype), ops.size());
+    const std::vector<TimingStats> stats =
+        ctx.timer.run_interleaved(ops, ctx.params.warmup, ctx.params.iters, /*flush_l2=*/true);
+    for (size_t k = 0; k < measured.size(); ++k) {
+      TimingLine& line = measured[k];
+      line.stats = stats[k];
       line.flops = flops_per_row_in_hi(m.pass) * hi * static_cast<double>(valid_rows);
       line.tflops = line.flops / (line.stats.median_ms * 1e-3) / 1e12;
       line.pct_ceiling = 100.0 * line.tflops / ctx.ceiling_tflops;
       lines.push_back(line);
     }
   }
+  // Listed implementation by implementation, as before.
+  std::stable_sort(lines.begin(), lines.end(), [&](const TimingLine& a, const TimingLine& b) {
+    auto rank = [&](const std::string& name) {
+      for (size_t i = 0; i < ctx.params.impls.size(); ++i) {
+        if (name == ctx.params.impls[i].name) return i;
+      }
+      return ctx.params.impls.size();
+    };
+    return rank(a.impl) < rank(b.impl);
+  });
   // Speedups against the first implementation listed, same pass and weight-gradient dtype.
   for (TimingLine& line : lines) {
     for (const TimingLine& base : lines) {
