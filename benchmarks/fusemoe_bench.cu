@@ -1178,11 +1178,16 @@ std::vector<TimingLine> time_case(const BenchContext& ctx, int64_t num_tokens, i
       line.pass = m.pass;
       line.wgrad = m.pass == Pass::kForward ? "-" : wgrad_name(m.dtype);
       measured.push_back(line);
-      auto forward = [&ctx, &impl, &workspace, num_tokens]() {
-        run_forward(ctx.config, impl, ctx.inputs, ctx.outputs, workspace, num_tokens, ctx.stream);
+      // The ops outlive this iteration: they hold pointers to the context, the implementation
+      // and its workspace (all alive for the whole measurement), not references to locals.
+      const BenchContext* c = &ctx;
+      const BenchImpl* im = &impl;
+      const DeviceBuffer* ws = &workspace;
+      auto forward = [c, im, ws, num_tokens]() {
+        run_forward(c->config, *im, c->inputs, c->outputs, *ws, num_tokens, c->stream);
       };
-      auto backward = [&ctx, &impl, &workspace, num_tokens, m]() {
-        run_backward(ctx.config, impl, ctx.inputs, ctx.outputs, workspace, num_tokens, m.dtype, ctx.stream);
+      auto backward = [c, im, ws, num_tokens, m]() {
+        run_backward(c->config, *im, c->inputs, c->outputs, *ws, num_tokens, m.dtype, c->stream);
       };
       switch (m.pass) {
         case Pass::kForward:
