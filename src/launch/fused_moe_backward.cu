@@ -104,11 +104,10 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
     d1.num_slots = num_slots;
     d1.use_swiglu_clamp = c.use_swiglu_clamp;
     d1.swiglu_clamp = c.swiglu_clamp;
+    d1.block_n = sm90_dgrad_swiglu_block_n(H);  // resolved once: the reduce reads that many partials
     d1.stream = stream;
     launch_sm90_dgrad_swiglu(d1);
-    launch_router_grad_reduce(ws.router_partials,
-                              sm90_dgrad_swiglu_num_n_tiles(I, sm90_dgrad_swiglu_block_n(H, d1.block_n)),
-                              ws.plan.slot_row,
+    launch_router_grad_reduce(ws.router_partials, sm90_dgrad_swiglu_num_n_tiles(I, d1.block_n), ws.plan.slot_row,
                               num_slots, args.d_topk_weights, stream);
 
     Sm90DgradScatterParams d2;

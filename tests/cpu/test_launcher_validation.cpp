@@ -7,22 +7,12 @@
 #include <functional>
 #include <string>
 
-#include "fusemoe/error.h"
+#include "expect_error.h"
 #include "kernels/sm90_moe_backward_gemm.h"
 #include "kernels/sm90_moe_gemm.h"
 
 namespace fusemoe {
 namespace {
-
-void expect_error_mentioning(const std::function<void()>& call, const std::string& needle) {
-  try {
-    call();
-    ADD_FAILURE() << "expected fusemoe::Error mentioning '" << needle << "', nothing thrown";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message '" << e.what() << "' does not mention '" << needle << "'";
-  }
-}
 
 TEST(LauncherShapes, DgradTileWidthFollowsHidden) {
   EXPECT_EQ(sm90_dgrad_swiglu_block_n(4096), 256);  // Qwen3-235B-A22B

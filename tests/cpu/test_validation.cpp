@@ -7,6 +7,7 @@
 #include <limits>
 #include <string>
 
+#include "expect_error.h"
 #include "fusemoe/fusemoe.h"
 
 namespace fusemoe {
@@ -20,16 +21,6 @@ LayerConfig good_config() {
   c.top_k = 2;
   c.max_tokens = 64;
   return c;
-}
-
-void expect_error_mentioning(const std::function<void()>& call, const std::string& needle) {
-  try {
-    call();
-    ADD_FAILURE() << "expected fusemoe::Error mentioning '" << needle << "', nothing thrown";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message '" << e.what() << "' does not mention '" << needle << "'";
-  }
 }
 
 TEST(Validation, GoodConfigPasses) { EXPECT_NO_THROW(validate_config(good_config())); }
