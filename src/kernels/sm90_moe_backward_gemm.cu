@@ -111,8 +111,8 @@ struct KernelConfig : ModeShape<kMode> {
   // kDgradSwiglu: z chunks (16 B of gate + 16 B of up each, 8 registers) in flight ahead of the
   // epilogue. ptxas allocates within the launch bound's 168 registers (setmaxnreg does not
   // raise it): at kBlockN = 128 (64 accumulators) all 8 chunks of the tile's two rows load
-  // before the main loop; at 256 (128 accumulators) 3 fit without spilling (4 spill).
-  static constexpr int kZAhead = kBlockN == 128 ? 2 * kGroups : 3;
+  // before the main loop; at 256 (128 accumulators) only 1 fits without spilling.
+  static constexpr int kZAhead = kBlockN == 128 ? 2 * kGroups : 1;
   static constexpr int kAlign = 1024;           // 128B-swizzle atoms start 1024-byte aligned
   using LayoutA = OperandLayout<kAMnMajor>;
   using LayoutB = OperandLayout<kBMnMajor>;
@@ -568,9 +568,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                     gi = fminf(gi, args.clamp);
                     ui = fminf(fmaxf(ui, -args.clamp), args.clamp);
                   }
-                  const float s = 1.0f / (1.0f + __expf(-gi));
+                  // The approximate reciprocal, as the forward's silu (an IEEE division
+                  // is a dozen instructions and a slow-path branch per element).
+                  const float s = __fdividef(1.0f, 1.0f + __expf(-gi));
                   const float silu = gi * s;
-                  const float hv = round_bf16(silu * ui);  // the h the forward stored
+                  const float hv = round_bf16(silu * ui);  // h, recomputed from the bf16 z
                   const float ai = av[i + b];
                   dot = fmaf(hv, ai, dot);
                   const float dh = w * ai;

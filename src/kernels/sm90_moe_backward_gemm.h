@@ -97,10 +97,11 @@ struct Sm90WeightGradParams {
 
 // The output tile width over I the dgrad + SwiGLU kernel uses for Sm90DgradSwigluParams::block_n
 // (128 or 256 returned as given; 0 = by shape: 256 when hidden >= 4096, else 128). Measured on
-// the H200 (tests/gpu/test_sm90_moe_backward_gemm.cu timing, two runs on 2026-11-29, ms at
-// 256 / 128): Qwen3-30B (H=2048, I=768) R=131072 1.31 / 1.17 and 1.32 / 1.22, R=32768 0.37 /
-// 0.32; Qwen3-235B (H=4096, I=1536) R=131072 3.62 / 4.26 and 3.62 / 3.68, R=32768 1.01 / 0.99
-// and 0.99 / 1.03. The longer main loop (K = H) amortises the wider tile's epilogue.
+// the H200 (tests/gpu/test_sm90_moe_backward_gemm.cu timing, ms at 256 / 128), with z loaded
+// ahead of the epilogue and the approximate reciprocal (2026-11-29, fourth session): Qwen3-30B
+// (H=2048, I=768) R=131072 1.058 / 0.977, R=32768 0.293 / 0.254; Qwen3-235B (H=4096, I=1536)
+// R=131072 3.142 / 3.549, R=32768 0.854 / 0.911. The longer main loop (K = H) amortises the
+// wider tile's epilogue. (Same-run differences below ~8% have flipped between runs.)
 int sm90_dgrad_swiglu_block_n(int64_t hidden, int block_n = 0);
 
 // Number of output tiles over I for a resolved block_n (128 or 256): the second dimension of
