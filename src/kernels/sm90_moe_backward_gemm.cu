@@ -11,8 +11,9 @@
 // built on the device from expert_offsets):
 //   warpgroup 0 (producer, 40 registers): one thread issues the TMA loads of every
 //     (tile, k-block) into a kStages-deep ring; it runs ahead across tiles.
-//   warpgroups 1, 2 (consumers, 232 registers): consumer c owns tile rows [64c, 64c + 64) and
-//     issues wgmma m64 x N x k16, then runs the mode's epilogue from the fp32 registers.
+//   warpgroups 1, 2 (consumers, setmaxnreg 232; ptxas still compiles them within the launch
+//     bound's 168): consumer c owns tile rows [64c, 64c + 64) and issues wgmma m64 x N x k16,
+//     then runs the mode's epilogue from the fp32 registers.
 //   Ring protocol: full[s] (1 arrival + TMA bytes), empty[s] (one arrival per consumer warp).
 //
 // Weight gradients reduce over an expert's pool rows, K-blocks of 64 rows starting at the
@@ -109,8 +110,8 @@ struct KernelConfig : ModeShape<kMode> {
   static constexpr int kAccRegs = kBlockN / 2;
   static constexpr int kGroups = kBlockN / 32;  // groups of 4 n8 chunks (one quad transpose)
   // kDgradSwiglu: z chunks (16 B of gate + 16 B of up each, 8 registers) in flight ahead of the
-  // epilogue. ptxas allocates within the launch bound's 168 registers (setmaxnreg does not
-  // raise it): at kBlockN = 128 (64 accumulators) all 8 chunks of the tile's two rows load
+  // epilogue. ptxas allocates within the launch bound's 168 registers (observed: it spills
+  // once the consumers' live set passes that, setmaxnreg or not): at kBlockN = 128 (64 accumulators) all 8 chunks of the tile's two rows load
   // before the main loop; at 256 (128 accumulators) only 1 fits without spilling.
   static constexpr int kZAhead = kBlockN == 128 ? 2 * kGroups : 1;
   static constexpr int kAlign = 1024;           // 128B-swizzle atoms start 1024-byte aligned
@@ -464,8 +465,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
-      // kDgradSwiglu: z of accumulator row half 0, in flight during the main loop; half 1 is
-      // loaded into the same registers while half 0's epilogue runs.
+      // kDgradSwiglu: the first kZAhead z chunks (all of them at width 128) load now and are in
+      // flight during the main loop; each chunk the epilogue consumes frees its registers for
+      // the chunk kZAhead further on.
       constexpr int kZChunks = 2 * Config::kGroups;  // chunk c: row half c / kGroups, group c % kGroups
       constexpr int kZAhead = Config::kZAhead;
       uint4 z_gate[kZAhead], z_up[kZAhead];
