@@ -22,7 +22,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -32,7 +31,6 @@
 #include <numeric>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "fusemoe/fusemoe.h"
@@ -46,54 +44,6 @@
 using bf16 = __nv_bfloat16;
 
 namespace {
-
-// Waits for the device with a time limit: a hung persistent kernel ends the run with a message
-// naming the step instead of eating the whole time budget.
-void wait_device(const char* what, double limit_s = 30.0, cudaStream_t stream = nullptr) {
-  cudaEvent_t done;
-  CHECK_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-  CHECK_CUDA(cudaEventRecord(done, stream));
-  const auto start = std::chrono::steady_clock::now();
-  while (true) {
-    const cudaError_t status = cudaEventQuery(done);
-    if (status == cudaSuccess) break;
-    if (status != cudaErrorNotReady) {
-      std::printf("FAIL: %s: %s\n", what, cudaGetErrorString(status));
-      std::exit(1);
-    }
-    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > limit_s) {
-      std::printf("FAIL: HANG in %s (no completion after %.0f s)\n", what, limit_s);
-      std::fflush(stdout);
-      std::_Exit(3);
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-  CHECK_CUDA(cudaEventDestroy(done));
-}
-
-// ------------------------------------------------------------------------------ device helpers
-__device__ __forceinline__ uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-__device__ __forceinline__ float uniform_pm1(uint64_t seed, int64_t i) {
-  const uint64_t r = mix64(seed * 0x100000001B3ull + i);
-  return (static_cast<float>(r >> 40) / 16777216.0f) * 2.0f - 1.0f;
-}
-
-__global__ void fill_random_bf16(bf16* out, int64_t n, uint64_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    out[i] = __float2bfloat16(uniform_pm1(seed, i) * scale);
-  }
-}
-__global__ void fill_random_f32(float* out, int64_t n, uint64_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    out[i] = uniform_pm1(seed, i) * scale;
-  }
-}
 
 // out[r, c] = sum_k A[r, k] * B_e(r)[k, c] in fp32, r < R = offsets[E], c < N. B_e is K-major
 // (w[e][c][k], kBKMajor) or N-major (w[e][k][c]). 64 x 64 output tile per block, 4 x 4 per
@@ -893,44 +843,10 @@ void check_launcher(const char* name, LayerProblem& p, bool bf16_grads) {
 }
 
 // ====================================================================== part 3: timing
-struct Timer {
-  cudaEvent_t start, stop;
-  char* flush;  // written before each launch so no launch finds its inputs in L2
-  static constexpr size_t kFlushBytes = size_t(256) << 20;
-  Timer() {
-    CHECK_CUDA(cudaEventCreate(&start));
-    CHECK_CUDA(cudaEventCreate(&stop));
-    flush = device_alloc<char>(kFlushBytes);
-  }
-  ~Timer() {
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    cudaFree(flush);
-  }
-  template <typename F>
-  double median_ms(const char* what, F&& launch, int warmup = 2, int reps = 15) {
-    for (int i = 0; i < warmup; ++i) launch();
-    wait_device(what);
-    std::vector<float> times;
-    for (int i = 0; i < reps; ++i) {
-      CHECK_CUDA(cudaMemsetAsync(flush, i & 0xFF, kFlushBytes));
-      CHECK_CUDA(cudaEventRecord(start));
-      launch();
-      CHECK_CUDA(cudaEventRecord(stop));
-      wait_device(what);
-      float ms = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-      times.push_back(ms);
-    }
-    std::sort(times.begin(), times.end());
-    return times[times.size() / 2];
-  }
-};
-
 void time_kernels(KernelProblem& pb, const char* name) {
   const Shape& s = pb.s;
   const double R = double(pb.rt.R), H = double(s.H), I = double(s.I);
-  Timer timer;
+  Timer timer(2, 15);
   const double t_z = timer.median_ms("z", [&] { pb.recompute_z(); });
   const double t_d1 = timer.median_ms("dgrad1", [&] { pb.dgrad_swiglu(); });  // width by shape
   const double t_d1n = timer.median_ms("dgrad1 BN128", [&] { pb.dgrad_swiglu(128); });
@@ -968,7 +884,7 @@ void time_launcher(LayerProblem& p, const char* name) {
   const size_t ws_unf = fusemoe::workspace_bytes(c, fusemoe::Impl::kUnfused);
   void* ws = device_alloc<char>(std::max(ws_fused, ws_unf));
   Grads g = alloc_grads(p, false);
-  Timer timer;
+  Timer timer(2, 15);
   const double t_f = timer.median_ms("fused_backward", [&] {
     fusemoe::fused_backward(c, backward_args(p, g, false, false, ws, ws_fused));
   });
@@ -1009,7 +925,7 @@ void time_stages(LayerProblem& p, const char* name) {
                                     "dgrad2 scatter", "combine dx", "dW2 fp32", "dW13 fp32"};
   cudaEvent_t ev[kSteps + 1];
   for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
-  Timer timer;  // for its L2 flush buffer
+  Timer timer(2, 15);  // for its L2 flush buffer
   std::vector<std::vector<float>> ms(kSteps);
   const int32_t* num_rows = plan.expert_offsets + E;
   for (int rep = 0; rep < 9; ++rep) {

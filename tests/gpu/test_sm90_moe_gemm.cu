@@ -47,22 +47,6 @@
 using bf16 = __nv_bfloat16;
 
 // ------------------------------------------------------------------------------ device helpers
-__device__ __forceinline__ uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-// Uniform(-scale, scale), rounded to bf16.
-__global__ void fill_random_bf16(bf16* out, int64_t n, uint64_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const uint64_t r = mix64(seed * 0x100000001B3ull + i);
-    const float u = (static_cast<float>(r >> 40) / 16777216.0f) * 2.0f - 1.0f;
-    out[i] = __float2bfloat16(u * scale);
-  }
-}
-
 // out[r, c] = sum_k A[r, k] * B[e(r) * b_rows_per_expert + c, k] in fp32, for r < R = offsets[E],
 // c < N. 64 x 64 output tile per block (16 x 16 threads, 4 x 4 each); a tile spanning several
 // experts is computed once per expert and each row stored under its own expert.
@@ -441,40 +425,6 @@ bool check_problem(Problem& pb) {
 }
 
 // --------------------------------------------------------------------------------- timing
-struct Timer {
-  cudaEvent_t start, stop;
-  char* flush;  // written before each launch so no launch finds its inputs in L2
-  static constexpr size_t kFlushBytes = size_t(256) << 20;
-  Timer() {
-    CHECK_CUDA(cudaEventCreate(&start));
-    CHECK_CUDA(cudaEventCreate(&stop));
-    flush = device_alloc<char>(kFlushBytes);
-  }
-  ~Timer() {
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    cudaFree(flush);
-  }
-  template <typename F>
-  double median_ms(F&& launch, int warmup = 3, int reps = 20) {
-    for (int i = 0; i < warmup; ++i) launch();
-    std::vector<float> times;
-    for (int i = 0; i < reps; ++i) {
-      CHECK_CUDA(cudaMemsetAsync(flush, i & 0xFF, kFlushBytes));
-      CHECK_CUDA(cudaEventRecord(start));
-      launch();
-      CHECK_CUDA(cudaEventRecord(stop));
-      CHECK_CUDA(cudaEventSynchronize(stop));
-      float ms = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-      times.push_back(ms);
-    }
-    CHECK_CUDA(cudaGetLastError());
-    std::sort(times.begin(), times.end());
-    return times[times.size() / 2];
-  }
-};
-
 // cuBLAS grouped GEMM of the same problem: C_e [c_e, N] = A_e [c_e, K] * B_e [N, K]^T (bf16 out,
 // fp32 compute), one group per non-empty expert. Column-major view: C_e^T = B_e^T(op T) * A_e^T.
 struct CublasGrouped {
@@ -540,23 +490,23 @@ void time_problem(Problem& pb, cublasHandle_t handle, std::vector<TimingRow>& ta
   CublasGrouped grouped_a(pb.rt, s.E, pb.xs, pb.w13, scratch, 2 * s.I, s.H);
   CublasGrouped grouped_b(pb.rt, s.E, pb.h, pb.w2, scratch, s.H, s.I);
   TimingRow row{name, {}};
-  row.ms[0] = timer.median_ms([&] { pb.launch_gate_up(nullptr, /*direct=*/true); });
-  row.ms[1] = timer.median_ms([&] { pb.launch_gate_up(nullptr, /*direct=*/false); });
-  row.ms[2] = timer.median_ms([&] { pb.gather_pool(nullptr); });
-  row.ms[3] = timer.median_ms([&] { grouped_a.run(handle); });
-  row.ms[4] = timer.median_ms([&] { dense_gemm(handle, pb.xs, pb.w13, scratch, R, 2 * s.I, s.H); });
-  row.ms[5] = timer.median_ms([&] { pb.launch_down(nullptr, 256); });
-  row.ms[6] = timer.median_ms([&] { pb.launch_down(nullptr, 128); });
-  row.ms[7] = timer.median_ms([&] { grouped_b.run(handle); });
-  row.ms[8] = timer.median_ms([&] { dense_gemm(handle, pb.h, pb.w2, scratch, R, s.H, s.I); });
+  row.ms[0] = timer.median_ms("gate/up direct", [&] { pb.launch_gate_up(nullptr, /*direct=*/true); });
+  row.ms[1] = timer.median_ms("gate/up pool", [&] { pb.launch_gate_up(nullptr, /*direct=*/false); });
+  row.ms[2] = timer.median_ms("gather pool", [&] { pb.gather_pool(nullptr); });
+  row.ms[3] = timer.median_ms("cuBLAS grouped gate/up", [&] { grouped_a.run(handle); });
+  row.ms[4] = timer.median_ms("cuBLAS dense gate/up", [&] { dense_gemm(handle, pb.xs, pb.w13, scratch, R, 2 * s.I, s.H); });
+  row.ms[5] = timer.median_ms("down 256", [&] { pb.launch_down(nullptr, 256); });
+  row.ms[6] = timer.median_ms("down 128", [&] { pb.launch_down(nullptr, 128); });
+  row.ms[7] = timer.median_ms("cuBLAS grouped down", [&] { grouped_b.run(handle); });
+  row.ms[8] = timer.median_ms("cuBLAS dense down", [&] { dense_gemm(handle, pb.h, pb.w2, scratch, R, s.H, s.I); });
   // Two launches timed before and after the one launch (the clock drifts as the GPU warms).
   auto two = [&] {
     pb.launch_gate_up(nullptr, /*direct=*/true);
     pb.launch_down(nullptr, 256);
   };
-  const double two_before = timer.median_ms(two);
-  row.ms[9] = timer.median_ms([&] { pb.launch_both(nullptr); });
-  const double two_launches = 0.5 * (two_before + timer.median_ms(two));
+  const double two_before = timer.median_ms("two launches", two);
+  row.ms[9] = timer.median_ms("one launch", [&] { pb.launch_both(nullptr); });
+  const double two_launches = 0.5 * (two_before + timer.median_ms("two launches", two));
   CHECK_CUDA(cudaFree(scratch));
   table.push_back(row);
   const double flop_a = 2.0 * R * s.H * 2 * s.I, flop_b = 2.0 * R * s.I * s.H;
