@@ -62,6 +62,16 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
   launch_routing(args.topk_idx, args.num_tokens, c.top_k, E, ws.plan, args.expert_id_report,
                  stream);
 
+  // The routing and shape fields every row-tile GEMM below takes.
+  auto set_rows_problem = [&](auto& p) {
+    p.expert_offsets = ws.plan.expert_offsets;
+    p.max_rows = num_slots;
+    p.hidden = H;
+    p.intermediate = I;
+    p.num_experts = E;
+    p.stream = stream;
+  };
+
   if (num_slots > 0) {
     const int32_t* num_rows_device = ws.plan.expert_offsets + E;
     launch_gather_rows_device_count(args.x, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H,
@@ -77,12 +87,7 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
       z.xs = ws.xs_RH;
       z.w13 = args.w13;
       z.z = ws.z_RF;
-      z.expert_offsets = ws.plan.expert_offsets;
-      z.max_rows = num_slots;
-      z.hidden = H;
-      z.intermediate = I;
-      z.num_experts = E;
-      z.stream = stream;
+      set_rows_problem(z);
       launch_sm90_recompute_z(z);
       z_RF = ws.z_RF;
     }
@@ -91,21 +96,16 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
     d1.dys = ws.dys_RH;
     d1.w2 = args.w2;
     d1.z = z_RF;
-    d1.expert_offsets = ws.plan.expert_offsets;
+    set_rows_problem(d1);
     d1.row_slot = ws.plan.row_slot;
     d1.topk_weights = args.topk_weights;
     d1.dz = ws.dz_RF;
     d1.wh = ws.wh_RI;
     d1.router_partials = ws.router_partials;
-    d1.max_rows = num_slots;
-    d1.hidden = H;
-    d1.intermediate = I;
-    d1.num_experts = E;
     d1.num_slots = num_slots;
     d1.use_swiglu_clamp = c.use_swiglu_clamp;
     d1.swiglu_clamp = c.swiglu_clamp;
     d1.block_n = sm90_dgrad_swiglu_block_n(H);  // resolved once: the reduce reads that many partials
-    d1.stream = stream;
     launch_sm90_dgrad_swiglu(d1);
     launch_router_grad_reduce(ws.router_partials, sm90_dgrad_swiglu_num_n_tiles(I, d1.block_n), ws.plan.slot_row,
                               num_slots, args.d_topk_weights, stream);
@@ -114,14 +114,9 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
     d2.dz = ws.dz_RF;
     d2.w13 = args.w13;
     d2.dx_slots = ws.dx_slots_SH;
-    d2.expert_offsets = ws.plan.expert_offsets;
+    set_rows_problem(d2);
     d2.row_slot = ws.plan.row_slot;
-    d2.max_rows = num_slots;
-    d2.hidden = H;
-    d2.intermediate = I;
-    d2.num_experts = E;
     d2.num_slots = num_slots;
-    d2.stream = stream;
     launch_sm90_dgrad_scatter(d2);
     launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream);
   }
