@@ -75,7 +75,7 @@ struct ForwardArgs {
   const void* w2 = nullptr;             // [E, H, I] bf16
   void* y = nullptr;                    // [T, H] bf16 (output)
   int64_t num_tokens = 0;               // T, 0 <= T <= max_tokens
-  void* workspace = nullptr;            // workspace_bytes(config, impl) bytes, 256-byte aligned
+  void* workspace = nullptr;            // workspace_bytes(config, impl[, use]) bytes, 256-byte aligned
   size_t workspace_bytes = 0;
   cudaStream_t stream = nullptr;
   // Implementations that never synchronise (kFused) check expert ids without blocking the
@@ -127,8 +127,20 @@ struct BackwardArgs {
 // Throws fusemoe::Error naming the first field that breaks a limit above.
 void validate_config(const LayerConfig& config);
 
-// Bytes of device workspace that forward and backward need for this config (same for both).
+// Bytes of device workspace that every call (forward, backward with or without saved_z) for
+// this config accepts: the largest of the per-call sizes below, so one buffer serves them all.
 size_t workspace_bytes(const LayerConfig& config, Impl impl);
+
+// The call a workspace is for, when a caller allocates one per call (each call checks only its
+// own need). Impl::kFused: the forward needs the routing plan, h and the slot outputs; the
+// backward given the forward's saved_z needs no room for z (2·I·K·2 bytes per token less: 24 KiB
+// for Qwen3-30B-A3B, 48 KiB for Qwen3-235B-A22B). The other impls need the same for every call.
+enum class WorkspaceUse {
+  kForward,         // forward, with or without saved_z
+  kBackward,        // backward that recomputes z (saved_z null)
+  kBackwardSavedZ,  // backward given the forward's saved_z
+};
+size_t workspace_bytes(const LayerConfig& config, Impl impl, WorkspaceUse use);
 
 // Bytes of a ForwardArgs::saved_z buffer: max_tokens * top_k * 2 * intermediate bf16
 // (2·I·K·2 bytes per token: 24 KiB for Qwen3-30B-A3B, 48 KiB for Qwen3-235B-A22B).

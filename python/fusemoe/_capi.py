@@ -9,10 +9,11 @@ import ctypes
 import os
 import threading
 
-ABI_VERSION = 3  # FUSEMOE_C_ABI_VERSION this binding is written for
+ABI_VERSION = 4  # FUSEMOE_C_ABI_VERSION this binding is written for
 WEIGHT_GRAD_FLOAT32 = 0
 WEIGHT_GRAD_BFLOAT16 = 1
 EXPERT_ID_REPORT_INTS = 3  # fusemoe::kExpertIdReportInts
+WORKSPACE_USES = {"forward": 0, "backward": 1, "backward_saved_z": 2}  # FUSEMOE_C_WORKSPACE_*
 
 _DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "build",
                              "libfusemoe_c.so")
@@ -25,6 +26,7 @@ _SIGNATURES = {
     "fusemoe_c_last_error": ([], ctypes.c_char_p),
     "fusemoe_c_impl_code": ([ctypes.c_char_p, ctypes.POINTER(_i32)], _i32),
     "fusemoe_c_workspace_bytes": (_LAYER + [ctypes.POINTER(_u64)], _i32),
+    "fusemoe_c_workspace_bytes_for": (_LAYER + [_i32, ctypes.POINTER(_u64)], _i32),
     "fusemoe_c_saved_z_bytes": (_LAYER[:-1] + [ctypes.POINTER(_u64)], _i32),
     # x, topk_idx, topk_weights, w13, w2, y, num_tokens, workspace, workspace_bytes,
     # expert_id_report, saved_z, stream
@@ -111,11 +113,19 @@ def impl_code(name):
     return code
 
 
-def workspace_bytes(layer, impl):
-    """layer = (hidden, intermediate, num_experts, top_k, max_tokens)."""
+def workspace_bytes(layer, impl, use=None):
+    """layer = (hidden, intermediate, num_experts, top_k, max_tokens). use: None (what every call
+    accepts) or one of WORKSPACE_USES ("forward", "backward", "backward_saved_z"): what that
+    kind of call needs."""
     lib = load()
     out = _u64()
-    _check(lib.fusemoe_c_workspace_bytes(*layer, impl_code(impl), ctypes.byref(out)))
+    if use is None:
+        _check(lib.fusemoe_c_workspace_bytes(*layer, impl_code(impl), ctypes.byref(out)))
+    else:
+        if use not in WORKSPACE_USES:
+            raise FusemoeError(f"use must be one of {sorted(WORKSPACE_USES)} or None, got {use!r}")
+        _check(lib.fusemoe_c_workspace_bytes_for(*layer, impl_code(impl), WORKSPACE_USES[use],
+                                                 ctypes.byref(out)))
     return out.value
 
 

@@ -141,14 +141,16 @@ def _check_impl(impl):
         _capi.impl_code(impl)
 
 
-_workspace_sizes = {}  # (layer, impl) -> bytes: the size query is a C call, the op runs often
+_workspace_sizes = {}  # (layer, impl, use) -> bytes: the size query is a C call, the op runs often
 
 
-def _workspace(layer, impl, device):
-    key = (layer, impl)
+def _workspace(layer, impl, device, use):
+    """A workspace for one call of kind `use` (_capi.WORKSPACE_USES): each call gets only what it
+    needs (a backward given saved z needs no room for z)."""
+    key = (layer, impl, use)
     num_bytes = _workspace_sizes.get(key)
     if num_bytes is None:
-        num_bytes = _workspace_sizes.setdefault(key, _capi.workspace_bytes(layer, impl))
+        num_bytes = _workspace_sizes.setdefault(key, _capi.workspace_bytes(layer, impl, use))
     # The caching allocator returns 512-byte aligned blocks (the library needs 256).
     return torch.empty(max(num_bytes, 1), dtype=torch.uint8, device=device), num_bytes
 
@@ -175,7 +177,7 @@ def moe_experts_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tens
     z_SF = _empty_saved_z(x_TH, layer, save_z)
     with torch.cuda.device(x_TH.device):
         report = _expert_id_report(x_TH.device, layer[2], layer[3])
-        workspace, num_bytes = _workspace(layer, impl, x_TH.device)
+        workspace, num_bytes = _workspace(layer, impl, x_TH.device, "forward")
         _capi.forward(layer, impl, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
                       topk_weights_TK.data_ptr(), w13_EFH.data_ptr(), w2_EHI.data_ptr(),
                       y_TH.data_ptr(), layer[-1], workspace.data_ptr(), num_bytes, report,
@@ -237,7 +239,8 @@ def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
     d_topk_weights_TK = torch.empty_like(topk_weights_TK)
     with torch.cuda.device(x_TH.device):
         report = _expert_id_report(x_TH.device, layer[2], layer[3])
-        workspace, num_bytes = _workspace(layer, impl, x_TH.device)
+        use = "backward" if saved_z_SF is None else "backward_saved_z"
+        workspace, num_bytes = _workspace(layer, impl, x_TH.device, use)
         _capi.backward(layer, impl, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
                        topk_weights_TK.data_ptr(), w13_EFH.data_ptr(), w2_EHI.data_ptr(),
                        dy_TH.data_ptr(), dx_TH.data_ptr(), d_topk_weights_TK.data_ptr(),

@@ -109,13 +109,26 @@ void check_device() {
                                               << "." << minor);
 }
 
-void check_workspace(const LayerConfig& config, Impl impl, const void* workspace, size_t bytes) {
-  const size_t needed = workspace_bytes(config, impl);
+const char* use_name(WorkspaceUse use) {
+  switch (use) {
+    case WorkspaceUse::kForward: return "forward";
+    case WorkspaceUse::kBackward: return "backward";
+    case WorkspaceUse::kBackwardSavedZ: return "backward with saved_z";
+  }
+  return "unknown";
+}
+
+// Each call checks its own need (workspace_bytes(config, impl, use)): a buffer of
+// workspace_bytes(config, impl) passes every check.
+void check_workspace(const LayerConfig& config, Impl impl, WorkspaceUse use, const void* workspace,
+                     size_t bytes) {
+  const size_t needed = workspace_bytes(config, impl, use);
   FUSEMOE_CHECK(workspace != nullptr, "workspace must not be null (need " << needed << " bytes)");
   FUSEMOE_CHECK(aligned(workspace, kWorkspaceAlignment),
                 "workspace must be " << kWorkspaceAlignment << "-byte aligned");
   FUSEMOE_CHECK(bytes >= needed, "workspace_bytes: " << bytes << " bytes given, " << needed
-                                                     << " needed for impl " << impl_name(impl));
+                                                     << " needed for impl " << impl_name(impl) << " ("
+                                                     << use_name(use) << ")");
 }
 
 void check_num_tokens(const LayerConfig& config, int64_t num_tokens) {
@@ -168,14 +181,26 @@ void validate_config(const LayerConfig& c) {
   }
 }
 
-size_t workspace_bytes(const LayerConfig& config, Impl impl) {
+size_t workspace_bytes(const LayerConfig& config, Impl impl, WorkspaceUse use) {
   validate_config(config);
   check_impl(impl);
-  // One workspace serves both directions; both carve the routing plan at its start.
-  if (impl == Impl::kFused) {
-    return std::max(fused_workspace_bytes(config), fused_backward_workspace_bytes(config));
+  FUSEMOE_CHECK(use == WorkspaceUse::kForward || use == WorkspaceUse::kBackward ||
+                    use == WorkspaceUse::kBackwardSavedZ,
+                "use: unknown WorkspaceUse value " << static_cast<int>(use));
+  if (impl != Impl::kFused) return unfused_workspace_bytes(config, impl);
+  // Both directions carve the routing plan at the start of the workspace.
+  switch (use) {
+    case WorkspaceUse::kForward: return fused_workspace_bytes(config);
+    case WorkspaceUse::kBackward: return fused_backward_workspace_bytes(config, /*z_saved=*/false);
+    case WorkspaceUse::kBackwardSavedZ: return fused_backward_workspace_bytes(config, /*z_saved=*/true);
   }
-  return unfused_workspace_bytes(config, impl);
+  return 0;  // not reached: checked above
+}
+
+size_t workspace_bytes(const LayerConfig& config, Impl impl) {
+  return std::max({workspace_bytes(config, impl, WorkspaceUse::kForward),
+                   workspace_bytes(config, impl, WorkspaceUse::kBackward),
+                   workspace_bytes(config, impl, WorkspaceUse::kBackwardSavedZ)});
 }
 
 void check_expert_ids(const LayerConfig& config, Impl impl, const void* workspace,
@@ -222,7 +247,7 @@ void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
     check_tensor(a.y, "y", kTmaAlignment);
   }
   check_saved_z(impl, a.saved_z);
-  check_workspace(config, impl, a.workspace, a.workspace_bytes);
+  check_workspace(config, impl, WorkspaceUse::kForward, a.workspace, a.workspace_bytes);
   check_device();
   for (auto [p, name] : {std::pair<const void*, const char*>{a.w13, "w13"}, {a.w2, "w2"},
                          {a.workspace, "workspace"}}) {
@@ -263,7 +288,8 @@ void backward(const LayerConfig& config, Impl impl, const BackwardArgs& a) {
     check_tensor(a.d_topk_weights, "d_topk_weights", 4);
   }
   check_saved_z(impl, a.saved_z);
-  check_workspace(config, impl, a.workspace, a.workspace_bytes);
+  check_workspace(config, impl, a.saved_z != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward,
+                  a.workspace, a.workspace_bytes);
   check_device();
   for (auto [p, name] : {std::pair<const void*, const char*>{a.w13, "w13"}, {a.w2, "w2"},
                          {a.dw13, "dw13"}, {a.dw2, "dw2"}, {a.workspace, "workspace"}}) {

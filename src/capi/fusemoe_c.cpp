@@ -114,6 +114,23 @@ int32_t fusemoe_c_workspace_bytes(int64_t hidden, int64_t intermediate, int64_t 
   });
 }
 
+int32_t fusemoe_c_workspace_bytes_for(int64_t hidden, int64_t intermediate, int64_t num_experts,
+                                      int64_t top_k, int64_t max_tokens, int32_t impl_code, int32_t use,
+                                      uint64_t* bytes) {
+  return guarded([&] {
+    FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
+    FUSEMOE_CHECK(use == FUSEMOE_C_WORKSPACE_FORWARD || use == FUSEMOE_C_WORKSPACE_BACKWARD ||
+                      use == FUSEMOE_C_WORKSPACE_BACKWARD_SAVED_Z,
+                  "use: unknown workspace use " << use << " (0 forward, 1 backward, 2 backward with saved_z)");
+    static_assert(static_cast<int>(fusemoe::WorkspaceUse::kForward) == FUSEMOE_C_WORKSPACE_FORWARD &&
+                      static_cast<int>(fusemoe::WorkspaceUse::kBackward) == FUSEMOE_C_WORKSPACE_BACKWARD &&
+                      static_cast<int>(fusemoe::WorkspaceUse::kBackwardSavedZ) == FUSEMOE_C_WORKSPACE_BACKWARD_SAVED_Z,
+                  "C codes of the workspace uses");
+    const auto config = make_config(hidden, intermediate, num_experts, top_k, max_tokens);
+    *bytes = fusemoe::workspace_bytes(config, impl_from_code(impl_code), static_cast<fusemoe::WorkspaceUse>(use));
+  });
+}
+
 int32_t fusemoe_c_saved_z_bytes(int64_t hidden, int64_t intermediate, int64_t num_experts,
                                 int64_t top_k, int64_t max_tokens, uint64_t* bytes) {
   return guarded([&] {

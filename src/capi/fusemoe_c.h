@@ -18,7 +18,7 @@ extern "C" {
 #define FUSEMOE_C_API __attribute__((visibility("default")))
 
 /* Raised whenever a function's signature or meaning changes; bindings refuse other versions. */
-#define FUSEMOE_C_ABI_VERSION 3
+#define FUSEMOE_C_ABI_VERSION 4
 
 typedef enum {
   FUSEMOE_C_OK = 0,
@@ -40,10 +40,23 @@ FUSEMOE_C_API const char* fusemoe_c_last_error(void);
 /* "unfused", "reference_fp32", ... -> the code the other functions take. */
 FUSEMOE_C_API int32_t fusemoe_c_impl_code(const char* name, int32_t* impl_code);
 
+/* Bytes of workspace that every forward and backward call of the layer accepts. */
 FUSEMOE_C_API int32_t fusemoe_c_workspace_bytes(int64_t hidden, int64_t intermediate,
                                                 int64_t num_experts, int64_t top_k,
                                                 int64_t max_tokens, int32_t impl_code,
                                                 uint64_t* bytes);
+
+/* Values of `use` in fusemoe_c_workspace_bytes_for (fusemoe::WorkspaceUse). */
+#define FUSEMOE_C_WORKSPACE_FORWARD 0
+#define FUSEMOE_C_WORKSPACE_BACKWARD 1           /* backward with saved_z NULL (z recomputed) */
+#define FUSEMOE_C_WORKSPACE_BACKWARD_SAVED_Z 2   /* backward given the forward's saved_z */
+
+/* Bytes of workspace one kind of call needs (each call checks only its own need): for callers
+ * that allocate a workspace per call. ABI version 4. */
+FUSEMOE_C_API int32_t fusemoe_c_workspace_bytes_for(int64_t hidden, int64_t intermediate,
+                                                    int64_t num_experts, int64_t top_k,
+                                                    int64_t max_tokens, int32_t impl_code,
+                                                    int32_t use, uint64_t* bytes);
 
 /* expert_id_report (forward and backward): NULL, or fusemoe::kExpertIdReportInts (3) int32 the
  * caller zeroed once, in device memory or pinned host memory (see fusemoe::ForwardArgs::

@@ -1,15 +1,17 @@
 // The fused backward (Impl::kFused): every step on the device, no host synchronisation, so the
-// call can be captured in a CUDA graph. The forward saved only its inputs. Stream order:
+// call can be captured in a CUDA graph. The forward saved its inputs and, optionally, z
+// (BackwardArgs::saved_z). Stream order:
 //   1. routing            the forward's stable counting sort, recomputed (kernels/routing.cu)
 //   2. dispatch           gather x and dy rows into the expert-sorted pools xs, dys [R, H]
-//   3. recompute z        z = xs W13_e^T                                   -> z [R, 2I] bf16
+//   3. recompute z        z = xs W13_e^T (skipped with saved_z)            -> z [R, 2I] bf16
 //   4. dgrad + SwiGLU     a = dys W2_e; dz, w*h, per-tile <h, a>           -> dz, wh, partials
 //   5. router reduce      d_topk_w[s] = sum of the row's partials (0 for masked slots)
 //   6. dgrad scatter      dxs = dz W13_e written to the slot row dx_slots[t*K + j]
 //   7. combine            dx_t = sum_j dx_slots[t*K + j] in slot order (deterministic)
 //   8. weight gradients   dW2_e = dys^T wh, dW13_e = dz^T xs, one CTA per output tile
-// Memory per routed row (bf16): xs, dys, dx_slots [H] each + z, dz [2I] each + wh [I], plus
-// one fp32 per row and dgrad tile; nothing is kept from the forward.
+// Memory per routed row (bf16): xs, dys, dx_slots [H] each + dz [2I] + wh [I] + z [2I] (only
+// when recomputed: with the forward's saved z the workspace ends before it), plus one fp32 per
+// row and dgrad tile.
 #include "launch/fused_moe_backward.h"
 
 #include "common/workspace_carver.h"
@@ -23,38 +25,38 @@ struct FusedBackwardWorkspace {
   RoutingPlan plan;
   void* xs_RH = nullptr;        // bf16 gathered x
   void* dys_RH = nullptr;       // bf16 gathered dy
-  void* z_RF = nullptr;         // bf16 recomputed [g | u], F = 2I
-  void* dz_RF = nullptr;        // bf16
+  void* dz_RF = nullptr;        // bf16, F = 2I
   void* wh_RI = nullptr;        // bf16 w * h
   void* dx_slots_SH = nullptr;  // bf16 per-slot dx rows (t*K + j)
   float* router_partials = nullptr;  // [R, num dgrad tiles] fp32
+  void* z_RF = nullptr;         // bf16 recomputed [g | u]; last, and absent when z is saved
   size_t total_bytes = 0;
 
-  FusedBackwardWorkspace(const LayerConfig& c, void* base) {
+  FusedBackwardWorkspace(const LayerConfig& c, void* base, bool z_saved) {
     const int64_t rows = c.max_tokens * c.top_k;
     const int64_t H = c.hidden, I = c.intermediate;
     if (base) carve_routing_plan(static_cast<char*>(base), c.max_tokens, c.top_k, c.num_experts, &plan);
     WorkspaceCarver carver(base, routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
     xs_RH = carver.take(rows * H * 2);
     dys_RH = carver.take(rows * H * 2);
-    z_RF = carver.take(rows * 2 * I * 2);
     dz_RF = carver.take(rows * 2 * I * 2);
     wh_RI = carver.take(rows * I * 2);
     dx_slots_SH = carver.take(rows * H * 2);
     // Sized for the narrowest dgrad tile (the most partials per row).
     router_partials = carver.take<float>(rows * sm90_dgrad_swiglu_num_n_tiles(I, 128) * sizeof(float));
+    if (!z_saved) z_RF = carver.take(rows * 2 * I * 2);
     total_bytes = carver.bytes();
   }
 };
 
 }  // namespace
 
-size_t fused_backward_workspace_bytes(const LayerConfig& config) {
-  return FusedBackwardWorkspace(config, nullptr).total_bytes;
+size_t fused_backward_workspace_bytes(const LayerConfig& config, bool z_saved) {
+  return FusedBackwardWorkspace(config, nullptr, z_saved).total_bytes;
 }
 
 void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
-  const FusedBackwardWorkspace ws(c, args.workspace);
+  const FusedBackwardWorkspace ws(c, args.workspace, args.saved_z != nullptr);
   const int64_t H = c.hidden, I = c.intermediate, E = c.num_experts;
   const int64_t num_slots = args.num_tokens * c.top_k;  // upper bound of the rows in use
   cudaStream_t stream = args.stream;

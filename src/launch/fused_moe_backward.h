@@ -8,8 +8,9 @@
 namespace fusemoe {
 
 // Workspace of the fused backward; the routing plan sits at its start, as in the fused
-// forward's workspace, so fused_routing_plan() finds the record of either call.
-size_t fused_backward_workspace_bytes(const LayerConfig& config);
+// forward's workspace, so fused_routing_plan() finds the record of either call. The room for
+// the recomputed z comes last, so a backward given the forward's saved z (z_saved) needs less.
+size_t fused_backward_workspace_bytes(const LayerConfig& config, bool z_saved);
 void fused_backward(const LayerConfig& config, const BackwardArgs& args);
 
 }  // namespace fusemoe

@@ -2,6 +2,7 @@
 // must throw fusemoe::Error whose message names the argument, before any device work.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -144,22 +145,28 @@ TEST(Validation, ForwardArgumentsNamed) {
   EXPECT_EQ(saved_z_bytes(c), static_cast<size_t>(c.max_tokens * c.top_k * 2 * c.intermediate * 2));
 }
 
+// As plausible_forward_args, for the backward.
+BackwardArgs plausible_backward_args() {
+  BackwardArgs a;
+  a.x = reinterpret_cast<const void*>(0x10000);
+  a.topk_idx = reinterpret_cast<const int32_t*>(0x20000);
+  a.topk_weights = reinterpret_cast<const float*>(0x30000);
+  a.w13 = reinterpret_cast<const void*>(0x40000);
+  a.w2 = reinterpret_cast<const void*>(0x50000);
+  a.dy = reinterpret_cast<const void*>(0x60000);
+  a.dx = reinterpret_cast<void*>(0x70000);
+  a.d_topk_weights = reinterpret_cast<float*>(0x80000);
+  a.dw13 = reinterpret_cast<void*>(0x90000);
+  a.dw2 = reinterpret_cast<void*>(0xa0000);
+  a.num_tokens = 8;
+  a.workspace = reinterpret_cast<void*>(0xb0000);
+  a.workspace_bytes = workspace_bytes(good_config(), Impl::kUnfused);
+  return a;
+}
+
 TEST(Validation, BackwardArgumentsNamed) {
   const LayerConfig c = good_config();
-  BackwardArgs base;
-  base.x = reinterpret_cast<const void*>(0x10000);
-  base.topk_idx = reinterpret_cast<const int32_t*>(0x20000);
-  base.topk_weights = reinterpret_cast<const float*>(0x30000);
-  base.w13 = reinterpret_cast<const void*>(0x40000);
-  base.w2 = reinterpret_cast<const void*>(0x50000);
-  base.dy = reinterpret_cast<const void*>(0x60000);
-  base.dx = reinterpret_cast<void*>(0x70000);
-  base.d_topk_weights = reinterpret_cast<float*>(0x80000);
-  base.dw13 = reinterpret_cast<void*>(0x90000);
-  base.dw2 = reinterpret_cast<void*>(0xa0000);
-  base.num_tokens = 8;
-  base.workspace = reinterpret_cast<void*>(0xb0000);
-  base.workspace_bytes = workspace_bytes(c, Impl::kUnfused);
+  const BackwardArgs base = plausible_backward_args();
   struct Case {
     std::function<void(BackwardArgs&)> mutate;
     const char* needle;
@@ -181,6 +188,41 @@ TEST(Validation, BackwardArgumentsNamed) {
     tc.mutate(a);
     expect_error_mentioning([&] { backward(c, Impl::kUnfused, a); }, tc.needle);
   }
+}
+
+// Per-call workspace sizes (WorkspaceUse): the fused backward given saved z needs exactly the
+// room for z less (to the 256-byte alignment of the carve), every call checks only its own need,
+// and workspace_bytes(config, impl) is the largest.
+TEST(Validation, WorkspacePerCall) {
+  LayerConfig c = good_config();
+  c.max_tokens = 1000;
+  const size_t fwd = workspace_bytes(c, Impl::kFused, WorkspaceUse::kForward);
+  const size_t bwd = workspace_bytes(c, Impl::kFused, WorkspaceUse::kBackward);
+  const size_t bwd_z = workspace_bytes(c, Impl::kFused, WorkspaceUse::kBackwardSavedZ);
+  EXPECT_EQ(workspace_bytes(c, Impl::kFused), std::max({fwd, bwd, bwd_z}));
+  EXPECT_LT(fwd, bwd);
+  EXPECT_GE(bwd - bwd_z, saved_z_bytes(c));
+  EXPECT_LT(bwd - bwd_z, saved_z_bytes(c) + 256);
+  for (Impl impl : {Impl::kUnfused, Impl::kReferenceFp32}) {
+    for (WorkspaceUse use : {WorkspaceUse::kForward, WorkspaceUse::kBackward, WorkspaceUse::kBackwardSavedZ}) {
+      EXPECT_EQ(workspace_bytes(c, impl, use), workspace_bytes(c, impl));
+    }
+  }
+  expect_error_mentioning([&] { (void)workspace_bytes(c, Impl::kFused, static_cast<WorkspaceUse>(5)); },
+                          "WorkspaceUse");
+
+  // One byte short of a call's own need fails, naming the call.
+  ForwardArgs fa = plausible_forward_args();
+  fa.workspace_bytes = fwd - 1;
+  expect_error_mentioning([&] { forward(c, Impl::kFused, fa); }, "needed for impl fused (forward)");
+  BackwardArgs ba = plausible_backward_args();
+  ba.saved_z = reinterpret_cast<const void*>(0xc0000);
+  ba.workspace_bytes = bwd_z - 1;
+  expect_error_mentioning([&] { backward(c, Impl::kFused, ba); }, "needed for impl fused (backward with saved_z)");
+  // Without saved z the backward needs the room for z: the saved-z size is too small.
+  ba.saved_z = nullptr;
+  ba.workspace_bytes = bwd_z;
+  expect_error_mentioning([&] { backward(c, Impl::kFused, ba); }, "needed for impl fused (backward)");
 }
 
 }  // namespace

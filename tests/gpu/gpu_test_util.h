@@ -277,9 +277,14 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   DeviceBuffer y(d.T * d.H * 2), dx(d.T * d.H * 2), dtw(d.T * d.K * 4);
   const size_t grad_elem = opt.grad_dtype == WeightGradDtype::kBFloat16 ? 2 : 4;
   DeviceBuffer dw13(d.E * 2 * d.I * d.H * grad_elem), dw2(d.E * d.H * d.I * grad_elem);
-  DeviceBuffer workspace(workspace_bytes(config, impl));
+  // Each call gets exactly the workspace its kind of call needs (WorkspaceUse), so every test
+  // here checks that no step reaches past its own need (the backward with saved z has no room
+  // for z); the benchmark and the unfused tests use the one size that serves all calls.
+  DeviceBuffer workspace(workspace_bytes(config, impl, WorkspaceUse::kForward));
+  DeviceBuffer bwd_workspace(
+      workspace_bytes(config, impl, opt.save_z ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward));
   DeviceBuffer saved_z(opt.save_z ? saved_z_bytes(config) : 0);
-  for (DeviceBuffer* b : {&y, &dx, &dtw, &dw13, &dw2, &workspace, &saved_z}) b->poison();
+  for (DeviceBuffer* b : {&y, &dx, &dtw, &dw13, &dw2, &workspace, &bwd_workspace, &saved_z}) b->poison();
   if (opt.accumulate) {
     auto upload = [&](DeviceBuffer& dst, const std::vector<float>& init) {
       if (opt.grad_dtype == WeightGradDtype::kFloat32) {
@@ -306,7 +311,6 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   fa.expert_id_report = opt.expert_id_report;
   fa.saved_z = opt.save_z ? saved_z.get() : nullptr;
   forward(config, impl, fa);
-  workspace.poison();
   BackwardArgs ba;
   ba.x = x.get();
   ba.topk_idx = fa.topk_idx;
@@ -321,8 +325,8 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   ba.weight_grad_dtype = opt.grad_dtype;
   ba.accumulate_weight_grads = opt.accumulate;
   ba.num_tokens = d.T;
-  ba.workspace = workspace.get();
-  ba.workspace_bytes = workspace.bytes();
+  ba.workspace = bwd_workspace.get();
+  ba.workspace_bytes = bwd_workspace.bytes();
   ba.expert_id_report = opt.expert_id_report;
   ba.saved_z = opt.save_z ? saved_z.get() : nullptr;
   backward(config, impl, ba);

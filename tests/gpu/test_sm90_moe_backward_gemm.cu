@@ -741,7 +741,7 @@ void check_launcher(const char* name, LayerProblem& p, bool bf16_grads) {
   std::printf("launcher %s: T=%lld K=%lld E=%lld H=%lld I=%lld%s, %s weight grads\n", name, (long long)p.T,
               (long long)c.top_k, (long long)c.num_experts, (long long)c.hidden, (long long)c.intermediate,
               c.use_swiglu_clamp ? " clamp 1.5" : "", bf16_grads ? "bf16" : "fp32");
-  const size_t ws_fused = fusemoe::fused_backward_workspace_bytes(c);
+  const size_t ws_fused = fusemoe::fused_backward_workspace_bytes(c, /*z_saved=*/false);
   const size_t ws_ref = std::max(fusemoe::workspace_bytes(c, fusemoe::Impl::kReferenceFp32),
                                  fusemoe::workspace_bytes(c, fusemoe::Impl::kUnfused));
   void* ws = device_alloc<char>(std::max(ws_fused, ws_ref));
@@ -880,7 +880,7 @@ void time_kernels(KernelProblem& pb, const char* name) {
 
 void time_launcher(LayerProblem& p, const char* name) {
   const auto& c = p.config;
-  const size_t ws_fused = fusemoe::fused_backward_workspace_bytes(c);
+  const size_t ws_fused = fusemoe::fused_backward_workspace_bytes(c, /*z_saved=*/false);
   const size_t ws_unf = fusemoe::workspace_bytes(c, fusemoe::Impl::kUnfused);
   void* ws = device_alloc<char>(std::max(ws_fused, ws_unf));
   Grads g = alloc_grads(p, false);

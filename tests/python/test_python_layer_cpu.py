@@ -123,6 +123,22 @@ def test_c_abi_errors_carry_the_library_message():
     assert _capi.workspace_bytes((128, 64, 6, 2, 37), "unfused") > 0
 
 
+def test_workspace_per_call():
+    """Each kind of call has its own size; the fused backward given saved z needs the room for
+    z less; no use is the size every call accepts."""
+    require_library()
+    layer = (256, 128, 8, 2, 1000)
+    sizes = {use: _capi.workspace_bytes(layer, "fused", use) for use in _capi.WORKSPACE_USES}
+    assert _capi.workspace_bytes(layer, "fused") == max(sizes.values())
+    z_bytes = _capi.saved_z_bytes(layer)
+    assert z_bytes <= sizes["backward"] - sizes["backward_saved_z"] < z_bytes + 256
+    assert sizes["forward"] < sizes["backward"]
+    for use in _capi.WORKSPACE_USES:
+        assert _capi.workspace_bytes(layer, "unfused", use) == _capi.workspace_bytes(layer, "unfused")
+    with pytest.raises(fusemoe.FusemoeError, match="use must be one of"):
+        _capi.workspace_bytes(layer, "fused", "sideways")
+
+
 def test_expert_id_reports_are_raised_once_with_their_own_layer_shape(monkeypatch):
     """The op's asynchronous bad-id reports, driven by hand on host memory (the real ones are
     pinned and written by the GPU): one report per (device, E, K); any pending report of the
