@@ -186,7 +186,8 @@ size_t workspace_bytes(const LayerConfig& config, Impl impl, WorkspaceUse use) {
   check_impl(impl);
   FUSEMOE_CHECK(use == WorkspaceUse::kForward || use == WorkspaceUse::kBackward ||
                     use == WorkspaceUse::kBackwardSavedZ,
-                "use: unknown WorkspaceUse value " << static_cast<int>(use));
+                "use: unknown WorkspaceUse value " << static_cast<int>(use)
+                                                    << " (0 forward, 1 backward, 2 backward with saved_z)");
   if (impl != Impl::kFused) return unfused_workspace_bytes(config, impl);
   // Both directions carve the routing plan at the start of the workspace.
   switch (use) {

@@ -119,9 +119,7 @@ int32_t fusemoe_c_workspace_bytes_for(int64_t hidden, int64_t intermediate, int6
                                       uint64_t* bytes) {
   return guarded([&] {
     FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
-    FUSEMOE_CHECK(use == FUSEMOE_C_WORKSPACE_FORWARD || use == FUSEMOE_C_WORKSPACE_BACKWARD ||
-                      use == FUSEMOE_C_WORKSPACE_BACKWARD_SAVED_Z,
-                  "use: unknown workspace use " << use << " (0 forward, 1 backward, 2 backward with saved_z)");
+    // The C codes are the enum values; fusemoe::workspace_bytes rejects any other value, naming it.
     static_assert(static_cast<int>(fusemoe::WorkspaceUse::kForward) == FUSEMOE_C_WORKSPACE_FORWARD &&
                       static_cast<int>(fusemoe::WorkspaceUse::kBackward) == FUSEMOE_C_WORKSPACE_BACKWARD &&
                       static_cast<int>(fusemoe::WorkspaceUse::kBackwardSavedZ) == FUSEMOE_C_WORKSPACE_BACKWARD_SAVED_Z,

@@ -34,24 +34,8 @@ struct Dims {
 
 // The larger shapes the suites share: "medium" (several 128-row tiles per expert, 16 experts,
 // top-4) and the Qwen3-30B-A3B layer (all 128 experts).
-inline Dims medium_dims(int64_t tokens) {
-  Dims d;
-  d.T = tokens;
-  d.H = 512;
-  d.I = 256;
-  d.E = 16;
-  d.K = 4;
-  return d;
-}
-inline Dims qwen3_30b_dims(int64_t tokens) {
-  Dims d;
-  d.T = tokens;
-  d.H = 2048;
-  d.I = 768;
-  d.E = 128;
-  d.K = 8;
-  return d;
-}
+inline Dims medium_dims(int64_t tokens) { return Dims{tokens, 512, 256, 16, 4}; }
+inline Dims qwen3_30b_dims(int64_t tokens) { return Dims{tokens, 2048, 768, 128, 8}; }
 
 enum class Routing {
   kUniform,     // K distinct experts per token, uniformly random
