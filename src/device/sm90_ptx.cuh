@@ -117,6 +117,20 @@ __device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* bar) {
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+// Groups of this thread's cp.async copies (no mbarrier): commit the copies issued so far as one
+// group; wait until at most kPending groups are still in flight.
+__device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t smem) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(smem) : "memory");
+  return v;
+}
+
 // Shared memory written through the generic proxy (cp.async, st.shared) and read through the
 // async proxy (wgmma, TMA store): a thread that has observed the writes (through an mbarrier)
 // orders them before its async-proxy reads with this fence; a barrier must follow where other
@@ -275,6 +289,13 @@ struct Wgmma<256, kTransA, kTransB> {
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void red_release_gpu_add(int32_t* ptr, int32_t value) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+// Atomic add with acquire and release semantics at GPU scope; returns the old value.
+__device__ __forceinline__ int32_t atom_add_acq_rel_gpu(int32_t* ptr, int32_t value) {
+  int32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
+  return old;
 }
 
 __device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* ptr) {

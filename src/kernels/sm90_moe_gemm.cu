@@ -52,6 +52,7 @@
 #include "device/sm90_fragment.cuh"
 #include "device/sm90_host.h"
 #include "device/sm90_ptx.cuh"
+#include "device/smem_work_queue.cuh"
 #include "fusemoe/error.h"
 
 namespace fusemoe {
@@ -86,6 +87,20 @@ static_assert(kProducerRegs * kThreadsPerWarpgroup +
               "register split exceeds the register file");
 
 enum class Epilogue { kSwiGLU, kWeightedScatter };
+
+// The fused combine (down pass, kCombine): every consumer warp hands the 16 ys rows it has just
+// stored to the combine workers through a shared-memory queue; a worker counts them against
+// their tokens' pending counters and combines each token whose K slot rows (of that column
+// tile) are now all stored. Workers: producer warps 1-3 (warp 0 issues the loads) all along,
+// each with two K-row shared-memory buffers when they fit, and the 8 consumer warps once their
+// tiles are done.
+constexpr int kRowsPerConsumerWarp = kWgmmaM / 4;
+constexpr int kCombineProducerWorkers = 3;
+constexpr int kCombineWorkers = kCombineProducerWorkers + kNumConsumers * 4;
+constexpr int kCombineBuffersPerWorker = 2;
+// 64 tiles of hand-overs before a consumer waits: most CTAs' whole down pass at Qwen3 sizes.
+constexpr int kCombineQueueCapacity = 512;
+using CombineQueue = SmemWorkQueue<kCombineQueueCapacity>;
 constexpr uint32_t kConsumerBarrierId = 1;  // named barrier of the two consumer warpgroups
 
 // The shape of one of the two GEMMs.
@@ -102,19 +117,35 @@ struct KernelArgs {
   PassShape gate_up;
   PassShape down;
   int32_t* h_ready;               // Passes::kBoth: per 128-row block, gate/up tiles done (zeroed)
-  // gate/up
-  __nv_bfloat16* h;               // [R_max, I]
-  __nv_bfloat16* z;               // [R_max, 2I] pre-activation [g | u] for the backward, or null
-  int32_t use_clamp;
-  float clamp;
-  const __nv_bfloat16* x;         // gathered A rows: [num_tokens, H], row = row_slot[r] / top_k
-  int32_t top_k;
+  // The gate/up pass's outputs and operands, or (a down-only launch with kCombine, which reads
+  // none of them) the fused combine's. They share their bytes because KernelArgs' size reaches
+  // ptxas's choices for every variant: 32 more bytes made the direct gate/up kernel 400 SASS
+  // instructions shorter and the forward 1.5-2% slower at Qwen3-30B T=16384 (0.5-0.8% at 235B,
+  // 1% faster at 30B T=4096; H200, two interleaved bench rounds). At 120 bytes the product
+  // variants compile to the same SASS as without the fused combine.
+  union {
+    struct {
+      __nv_bfloat16* h;           // [R_max, I]
+      __nv_bfloat16* z;           // [R_max, 2I] pre-activation [g | u] for the backward, or null
+      int32_t use_clamp;
+      float clamp;
+      const __nv_bfloat16* x;     // gathered A rows: [num_tokens, H], row = row_slot[r] / top_k
+    };
+    struct {  // y[t] = sum_j ys[t*K + j] in slot order
+      __nv_bfloat16* y;           // [num_slots / K, H]
+      const int32_t* slot_row;    // [num_slots]: row of each slot, -1 where it has none
+      int32_t* combine_pending;   // [num_slots / K, down column tiles]: slot rows not yet stored
+      int32_t combine_buffers;    // 1: the producer workers' K-row buffers follow the queue
+    };
+  };
+  int32_t top_k;                  // K (the gather's token index, the combine's slots)
   // down
   __nv_bfloat16* ys;              // [num_slots, ys_row_stride]
   int64_t ys_row_stride;
   const int32_t* row_slot;        // [R_max]: slot of each sorted row (down epilogue, gathered A)
   const float* topk_weights;      // [num_slots]
 };
+static_assert(sizeof(KernelArgs) == 120, "KernelArgs' size moves ptxas's code for every variant: see above");
 
 template <Epilogue kEpilogue, int kBlockN_, int kStages>
 struct KernelConfig {
@@ -127,6 +158,7 @@ struct KernelConfig {
   // (gate) and c + kBlockN/2 (up) of one output column land in the same thread.
   static constexpr int kBoxRowsB = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
   static constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
+  static constexpr int kOutColsDown = kBlockN;  // the down pass's columns per tile (the combine's item)
   static constexpr int kAccRegs = Wgmma<kBlockN>::kAccRegs;
   static constexpr int kNumChunks8 = kBlockN / 8;  // n8 column chunks of the accumulator
   static constexpr bool kIsSwiGLU = kEpilogue == Epilogue::kSwiGLU;
@@ -139,9 +171,22 @@ struct KernelConfig {
   static_assert(kBoxRowsB <= 256, "TMA box dimension limit");
   static_assert(kOutCols % 32 == 0, "quad-transposed stores write groups of 4 n8 chunks");
 
-  static size_t smem_bytes(int num_experts) {
-    return kAlign + static_cast<size_t>(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) +
-           2 * (static_cast<size_t>(num_experts) + 1) * sizeof(int32_t);
+  // The tile table's end, rounded up for the combine queue (which follows it when present).
+  __host__ __device__ static size_t table_end_bytes(int num_experts) {
+    const size_t end = static_cast<size_t>(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) +
+                       2 * (static_cast<size_t>(num_experts) + 1) * sizeof(int32_t);
+    return (end + 15) / 16 * 16;
+  }
+  // The combine workers' buffers follow the queue, 128-byte aligned.
+  __host__ __device__ static size_t combine_buffers_offset(int num_experts) {
+    return (table_end_bytes(num_experts) + sizeof(CombineQueue) + 127) / 128 * 128;
+  }
+  static size_t combine_buffer_bytes(int top_k) {
+    return static_cast<size_t>(kCombineProducerWorkers) * kCombineBuffersPerWorker * top_k * kOutColsDown * 2;
+  }
+  static size_t smem_bytes(int num_experts, bool combine_queue, int combine_top_k = 0) {
+    if (!combine_queue) return kAlign + table_end_bytes(num_experts);
+    return kAlign + combine_buffers_offset(num_experts) + (combine_top_k > 0 ? combine_buffer_bytes(combine_top_k) : 0);
   }
 };
 
@@ -264,6 +309,185 @@ __device__ __forceinline__ void wait_row_block_ready(const int32_t* counter, int
   }
 }
 
+// ---- the fused combine (down pass with kCombine)
+//
+// y[t, cols of column tile n] = sum_j ys[t*K + j, same cols], j in slot order over the slots
+// that have a row, fp32 sums rounded to bf16 once: the bits of the combine kernel
+// (combine_slots_kernel). combine_pending[t * num_n_tiles + n] starts at the number of t's slots
+// with a row (set by combine_counters_init_kernel) and loses one per stored slot row; the
+// worker that takes it to zero combines (t, n), so each one is combined exactly once, as soon
+// as its last slot row is stored, by whichever CTA stored that row. Memory order: the consumer
+// warp's ys stores, __syncwarp, the queue's CTA-scope release / acquire, __syncwarp, then each
+// counting lane's atom.acq_rel.gpu (its release carries the stores GPU-wide, cumulatively; its
+// acquire, on the count that reaches zero, sees every other row's storer), __syncwarp, then the
+// loads, through L2 (ld.global.cg / cp.async.cg), never the non-coherent path.
+//
+// Lane l of a worker warp owns the 8 columns n * kOutCols + 8l .. +7 of an item (none past H);
+// a slot's row is loaded whether or not the slot has one (the address is valid, the value is
+// skipped in the sum), so the loads need not wait for slot_row.
+template <int kOutCols>
+struct CombineLane {
+  static_assert(kOutCols <= 32 * 8, "one 16-byte chunk per lane and row");
+  bool active;
+  int32_t col;
+  __device__ __forceinline__ CombineLane(const KernelArgs& args, int32_t n_tile, int lane)
+      : active(lane * 8 < kOutCols && n_tile * kOutCols + lane * 8 < args.down.n_valid),
+        col(n_tile * kOutCols + lane * 8) {}
+};
+
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& bits) {
+  float v[8];
+  unpack_bf16x8(bits, v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] += v[i];
+}
+
+__device__ __forceinline__ void store_y_chunk(const KernelArgs& args, int32_t token, int32_t col, const float (&acc)[8]) {
+  *reinterpret_cast<uint4*>(args.y + static_cast<int64_t>(token) * args.down.n_valid + col) =
+      make_uint4(pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]), pack_bf16x2(acc[4], acc[5]),
+                 pack_bf16x2(acc[6], acc[7]));
+}
+
+// Lane's slot_row of slot lane of token t (lanes >= K: -1); issued early, ballot-ed late.
+__device__ __forceinline__ int32_t load_slot_row(const KernelArgs& args, int32_t token, int lane) {
+  return lane < args.top_k ? __ldg(args.slot_row + static_cast<int64_t>(token) * args.top_k + lane) : -1;
+}
+
+// One item from registers: kRowsInFlight rows' loads in flight per lane (4 for the producer
+// warps' 40 registers, 8 for the consumer warps).
+template <int kOutCols, int kRowsInFlight>
+__device__ __forceinline__ void combine_item_registers(const KernelArgs& args, int32_t token, int32_t n_tile,
+                                                       int lane) {
+  const CombineLane<kOutCols> me(args, n_tile, lane);
+  const int32_t top_k = args.top_k;
+  const int32_t my_slot_row = load_slot_row(args, token, lane);
+  const __nv_bfloat16* rows = args.ys + static_cast<int64_t>(token) * top_k * args.ys_row_stride + me.col;
+  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  unsigned has_row = 0;
+  for (int32_t j0 = 0; j0 < top_k; j0 += kRowsInFlight) {
+    uint4 bits[kRowsInFlight];
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      bits[u] = make_uint4(0, 0, 0, 0);
+      if (me.active && j0 + u < top_k) {
+        bits[u] = __ldcg(reinterpret_cast<const uint4*>(rows + static_cast<int64_t>(j0 + u) * args.ys_row_stride));
+      }
+    }
+    if (j0 == 0) has_row = __ballot_sync(0xFFFFFFFFu, my_slot_row >= 0);
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      if (j0 + u < top_k && ((has_row >> (j0 + u)) & 1u)) add_bf16x8(acc, bits[u]);  // skipped, not +0: -0 stays
+    }
+  }
+  if (me.active) store_y_chunk(args, token, me.col, acc);
+}
+
+// The ready items of one hand-over through two shared-memory buffers of K rows each: the rows
+// of the next item are copied (cp.async, no registers held) while the current one is summed,
+// so a warp keeps up to 2 K-row items in flight with the producer warps' 40 registers. Each
+// lane copies and reads only its own 16-byte chunks, so no barrier is needed between them.
+template <int kOutCols>
+__device__ __forceinline__ void combine_items_staged(const KernelArgs& args, unsigned ready, int32_t token,
+                                                     int32_t n_tile, int lane, uint32_t buffers) {
+  constexpr int kRowBytes = kOutCols * 2;
+  const CombineLane<kOutCols> me(args, n_tile, lane);
+  const int32_t top_k = args.top_k;
+  const uint32_t item_bytes = static_cast<uint32_t>(top_k) * kRowBytes;
+  auto take = [&]() {
+    const int src = __ffs(ready) - 1;
+    ready &= ready - 1;
+    return __shfl_sync(0xFFFFFFFFu, token, src);
+  };
+  auto issue = [&](int32_t t, uint32_t buffer) {
+    const __nv_bfloat16* rows = args.ys + static_cast<int64_t>(t) * top_k * args.ys_row_stride + me.col;
+    if (me.active) {
+      for (int32_t j = 0; j < top_k; ++j) {
+        cp_async_16(buffer + j * kRowBytes + lane * 16, rows + static_cast<int64_t>(j) * args.ys_row_stride);
+      }
+    }
+    cp_async_commit_group();
+    return load_slot_row(args, t, lane);
+  };
+  auto finish = [&](int32_t t, uint32_t buffer, int32_t my_slot_row) {
+    const unsigned has_row = __ballot_sync(0xFFFFFFFFu, my_slot_row >= 0);
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int32_t j = 0; j < top_k; ++j) {
+      if ((has_row >> j) & 1u) add_bf16x8(acc, ld_shared_v4(buffer + j * kRowBytes + lane * 16));
+    }
+    if (me.active) store_y_chunk(args, t, me.col, acc);
+  };
+  uint32_t current = buffers, next = buffers + item_bytes;
+  int32_t t_current = take();
+  int32_t slot_row_current = issue(t_current, current);
+  for (;;) {
+    const bool more = ready != 0;
+    int32_t t_next = 0, slot_row_next = -1;
+    if (more) {
+      t_next = take();
+      slot_row_next = issue(t_next, next);
+      cp_async_wait_group<1>();  // the current item's copies have landed
+    } else {
+      cp_async_wait_group<0>();
+    }
+    finish(t_current, current, slot_row_current);
+    if (!more) return;
+    t_current = t_next;
+    slot_row_current = slot_row_next;
+    const uint32_t swap = current;
+    current = next;
+    next = swap;
+  }
+}
+
+// A worker warp's loop: take a hand-over (16 stored rows of one column tile, or the end
+// marker), count the rows off their tokens, combine the tokens that became complete, from two
+// shared-memory buffers at `buffers` (a shared address; 0: from registers).
+template <int kOutCols, int kRowsInFlight>
+__device__ __forceinline__ void run_combine_worker(const KernelArgs& args, CombineQueue* queue, int32_t num_n_tiles,
+                                                   int lane, uint32_t buffers) {
+  for (;;) {
+    int2 item = make_int2(0, 0);
+    if (lane == 0) item = queue->pop();
+    __syncwarp();  // lane 0's acquire before every lane's count
+    item.x = __shfl_sync(0xFFFFFFFFu, item.x, 0);
+    item.y = __shfl_sync(0xFFFFFFFFu, item.y, 0);
+    if (item.x < 0) return;  // end marker: every hand-over has been taken
+    const int32_t row0 = item.x, n_tile = item.y & 0xFFFF, num_rows = item.y >> 16;
+    int32_t token = 0;
+    bool complete = false;
+    if (lane < num_rows) {
+      token = __ldg(args.row_slot + row0 + lane) / args.top_k;
+      complete =
+          atom_add_acq_rel_gpu(args.combine_pending + static_cast<int64_t>(token) * num_n_tiles + n_tile, -1) == 1;
+    }
+    __syncwarp();  // the completing lanes' acquire before every lane's loads
+    unsigned ready = __ballot_sync(0xFFFFFFFFu, complete);
+    if (ready == 0) continue;
+    if (buffers != 0) {
+      combine_items_staged<kOutCols>(args, ready, token, n_tile, lane, buffers);
+    } else {
+      for (; ready != 0; ready &= ready - 1) {
+        const int32_t t = __shfl_sync(0xFFFFFFFFu, token, __ffs(ready) - 1);
+        combine_item_registers<kOutCols, kRowsInFlight>(args, t, n_tile, lane);
+      }
+    }
+  }
+}
+
+// The consumers' end of the down pass: once all 8 consumer warps have handed over their last
+// rows, the last one pushes one end marker per worker (after every hand-over in ticket order).
+__device__ __forceinline__ void finish_handovers(CombineQueue* queue, int lane) {
+  __syncwarp();
+  if (lane == 0) {
+    fence_acq_rel_cta();  // this warp's pushes before its count
+    if (atom_add_shared(&queue->done, 1) == kNumConsumers * 4 - 1) {
+      fence_acq_rel_cta();  // every warp's pushes before the end markers
+      for (int i = 0; i < kCombineWorkers; ++i) queue->push(make_int2(-1, 0));  // one per worker
+    }
+  }
+  __syncwarp();
+}
+
 // The producer of gathered A tiles (direct dispatch), run by all kGatherThreads producer
 // threads. Row r of a tile is token row_slot[r] / top_k of x; thread p copies chunk p % 8 of
 // rows p / 8 + 16 i. Rows past the expert's end are not copied; every thread still arrives
@@ -379,11 +603,13 @@ __device__ __forceinline__ void signal_row_block(int32_t* counter, int consumer,
 // stores have long completed, so the signalling thread's fence returns at once instead of
 // holding its warpgroup's wgmma for the DRAM write latency (measured 2-4% at Qwen3-235B when
 // signalled right away).
-template <class Config, int kStages, bool kGatherA>
+// combine_queue (the down pass with kCombine): each warp hands its stored rows of every tile to
+// the combine workers.
+template <class Config, int kStages, bool kGatherA, bool kCombine>
 __device__ __forceinline__ void consume_pass(const KernelArgs& args, const ExpertTileTable& table, uint8_t* tiles_a,
                                              uint8_t* tiles_b, uint64_t* full, uint64_t* empty, PassTiles tiles,
                                              int consumer, int warp_in_wg, int lane, RingCursor& ring,
-                                             int32_t* ready) {
+                                             int32_t* ready, CombineQueue* combine_queue) {
   constexpr int kBlockN = Config::kBlockN;
   const PassShape shape = Config::shape(args);
   const int row_in_wg = warp_in_wg * 16 + lane / 4;  // accumulator rows row_in_wg, row_in_wg + 8
@@ -452,12 +678,19 @@ __device__ __forceinline__ void consume_pass(const KernelArgs& args, const Exper
                                                 lane);
       }
     }
+    if constexpr (kCombine) {
+      const int32_t warp_row0 = wg_row0 + warp_in_wg * kRowsPerConsumerWarp;
+      const int32_t rows_stored = min(kRowsPerConsumerWarp, tile.row_end - warp_row0);
+      __syncwarp();  // the warp's ys stores before lane 0's release in push
+      if (lane == 0 && rows_stored > 0) combine_queue->push(make_int2(warp_row0, tile.n_tile | (rows_stored << 16)));
+      __syncwarp();  // reconverge before the next tile's wgmma
+    }
     if (ready != nullptr) pending = ready + row_block_index(table, tile);
   }
   if (pending != nullptr) signal_row_block(pending, consumer, warp_in_wg, lane);
 }
 
-template <Passes kPasses, int kBlockN, int kStages, bool kGatherA>
+template <Passes kPasses, int kBlockN, int kStages, bool kGatherA, bool kCombine>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap map_xs, const __grid_constant__ CUtensorMap map_w13,
                     const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w2,
@@ -466,6 +699,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   using Down = KernelConfig<Epilogue::kWeightedScatter, kBlockN, kStages>;
   constexpr bool kHasGateUp = kPasses != Passes::kDown, kHasDown = kPasses != Passes::kGateUp;
   static_assert(GateUp::kStageBytes == Down::kStageBytes, "both passes share the ring");
+  static_assert(!kCombine || kPasses == Passes::kDown, "the fused combine belongs to the down pass alone");
   using Config = GateUp;  // the shared-memory layout
 
   // ---- shared memory: [stages x A tile] [stages x B tile] [full, empty barriers] [tile table]
@@ -484,6 +718,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   gate_up_table.num_n_tiles = (args.gate_up.n_valid + GateUp::kOutCols - 1) / GateUp::kOutCols;
   ExpertTileTable down_table = gate_up_table;
   down_table.num_n_tiles = (args.down.n_valid + Down::kOutCols - 1) / Down::kOutCols;
+  CombineQueue* combine_queue =
+      kCombine ? reinterpret_cast<CombineQueue*>(smem + Config::table_end_bytes(args.num_experts)) : nullptr;
+  if constexpr (kCombine) combine_queue->init();  // the table build's __syncthreads() follows
 
   const int warpgroup = threadIdx.x / kThreadsPerWarpgroup;
   const int warp_in_wg = (threadIdx.x / 32) % 4;
@@ -534,17 +771,31 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                down_tiles, threadIdx.x, ring, ready, gate_up_table.num_n_tiles);
       }
     }
+    if constexpr (kCombine) {
+      if (warp_in_wg != 0) {  // warp 0 issues the loads
+        const uint32_t buffers =
+            args.combine_buffers == 0
+                ? 0u
+                : smem_addr(smem + Config::combine_buffers_offset(args.num_experts)) +
+                      (warp_in_wg - 1) * kCombineBuffersPerWorker * args.top_k * Down::kOutCols * 2;
+        run_combine_worker<Down::kOutCols, 4>(args, combine_queue, down_table.num_n_tiles, lane, buffers);
+      }
+    }
   } else {
     // ================================ consumers ================================
     setmaxnreg_inc<kConsumerRegs>();
     const int consumer = warpgroup - 1;
     if constexpr (kHasGateUp) {
-      consume_pass<GateUp, kStages, kGatherA>(args, gate_up_table, tiles_a, tiles_b, full, empty, gate_up_tiles,
-                                              consumer, warp_in_wg, lane, ring, ready);
+      consume_pass<GateUp, kStages, kGatherA, false>(args, gate_up_table, tiles_a, tiles_b, full, empty,
+                                                     gate_up_tiles, consumer, warp_in_wg, lane, ring, ready, nullptr);
     }
     if constexpr (kHasDown) {
-      consume_pass<Down, kStages, kGatherA>(args, down_table, tiles_a, tiles_b, full, empty, down_tiles, consumer,
-                                            warp_in_wg, lane, ring, nullptr);
+      consume_pass<Down, kStages, kGatherA, kCombine>(args, down_table, tiles_a, tiles_b, full, empty, down_tiles,
+                                                      consumer, warp_in_wg, lane, ring, nullptr, combine_queue);
+    }
+    if constexpr (kCombine) {
+      finish_handovers(combine_queue, lane);
+      run_combine_worker<Down::kOutCols, 8>(args, combine_queue, down_table.num_n_tiles, lane, 0u);
     }
   }
 }
@@ -579,16 +830,20 @@ void validate_common(int64_t max_rows, int64_t hidden, int64_t intermediate, int
 
 // Launches one kernel variant on the persistent grid. The dynamic shared-memory limit is raised
 // once per device and variant, to what the largest E needs (a limit, not an allocation: each
-// launch asks for its own E's bytes), so later calls make no attribute call.
-template <Passes kPasses, int kBlockN, int kStages, bool kGatherA>
+// launch asks for its own E's bytes), so later calls make no attribute call. With the fused
+// combine the limit is the device's (the workers' buffers take what is left, see
+// combine_buffers_fit) and args.combine_buffers says whether this launch has them.
+template <Passes kPasses, int kBlockN, int kStages, bool kGatherA, bool kCombine = false>
 void launch_variant(const DeviceInfo& info, int num_sms_override, int64_t num_experts, const CUtensorMap& map_xs,
                     const CUtensorMap& map_w13, const CUtensorMap& map_h, const CUtensorMap& map_w2,
                     const KernelArgs& args, cudaStream_t stream) {
   using Config = KernelConfig<Epilogue::kSwiGLU, kBlockN, kStages>;  // both passes: the same layout
-  auto kernel = sm90::moe_gemm_kernel<kPasses, kBlockN, kStages, kGatherA>;
-  const size_t smem_bytes = Config::smem_bytes(static_cast<int>(num_experts));
+  auto kernel = sm90::moe_gemm_kernel<kPasses, kBlockN, kStages, kGatherA, kCombine>;
+  const size_t smem_bytes =
+      Config::smem_bytes(static_cast<int>(num_experts), kCombine, args.combine_buffers ? args.top_k : 0);
   const size_t smem_limit =
-      std::min(Config::smem_bytes(sm90::kMaxExpertsInSmem), static_cast<size_t>(info.max_smem_optin));
+      kCombine ? static_cast<size_t>(info.max_smem_optin)
+               : std::min(Config::smem_bytes(sm90::kMaxExpertsInSmem, false), static_cast<size_t>(info.max_smem_optin));
   FUSEMOE_CHECK(smem_bytes <= smem_limit, "grouped GEMM needs " << smem_bytes
                                                                 << " bytes of shared memory, the device allows "
                                                                 << info.max_smem_optin);
@@ -597,6 +852,15 @@ void launch_variant(const DeviceInfo& info, int num_sms_override, int64_t num_ex
   const int grid = num_sms_override > 0 ? std::min(num_sms_override, info.num_sms) : info.num_sms;
   kernel<<<grid, sm90::kThreads, smem_bytes, stream>>>(map_xs, map_w13, map_h, map_w2, args);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+// Whether the fused combine's producer workers get their K-row buffers (2 per worker) beside
+// the GEMM's ring, the tile table and the queue; without them they combine from registers.
+bool combine_buffers_fit(const DeviceInfo& info, int block_n, int64_t num_experts, int64_t top_k) {
+  const int e = static_cast<int>(num_experts), k = static_cast<int>(top_k);
+  const size_t bytes = block_n == 128 ? KernelConfig<Epilogue::kSwiGLU, 128, 6>::smem_bytes(e, true, k)
+                                      : KernelConfig<Epilogue::kSwiGLU, 256, 4>::smem_bytes(e, true, k);
+  return bytes <= static_cast<size_t>(info.max_smem_optin);
 }
 
 // The tensor-map parameter of an operand the launch does not read.
@@ -672,6 +936,30 @@ void validate_down(const Sm90DownParams& p) {
                 "num_slots must be in [0, 2^31), got " << p.num_slots);
   FUSEMOE_CHECK(p.block_n == 0 || p.block_n == 128 || p.block_n == 256,
                 "block_n must be 0, 128 or 256, got " << p.block_n);
+  if (p.y != nullptr) {  // the fused combine
+    FUSEMOE_CHECK(p.top_k >= 1 && p.top_k <= 32, "top_k must be in [1, 32] with the fused combine, got " << p.top_k);
+    FUSEMOE_CHECK(p.num_slots % p.top_k == 0,
+                  "num_slots must be a multiple of top_k with the fused combine, got " << p.num_slots << " and "
+                                                                                        << p.top_k);
+  }
+}
+
+// Device counters of the fused combine: combine_pending[t * num_n_tiles + n] = the number of
+// token t's slots that have a row; tokens with none get y[t] = 0 here (no row will ever
+// complete them).
+__global__ void combine_counters_init_kernel(const int32_t* __restrict__ slot_row, int64_t num_tokens,
+                                             int32_t top_k, int32_t num_n_tiles, int64_t hidden,
+                                             int32_t* __restrict__ pending, __nv_bfloat16* __restrict__ y) {
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < num_tokens;
+       t += int64_t(gridDim.x) * blockDim.x) {
+    int32_t rows = 0;
+    for (int32_t j = 0; j < top_k; ++j) rows += slot_row[t * top_k + j] >= 0;
+    for (int32_t n = 0; n < num_n_tiles; ++n) pending[t * num_n_tiles + n] = rows;
+    if (rows == 0) {
+      uint4* row = reinterpret_cast<uint4*>(y + t * hidden);
+      for (int64_t c = 0; c < hidden / 8; ++c) row[c] = make_uint4(0, 0, 0, 0);
+    }
+  }
 }
 
 // The down GEMM's maps (h, w2: boxes of block_n rows) and its part of the kernel arguments.
@@ -696,10 +984,25 @@ DownLaunch configure_down(const Sm90DownParams& p, int block_n, KernelArgs* args
   args->ys_row_stride = p.ys_row_stride == 0 ? p.hidden : p.ys_row_stride;
   args->row_slot = p.row_slot;
   args->topk_weights = p.topk_weights;
+  if (p.y != nullptr) {
+    FUSEMOE_CHECK(aligned16(p.y), "y must be a 16-byte aligned device pointer");
+    FUSEMOE_CHECK(p.slot_row != nullptr, "slot_row must be a non-null device pointer with the fused combine");
+    FUSEMOE_CHECK(p.combine_pending != nullptr,
+                  "combine_pending must be a device buffer of sm90_combine_counters(num_tokens, hidden) int32 with "
+                  "the fused combine");
+    args->y = static_cast<__nv_bfloat16*>(p.y);
+    args->slot_row = p.slot_row;
+    args->combine_pending = p.combine_pending;
+    args->top_k = static_cast<int32_t>(p.top_k);
+  }
   return out;
 }
 
 }  // namespace
+
+int64_t sm90_combine_counters(int64_t num_tokens, int64_t hidden) {
+  return num_tokens * ((hidden + 127) / 128);  // column tiles of the narrowest block_n
+}
 
 int64_t sm90_forward_row_blocks(int64_t max_rows, int64_t num_experts) {
   return (max_rows + sm90::kBlockM - 1) / sm90::kBlockM + num_experts;
@@ -732,13 +1035,37 @@ void launch_sm90_down_weighted(const Sm90DownParams& p) {
   const DownLaunch d = configure_down(p, block_n, &args);
   const DeviceInfo info = sm90::device_info();
 
-  // ---- launch: 128 x 256 tiles with 4 stages of 48 KB, or 128 x 128 with 6 stages of 32 KB
+  // ---- launch: the combine's counters first (they need slot_row, which routing has written),
+  // then 128 x 256 tiles with 4 stages of 48 KB, or 128 x 128 with 6 stages of 32 KB
+  const bool combine = p.y != nullptr;
+  if (combine) {
+    const int64_t num_tokens = p.num_slots / p.top_k;
+    const int32_t num_n_tiles = static_cast<int32_t>((p.hidden + block_n - 1) / block_n);
+    constexpr int kInitThreads = 256;
+    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((num_tokens + kInitThreads - 1) / kInitThreads,
+                                                                  4 * int64_t{info.num_sms}));
+    combine_counters_init_kernel<<<static_cast<unsigned>(blocks), kInitThreads, 0, p.stream>>>(
+        p.slot_row, num_tokens, static_cast<int32_t>(p.top_k), num_n_tiles, p.hidden, p.combine_pending,
+        static_cast<__nv_bfloat16*>(p.y));
+    FUSEMOE_CUDA_CHECK(cudaGetLastError());
+  }
+  if (combine) args.combine_buffers = combine_buffers_fit(info, block_n, p.num_experts, p.top_k) ? 1 : 0;
   if (block_n == 128) {
-    launch_variant<Passes::kDown, 128, 6, false>(info, p.num_sms, p.num_experts, kUnusedMap, kUnusedMap, d.map_h,
-                                                 d.map_w2, args, p.stream);
+    if (combine) {
+      launch_variant<Passes::kDown, 128, 6, false, true>(info, p.num_sms, p.num_experts, kUnusedMap, kUnusedMap,
+                                                         d.map_h, d.map_w2, args, p.stream);
+    } else {
+      launch_variant<Passes::kDown, 128, 6, false>(info, p.num_sms, p.num_experts, kUnusedMap, kUnusedMap, d.map_h,
+                                                   d.map_w2, args, p.stream);
+    }
   } else {
-    launch_variant<Passes::kDown, 256, 4, false>(info, p.num_sms, p.num_experts, kUnusedMap, kUnusedMap, d.map_h,
-                                                 d.map_w2, args, p.stream);
+    if (combine) {
+      launch_variant<Passes::kDown, 256, 4, false, true>(info, p.num_sms, p.num_experts, kUnusedMap, kUnusedMap,
+                                                         d.map_h, d.map_w2, args, p.stream);
+    } else {
+      launch_variant<Passes::kDown, 256, 4, false>(info, p.num_sms, p.num_experts, kUnusedMap, kUnusedMap, d.map_h,
+                                                   d.map_w2, args, p.stream);
+    }
   }
 }
 
@@ -754,6 +1081,7 @@ void launch_sm90_forward_gemms(const Sm90GateUpParams& gate_up, const Sm90DownPa
   FUSEMOE_CHECK(gate_up.num_sms == down.num_sms && gate_up.stream == down.stream,
                 "gate_up and down must have the same num_sms and stream (one launch)");
   FUSEMOE_CHECK(down.block_n == 0 || down.block_n == 256, "down.block_n must be 0 or 256 in the one-launch forward");
+  FUSEMOE_CHECK(down.y == nullptr, "down.y must be null in the one-launch forward (no fused combine there)");
   if (gate_up.max_rows == 0) return;
   FUSEMOE_CHECK(h_ready != nullptr && aligned16(h_ready),
                 "h_ready must be a 16-byte aligned device buffer of sm90_forward_row_blocks() int32");

@@ -3,6 +3,7 @@
 //
 //   gate/up + SwiGLU : z = a_r W13_e^T,  h_r = silu(g) * u    (g = z[:I], u = z[I:], fp32)
 //   down + weight    : ys[row_slot[r]] = topk_w[row_slot[r]] * (h_r W2_e^T)
+//                      (+ optionally the combine y_t = sum_j ys[t*K + j], fused)
 // for every sorted row r in [expert_offsets[e], expert_offsets[e+1]). The gate/up input row
 // a_r is either token row_slot[r] / K of x, read straight from x (direct dispatch: the kernel
 // gathers the rows, no pool), or row r of a pool xs that holds the rows in expert order.
@@ -71,6 +72,16 @@ struct Sm90DownParams {
   int num_sms = 0;                        // persistent grid size; 0 = the device's SM count
   // Output tile width over H: 0 = default (256), or 128 / 256. Exposed for benchmarking.
   int block_n = 0;
+  // Optional fused combine: with y non-null the launch also writes y[t] = sum_j ys[t*K + j]
+  // (the slots that have a row, in slot order, fp32 sums rounded to bf16 once: the combine
+  // kernel's bits), each token's column tile as soon as its last slot row is stored, from the
+  // kernel's idle warps; tokens without any row get y[t] = 0. ys is still written in full.
+  // Measured slower than the down launch followed by the combine kernel (H200: 30B T=4096
+  // +16%, 30B T=16384 +11%, 235B T=16384 equal; docs/perf.md), so the forward does not use it.
+  void* y = nullptr;                      // [num_slots / top_k, H] bf16 (output)
+  const int32_t* slot_row = nullptr;      // [num_slots] device: row of each slot, -1 where none
+  int64_t top_k = 0;                      // K, 1..32
+  int32_t* combine_pending = nullptr;     // device scratch: sm90_combine_counters(T, H) int32
   cudaStream_t stream = nullptr;
 };
 
@@ -78,6 +89,8 @@ struct Sm90DownParams {
 // max_rows == 0 launches nothing.
 void launch_sm90_gate_up_swiglu(const Sm90GateUpParams& params);
 void launch_sm90_down_weighted(const Sm90DownParams& params);
+// int32 counters the fused combine needs for T tokens of width H (any block_n).
+int64_t sm90_combine_counters(int64_t num_tokens, int64_t hidden);
 
 // Both GEMMs in one persistent launch: each CTA runs its gate/up tiles, then its down tiles; a
 // down tile starts as soon as the gate/up tiles of its 128-row block have stored h (one

@@ -186,6 +186,7 @@ struct Routing {
   std::vector<int> counts, offsets, row_slot;
   std::vector<float> topk_w;
   std::vector<uint8_t> slot_unused;  // 1 where a slot got no row
+  std::vector<int> slot_row;         // row of each slot, -1 where it has none
   int64_t R = 0, num_slots = 0;
 };
 
@@ -204,6 +205,8 @@ Routing make_routing(const Shape& s, const std::vector<int>& counts, std::mt1993
   for (int64_t e = 0; e < s.E; ++e) std::sort(rt.row_slot.begin() + rt.offsets[e], rt.row_slot.begin() + rt.offsets[e + 1]);
   rt.slot_unused.assign(rt.num_slots, 1);
   for (int slot : rt.row_slot) rt.slot_unused[slot] = 0;
+  rt.slot_row.assign(rt.num_slots, -1);
+  for (int64_t r = 0; r < rt.R; ++r) rt.slot_row[rt.row_slot[r]] = static_cast<int>(r);
   std::uniform_real_distribution<float> uni(0.0f, 1.0f);
   rt.topk_w.resize(rt.num_slots);
   for (auto& w : rt.topk_w) w = uni(rng);
@@ -215,7 +218,9 @@ struct Problem {
   Shape s;
   Routing rt;
   bf16 *x, *xs, *w13, *w2, *h, *ys;
-  int *offsets, *row_slot;
+  bf16* y;              // [T, H] the fused combine's output
+  int *offsets, *row_slot, *slot_row;
+  int* combine_pending;  // the fused combine's counters
   int* h_ready;  // readiness counters of the one-launch forward
   float* topk_w;
   uint8_t *h_keep, *ys_keep;  // rows that the kernels must not touch
@@ -230,6 +235,8 @@ struct Problem {
     w2 = device_alloc<bf16>(s.E * s.H * s.I);
     h = device_alloc<bf16>(R_max * s.I);
     ys = device_alloc<bf16>(rt.num_slots * s.H);
+    y = device_alloc<bf16>(s.T * s.H);
+    combine_pending = device_alloc<int>(fusemoe::sm90_combine_counters(s.T, s.H));
     // Scales keep z and o around 1 so that bf16 rounding, not range, sets the error.
     fill_random_bf16<<<kGrid, kBlock>>>(x, s.T * s.H, seed + 1, 1.0f);
     // Pool rows past R (read by the last tile of the last expert, never stored): random too.
@@ -239,6 +246,7 @@ struct Problem {
     CHECK_CUDA(cudaGetLastError());
     offsets = device_upload(rt.offsets);
     row_slot = device_upload(rt.row_slot);
+    slot_row = device_upload(rt.slot_row);
     topk_w = device_upload(rt.topk_w);
     std::vector<uint8_t> keep(R_max);
     for (int64_t r = 0; r < R_max; ++r) keep[r] = r >= rt.R;
@@ -253,7 +261,8 @@ struct Problem {
   }
   void release() {
     for (void* p : {(void*)x, (void*)xs, (void*)w13, (void*)w2, (void*)h, (void*)ys, (void*)offsets, (void*)row_slot,
-                    (void*)topk_w, (void*)h_keep, (void*)ys_keep, (void*)h_ready})
+                    (void*)topk_w, (void*)h_keep, (void*)ys_keep, (void*)h_ready, (void*)y, (void*)slot_row,
+                    (void*)combine_pending})
       CHECK_CUDA(cudaFree(p));
   }
   fusemoe::Sm90GateUpParams gate_up_params(cudaStream_t stream, bool direct) const {
@@ -281,6 +290,16 @@ struct Problem {
   }
   void launch_down(cudaStream_t stream, int block_n) const {
     fusemoe::launch_sm90_down_weighted(down_params(stream, block_n));
+  }
+  // The down GEMM with the fused combine: ys as launch_down, and y[t] = sum_j ys[t*K + j].
+  void launch_down_combine(cudaStream_t stream, int block_n) const {
+    fusemoe::Sm90DownParams p = down_params(stream, block_n);
+    p.y = y; p.slot_row = slot_row; p.top_k = s.K; p.combine_pending = combine_pending;
+    fusemoe::launch_sm90_down_weighted(p);
+  }
+  // The combine as its own kernel (what the forward ran before the fused combine).
+  void launch_combine_kernel(cudaStream_t stream, bf16* out) const {
+    fusemoe::launch_combine_slots(ys, slot_row, s.T, s.K, s.H, out, stream);
   }
   // Both GEMMs in one launch (down tiles wait on their row blocks' readiness counters).
   void launch_both(cudaStream_t stream) const {
@@ -399,6 +418,37 @@ bool check_problem(Problem& pb) {
     ok &= ys_touched == 0;
     if (block_n == 256) CHECK_CUDA(cudaMemcpy(ys_first, pb.ys, R_max * s.H * sizeof(bf16), cudaMemcpyDeviceToDevice));
   }
+  // The fused combine: ys bitwise as the plain down launch of the same width, y bitwise as the
+  // combine kernel over that ys (tokens without rows: zeros), every counter back at zero; on
+  // NaN-poisoned ys and y, twice per width.
+  bf16* y_ref = device_alloc<bf16>(s.T * s.H);
+  bf16* ys_plain = device_alloc<bf16>(R_max * s.H);
+  const int64_t num_counters = fusemoe::sm90_combine_counters(s.T, s.H);
+  for (int block_n : {256, 128}) {
+    pb.launch_down(nullptr, block_n);
+    pb.launch_combine_kernel(nullptr, y_ref);
+    CHECK_CUDA(cudaMemcpy(ys_plain, pb.ys, R_max * s.H * sizeof(bf16), cudaMemcpyDeviceToDevice));
+    for (int rep = 0; rep < 2; ++rep) {
+      CHECK_CUDA(cudaMemset(pb.ys, 0xFF, R_max * s.H * sizeof(bf16)));
+      CHECK_CUDA(cudaMemset(pb.y, 0xFF, s.T * s.H * sizeof(bf16)));
+      CHECK_CUDA(cudaMemset(pb.combine_pending, 0x7F, num_counters * sizeof(int)));
+      pb.launch_down_combine(nullptr, block_n);
+      CHECK_CUDA(cudaDeviceSynchronize());
+      const unsigned long long ys_diff = device_count_different(pb.ys, ys_plain, R_max * s.H);
+      const unsigned long long y_diff = device_count_different(pb.y, y_ref, s.T * s.H);
+      std::vector<int> pending(num_counters);
+      CHECK_CUDA(cudaMemcpy(pending.data(), pb.combine_pending, num_counters * sizeof(int), cudaMemcpyDeviceToHost));
+      const int64_t num_n_tiles = (s.H + block_n - 1) / block_n;
+      int64_t left = 0;
+      for (int64_t i = 0; i < s.T * num_n_tiles; ++i) left += pending[i] != 0;
+      std::printf("    fused combine (BN=%d, run %d) vs down + combine kernel: ys %llu, y %llu elements differ, "
+                  "%lld counters not at zero%s\n", block_n, rep, ys_diff, y_diff, (long long)left,
+                  (ys_diff || y_diff || left) ? "  FAIL" : "");
+      ok &= ys_diff == 0 && y_diff == 0 && left == 0;
+    }
+  }
+  CHECK_CUDA(cudaFree(y_ref));
+  CHECK_CUDA(cudaFree(ys_plain));
   // Determinism: the same launch again must give the same bits.
   pb.launch_gate_up(nullptr, /*direct=*/true);
   pb.launch_down(nullptr, 256);
@@ -507,6 +557,16 @@ void time_problem(Problem& pb, cublasHandle_t handle, std::vector<TimingRow>& ta
   const double two_before = timer.median_ms("two launches", two);
   row.ms[9] = timer.median_ms("one launch", [&] { pb.launch_both(nullptr); });
   const double two_launches = 0.5 * (two_before + timer.median_ms("two launches", two));
+  // Down + combine: the combine kernel after the down launch, against the fused combine
+  // (timed before and after for the same drift reason).
+  auto separate = [&] {
+    pb.launch_down(nullptr, 256);
+    pb.launch_combine_kernel(nullptr, pb.y);
+  };
+  const double separate_before = timer.median_ms("down + combine kernel", separate);
+  const double fused_combine = timer.median_ms("down fused combine", [&] { pb.launch_down_combine(nullptr, 256); });
+  const double separate_ms = 0.5 * (separate_before + timer.median_ms("down + combine kernel", separate));
+  const double combine_alone = timer.median_ms("combine kernel", [&] { pb.launch_combine_kernel(nullptr, pb.y); });
   CHECK_CUDA(cudaFree(scratch));
   table.push_back(row);
   const double flop_a = 2.0 * R * s.H * 2 * s.I, flop_b = 2.0 * R * s.I * s.H;
@@ -523,6 +583,8 @@ void time_problem(Problem& pb, cublasHandle_t handle, std::vector<TimingRow>& ta
   std::printf("    both     one launch %.3f ms %5.0f TF | two launches (direct + BN256, mean of before and after) "
               "%.3f ms %5.0f TF\n", row.ms[9],
               tf(flop_a + flop_b, row.ms[9]), two_launches, tf(flop_a + flop_b, two_launches));
+  std::printf("    combine  down BN256 + combine kernel %.3f ms (combine alone %.3f) | fused combine %.3f ms "
+              "(%.1f%%)\n", separate_ms, combine_alone, fused_combine, 100.0 * (fused_combine / separate_ms - 1.0));
 }
 
 // ------------------------------------------------------------------------------------- main
@@ -598,6 +660,7 @@ int main(int argc, char** argv) {
         pb.launch_gate_up(nullptr, /*direct=*/false);
         pb.launch_down(nullptr, 256);
         pb.launch_down(nullptr, 128);
+        pb.launch_down_combine(nullptr, 256);
         CHECK_CUDA(cudaDeviceSynchronize());
         pb.release();
         continue;
