@@ -76,8 +76,9 @@ struct Sm90DownParams {
   // (the slots that have a row, in slot order, fp32 sums rounded to bf16 once: the combine
   // kernel's bits), each token's column tile as soon as its last slot row is stored, from the
   // kernel's idle warps; tokens without any row get y[t] = 0. ys is still written in full.
-  // Measured slower than the down launch followed by the combine kernel (H200: 30B T=4096
-  // +16%, 30B T=16384 +11%, 235B T=16384 equal; docs/perf.md), so the forward does not use it.
+  // Measured slower than the down launch followed by the combine kernel (H200, same run: 30B
+  // T=4096 +27%, 30B T=16384 +13%, 235B T=16384 -1.4%; docs/perf.md), so the forward does not
+  // use it.
   void* y = nullptr;                      // [num_slots / top_k, H] bf16 (output)
   const int32_t* slot_row = nullptr;      // [num_slots] device: row of each slot, -1 where none
   int64_t top_k = 0;                      // K, 1..32

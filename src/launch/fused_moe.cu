@@ -16,8 +16,9 @@
 // only 30B T=4096 faster (0.52 vs 0.54). So the forward keeps two launches.
 // Step 4 inside the down kernel (Sm90DownParams::y: each token's column tile combined by the
 // kernel's idle warps as soon as its last slot row is stored) gives the same bits but measured
-// slower than the combine kernel (H200, 2026-11-29, standalone GEMM test: 30B T=4096 0.29 vs
-// 0.25 ms, 30B T=16384 0.96 vs 0.86, 235B T=16384 equal; docs/perf.md). So step 4 stays a kernel.
+// slower than the combine kernel (H200, 2026-11-29, standalone GEMM test, down + combine: 30B
+// T=4096 0.32 vs 0.26 ms, 30B T=16384 0.99 vs 0.88, 235B T=16384 2.97 vs 3.01; docs/perf.md).
+// So step 4 stays a kernel.
 // Rows past expert_offsets[E] are never read or written; masked and invalid slots own no row.
 // The row count R lives on the device only: launches are sized for T*K rows, and the GEMM
 // kernels derive their tile lists from expert_offsets.
