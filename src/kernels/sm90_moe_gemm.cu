@@ -938,6 +938,9 @@ void validate_down(const Sm90DownParams& p) {
                 "block_n must be 0, 128 or 256, got " << p.block_n);
   if (p.y != nullptr) {  // the fused combine
     FUSEMOE_CHECK(p.top_k >= 1 && p.top_k <= 32, "top_k must be in [1, 32] with the fused combine, got " << p.top_k);
+    FUSEMOE_CHECK(p.hidden / 128 < (int64_t{1} << 16),
+                  "hidden must be < 2^23 with the fused combine (column tiles are 16-bit in the hand-over), got "
+                      << p.hidden);
     FUSEMOE_CHECK(p.num_slots % p.top_k == 0,
                   "num_slots must be a multiple of top_k with the fused combine, got " << p.num_slots << " and "
                                                                                         << p.top_k);
