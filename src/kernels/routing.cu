@@ -62,8 +62,8 @@ routing_scan_kernel(const int32_t* __restrict__ topk_idx, int64_t num_chunks, in
   const int e = threadIdx.x;
   int32_t total = 0;
   if (e < num_experts) {
-    // Batches of 8 independent loads: the loop is latency-bound otherwise.
-    constexpr int kBatch = 8;
+    // Batches of 16 independent loads: the loop is latency-bound otherwise.
+    constexpr int kBatch = 16;
     for (int64_t c0 = 0; c0 < num_chunks; c0 += kBatch) {
       int32_t counts[kBatch];
 #pragma unroll
