@@ -161,6 +161,9 @@ struct KernelArgs {
   int32_t grad_bf16;
   int32_t accumulate;
 };
+// KernelArgs' size reaches ptxas's choices for every mode: 16 more bytes once cost dW2 / dW13
+// 8-10% (docs/perf.md, fifth session). A change of size needs a same-run timing of every mode.
+static_assert(sizeof(KernelArgs) == 128, "KernelArgs' size moves ptxas's code for every mode: see above");
 
 // One work item: rows modes use the expert's pool rows [row_begin, row_begin + 128) and output
 // column tile n_tile; kWeightGrad uses output tile (m_tile, n_tile) of expert `expert` and
