@@ -832,7 +832,7 @@ void validate_common(int64_t max_rows, int64_t hidden, int64_t intermediate, int
 // once per device and variant, to what the largest E needs (a limit, not an allocation: each
 // launch asks for its own E's bytes), so later calls make no attribute call. With the fused
 // combine the limit is the device's (the workers' buffers take what is left, see
-// combine_buffers_fit) and args.combine_buffers says whether this launch has them.
+// launch_down_variant) and args.combine_buffers says whether this launch has them.
 template <Passes kPasses, int kBlockN, int kStages, bool kGatherA, bool kCombine = false>
 void launch_variant(const DeviceInfo& info, int num_sms_override, int64_t num_experts, const CUtensorMap& map_xs,
                     const CUtensorMap& map_w13, const CUtensorMap& map_h, const CUtensorMap& map_w2,
@@ -852,15 +852,6 @@ void launch_variant(const DeviceInfo& info, int num_sms_override, int64_t num_ex
   const int grid = num_sms_override > 0 ? std::min(num_sms_override, info.num_sms) : info.num_sms;
   kernel<<<grid, sm90::kThreads, smem_bytes, stream>>>(map_xs, map_w13, map_h, map_w2, args);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
-}
-
-// Whether the fused combine's producer workers get their K-row buffers (2 per worker) beside
-// the GEMM's ring, the tile table and the queue; without them they combine from registers.
-bool combine_buffers_fit(const DeviceInfo& info, int block_n, int64_t num_experts, int64_t top_k) {
-  const int e = static_cast<int>(num_experts), k = static_cast<int>(top_k);
-  const size_t bytes = block_n == 128 ? KernelConfig<Epilogue::kSwiGLU, 128, 6>::smem_bytes(e, true, k)
-                                      : KernelConfig<Epilogue::kSwiGLU, 256, 4>::smem_bytes(e, true, k);
-  return bytes <= static_cast<size_t>(info.max_smem_optin);
 }
 
 // The tensor-map parameter of an operand the launch does not read.
@@ -1001,6 +992,25 @@ DownLaunch configure_down(const Sm90DownParams& p, int block_n, KernelArgs* args
   return out;
 }
 
+// The down GEMM at one tile width, with or without the fused combine; with it, the producer
+// workers get their K-row buffers when they fit beside the ring, the tile table and the queue
+// (else they combine from registers).
+template <int kBlockN, int kStages>
+void launch_down_variant(const DeviceInfo& info, const Sm90DownParams& p, const DownLaunch& d, KernelArgs args,
+                         bool combine) {
+  using Config = KernelConfig<Epilogue::kSwiGLU, kBlockN, kStages>;
+  if (combine) {
+    const size_t with_buffers =
+        Config::smem_bytes(static_cast<int>(p.num_experts), true, static_cast<int>(p.top_k));
+    args.combine_buffers = with_buffers <= static_cast<size_t>(info.max_smem_optin) ? 1 : 0;
+    launch_variant<Passes::kDown, kBlockN, kStages, false, true>(info, p.num_sms, p.num_experts, kUnusedMap,
+                                                                 kUnusedMap, d.map_h, d.map_w2, args, p.stream);
+  } else {
+    launch_variant<Passes::kDown, kBlockN, kStages, false>(info, p.num_sms, p.num_experts, kUnusedMap, kUnusedMap,
+                                                           d.map_h, d.map_w2, args, p.stream);
+  }
+}
+
 }  // namespace
 
 int64_t sm90_combine_counters(int64_t num_tokens, int64_t hidden) {
@@ -1052,23 +1062,10 @@ void launch_sm90_down_weighted(const Sm90DownParams& p) {
         static_cast<__nv_bfloat16*>(p.y));
     FUSEMOE_CUDA_CHECK(cudaGetLastError());
   }
-  if (combine) args.combine_buffers = combine_buffers_fit(info, block_n, p.num_experts, p.top_k) ? 1 : 0;
   if (block_n == 128) {
-    if (combine) {
-      launch_variant<Passes::kDown, 128, 6, false, true>(info, p.num_sms, p.num_experts, kUnusedMap, kUnusedMap,
-                                                         d.map_h, d.map_w2, args, p.stream);
-    } else {
-      launch_variant<Passes::kDown, 128, 6, false>(info, p.num_sms, p.num_experts, kUnusedMap, kUnusedMap, d.map_h,
-                                                   d.map_w2, args, p.stream);
-    }
+    launch_down_variant<128, 6>(info, p, d, args, combine);
   } else {
-    if (combine) {
-      launch_variant<Passes::kDown, 256, 4, false, true>(info, p.num_sms, p.num_experts, kUnusedMap, kUnusedMap,
-                                                         d.map_h, d.map_w2, args, p.stream);
-    } else {
-      launch_variant<Passes::kDown, 256, 4, false>(info, p.num_sms, p.num_experts, kUnusedMap, kUnusedMap, d.map_h,
-                                                   d.map_w2, args, p.stream);
-    }
+    launch_down_variant<256, 4>(info, p, d, args, combine);
   }
 }
 
