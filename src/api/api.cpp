@@ -9,9 +9,9 @@
 
 #include "fusemoe/fusemoe.h"
 #include "kernels/routing.h"
-#include "launch/fused_moe.h"
-#include "launch/fused_moe_backward.h"
-#include "launch/unfused_moe.h"
+#include "pipelines/fused_forward.h"
+#include "pipelines/fused_backward.h"
+#include "pipelines/unfused.h"
 
 namespace fusemoe {
 namespace {
@@ -174,6 +174,17 @@ void validate_config(const LayerConfig& c) {
   FUSEMOE_CHECK(c.max_tokens * c.hidden <= (int64_t(1) << 35),
                 "max_tokens * hidden must be <= 2^35 (x as 16-byte TMA elements < 2^32), got "
                     << c.max_tokens << " * " << c.hidden);
+  // The fused GEMMs number their tiles in int32: row tiles (R / 128 plus one partial block per
+  // expert) times column tiles (I / 128 or H / 256 at most), and the weight gradients' expert
+  // output tiles (E x M / 128 x N / 256 for dW13 [2I, H] and dW2 [H, I]).
+  const int64_t row_blocks = c.max_tokens * c.top_k / 128 + c.num_experts;
+  const int64_t column_tiles = std::max((c.intermediate + 127) / 128, (c.hidden + 255) / 256);
+  const int64_t weight_grad_tiles = std::max(c.num_experts * (2 * c.intermediate / 128) * ((c.hidden + 255) / 256),
+                                             c.num_experts * (c.hidden / 128) * ((c.intermediate + 255) / 256));
+  FUSEMOE_CHECK(row_blocks * column_tiles < (int64_t(1) << 31) && weight_grad_tiles < (int64_t(1) << 31),
+                "the layer has too many GEMM tiles for int32 tile indices (max_tokens * top_k / 128 + num_experts = "
+                    << row_blocks << " row blocks x " << column_tiles << " column tiles, " << weight_grad_tiles
+                    << " weight-gradient tiles; each product must be < 2^31)");
   if (c.use_swiglu_clamp) {
     FUSEMOE_CHECK(std::isfinite(c.swiglu_clamp) && c.swiglu_clamp > 0.0f,
                   "swiglu_clamp must be finite and > 0 when use_swiglu_clamp is set, got "

@@ -11,6 +11,8 @@
 #include <cuda.h>  // CUtensorMap (types only; nothing here links libcuda)
 #include <cstdint>
 
+#include "device/sm90_layout.cuh"
+
 namespace fusemoe::sm90 {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
@@ -117,20 +119,6 @@ __device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* bar) {
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// Groups of this thread's cp.async copies (no mbarrier): commit the copies issued so far as one
-// group; wait until at most kPending groups are still in flight.
-__device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait_group() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
-
-__device__ __forceinline__ uint4 ld_shared_v4(uint32_t smem) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(smem) : "memory");
-  return v;
-}
-
 // Shared memory written through the generic proxy (cp.async, st.shared) and read through the
 // async proxy (wgmma, TMA store): a thread that has observed the writes (through an mbarrier)
 // orders them before its async-proxy reads with this fence; a barrier must follow where other
@@ -168,17 +156,13 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 // The forward reads both operands K-major (x rows and W13_e / W2_e rows); the backward also
 // reads B N-major (a weight [K rows, N cols] row-major: W2_e as [H, I], W13_e as [2I, H]) and
 // A M-major (activations transposed, dys^T and dz^T, for the weight gradients).
+// The layout constants (kSwizzleRowBytes, kMnBoxBytes, ...) live in sm90_layout.cuh.
 // Descriptor fields (16-byte units): start address, leading byte offset (LBO), stride byte
 // offset (SBO), layout 1 = SWIZZLE_128B. K-major: SBO = 1024 (next 8 rows), LBO unused.
 // MN-major (canonical ((8 x 8 elements, m atoms), (8 k, k groups)) with strides
 // ((1, 8, LBO), (64, SBO)) elements): LBO = distance between 64-wide MN atoms (the next TMA
 // box, kMnBoxBytes), SBO = distance between groups of 8 k-rows (1024 B).
 // ---------------------------------------------------------------------------------------------
-
-constexpr int kSwizzleRowBytes = 128;                       // one TMA box row: 64 bf16
-constexpr int kSwizzleAtomBytes = 1024;                     // 8 rows x 128 B
-constexpr int kMnBoxRows = 64;                              // k-rows per MN-major TMA box
-constexpr int kMnBoxBytes = kMnBoxRows * kSwizzleRowBytes;  // 8 KB
 
 // Descriptor for a 1024-byte aligned swizzled tile (both majors; the instruction's transpose
 // bits say which one it is).
@@ -200,11 +184,6 @@ struct OperandLayout {
   // phase is unchanged) for MN-major.
   static constexpr uint64_t kDescStepK16 = kMnMajor ? (16 * kSwizzleRowBytes) >> 4 : 32 >> 4;
 };
-
-// Descriptor of a K-major tile (the forward's operands).
-__device__ __forceinline__ uint64_t make_kmajor_desc_sw128(const void* smem_tile) {
-  return make_desc_sw128(smem_tile, OperandLayout<false>::kLbo, OperandLayout<false>::kSbo);
-}
 
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -282,36 +261,11 @@ struct Wgmma<256, kTransA, kTransB> {
 #undef FUSEMOE_ACC32
 #undef FUSEMOE_ACC8
 
-// ---------------------------------------------------------------------------------------------
-// Flags between CTAs of one grid (readiness counters): release add, acquire load, a clock for
-// bounded waits, and the proxy fence that lets TMA (async proxy) read what other CTAs stored
-// through the generic proxy once the acquire has observed it.
-// ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ void red_release_gpu_add(int32_t* ptr, int32_t value) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
-}
-
-// Atomic add with acquire and release semantics at GPU scope; returns the old value.
-__device__ __forceinline__ int32_t atom_add_acq_rel_gpu(int32_t* ptr, int32_t value) {
-  int32_t old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
-  return old;
-}
-
-__device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* ptr) {
-  int32_t value;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
-  return value;
-}
-
+// A clock for bounded waits (nanoseconds; coarse, but monotonic on one GPU).
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
-}
-
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
 // Named barrier over `num_threads` threads (a multiple of 32); id 0 is __syncthreads.

@@ -225,6 +225,20 @@ __global__ void combine_backward_kernel(const In* __restrict__ dxs,
   }
 }
 
+__global__ void router_grad_reduce_kernel(const float* __restrict__ partials, int32_t num_n_tiles,
+                                          const int32_t* __restrict__ slot_row, int64_t num_slots,
+                                          float* __restrict__ d_topk_w) {
+  for (int64_t s = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; s < num_slots;
+       s += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t row = slot_row[s];
+    float sum = 0.0f;
+    if (row >= 0) {
+      for (int32_t n = 0; n < num_n_tiles; ++n) sum += partials[int64_t(row) * num_n_tiles + n];
+    }
+    d_topk_w[s] = sum;
+  }
+}
+
 __global__ void widen_bf16_kernel(const bf16* __restrict__ src, int64_t count, float* __restrict__ dst) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -329,6 +343,14 @@ void launch_combine_backward(const In* dxs_RH, const int32_t* slot_row, int64_t 
   if (num_tokens == 0) return;
   combine_backward_kernel<<<grid_for(num_tokens * hidden / kVec), kThreads, 0, stream>>>(
       dxs_RH, slot_row, num_tokens, top_k, hidden, static_cast<bf16*>(dx_TH_bf16), d_topk_w_TK);
+  FUSEMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_router_grad_reduce(const float* router_partials, int64_t num_n_tiles, const int32_t* slot_row,
+                               int64_t num_slots, float* d_topk_w, cudaStream_t stream) {
+  if (num_slots == 0) return;
+  router_grad_reduce_kernel<<<grid_for(num_slots), kThreads, 0, stream>>>(
+      router_partials, static_cast<int32_t>(num_n_tiles), slot_row, num_slots, d_topk_w);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,5 +1,5 @@
-// The non-GEMM steps of the unfused pipeline (and of the fp32 reference pipeline): row gather,
-// SwiGLU forward/backward, the k-way combines, weight widening and gradient finalisation.
+// The non-GEMM steps of the pipelines: row gather, SwiGLU forward/backward, the k-way combines,
+// the router-gradient reduction, weight widening and gradient finalisation.
 // Each is templated on the element types of its pool tensors: bf16 for Impl::kUnfused, float
 // for Impl::kReferenceFp32. Explicit instantiations live in moe_elementwise.cu.
 // Shape legend: R rows (expert-sorted valid slots), T tokens, H hidden, I intermediate, K top-k.
@@ -22,13 +22,18 @@ void launch_gather_rows(const Src* src_TH, const int32_t* row_slot, int64_t num_
                         int64_t top_k, int64_t hidden, Dst* dst_RH, cudaStream_t stream);
 
 // As launch_gather_rows, but the row count is read on the device (*num_rows_device, e.g.
-// expert_offsets[E]) and the grid is sized for max_rows: no host synchronisation. Used by the
-// fused backward's x/dy pools, and by tests/gpu/test_sm90_moe_gemm.cu as the pool dispatch the
-// forward's in-kernel gather is timed against (the fused forward builds no pool).
+// expert_offsets[E]) and the grid is sized for max_rows: no host synchronisation. The fused
+// backward's x/dy pools.
 void launch_gather_rows_device_count(const void* src_TH_bf16, const int32_t* row_slot,
                                      const int32_t* num_rows_device, int64_t max_rows,
                                      int64_t top_k, int64_t hidden, void* dst_RH_bf16,
                                      cudaStream_t stream);
+
+// d_topk_w[s] = sum_{n < num_n_tiles} router_partials[slot_row[s] * num_n_tiles + n], n in
+// increasing order (deterministic); 0 where slot_row[s] < 0 (masked or invalid slot). The
+// fused backward's router-weight gradient from the dgrad epilogue's per-tile partials.
+void launch_router_grad_reduce(const float* router_partials, int64_t num_n_tiles, const int32_t* slot_row,
+                               int64_t num_slots, float* d_topk_w, cudaStream_t stream);
 
 // y_TH[t] = sum_{j valid} ys_SH[t*K + j] in fp32, j in order (deterministic), bf16 out.
 // ys rows hold the already weighted expert outputs, one per slot; masked or invalid slots

@@ -47,6 +47,9 @@ TEST(Validation, BadConfigsNameTheField) {
       {[](LayerConfig& c) { c.max_tokens = std::numeric_limits<int64_t>::max(); }, "max_tokens * top_k"},
       {[](LayerConfig& c) { c.num_experts = 1024; c.intermediate = int64_t(1) << 20; }, "num_experts * 2 * intermediate"},
       {[](LayerConfig& c) { c.hidden = int64_t(1) << 20; c.max_tokens = int64_t(1) << 16; }, "max_tokens * hidden"},
+      // 1024 x (2^20 / 128) x (2^20 / 256) weight-gradient tiles exceed int32 tile indices.
+      {[](LayerConfig& c) { c.num_experts = 1024; c.intermediate = int64_t(1) << 19; c.hidden = int64_t(1) << 20; },
+       "too many GEMM tiles"},
       {[](LayerConfig& c) { c.use_swiglu_clamp = true; c.swiglu_clamp = 0.0f; }, "swiglu_clamp"},
       {[](LayerConfig& c) { c.use_swiglu_clamp = true; c.swiglu_clamp = 1.0f / 0.0f; }, "swiglu_clamp"},
   };

@@ -1,5 +1,5 @@
-// Host launcher of the fused forward (Impl::kFused) on sm_90a. Arguments are validated by
-// src/api before this runs.
+// The fused forward pipeline (Impl::kFused) on sm_90a. Arguments are validated by src/api
+// before this runs.
 #pragma once
 
 #include "fusemoe/fusemoe.h"

@@ -12,11 +12,11 @@
 // Memory per routed row (bf16): xs, dys, dx_slots [H] each + dz [2I] + wh [I] + z [2I] (only
 // when recomputed: with the forward's saved z the workspace ends before it), plus one fp32 per
 // row and dgrad tile.
-#include "launch/fused_moe_backward.h"
+#include "pipelines/fused_backward.h"
 
-#include "common/workspace_carver.h"
 #include "kernels/moe_elementwise.h"
-#include "kernels/sm90_moe_backward_gemm.h"
+#include "launchers/sm90_grouped_gemm.h"
+#include "common/workspace_carver.h"
 
 namespace fusemoe {
 namespace {
@@ -42,8 +42,7 @@ struct FusedBackwardWorkspace {
     dz_RF = carver.take(rows * 2 * I * 2);
     wh_RI = carver.take(rows * I * 2);
     dx_slots_SH = carver.take(rows * H * 2);
-    // Sized for the narrowest dgrad tile (the most partials per row).
-    router_partials = carver.take<float>(rows * sm90_dgrad_swiglu_num_n_tiles(I, 128) * sizeof(float));
+    router_partials = carver.take<float>(rows * sm90_router_partials_per_row(I) * sizeof(float));
     if (!z_saved) z_RF = carver.take(rows * 2 * I * 2);
     total_bytes = carver.bytes();
   }
@@ -64,15 +63,13 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
   launch_routing(args.topk_idx, args.num_tokens, c.top_k, E, ws.plan, args.expert_id_report,
                  stream);
 
-  // The routing and shape fields every row-tile GEMM below takes.
-  auto set_rows_problem = [&](auto& p) {
-    p.expert_offsets = ws.plan.expert_offsets;
-    p.max_rows = num_slots;
-    p.hidden = H;
-    p.intermediate = I;
-    p.num_experts = E;
-    p.stream = stream;
-  };
+  Sm90Rows rows;
+  rows.expert_offsets = ws.plan.expert_offsets;
+  rows.max_rows = num_slots;
+  rows.hidden = H;
+  rows.intermediate = I;
+  rows.num_experts = E;
+  rows.stream = stream;
 
   if (num_slots > 0) {
     const int32_t* num_rows_device = ws.plan.expert_offsets + E;
@@ -86,56 +83,51 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
     const void* z_RF = args.saved_z;
     if (z_RF == nullptr) {
       Sm90RecomputeZParams z;
+      z.rows = rows;
       z.xs = ws.xs_RH;
       z.w13 = args.w13;
       z.z = ws.z_RF;
-      set_rows_problem(z);
       launch_sm90_recompute_z(z);
       z_RF = ws.z_RF;
     }
 
     Sm90DgradSwigluParams d1;
+    d1.rows = rows;
     d1.dys = ws.dys_RH;
     d1.w2 = args.w2;
     d1.z = z_RF;
-    set_rows_problem(d1);
     d1.row_slot = ws.plan.row_slot;
     d1.topk_weights = args.topk_weights;
     d1.dz = ws.dz_RF;
     d1.wh = ws.wh_RI;
     d1.router_partials = ws.router_partials;
-    d1.num_slots = num_slots;
+    d1.block_n = sm90_dgrad_block_n(H);
     d1.use_swiglu_clamp = c.use_swiglu_clamp;
     d1.swiglu_clamp = c.swiglu_clamp;
-    d1.block_n = sm90_dgrad_swiglu_block_n(H);  // resolved once: the reduce reads that many partials
     launch_sm90_dgrad_swiglu(d1);
-    launch_router_grad_reduce(ws.router_partials, sm90_dgrad_swiglu_num_n_tiles(I, d1.block_n), ws.plan.slot_row,
+    launch_router_grad_reduce(ws.router_partials, sm90_dgrad_num_n_tiles(I, d1.block_n), ws.plan.slot_row,
                               num_slots, args.d_topk_weights, stream);
 
     Sm90DgradScatterParams d2;
+    d2.rows = rows;
     d2.dz = ws.dz_RF;
     d2.w13 = args.w13;
-    d2.dx_slots = ws.dx_slots_SH;
-    set_rows_problem(d2);
     d2.row_slot = ws.plan.row_slot;
-    d2.num_slots = num_slots;
+    d2.dx_slots = ws.dx_slots_SH;
     launch_sm90_dgrad_scatter(d2);
     launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream);
   }
 
-  // Weight gradients (max_rows == 0: zeroed, or untouched when accumulating).
+  // Weight gradients (no rows: zeroed, or untouched when accumulating).
   Sm90WeightGradParams w2g;
+  w2g.rows = rows;
   w2g.act_m = ws.dys_RH;
   w2g.act_n = ws.wh_RI;
   w2g.grad = args.dw2;
-  w2g.expert_offsets = ws.plan.expert_offsets;
-  w2g.max_rows = num_slots;
   w2g.m = H;
   w2g.n = I;
-  w2g.num_experts = E;
   w2g.bf16_grad = bf16_grads;
   w2g.accumulate = args.accumulate_weight_grads;
-  w2g.stream = stream;
   launch_sm90_weight_grad(w2g);
 
   Sm90WeightGradParams w13g = w2g;

@@ -1,4 +1,4 @@
-// Host launcher of the fused backward (Impl::kFused) on sm_90a. Arguments are validated by
+// The fused backward pipeline (Impl::kFused) on sm_90a. Arguments are validated by
 // src/api before this runs (the same checks as for the unfused backward).
 #pragma once
 

@@ -1,5 +1,5 @@
-// Host-side pieces shared by the sm90 kernel launchers (forward and backward GEMMs): device
-// facts queried once per device, and the one kind of TMA tensor map every kernel uses.
+// Host-side pieces shared by the sm90 launchers: device facts queried once per device, the TMA
+// tensor maps every instance uses, and the launchers' internal assertion.
 #pragma once
 
 #include <cuda.h>
@@ -8,10 +8,16 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "fusemoe/error.h"
+
+// Launchers take arguments src/api has checked; a failed assertion is a bug in fusemoe, reported
+// as an error (never undefined behaviour on the device).
+#define FUSEMOE_ASSERT(cond) FUSEMOE_CHECK(cond, "internal error: assertion `" #cond "` failed")
+
 namespace fusemoe::sm90 {
 
 // bf16 elements of one TMA box row: one 128-byte swizzle row, which is what the wgmma
-// shared-memory descriptors of both GEMM families expect.
+// shared-memory descriptors expect.
 constexpr int kTensorMapBoxInner = 64;
 // Bytes of one box row of every tensor map here (the 128-byte swizzle span).
 constexpr uint32_t kSwizzleBytes = 128;

@@ -11,7 +11,7 @@
 //   z = xs W1^T (recomputed), a = dy W2, h = swiglu(z), d_topk_w = <h, a> (= <o, dy>),
 //   dh = w a, dz = swiglu'(dh), dxs = dz W1, dx_t = sum_j dxs,
 //   dW2_e = dys^T (w h), dW1_e = dz^T xs.
-#include "launch/unfused_moe.h"
+#include "pipelines/unfused.h"
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>

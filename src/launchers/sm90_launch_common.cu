@@ -1,6 +1,6 @@
-// Host-side helpers of the sm90 launchers (see sm90_host.h). The tensor-map encoder comes from
+// Host-side helpers of the sm90 launchers (see sm90_launch_common.h). The tensor-map encoder comes from
 // the driver through the runtime's entry-point query, so nothing links -lcuda.
-#include "device/sm90_host.h"
+#include "launchers/sm90_launch_common.h"
 
 #include <cuda_runtime_api.h>
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled

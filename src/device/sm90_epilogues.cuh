@@ -1,0 +1,454 @@
+// Epilogues of the sm90 grouped GEMM: what a consumer warpgroup does with its 64 x kBlockN fp32
+// accumulators once a tile's main loop is done.
+//
+//   SwiGLUEpilogue<N, kClamp, kStoreZ>  h = silu(g) * u (g, u clamped when kClamp), bf16, into h
+//                                       [R, I]; z = [g | u] (before the clamp) into z [R, 2I]
+//   RowStoreEpilogue<N, kWeighted, kDest>
+//                                       bf16 rows (times topk_weights[slot] when kWeighted) to
+//                                       row r of out (kSortedRow) or to its slot row_slot[r]
+//   DgradSwiGLUEpilogue<N, kClamp>      from a = dy W2: dz = [w a u silu'(g) | w a silu(g)]
+//                                       (clamp masks), wh = w h, and the router-gradient
+//                                       partial <h, a> of the tile's columns
+//   WeightGradEpilogue<kFp32, kAccumulate>
+//                                       an expert's gradient tile through shared-memory staging
+//                                       and TMA stores, fp32 or bf16, overwritten or added to
+//
+// Each has Args (its kernel arguments), kStagingBytes (its share of shared memory), prefetch()
+// (its tensor maps, once per CTA), prepare()
+// (per-tile inputs loaded before the main loop so their latency hides under it), store(), and
+// finish() (after the CTA's last tile), with one signature for all. Accumulator fragment layout: sm90_ptx.cuh, wgmma section.
+// Row epilogues store only rows before the expert's end (AccRows::valid) and columns < N.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "device/sm90_fragment.cuh"
+#include "device/sm90_layout.cuh"
+#include "device/sm90_ptx.cuh"
+#include "device/sm90_schedulers.cuh"
+
+namespace fusemoe::sm90 {
+
+// The calling consumer thread.
+struct ConsumerThread {
+  int consumer;    // 0 or 1: tile rows [64 consumer, 64 consumer + 64)
+  int warp_in_wg;  // 0..3
+  int lane;
+  int tid_in_wg;   // 0..127
+  int row_in_wg;   // accumulator rows row_in_wg and row_in_wg + 8 of the warpgroup's 64
+};
+
+// The pool rows of this thread's two accumulator rows (h = 0, 1) in a row tile.
+struct AccRows {
+  int32_t row[2];
+  bool valid[2];  // before the expert's end
+  __device__ AccRows(const Tile& tile, const ConsumerThread& me) {
+    const int32_t r0 = tile.row_begin + me.consumer * kWgmmaM + me.row_in_wg;
+    row[0] = r0;
+    row[1] = r0 + 8;
+    valid[0] = row[0] < tile.row_end;
+    valid[1] = row[1] < tile.row_end;
+  }
+};
+
+// The output shape the epilogues read (the kernel's GemmShape).
+struct EpilogueShape {
+  int32_t n_valid;  // output columns N
+  int32_t m_valid;  // weight gradients: rows M of one expert's output
+};
+
+// silu(g) = g * sigmoid(g) with the approximate reciprocal (MUFU.RCP): the result is rounded
+// to bf16 (8 bits), far coarser than its ~2 ulp fp32 error. For g < -87 the denominator
+// overflows and the result is -0, where the exact value is below 1e-36 in magnitude anyway.
+__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+
+// Stores one accumulator row fragment: words[j] = bf16 pairs of output columns col0 + 8j + 2q,
+// +1 (q = lane % 4). A 4x4 transpose inside the quad turns every 4 chunks into one 16-byte
+// store per lane (lane q writes chunk 4a+q whole: docs/experiments.md#quad-transposed-stores).
+// Columns at or past n_valid are not stored (n_valid is a multiple of 8).
+template <int kChunks>
+__device__ __forceinline__ void store_row_fragment(uint32_t (&words)[kChunks], __nv_bfloat16* row_ptr,
+                                                   bool row_valid, int col0, int n_valid, int lane) {
+  static_assert(kChunks % 4 == 0, "the quad transpose works on groups of 4 chunks");
+  const int q = lane % 4;
+#pragma unroll
+  for (int a = 0; a < kChunks / 4; ++a) {
+    uint32_t w[4] = {words[4 * a], words[4 * a + 1], words[4 * a + 2], words[4 * a + 3]};
+    quad_transpose(w, q);
+    const int col = col0 - 2 * q + 8 * (4 * a + q);  // lane q now holds chunk 4a+q
+    if (row_valid && col < n_valid) *reinterpret_cast<uint4*>(row_ptr + col) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// ------------------------------------------------------------------------------------ SwiGLU
+
+template <int kBlockN, bool kClamp, bool kStoreZ>
+struct SwiGLUEpilogue {
+  static constexpr int kStagingBytes = 0;
+  static constexpr int kOutChunks = kBlockN / 16;  // n8 chunks of h per row: half the accumulators
+  struct Args {
+    __nv_bfloat16* h;  // [R_max, I]
+    __nv_bfloat16* z;  // [R_max, 2I] pre-activations [g | u] for the backward (kStoreZ)
+    float clamp;       // c > 0 (kClamp): g <- min(g, c), u <- clamp(u, -c, c)
+  };
+  struct Inputs {};
+  __device__ static void prefetch(const Args&) {}
+  __device__ static Inputs prepare(const Args&, const EpilogueShape&, const Tile&, const AccRows&,
+                                   const ConsumerThread&) {
+    return {};
+  }
+
+  // Output chunk j pairs gate registers acc[4j + 2h + b] with up registers acc[4(j + kOutChunks) + 2h + b].
+  template <int kRegs>
+  __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
+                               Inputs&, const float (&acc)[kRegs], uint8_t*, const ConsumerThread& me) {
+    static_assert(8 * kOutChunks == kRegs, "gate and up halves fill the accumulators");
+    const int I = s.n_valid;
+    const int col0 = tile.n_tile * (kBlockN / 2) + 2 * (me.lane % 4);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t words[kOutChunks];
+      if constexpr (kStoreZ) {  // g and u before the clamp, as the backward's recompute makes them
+        __nv_bfloat16* z_row = args.z + static_cast<int64_t>(rows.row[h]) * 2 * I;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+          for (int j = 0; j < kOutChunks; ++j) {
+            const int reg = 4 * (j + half * kOutChunks) + 2 * h;
+            words[j] = pack_bf16x2(acc[reg], acc[reg + 1]);
+          }
+          store_row_fragment<kOutChunks>(words, z_row + half * I, rows.valid[h], col0, I, me.lane);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kOutChunks; ++j) {
+        const int gate = 4 * j + 2 * h, up = gate + 4 * kOutChunks;
+        float g0 = acc[gate], g1 = acc[gate + 1], u0 = acc[up], u1 = acc[up + 1];
+        if constexpr (kClamp) {
+          g0 = fminf(g0, args.clamp);
+          g1 = fminf(g1, args.clamp);
+          u0 = fminf(fmaxf(u0, -args.clamp), args.clamp);
+          u1 = fminf(fmaxf(u1, -args.clamp), args.clamp);
+        }
+        words[j] = pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
+      }
+      store_row_fragment<kOutChunks>(words, args.h + static_cast<int64_t>(rows.row[h]) * I, rows.valid[h], col0, I,
+                                     me.lane);
+    }
+  }
+  __device__ static void finish(const ConsumerThread&) {}
+};
+
+// ---------------------------------------------------------------------------------- row store
+
+enum class RowDestination {
+  kSortedRow,  // out row r: the pool's own order (z recompute)
+  kSlotRow,    // out row row_slot[r]: the token's slot t*K + j (down, dgrad of x)
+};
+
+template <int kBlockN, bool kWeighted, RowDestination kDest>
+struct RowStoreEpilogue {
+  static_assert(!kWeighted || kDest == RowDestination::kSlotRow, "routing weights are indexed by slot");
+  static constexpr int kStagingBytes = 0;
+  static constexpr int kChunks = kBlockN / 8;
+  struct Args {
+    __nv_bfloat16* out;         // [rows, N] bf16
+    const int32_t* row_slot;    // [R_max] (kSlotRow)
+    const float* topk_weights;  // [T*K] (kWeighted)
+  };
+  struct Inputs {
+    int32_t dest[2];
+    float weight[2];
+  };
+  __device__ static void prefetch(const Args&) {}
+  __device__ static Inputs prepare(const Args& args, const EpilogueShape&, const Tile&, const AccRows& rows,
+                                   const ConsumerThread&) {
+    Inputs in{{rows.row[0], rows.row[1]}, {1.0f, 1.0f}};
+    if constexpr (kDest == RowDestination::kSlotRow) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        in.dest[h] = 0;
+        if (rows.valid[h]) {
+          in.dest[h] = __ldg(args.row_slot + rows.row[h]);
+          if constexpr (kWeighted) in.weight[h] = __ldg(args.topk_weights + in.dest[h]);
+        }
+      }
+    }
+    return in;
+  }
+  template <int kRegs>
+  __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
+                               Inputs& in, const float (&acc)[kRegs], uint8_t*, const ConsumerThread& me) {
+    static_assert(4 * kChunks == kRegs, "the chunks fill the accumulators");
+    const int col0 = tile.n_tile * kBlockN + 2 * (me.lane % 4);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t words[kChunks];
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j) {
+        float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+        if constexpr (kWeighted) {
+          v0 *= in.weight[h];
+          v1 *= in.weight[h];
+        }
+        words[j] = pack_bf16x2(v0, v1);
+      }
+      store_row_fragment<kChunks>(words, args.out + static_cast<int64_t>(in.dest[h]) * s.n_valid, rows.valid[h],
+                                  col0, s.n_valid, me.lane);
+    }
+  }
+  __device__ static void finish(const ConsumerThread&) {}
+};
+
+// ------------------------------------------------------------------------------- dgrad SwiGLU
+
+// The 8 fp32 accumulator values of row half h in chunk 4a + q, in column order:
+// out[2p + b] = column 8(4a + q) + 2p + b.
+template <int kAccRegs>
+__device__ __forceinline__ void gather_chunk_fp32(const float (&acc)[kAccRegs], int a, int h, int q, float (&out)[8]) {
+  float even[4], odd[4];
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    even[p] = acc[4 * (4 * a + p) + 2 * h];
+    odd[p] = acc[4 * (4 * a + p) + 2 * h + 1];
+  }
+  quad_transpose(even, q);
+  quad_transpose(odd, q);
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    out[2 * p] = even[p];
+    out[2 * p + 1] = odd[p];
+  }
+}
+
+template <int kBlockN, bool kClamp>
+struct DgradSwiGLUEpilogue {
+  static constexpr int kStagingBytes = 0;
+  static constexpr int kGroups = kBlockN / 32;     // groups of 4 n8 chunks (one quad transpose)
+  static constexpr int kZChunks = 2 * kGroups;     // chunk c: row half c / kGroups, group c % kGroups
+  // z chunks (16 B of gate + 16 B of up each) in flight ahead of their use: all of them at
+  // width 128; at 256 only one fits the consumers' registers without spilling
+  // (docs/experiments.md#z-ahead).
+  static constexpr int kZAhead = kBlockN == 128 ? kZChunks : 1;
+  struct Args {
+    const int32_t* row_slot;      // [R_max]
+    const float* topk_weights;    // [T*K]
+    const __nv_bfloat16* z;       // [R_max, 2I]
+    __nv_bfloat16* dz;            // [R_max, 2I]
+    __nv_bfloat16* wh;            // [R_max, I]
+    float* router_partials;       // [R_max, num_n_tiles]
+    int32_t num_n_tiles;          // ceil(I / kBlockN)
+    float clamp;                  // kClamp
+  };
+  struct Inputs {
+    float weight[2];
+    uint4 z_gate[kZAhead], z_up[kZAhead];
+  };
+  __device__ static void prefetch(const Args&) {}
+
+  // Chunk (h, a) of the gate and up halves of z for accumulator row h. The loads are
+  // unconditional (an invalid row or column reads z's first chunk, never used) so they can be
+  // issued ahead of their use.
+  __device__ static void load_z_chunk(const Args& args, int32_t I, const AccRows& rows, int32_t n0, int q, int c,
+                                      uint4& gate, uint4& up) {
+    const int h = c / kGroups, a = c % kGroups;
+    const int64_t col = n0 + 8 * (4 * a + q);
+    const bool ok = rows.valid[h] && col < I;
+    const __nv_bfloat16* g = ok ? args.z + static_cast<int64_t>(rows.row[h]) * 2 * I + col : args.z;
+    gate = __ldg(reinterpret_cast<const uint4*>(g));
+    up = __ldg(reinterpret_cast<const uint4*>(ok ? g + I : args.z));
+  }
+
+  __device__ static Inputs prepare(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
+                                   const ConsumerThread& me) {
+    const int32_t I = s.n_valid;
+    Inputs in;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      in.weight[h] = rows.valid[h] ? __ldg(args.topk_weights + __ldg(args.row_slot + rows.row[h])) : 0.0f;
+    }
+#pragma unroll
+    for (int c = 0; c < kZAhead; ++c) {
+      load_z_chunk(args, I, rows, tile.n_tile * kBlockN, me.lane % 4, c, in.z_gate[c], in.z_up[c]);
+    }
+    return in;
+  }
+
+  template <int kRegs>
+  __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
+                               Inputs& in, const float (&acc)[kRegs], uint8_t*, const ConsumerThread& me) {
+    const int32_t I = s.n_valid;
+    const int32_t n0 = tile.n_tile * kBlockN;
+    const int q = me.lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t r = rows.row[h];
+      const float w = in.weight[h];
+      float dot = 0.0f;  // <h, a> over this lane's columns of the tile, fixed order
+#pragma unroll
+      for (int a = 0; a < kGroups; ++a) {
+        float av[8];
+        gather_chunk_fp32(acc, a, h, q, av);
+        const int col = n0 + 8 * (4 * a + q);
+        float g[8], u[8];
+        const int c = h * kGroups + a;
+        unpack_bf16x8(in.z_gate[c % kZAhead], g);
+        unpack_bf16x8(in.z_up[c % kZAhead], u);
+        // Chunk c + kZAhead takes the registers chunk c leaves.
+        if (c + kZAhead < kZChunks) {
+          load_z_chunk(args, I, rows, n0, q, c + kZAhead, in.z_gate[c % kZAhead], in.z_up[c % kZAhead]);
+        }
+        if (rows.valid[h] && col < I) {
+          uint32_t dg_bits[4], du_bits[4], wh_bits[4];
+#pragma unroll
+          for (int i = 0; i < 8; i += 2) {
+            float dg[2], du[2], wh[2];
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+              float gi = g[i + b], ui = u[i + b];
+              float g_pass = 1.0f, u_pass = 1.0f;  // clamp masks: gradient only where unclamped
+              if constexpr (kClamp) {
+                g_pass = gi <= args.clamp ? 1.0f : 0.0f;
+                u_pass = (ui >= -args.clamp && ui <= args.clamp) ? 1.0f : 0.0f;
+                gi = fminf(gi, args.clamp);
+                ui = fminf(fmaxf(ui, -args.clamp), args.clamp);
+              }
+              // The approximate reciprocal, as the forward's silu.
+              const float sg = __fdividef(1.0f, 1.0f + __expf(-gi));
+              const float si = gi * sg;
+              const float hv = round_bf16(si * ui);  // h, recomputed from the bf16 z
+              const float ai = av[i + b];
+              dot = fmaf(hv, ai, dot);
+              const float dh = w * ai;
+              dg[b] = dh * ui * sg * (1.0f + gi * (1.0f - sg)) * g_pass;
+              du[b] = dh * si * u_pass;
+              wh[b] = w * hv;
+            }
+            dg_bits[i / 2] = pack_bf16x2(dg[0], dg[1]);
+            du_bits[i / 2] = pack_bf16x2(du[0], du[1]);
+            wh_bits[i / 2] = pack_bf16x2(wh[0], wh[1]);
+          }
+          *reinterpret_cast<uint4*>(args.dz + r * 2 * I + col) = make_uint4(dg_bits[0], dg_bits[1], dg_bits[2], dg_bits[3]);
+          *reinterpret_cast<uint4*>(args.dz + r * 2 * I + I + col) =
+              make_uint4(du_bits[0], du_bits[1], du_bits[2], du_bits[3]);
+          *reinterpret_cast<uint4*>(args.wh + r * I + col) = make_uint4(wh_bits[0], wh_bits[1], wh_bits[2], wh_bits[3]);
+        }
+      }
+      // Quad sum in a fixed butterfly order: every lane ends with the same bits.
+      dot += __shfl_xor_sync(0xFFFFFFFFu, dot, 1);
+      dot += __shfl_xor_sync(0xFFFFFFFFu, dot, 2);
+      if (rows.valid[h] && q == 0) args.router_partials[r * args.num_n_tiles + tile.n_tile] = dot;
+    }
+  }
+  __device__ static void finish(const ConsumerThread&) {}
+};
+
+// ---------------------------------------------------------------------------- weight gradient
+
+// Each consumer warpgroup's 64 rows x 256 columns of the output tile go through its 32 KB of
+// shared-memory staging, 4 boxes of [64 rows][128 B] per pass (the 128-byte swizzle: chunk c
+// of row r at c ^ (r % 8), so the fragment writes are bank-conflict free), and out through TMA
+// stores that drain while the warpgroup runs the next tile's main loop. fp32: two passes of 128
+// columns (32 per box); bf16: one pass of 256 (64 per box). Accumulate adds the old value in
+// fp32 first. kAccumulate is a template parameter so the overwrite pass has no load and no
+// branch per element whatever the compiler's unswitching decides
+// (docs/experiments.md#kernelargs-size).
+template <bool kFp32, bool kAccumulate>
+struct WeightGradEpilogue {
+  static constexpr int kBlockN = 256;
+  static constexpr int kStagingBoxBytes = kWgmmaM * 128;  // one TMA store box: 64 rows x 128 B
+  static constexpr int kStagingBoxes = 4;                 // per consumer warpgroup and pass
+  static constexpr int kStagingBytesPerConsumer = kStagingBoxes * kStagingBoxBytes;
+  static constexpr int kStagingBytes = kNumConsumers * kStagingBytesPerConsumer;
+  static constexpr int kChunksPerBox = kFp32 ? 4 : 8;    // 128 B of fp32 or bf16
+  static constexpr int kChunksPerPass = kStagingBoxes * kChunksPerBox;
+  static constexpr int kPasses = kBlockN / 8 / kChunksPerPass;
+  struct Args {
+    CUtensorMap map;  // grad as [E*M rows, N], boxes of [64 rows][128 B]
+    void* grad;       // [E, M, N] fp32 or bf16 (the old values, kAccumulate)
+  };
+  struct Inputs {};
+  __device__ static void prefetch(const Args& args) { prefetch_tensor_map(&args.map); }
+  __device__ static Inputs prepare(const Args&, const EpilogueShape&, const Tile&, const AccRows&,
+                                   const ConsumerThread&) {
+    return {};
+  }
+
+  template <int kFirst, int kRegs>
+  __device__ static void pass(const Args& args, const EpilogueShape& s, uint8_t* staging, int32_t row0, int32_t n0,
+                              bool acc_valid, const float (&acc)[kRegs], const ConsumerThread& me) {
+    const int64_t N = s.n_valid;
+    const int q = me.lane % 4;
+    const uint32_t barrier_id = kStagingBarrierId0 + me.consumer;
+    // The staging is free once the previous pass's stores have read it.
+    if (me.tid_in_wg == 0) bulk_wait_group_read<0>();
+    named_barrier_sync(barrier_id, kThreadsPerWarpgroup);
+#pragma unroll
+    for (int j = 0; j < kChunksPerPass; ++j) {
+      const int box = j / kChunksPerBox;
+      const int64_t col = n0 + 8 * (kFirst + j) + 2 * q;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = me.row_in_wg + 8 * h;
+        float v0 = acc_valid ? acc[4 * (kFirst + j) + 2 * h] : 0.0f;
+        float v1 = acc_valid ? acc[4 * (kFirst + j) + 2 * h + 1] : 0.0f;
+        const int64_t offset = static_cast<int64_t>(row0 + r) * N + col;
+        if (kAccumulate && col < N) {
+          if constexpr (kFp32) {
+            const float2 old = *reinterpret_cast<const float2*>(static_cast<const float*>(args.grad) + offset);
+            v0 += old.x;
+            v1 += old.y;
+          } else {
+            const __nv_bfloat162 old =
+                *reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(args.grad) + offset);
+            v0 += __low2float(old);
+            v1 += __high2float(old);
+          }
+        }
+        uint8_t* line = staging + box * kStagingBoxBytes + r * 128;
+        if constexpr (kFp32) {
+          const int chunk = 2 * (j % 4) + q / 2;  // byte 32 (j % 4) + 8q of the line
+          *reinterpret_cast<float2*>(line + ((chunk ^ (r % 8)) * 16) + (q % 2) * 8) = make_float2(v0, v1);
+        } else {
+          const int chunk = j % 8;  // byte 16 (j % 8) + 4q of the line
+          *reinterpret_cast<uint32_t*>(line + ((chunk ^ (r % 8)) * 16) + q * 4) = pack_bf16x2(v0, v1);
+        }
+      }
+    }
+    fence_proxy_async_shared();
+    named_barrier_sync(barrier_id, kThreadsPerWarpgroup);
+    if (me.tid_in_wg == 0) {
+      constexpr int kBoxCols = 8 * kChunksPerBox;
+#pragma unroll
+      for (int b = 0; b < kStagingBoxes; ++b) {
+        const int32_t col = n0 + 8 * kFirst + b * kBoxCols;
+        if (col < N) tma_store_2d(&args.map, staging + b * kStagingBoxBytes, col, row0);
+      }
+      bulk_commit_group();
+    }
+  }
+
+  template <int kRegs>
+  __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows&, Inputs&,
+                               const float (&acc)[kRegs], uint8_t* staging, const ConsumerThread& me) {
+    // An expert without rows issued no MMA: its acc holds stale values, so zeros are stored
+    // instead (zeroing acc in a branch would make ptxas serialise the wgmma pipeline, C7518),
+    // and an accumulated gradient is left untouched.
+    const bool acc_valid = tile.num_k_blocks > 0;
+    if (kAccumulate && !acc_valid) return;
+    uint8_t* mine = staging + me.consumer * kStagingBytesPerConsumer;
+    const int32_t row0 = tile.expert * s.m_valid + tile.m_tile * kBlockM + me.consumer * kWgmmaM;
+    const int32_t n0 = tile.n_tile * kBlockN;
+    pass<0>(args, s, mine, row0, n0, acc_valid, acc, me);
+    if constexpr (kPasses == 2) pass<kChunksPerPass>(args, s, mine, row0, n0, acc_valid, acc, me);
+  }
+  // The CTA's shared memory must outlive the stores still reading it.
+  __device__ static void finish(const ConsumerThread& me) {
+    if (me.tid_in_wg == 0) bulk_wait_group_all();
+  }
+};
+
+}  // namespace fusemoe::sm90

@@ -1,0 +1,51 @@
+// Tile shape, thread roles and shared-memory budget of the sm90 grouped GEMM
+// (src/kernels/sm90_grouped_gemm.cuh): one definition for every instance of the kernel.
+//
+// A CTA is 3 warpgroups at one CTA per SM: warpgroup 0 produces (TMA loads, or row gathers by
+// all its threads), warpgroups 1 and 2 consume (wgmma m64 x kBlockN x k16, then the epilogue).
+// Consumer c owns tile rows [64c, 64c + 64). Operands are bf16 tiles with TMA's 128-byte
+// swizzle: a K-block is 64 bf16, one 128-byte swizzle row.
+#pragma once
+
+#include <cstdint>
+
+namespace fusemoe::sm90 {
+
+constexpr int kWgmmaM = 64;
+constexpr int kWgmmaK = 16;
+constexpr int kNumConsumers = 2;
+constexpr int kBlockM = kNumConsumers * kWgmmaM;  // rows of a tile: each consumer owns 64
+constexpr int kBlockK = 64;                       // bf16 per 128-byte swizzle row
+constexpr int kThreadsPerWarpgroup = 128;
+constexpr int kThreads = kThreadsPerWarpgroup * (1 + kNumConsumers);
+constexpr int kWarpsPerWarpgroup = kThreadsPerWarpgroup / 32;
+
+// Register split at one CTA per SM (64K registers): the producer keeps a few scalars, the
+// consumers up to 128 fp32 accumulators plus epilogue temporaries.
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+static_assert(kProducerRegs * kThreadsPerWarpgroup + kConsumerRegs * kThreadsPerWarpgroup * kNumConsumers <= 65536,
+              "register split exceeds the register file");
+
+// Shared memory: the stage ring and an epilogue's staging share kSmemDataBytes; the rest of the
+// 227 KB holds the alignment slack, the barriers and the tile table of up to kMaxExperts.
+constexpr int kSmemDataBytes = 208 * 1024;
+constexpr int kSmemAlign = 1024;  // 128B-swizzle atoms start 1024-byte aligned
+constexpr int kMaxExperts = 1024;
+
+constexpr int kSwizzleRowBytes = 128;                       // one TMA box row
+constexpr int kSwizzleAtomBytes = 1024;                     // 8 rows x 128 B
+constexpr int kMnBoxRows = 64;                              // k-rows per MN-major TMA box
+constexpr int kMnBoxBytes = kMnBoxRows * kSwizzleRowBytes;  // 8 KB
+constexpr int kTileABytes = kBlockM * kBlockK * 2;          // 16 KB: [128 rows][64 k] or 2 MN boxes
+
+static_assert(kBlockK * 2 == kSwizzleRowBytes && kBlockK == kMnBoxRows,
+              "a K-block is one swizzle row (K-major) or one box of k-rows (MN-major)");
+static_assert(kWgmmaM * kSwizzleRowBytes == kMnBoxBytes,
+              "a consumer's A operand starts one MN box (or 64 K-major rows) into the stage");
+
+// Named barriers (0 is __syncthreads).
+constexpr uint32_t kConsumersBarrierId = 1;   // both consumer warpgroups
+constexpr uint32_t kStagingBarrierId0 = 2;    // + consumer: one warpgroup's staging
+
+}  // namespace fusemoe::sm90

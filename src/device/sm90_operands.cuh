@@ -1,0 +1,194 @@
+// Operand policies of the sm90 grouped GEMM: where the A and B tiles of one (tile, k-block)
+// stage come from, in which major, and how many bytes the stage's TMA loads deliver.
+//
+//   A (activations, 128 rows x 64 k per stage, 16 KB)
+//     PoolRowsA            K-major rows of a pool, one TMA box at (k, row_begin)
+//     PoolRowsTransposedA  M-major (weight gradients: act_m^T), two [64 k-rows][64 m] boxes
+//     GatheredTokenRowsA   K-major token rows gathered by index by all 128 producer threads
+//   B (weights or activations, kBlockN x 64 k per stage)
+//     WeightsB             K-major weight rows: one [kBlockN rows][64 k] box
+//     GateUpWeightsB       K-major gate rows and the up rows I below them, [kBlockN/2] each, so
+//                          gate column c and up column c land in one thread's accumulators
+//     WeightsTransposedB   N-major weight [K rows][N cols]: kBlockN/64 boxes [64 k][64 n]
+//     PoolRowsTransposedB  N-major pool rows (weight gradients: act_n), boxes as above
+// Shared-memory layouts: see the wgmma section of sm90_ptx.cuh. An MN-major B box wholly past
+// N is not loaded (its columns are never stored). A new element type (FP8 with block scales)
+// is a new policy here plus its MMA, not a new kernel.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "device/sm90_layout.cuh"
+#include "device/sm90_ptx.cuh"
+#include "device/sm90_schedulers.cuh"
+
+namespace fusemoe::sm90 {
+
+// ------------------------------------------------------------------------------------- A
+
+struct PoolRowsA {
+  static constexpr bool kGathered = false, kMnMajor = false;
+  static constexpr uint32_t kTmaBytes = kTileABytes;
+  struct Args {
+    CUtensorMap map;  // pool [R_max, K] bf16, boxes [128 rows][64 k]
+  };
+  struct ThreadRows {};
+  __device__ static void load(const Args& a, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb) {
+    tma_load_2d(&a.map, full, dst, kb * kBlockK, tile.row_begin);
+  }
+};
+
+struct PoolRowsTransposedA {
+  static constexpr bool kGathered = false, kMnMajor = true;
+  static constexpr uint32_t kTmaBytes = kTileABytes;
+  struct Args {
+    CUtensorMap map;  // pool [R_max, M] bf16, boxes [64 rows][64 m]
+  };
+  struct ThreadRows {};
+  // Consumer c's box holds columns m0 + 64c of the output tile's rows.
+  __device__ static void load(const Args& a, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb) {
+    const int32_t row = tile.row_begin + kb * kBlockK;
+    const int32_t m0 = tile.m_tile * kBlockM;
+    tma_load_2d(&a.map, full, dst, m0, row);
+    tma_load_2d(&a.map, full, dst + kMnBoxBytes, m0 + kWgmmaM, row);
+  }
+};
+
+// Row r of a tile is token row_slot[r] / top_k of x. Thread p copies 16-byte chunk p % 8 of
+// tile rows p / 8 + 16 i (i < 8) to the swizzled place a TMA box would have used (chunk c of
+// row r at c ^ (r % 8)); rows past the expert's end are not copied (their accumulator rows are
+// never stored, and each depends on its own A row only). Row addresses are 32-bit indices of
+// 16-byte chunks (x < 64 GiB, checked at the API) to fit the producer's 40 registers.
+struct GatheredTokenRowsA {
+  static constexpr bool kGathered = true, kMnMajor = false;
+  static constexpr uint32_t kTmaBytes = 0;
+  static constexpr int kChunksPerRow = kSwizzleRowBytes / 16;
+  static constexpr int kRowStep = kThreadsPerWarpgroup / kChunksPerRow;  // 16 rows per pass
+  static constexpr int kRowsPerThread = kBlockM / kRowStep;              // 8 copies per stage
+  static_assert(kBlockM % kRowStep == 0 && kRowStep % 8 == 0,
+                "gathered rows spread evenly over the producer threads, and each thread's rows share one "
+                "swizzle phase (row % 8)");
+  struct Args {
+    const __nv_bfloat16* x;   // [T, H] token rows
+    const int32_t* row_slot;  // [R_max]: flat slot t*K + j of each sorted row
+    int32_t top_k;
+  };
+
+  // One thread's rows of one tile.
+  struct ThreadRows {
+    uint32_t src_chunk[kRowsPerThread];  // first chunk of the x row of tile row row0 + 16 i
+    int32_t rows_left;                   // copy i happens iff 16 i < rows_left
+  };
+
+  __device__ static ThreadRows rows_of(const Args& a, const Tile& tile, int32_t num_k_blocks, int thread) {
+    const int row0 = thread / kChunksPerRow;
+    const uint32_t chunks_per_x_row = static_cast<uint32_t>(num_k_blocks) * kChunksPerRow;  // H / 8
+    ThreadRows r;
+    r.rows_left = tile.row_end - tile.row_begin - row0;
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int32_t row = tile.row_begin + row0 + kRowStep * i;
+      const int32_t token = kRowStep * i < r.rows_left ? __ldg(a.row_slot + row) / a.top_k : 0;
+      r.src_chunk[i] = static_cast<uint32_t>(token) * chunks_per_x_row;
+    }
+    return r;
+  }
+
+  // Issues the copies of K-block kb into the stage at shared address tile_a.
+  __device__ static void gather(const Args& a, const ThreadRows& r, uint32_t tile_a, int32_t kb, int thread) {
+    const int chunk = thread % kChunksPerRow;
+    const int row0 = thread / kChunksPerRow;
+    // Rows row0 + 16 i all have row % 8 == row0 % 8, so one swizzled offset serves every copy.
+    const uint32_t dst = tile_a + row0 * kSwizzleRowBytes + ((chunk ^ (row0 % 8)) * 16);
+    const uint4* src = reinterpret_cast<const uint4*>(a.x) + chunk + kb * kChunksPerRow;
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      if (kRowStep * i < r.rows_left) cp_async_16(dst + i * kRowStep * kSwizzleRowBytes, src + r.src_chunk[i]);
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------- B
+
+// The sizes the B policies read (the kernel's GemmShape).
+struct BShape {
+  int32_t n_valid;            // output columns N (gate/up: I)
+  int32_t b_rows_per_expert;  // rows of one expert's weight in the B map
+};
+
+template <int kBlockN_>
+struct WeightsB {
+  static constexpr int kBlockN = kBlockN_, kTileCols = kBlockN_;
+  static constexpr bool kMnMajor = false;
+  static_assert(kBlockN <= 256, "TMA box dimension limit");
+  static constexpr uint32_t kBoxRows = kBlockN;
+  __device__ static uint32_t bytes(const Tile&, const BShape&) { return kBlockN * kSwizzleRowBytes; }
+  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb,
+                              const BShape& s) {
+    tma_load_2d(map, full, dst, kb * kBlockK, tile.expert * s.b_rows_per_expert + tile.n_tile * kTileCols);
+  }
+};
+
+template <int kBlockN_>
+struct GateUpWeightsB {
+  static constexpr int kBlockN = kBlockN_, kTileCols = kBlockN_ / 2;
+  static constexpr bool kMnMajor = false;
+  static constexpr uint32_t kBoxRows = kBlockN / 2;
+  __device__ static uint32_t bytes(const Tile&, const BShape&) { return kBlockN * kSwizzleRowBytes; }
+  // Rows [gate n0 .. n0 + kBlockN/2 | up n0 ..], which then read as one [kBlockN, 64] K-major
+  // operand: accumulator columns c (gate) and c + kBlockN/2 (up) hold one output column.
+  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb,
+                              const BShape& s) {
+    const int32_t k = kb * kBlockK;
+    const int32_t gate_row = tile.expert * s.b_rows_per_expert + tile.n_tile * kTileCols;
+    tma_load_2d(map, full, dst, k, gate_row);
+    tma_load_2d(map, full, dst + kBlockN / 2 * kSwizzleRowBytes, k, gate_row + s.n_valid);  // up: I rows below
+  }
+};
+
+// N-major boxes [64 k][64 n] at (n0 + 64 j, k_row) for the boxes that start before N.
+template <int kBlockN>
+struct TransposedBoxes {
+  static constexpr int kMaxBoxes = kBlockN / 64;
+  __device__ static int32_t count(const Tile& tile, const BShape& s) {
+    return min(kMaxBoxes, (s.n_valid - tile.n_tile * kBlockN + 63) / 64);
+  }
+  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t k_row,
+                              const BShape& s) {
+    const int32_t n0 = tile.n_tile * kBlockN, boxes = count(tile, s);
+    for (int j = 0; j < boxes; ++j) tma_load_2d(map, full, dst + j * kMnBoxBytes, n0 + 64 * j, k_row);
+  }
+};
+
+template <int kBlockN_>
+struct WeightsTransposedB {
+  static constexpr int kBlockN = kBlockN_, kTileCols = kBlockN_;
+  static constexpr bool kMnMajor = true;
+  static constexpr uint32_t kBoxRows = kMnBoxRows;
+  __device__ static uint32_t bytes(const Tile& tile, const BShape& s) {
+    return TransposedBoxes<kBlockN>::count(tile, s) * kMnBoxBytes;
+  }
+  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb,
+                              const BShape& s) {
+    TransposedBoxes<kBlockN>::load(map, full, dst, tile, tile.expert * s.b_rows_per_expert + kb * kBlockK, s);
+  }
+};
+
+template <int kBlockN_>
+struct PoolRowsTransposedB {
+  static constexpr int kBlockN = kBlockN_, kTileCols = kBlockN_;
+  static constexpr bool kMnMajor = true;
+  static constexpr uint32_t kBoxRows = kMnBoxRows;
+  __device__ static uint32_t bytes(const Tile& tile, const BShape& s) {
+    return TransposedBoxes<kBlockN>::count(tile, s) * kMnBoxBytes;
+  }
+  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb,
+                              const BShape& s) {
+    TransposedBoxes<kBlockN>::load(map, full, dst, tile, tile.row_begin + kb * kBlockK, s);
+  }
+};
+
+}  // namespace fusemoe::sm90

@@ -1,0 +1,49 @@
+// The stage ring between the producer warpgroup and the two consumer warpgroups of the sm90
+// grouped GEMM: kStages shared-memory stages, each with a `full` and an `empty` mbarrier.
+//
+//   producer: wait empty[s] (parity phase ^ 1), fill stage s, signal full[s]
+//   consumer: wait full[s] (parity phase), run the MMAs of stage s, arrive on empty[s]
+//
+// full[s] expects one arrival (the thread that posts the TMA byte count) plus, when the A
+// operand is gathered by cp.async, one arrival per producer thread; empty[s] expects one
+// arrival per consumer warp. A fresh barrier counts as having completed the phase of parity 1,
+// so the producer's first pass over the ring does not wait. Each role walks the ring with its
+// own cursor; both see the same (tile, k-block) sequence, so their stages and phases agree.
+#pragma once
+
+#include <cstdint>
+
+#include "device/sm90_layout.cuh"
+#include "device/sm90_ptx.cuh"
+
+namespace fusemoe::sm90 {
+
+template <int kStages>
+struct StageRing {
+  uint64_t* full;   // [kStages]
+  uint64_t* empty;  // [kStages]
+
+  // One thread, before the CTA's first __syncthreads.
+  __device__ __forceinline__ void init(bool gathered_a) const {
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&full[s], 1 + (gathered_a ? kThreadsPerWarpgroup : 0));
+      mbarrier_init(&empty[s], kNumConsumers * kWarpsPerWarpgroup);
+    }
+    fence_barrier_init();
+  }
+};
+
+// A role's position in the ring.
+template <int kStages>
+struct RingCursor {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+}  // namespace fusemoe::sm90

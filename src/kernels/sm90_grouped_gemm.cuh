@@ -1,0 +1,254 @@
+// The sm90 grouped GEMM over an expert-sorted row pool: one persistent, warp-specialised TMA +
+// wgmma kernel template whose instances are every GEMM of the fused MoE layer.
+//
+//   instance        A (activations)        B                     scheduler       epilogue
+//   gate/up+SwiGLU  x rows gathered         w13 gate/up boxes     row tiles       SwiGLU (+ z)
+//   down            h pool                  w2 rows               row tiles       weighted slot rows
+//   recompute z     xs pool                 w13 rows              row tiles       sorted rows
+//   dgrad+SwiGLU    dys pool                w2 N-major            row tiles       dgrad SwiGLU
+//   dgrad of x      dz pool                 w13 N-major           row tiles       slot rows
+//   weight grads    act_m^T pool            act_n pool N-major    expert output   TMA-store tiles
+//
+// Thread roles (384 threads, one CTA per SM, tiles t = blockIdx.x + i * gridDim.x):
+//   warpgroup 0 (producer, 40 registers): fills the kStages-deep stage ring for every (tile,
+//     k-block), running ahead across tiles so the next tile's loads overlap this tile's
+//     epilogue. Thread 0 issues the TMA loads; a gathered A is copied by all 128 threads.
+//   warpgroups 1, 2 (consumers, 232 registers): consumer c issues wgmma m64 x kBlockN x k16 on
+//     tile rows [64c, 64c + 64) into fp32 registers, then runs the epilogue from them.
+// Shared memory: [kStages x A tile][kStages x B tile][epilogue staging][full, empty][tile table].
+// Rows of a row tile at or past its expert's end are computed but never stored. Weight
+// gradients reduce over an expert's rows in 64-row K-blocks from its first row; the k-rows of
+// the last block that belong to the next expert (or lie past the pool) are zeroed in shared
+// memory before the MMA, both operands, so no foreign row enters the sum and 0 * NaN never
+// occurs; the pools need no padding.
+//
+// Arguments: one GemmParams per instance, a __grid_constant__ kernel parameter read in place,
+// so each instance's code does not depend on the size of the argument block (a by-value
+// parameter of up to 128 bytes was copied into registers at entry and its size moved ptxas's
+// unswitching: docs/experiments.md#kernelargs-size). Behaviour choices are template
+// parameters of the policies, never runtime flags.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "device/sm90_epilogues.cuh"
+#include "device/sm90_layout.cuh"
+#include "device/sm90_operands.cuh"
+#include "device/sm90_pipeline.cuh"
+#include "device/sm90_ptx.cuh"
+#include "device/sm90_schedulers.cuh"
+
+namespace fusemoe::sm90 {
+
+// One instance of the kernel: its operand sources, scheduler and epilogue.
+template <class A_, class B_, class Scheduler_, class Epilogue_>
+struct GroupedGemm {
+  using A = A_;
+  using B = B_;
+  using Scheduler = Scheduler_;
+  using Epilogue = Epilogue_;
+  static constexpr int kBlockN = B::kBlockN;      // wgmma N
+  static constexpr int kTileCols = B::kTileCols;  // output columns per tile (gate/up: kBlockN / 2)
+  static constexpr int kTileBBytes = kBlockN * kBlockK * 2;
+  static constexpr int kStageBytes = kTileABytes + kTileBBytes;
+  static constexpr int kStages = (kSmemDataBytes - Epilogue::kStagingBytes) / kStageBytes;
+  static constexpr int kAccRegs = kBlockN / 2;
+  using Mma = Wgmma<kBlockN, A::kMnMajor ? 1 : 0, B::kMnMajor ? 1 : 0>;
+  using LayoutA = OperandLayout<A::kMnMajor>;
+  using LayoutB = OperandLayout<B::kMnMajor>;
+
+  static_assert(kBlockN == 128 || kBlockN == 256, "wgmma N of the wrappers");
+  static_assert(kStages >= 3, "a ring of at least 3 stages keeps TMA ahead of the MMAs");
+  static_assert(kTileABytes % kSmemAlign == 0 && kTileBBytes % kSmemAlign == 0, "stage alignment");
+  static_assert(Epilogue::kStagingBytes % kSmemAlign == 0, "staging alignment");
+  static_assert(!Scheduler::kReducesOverRows || (!A::kGathered && A::kMnMajor && B::kMnMajor),
+                "a reduction over rows reads both operands as transposed pool boxes");
+
+  static constexpr size_t smem_bytes(int num_experts) {
+    return kSmemAlign + static_cast<size_t>(kStages) * kStageBytes + Epilogue::kStagingBytes +
+           2 * kStages * sizeof(uint64_t) + 2 * (static_cast<size_t>(num_experts) + 1) * sizeof(int32_t);
+  }
+};
+
+// Sizes every instance reads.
+struct GemmShape {
+  const int32_t* expert_offsets;  // [E+1] device
+  int32_t num_experts;
+  int32_t num_k_blocks;           // row tiles: K / 64
+  int32_t n_valid;                // output columns N
+  int32_t m_valid;                // expert-output tiles: rows M of one expert's output
+  int32_t b_rows_per_expert;      // row tiles: rows of one expert's weight in the B map
+};
+
+template <class Gemm>
+struct GemmParams {
+  CUtensorMap map_b;
+  typename Gemm::A::Args a;
+  typename Gemm::Epilogue::Args epilogue;
+  GemmShape shape;
+};
+
+template <class Gemm>
+__device__ __forceinline__ typename Gemm::Scheduler make_scheduler(const GemmShape& s, int32_t* table_smem) {
+  typename Gemm::Scheduler sched;
+  sched.table.offsets = table_smem;
+  sched.table.m_prefix = table_smem + s.num_experts + 1;
+  sched.table.num_experts = s.num_experts;
+  sched.table.num_n_tiles = (s.n_valid + Gemm::kTileCols - 1) / Gemm::kTileCols;
+  if constexpr (Gemm::Scheduler::kReducesOverRows) {
+    sched.num_m_tiles = s.m_valid / kBlockM;
+  } else {
+    sched.num_k_blocks = s.num_k_blocks;
+  }
+  return sched;
+}
+
+// ------------------------------------------------------------------------------- producer
+
+template <class Gemm>
+__device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
+                                        const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a, uint8_t* tiles_b,
+                                        int thread) {
+  using A = typename Gemm::A;
+  using B = typename Gemm::B;
+  const BShape b_shape{p.shape.n_valid, p.shape.b_rows_per_expert};
+  RingCursor<Gemm::kStages> cursor;
+  const int32_t num_tiles = sched.num_tiles();
+  for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const Tile tile = sched.tile(t);
+    typename A::ThreadRows rows{};
+    if constexpr (A::kGathered) rows = A::rows_of(p.a, tile, tile.num_k_blocks, thread);
+    const uint32_t stage_bytes = A::kTmaBytes + B::bytes(tile, b_shape);
+    for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
+      const int stage = cursor.stage;
+      mbarrier_wait(&ring.empty[stage], cursor.phase ^ 1);
+      if (thread == 0) {
+        mbarrier_arrive_expect_tx(&ring.full[stage], stage_bytes);
+        if constexpr (!A::kGathered) A::load(p.a, &ring.full[stage], tiles_a + stage * kTileABytes, tile, kb);
+        B::load(&p.map_b, &ring.full[stage], tiles_b + stage * Gemm::kTileBBytes, tile, kb, b_shape);
+      }
+      if constexpr (A::kGathered) {
+        A::gather(p.a, rows, smem_addr(tiles_a + stage * kTileABytes), kb, thread);
+        cp_async_mbarrier_arrive_noinc(&ring.full[stage]);
+      }
+      cursor.advance();
+    }
+  }
+  if constexpr (A::kGathered) cp_async_wait_all();  // no copy outlives its thread
+}
+
+// ------------------------------------------------------------------------------- consumers
+
+// Zeroes k-rows [valid_rows, 64) of one MN-major box (a k-row is one contiguous 128-byte line:
+// the swizzle only permutes 16-byte chunks inside it). Called by a warpgroup's 128 threads.
+__device__ __forceinline__ void zero_box_rows(uint8_t* box, int valid_rows, int tid) {
+  constexpr int kVecsPerRow = kSwizzleRowBytes / 16;
+  for (int i = valid_rows * kVecsPerRow + tid; i < kMnBoxRows * kVecsPerRow; i += kThreadsPerWarpgroup) {
+    *reinterpret_cast<uint4*>(box + i * 16) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+template <class Gemm>
+__device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
+                                        const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a, uint8_t* tiles_b,
+                                        uint8_t* staging, const ConsumerThread& me) {
+  using Epilogue = typename Gemm::Epilogue;
+  const EpilogueShape out_shape{p.shape.n_valid, p.shape.m_valid};
+  RingCursor<Gemm::kStages> cursor;
+  float acc[Gemm::kAccRegs];
+  const int32_t num_tiles = sched.num_tiles();
+  for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const Tile tile = sched.tile(t);
+    const AccRows rows(tile, me);
+    typename Epilogue::Inputs inputs = Epilogue::prepare(p.epilogue, out_shape, tile, rows, me);
+
+    // ---- main loop: acc[64 rows, kBlockN] = A[this consumer's 64 rows, K] * B[K, kBlockN]
+    int prev_stage = 0;
+    for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
+      const int stage = cursor.stage;
+      mbarrier_wait(&ring.full[stage], cursor.phase);
+      uint8_t* tile_a = tiles_a + stage * kTileABytes;
+      uint8_t* tile_b = tiles_b + stage * Gemm::kTileBBytes;
+      if constexpr (Gemm::A::kGathered) fence_proxy_async_shared();  // cp.async rows -> wgmma reads
+      if constexpr (Gemm::Scheduler::kReducesOverRows) {
+        const int32_t valid_rows = tile.row_end - tile.row_begin - kb * kBlockK;
+        if (valid_rows < kBlockK) {  // the expert's last, partial K-block: the same for both consumers
+          zero_box_rows(tile_a + me.consumer * kMnBoxBytes, valid_rows, me.tid_in_wg);
+          for (int j = me.consumer; j < Gemm::kBlockN / 64; j += kNumConsumers) {
+            zero_box_rows(tile_b + j * kMnBoxBytes, valid_rows, me.tid_in_wg);
+          }
+          fence_proxy_async_shared();
+          named_barrier_sync(kConsumersBarrierId, kNumConsumers * kThreadsPerWarpgroup);
+        }
+      }
+      const uint64_t desc_a = make_desc_sw128(tile_a + me.consumer * kWgmmaM * kSwizzleRowBytes,
+                                              Gemm::LayoutA::kLbo, Gemm::LayoutA::kSbo);
+      const uint64_t desc_b = make_desc_sw128(tile_b, Gemm::LayoutB::kLbo, Gemm::LayoutB::kSbo);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBlockK / kWgmmaK; ++k) {
+        Gemm::Mma::mma(acc, desc_a + k * Gemm::LayoutA::kDescStepK16, desc_b + k * Gemm::LayoutB::kDescStepK16,
+                       (kb > 0 || k > 0) ? 1u : 0u);
+      }
+      wgmma_commit_group();
+      // Keep this K-block's MMAs in flight; the previous block's have finished reading.
+      wgmma_wait_group<1>();
+      if (kb > 0 && me.lane == 0) mbarrier_arrive(&ring.empty[prev_stage]);
+      prev_stage = stage;
+      cursor.advance();
+    }
+    wgmma_wait_group<0>();
+    fence_accumulators(acc);
+    if ((!Gemm::Scheduler::kReducesOverRows || tile.num_k_blocks > 0) && me.lane == 0) {
+      mbarrier_arrive(&ring.empty[prev_stage]);
+    }
+
+    // ---- epilogue
+    Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc, staging, me);
+  }
+  Epilogue::finish(me);
+}
+
+// ----------------------------------------------------------------------------------- kernel
+
+template <class Gemm>
+__global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __grid_constant__ GemmParams<Gemm> p) {
+  constexpr int kStages = Gemm::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) &
+                                             ~uintptr_t(kSmemAlign - 1));
+  uint8_t* tiles_a = smem;                                          // [kStages][128 x 64] bf16
+  uint8_t* tiles_b = tiles_a + kStages * kTileABytes;               // [kStages][kBlockN x 64] bf16
+  uint8_t* staging = tiles_b + kStages * Gemm::kTileBBytes;         // epilogue staging, if any
+  const StageRing<kStages> ring{reinterpret_cast<uint64_t*>(staging + Gemm::Epilogue::kStagingBytes),
+                                reinterpret_cast<uint64_t*>(staging + Gemm::Epilogue::kStagingBytes) + kStages};
+  int32_t* table = reinterpret_cast<int32_t*>(ring.empty + kStages);  // [2][E + 1]
+
+  const int warpgroup = threadIdx.x / kThreadsPerWarpgroup;
+  if (threadIdx.x == 0) {
+    if constexpr (!Gemm::A::kGathered) prefetch_tensor_map(&p.a.map);
+    prefetch_tensor_map(&p.map_b);
+    Gemm::Epilogue::prefetch(p.epilogue);
+    ring.init(Gemm::A::kGathered);
+  }
+  typename Gemm::Scheduler sched = make_scheduler<Gemm>(p.shape, table);
+  build_expert_tile_table(p.shape.expert_offsets, sched.table);  // ends with __syncthreads()
+
+  if (warpgroup == 0) {
+    setmaxnreg_dec<kProducerRegs>();
+    if (Gemm::A::kGathered || threadIdx.x == 0) produce<Gemm>(p, sched, ring, tiles_a, tiles_b, threadIdx.x);
+  } else {
+    setmaxnreg_inc<kConsumerRegs>();
+    const int warp_in_wg = (threadIdx.x / 32) % kWarpsPerWarpgroup;
+    const int lane = threadIdx.x % 32;
+    const ConsumerThread me{warpgroup - 1, warp_in_wg, lane, static_cast<int>(threadIdx.x % kThreadsPerWarpgroup),
+                            warp_in_wg * 16 + lane / 4};
+    consume<Gemm>(p, sched, ring, tiles_a, tiles_b, staging, me);
+  }
+}
+
+}  // namespace fusemoe::sm90

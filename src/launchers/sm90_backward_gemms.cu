@@ -1,0 +1,140 @@
+// The backward's instances of the sm90 grouped GEMM (sm90_grouped_gemm.h): z recompute, dgrad +
+// SwiGLU backward (tile width over I by shape), dgrad of x into the slot rows, and the weight
+// gradients (fp32 or bf16, overwritten or accumulated). The weight gradients keep 64 KB of
+// shared memory for their store staging, which leaves 3 stages of 48 KB.
+#include <cuda_bf16.h>
+
+#include "launchers/sm90_launch_gemm.cuh"
+
+namespace fusemoe {
+namespace {
+
+using sm90::GroupedGemm;
+using sm90::GemmParams;
+using sm90::RowDestination;
+
+using RecomputeZGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsB<256>, sm90::RowTileScheduler,
+                                   sm90::RowStoreEpilogue<256, false, RowDestination::kSortedRow>>;
+template <int kBlockN, bool kClamp>
+using DgradSwigluGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsTransposedB<kBlockN>, sm90::RowTileScheduler,
+                                    sm90::DgradSwiGLUEpilogue<kBlockN, kClamp>>;
+using DgradScatterGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsTransposedB<256>, sm90::RowTileScheduler,
+                                     sm90::RowStoreEpilogue<256, false, RowDestination::kSlotRow>>;
+template <bool kFp32, bool kAccumulate>
+using WeightGradGemm = GroupedGemm<sm90::PoolRowsTransposedA, sm90::PoolRowsTransposedB<256>,
+                                   sm90::ExpertOutputTileScheduler, sm90::WeightGradEpilogue<kFp32, kAccumulate>>;
+
+template <int kBlockN, bool kClamp>
+void launch_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
+  using Gemm = DgradSwigluGemm<kBlockN, kClamp>;
+  const Sm90Rows& rows = p.rows;
+  GemmParams<Gemm> params{};
+  // w2 [E, H, I] read as [E*H rows, I]: N-major boxes [64 k][64 n].
+  params.map_b = sm90::make_tensor_map_bf16(p.w2, rows.intermediate, rows.num_experts * rows.hidden,
+                                            Gemm::B::kBoxRows, "w2");
+  params.a.map = sm90::make_tensor_map_bf16(p.dys, rows.hidden, rows.max_rows, sm90::kBlockM, "dys");
+  params.epilogue = {p.row_slot,
+                     p.topk_weights,
+                     static_cast<const __nv_bfloat16*>(p.z),
+                     static_cast<__nv_bfloat16*>(p.dz),
+                     static_cast<__nv_bfloat16*>(p.wh),
+                     p.router_partials,
+                     static_cast<int32_t>(sm90_dgrad_num_n_tiles(rows.intermediate, kBlockN)),
+                     p.swiglu_clamp};
+  params.shape = sm90::rows_shape(rows, rows.hidden, rows.intermediate, rows.hidden);
+  sm90::launch_grouped_gemm(params, rows);
+}
+
+template <bool kFp32, bool kAccumulate>
+void launch_weight_grad(const Sm90WeightGradParams& p) {
+  using Gemm = WeightGradGemm<kFp32, kAccumulate>;
+  const Sm90Rows& rows = p.rows;
+  GemmParams<Gemm> params{};
+  // Both operands are pool rows read as MN-major boxes [64 rows][64 columns]; grad is stored as
+  // [E*M rows, N] in boxes of [64 rows][128 B], one per consumer warpgroup and box column.
+  params.a.map = sm90::make_tensor_map_bf16(p.act_m, p.m, rows.max_rows, sm90::kMnBoxRows, "act_m");
+  params.map_b = sm90::make_tensor_map_bf16(p.act_n, p.n, rows.max_rows, sm90::kMnBoxRows, "act_n");
+  params.epilogue.map = sm90::make_store_tensor_map(p.grad, kFp32, p.n, rows.num_experts * p.m, sm90::kWgmmaM, "grad");
+  params.epilogue.grad = p.grad;
+  sm90::GemmShape& s = params.shape;
+  s.expert_offsets = rows.expert_offsets;
+  s.num_experts = static_cast<int32_t>(rows.num_experts);
+  s.n_valid = static_cast<int32_t>(p.n);
+  s.m_valid = static_cast<int32_t>(p.m);
+  sm90::launch_grouped_gemm(params, rows);
+}
+
+}  // namespace
+
+int sm90_dgrad_block_n(int64_t hidden) { return hidden >= 4096 ? 256 : 128; }
+
+int64_t sm90_dgrad_num_n_tiles(int64_t intermediate, int block_n) {
+  FUSEMOE_ASSERT(block_n == 128 || block_n == 256);
+  return (intermediate + block_n - 1) / block_n;
+}
+
+int64_t sm90_router_partials_per_row(int64_t intermediate) { return sm90_dgrad_num_n_tiles(intermediate, 128); }
+
+void launch_sm90_recompute_z(const Sm90RecomputeZParams& p) {
+  const Sm90Rows& rows = p.rows;
+  sm90::assert_rows(rows);
+  if (rows.max_rows == 0) return;
+  FUSEMOE_ASSERT(p.xs && p.w13 && p.z);
+  GemmParams<RecomputeZGemm> params{};
+  params.map_b = sm90::make_tensor_map_bf16(p.w13, rows.hidden, rows.num_experts * 2 * rows.intermediate,
+                                            RecomputeZGemm::B::kBoxRows, "w13");
+  params.a.map = sm90::make_tensor_map_bf16(p.xs, rows.hidden, rows.max_rows, sm90::kBlockM, "xs");
+  params.epilogue = {static_cast<__nv_bfloat16*>(p.z), nullptr, nullptr};
+  params.shape = sm90::rows_shape(rows, rows.hidden, 2 * rows.intermediate, 2 * rows.intermediate);
+  sm90::launch_grouped_gemm(params, rows);
+}
+
+void launch_sm90_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
+  sm90::assert_rows(p.rows);
+  if (p.rows.max_rows == 0) return;
+  FUSEMOE_ASSERT(p.dys && p.w2 && p.z && p.row_slot && p.topk_weights && p.dz && p.wh && p.router_partials);
+  FUSEMOE_ASSERT(p.block_n == 128 || p.block_n == 256);
+  FUSEMOE_ASSERT(!p.use_swiglu_clamp || p.swiglu_clamp > 0.0f);
+  if (p.block_n == 128) {
+    p.use_swiglu_clamp ? launch_dgrad_swiglu<128, true>(p) : launch_dgrad_swiglu<128, false>(p);
+  } else {
+    p.use_swiglu_clamp ? launch_dgrad_swiglu<256, true>(p) : launch_dgrad_swiglu<256, false>(p);
+  }
+}
+
+void launch_sm90_dgrad_scatter(const Sm90DgradScatterParams& p) {
+  const Sm90Rows& rows = p.rows;
+  sm90::assert_rows(rows);
+  if (rows.max_rows == 0) return;
+  FUSEMOE_ASSERT(p.dz && p.w13 && p.row_slot && p.dx_slots);
+  GemmParams<DgradScatterGemm> params{};
+  // w13 [E, 2I, H] read as [E*2I rows, H]: N-major boxes.
+  params.map_b = sm90::make_tensor_map_bf16(p.w13, rows.hidden, rows.num_experts * 2 * rows.intermediate,
+                                            DgradScatterGemm::B::kBoxRows, "w13");
+  params.a.map = sm90::make_tensor_map_bf16(p.dz, 2 * rows.intermediate, rows.max_rows, sm90::kBlockM, "dz");
+  params.epilogue = {static_cast<__nv_bfloat16*>(p.dx_slots), p.row_slot, nullptr};
+  params.shape = sm90::rows_shape(rows, 2 * rows.intermediate, rows.hidden, 2 * rows.intermediate);
+  sm90::launch_grouped_gemm(params, rows);
+}
+
+void launch_sm90_weight_grad(const Sm90WeightGradParams& p) {
+  const Sm90Rows& rows = p.rows;
+  FUSEMOE_ASSERT(rows.max_rows >= 0 && rows.max_rows < (int64_t{1} << 31));
+  FUSEMOE_ASSERT(rows.num_experts >= 1 && rows.num_experts <= sm90::kMaxExperts);
+  FUSEMOE_ASSERT(p.m > 0 && p.m % 128 == 0 && p.n > 0 && p.n % 64 == 0 && p.grad != nullptr);
+  FUSEMOE_ASSERT(rows.num_experts * p.m < (int64_t{1} << 31));  // TMA row coordinates of grad
+  if (rows.max_rows == 0) {  // every expert is empty
+    if (!p.accumulate) {
+      FUSEMOE_CUDA_CHECK(cudaMemsetAsync(p.grad, 0, rows.num_experts * p.m * p.n * (p.bf16_grad ? 2 : 4), rows.stream));
+    }
+    return;
+  }
+  FUSEMOE_ASSERT(p.act_m && p.act_n && rows.expert_offsets);
+  if (p.bf16_grad) {
+    p.accumulate ? launch_weight_grad<false, true>(p) : launch_weight_grad<false, false>(p);
+  } else {
+    p.accumulate ? launch_weight_grad<true, true>(p) : launch_weight_grad<true, false>(p);
+  }
+}
+
+}  // namespace fusemoe

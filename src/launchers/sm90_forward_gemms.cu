@@ -1,0 +1,64 @@
+// The forward's instances of the sm90 grouped GEMM (sm90_grouped_gemm.h): gate/up + SwiGLU with
+// the token rows gathered inside the kernel (no pool), and down + routing weight into the slot
+// rows. Both use 128 x 256 tiles (gate/up: 128 gate + 128 up weight rows) and 4 stages of 48 KB.
+#include <cuda_bf16.h>
+
+#include "launchers/sm90_launch_gemm.cuh"
+
+namespace fusemoe {
+namespace {
+
+using sm90::GroupedGemm;
+using sm90::GemmParams;
+
+constexpr int kBlockN = 256;
+
+template <bool kClamp, bool kStoreZ>
+using GateUpGemm = GroupedGemm<sm90::GatheredTokenRowsA, sm90::GateUpWeightsB<kBlockN>, sm90::RowTileScheduler,
+                               sm90::SwiGLUEpilogue<kBlockN, kClamp, kStoreZ>>;
+using DownGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsB<kBlockN>, sm90::RowTileScheduler,
+                             sm90::RowStoreEpilogue<kBlockN, true, sm90::RowDestination::kSlotRow>>;
+
+template <bool kClamp, bool kStoreZ>
+void launch_gate_up(const Sm90GateUpParams& p) {
+  using Gemm = GateUpGemm<kClamp, kStoreZ>;
+  const Sm90Rows& rows = p.rows;
+  GemmParams<Gemm> params{};
+  params.map_b = sm90::make_tensor_map_bf16(p.w13, rows.hidden, rows.num_experts * 2 * rows.intermediate,
+                                            Gemm::B::kBoxRows, "w13");
+  params.a = {static_cast<const __nv_bfloat16*>(p.x), p.row_slot, static_cast<int32_t>(p.top_k)};
+  params.epilogue = {static_cast<__nv_bfloat16*>(p.h), static_cast<__nv_bfloat16*>(p.z), p.swiglu_clamp};
+  params.shape = sm90::rows_shape(rows, rows.hidden, rows.intermediate, 2 * rows.intermediate);
+  sm90::launch_grouped_gemm(params, rows);
+}
+
+}  // namespace
+
+void launch_sm90_gate_up_swiglu(const Sm90GateUpParams& p) {
+  sm90::assert_rows(p.rows);
+  if (p.rows.max_rows == 0) return;
+  FUSEMOE_ASSERT(p.x && p.row_slot && p.w13 && p.h && p.top_k >= 1);
+  FUSEMOE_ASSERT(!p.use_swiglu_clamp || p.swiglu_clamp > 0.0f);
+  const bool store_z = p.z != nullptr;
+  if (p.use_swiglu_clamp) {
+    store_z ? launch_gate_up<true, true>(p) : launch_gate_up<true, false>(p);
+  } else {
+    store_z ? launch_gate_up<false, true>(p) : launch_gate_up<false, false>(p);
+  }
+}
+
+void launch_sm90_down_weighted(const Sm90DownParams& p) {
+  const Sm90Rows& rows = p.rows;
+  sm90::assert_rows(rows);
+  if (rows.max_rows == 0) return;
+  FUSEMOE_ASSERT(p.h && p.w2 && p.row_slot && p.topk_weights && p.ys);
+  GemmParams<DownGemm> params{};
+  params.map_b = sm90::make_tensor_map_bf16(p.w2, rows.intermediate, rows.num_experts * rows.hidden,
+                                            DownGemm::B::kBoxRows, "w2");
+  params.a.map = sm90::make_tensor_map_bf16(p.h, rows.intermediate, rows.max_rows, sm90::kBlockM, "h");
+  params.epilogue = {static_cast<__nv_bfloat16*>(p.ys), p.row_slot, p.topk_weights};
+  params.shape = sm90::rows_shape(rows, rows.intermediate, rows.hidden, rows.hidden);
+  sm90::launch_grouped_gemm(params, rows);
+}
+
+}  // namespace fusemoe
