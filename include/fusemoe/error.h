@@ -1,6 +1,7 @@
 // fusemoe's single exception type and the checks that raise it.
-// FUSEMOE_CHECK(cond, msg) for argument/state checks; FUSEMOE_CUDA_CHECK for the CUDA runtime;
-// messages carry file and line so a user's log points at the failing check.
+// FUSEMOE_CHECK(cond, msg) for argument/state checks; FUSEMOE_CUDA_CHECK for the CUDA runtime
+// (a failure also names a device wait that timed out, if a kernel recorded one); messages carry
+// file and line so a user's log points at the failing check.
 #pragma once
 
 #include <sstream>
@@ -22,6 +23,12 @@ class Error : public std::runtime_error {
   }
 };
 
+namespace detail {
+// The description of a device wait that timed out since the last call (empty if none), for
+// failed CUDA calls to name what the failed kernel waited for. Defined in the library.
+std::string take_device_wait_report();
+}  // namespace detail
+
 }  // namespace fusemoe
 
 // `message` is a stream expression: FUSEMOE_CHECK(k > 0, "top_k must be > 0, got " << k).
@@ -41,6 +48,8 @@ class Error : public std::runtime_error {
       std::ostringstream fusemoe_check_stream_;                                         \
       fusemoe_check_stream_ << #expr << " failed: " << cudaGetErrorName(fusemoe_cuda_status_) \
                             << " (" << cudaGetErrorString(fusemoe_cuda_status_) << ")";  \
+      const std::string fusemoe_wait_report_ = ::fusemoe::detail::take_device_wait_report(); \
+      if (!fusemoe_wait_report_.empty()) fusemoe_check_stream_ << "; " << fusemoe_wait_report_; \
       throw ::fusemoe::Error(__FILE__, __LINE__, fusemoe_check_stream_.str());          \
     }                                                                                   \
   } while (0)

@@ -9,14 +9,31 @@
 // arrival per consumer warp. A fresh barrier counts as having completed the phase of parity 1,
 // so the producer's first pass over the ring does not wait. Each role walks the ring with its
 // own cursor; both see the same (tile, k-block) sequence, so their stages and phases agree.
+// Every wait is bounded (WaitBound, common/device_wait.h): past the timeout the waiting thread
+// records what it waited for in mapped host memory and traps, so a wrong byte count or a
+// missing arrival fails the launch with a description instead of hanging the GPU.
 #pragma once
 
 #include <cstdint>
 
+#include "common/device_wait.h"
 #include "device/sm90_layout.cuh"
 #include "device/sm90_ptx.cuh"
 
 namespace fusemoe::sm90 {
+
+#ifdef FUSEMOE_FAULT_INJECTION
+constexpr bool kFaultInjection = true;  // the test build: WaitBound::fault is honoured
+#else
+constexpr bool kFaultInjection = false;
+#endif
+
+// Waits for the phase of `parity` of ring barrier `bar`, bounded by `bound`.
+__device__ __forceinline__ void bounded_wait(uint64_t* bar, uint32_t parity, const WaitBound& bound, WaitRole role,
+                                             WaitObject object, int stage, uint32_t expected) {
+  mbarrier_wait_or_trap(bar, parity, bound.timeout_ns, bound.record,
+                        wait_site(static_cast<WaitKernel>(bound.kernel), role, object, stage), expected);
+}
 
 template <int kStages>
 struct StageRing {

@@ -45,19 +45,49 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
                : "memory");
 }
 
-// Spins until the phase with the given parity has completed. try_wait suspends the thread for
-// a hardware-chosen time between polls, so the loop does not steal issue slots from the MMA
-// warps. (No timeout here: every wait is on a phase that the same CTA's producer or consumers
-// complete unconditionally; a missing arrival is a bug that the unit test catches as a hang.)
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+// Waits until the phase with the given parity has completed. try_wait suspends the thread for a
+// hardware-chosen time between polls, so the loop does not steal issue slots from the MMA warps.
+// Bounded: once timeout_ns have passed since the first failed try, the first thread of the
+// device to time out writes DeviceWaitRecord (common/device_wait.h: state, site, expected,
+// parity, block, thread, waited ns at offsets 0..24) to `record` (mapped host memory), and the
+// thread traps. All of it is one asm statement: a wait loop or a report branch the compiler can
+// see inside the main loop changed how it scheduled the MMA loop and spilled registers.
+__device__ __forceinline__ void mbarrier_wait_or_trap(uint64_t* bar, uint32_t parity, uint64_t timeout_ns,
+                                                      void* record, uint32_t site, uint32_t expected) {
   asm volatile(
       "{\n"
-      ".reg .pred done;\n"
+      ".reg .pred p;\n"
+      ".reg .u64 t0, t1;\n"
+      ".reg .b32 old, v;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@p bra done;\n"
+      "mov.u64 t0, %%globaltimer;\n"
       "wait_loop:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_loop;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@p bra done;\n"
+      "mov.u64 t1, %%globaltimer;\n"
+      "sub.u64 t1, t1, t0;\n"
+      "setp.le.u64 p, t1, %2;\n"
+      "@p bra wait_loop;\n"
+      "atom.global.cas.b32 old, [%3], 0, -1;\n"
+      "setp.ne.b32 p, old, 0;\n"
+      "@p bra give_up;\n"
+      "st.global.u32 [%3+4], %4;\n"
+      "st.global.u32 [%3+8], %5;\n"
+      "st.global.u32 [%3+12], %1;\n"
+      "mov.u32 v, %%ctaid.x;\n"
+      "st.global.u32 [%3+16], v;\n"
+      "mov.u32 v, %%tid.x;\n"
+      "st.global.u32 [%3+20], v;\n"
+      "st.global.u64 [%3+24], t1;\n"
+      "fence.sc.sys;\n"
+      "st.global.u32 [%3], 1;\n"
+      "fence.sc.sys;\n"
+      "give_up:\n"
+      "trap;\n"
+      "done:\n"
       "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
+      "r"(parity), "l"(timeout_ns), "l"(record), "r"(site), "r"(expected)
       : "memory");
 }
 

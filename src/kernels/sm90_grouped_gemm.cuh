@@ -82,6 +82,7 @@ struct GemmShape {
   int32_t n_valid;                // output columns N
   int32_t m_valid;                // expert-output tiles: rows M of one expert's output
   int32_t b_rows_per_expert;      // row tiles: rows of one expert's weight in the B map
+  WaitBound wait;                 // the bound of every ring wait
 };
 
 template <class Gemm>
@@ -122,10 +123,14 @@ __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm
     const Tile tile = sched.tile(t);
     typename A::ThreadRows rows{};
     if constexpr (A::kGathered) rows = A::rows_of(p.a, tile, tile.num_k_blocks, thread);
-    const uint32_t stage_bytes = A::kTmaBytes + B::bytes(tile, b_shape);
+    uint32_t stage_bytes = A::kTmaBytes + B::bytes(tile, b_shape);
+    if constexpr (kFaultInjection) {
+      if (p.shape.wait.fault == static_cast<int32_t>(WaitFault::kStageFull)) stage_bytes += 16;
+    }
     for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
       const int stage = cursor.stage;
-      mbarrier_wait(&ring.empty[stage], cursor.phase ^ 1);
+      bounded_wait(&ring.empty[stage], cursor.phase ^ 1, p.shape.wait, WaitRole::kProducer, WaitObject::kStageEmpty,
+                   stage, kNumConsumers * kWarpsPerWarpgroup);
       if (thread == 0) {
         mbarrier_arrive_expect_tx(&ring.full[stage], stage_bytes);
         if constexpr (!A::kGathered) A::load(p.a, &ring.full[stage], tiles_a + stage * kTileABytes, tile, kb);
@@ -152,6 +157,12 @@ __device__ __forceinline__ void zero_box_rows(uint8_t* box, int valid_rows, int 
   }
 }
 
+// Test build: the consumers never release a stage, so the producer's empty wait times out.
+template <class Gemm>
+__device__ __forceinline__ bool releases_withheld(const GemmParams<Gemm>& p) {
+  return kFaultInjection && p.shape.wait.fault == static_cast<int32_t>(WaitFault::kStageEmpty);
+}
+
 template <class Gemm>
 __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
                                         const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a, uint8_t* tiles_b,
@@ -170,7 +181,8 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
     int prev_stage = 0;
     for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
       const int stage = cursor.stage;
-      mbarrier_wait(&ring.full[stage], cursor.phase);
+      bounded_wait(&ring.full[stage], cursor.phase, p.shape.wait, WaitRole::kConsumer, WaitObject::kStageFull, stage,
+                   Gemm::A::kTmaBytes + Gemm::kTileBBytes);
       uint8_t* tile_a = tiles_a + stage * kTileABytes;
       uint8_t* tile_b = tiles_b + stage * Gemm::kTileBBytes;
       if constexpr (Gemm::A::kGathered) fence_proxy_async_shared();  // cp.async rows -> wgmma reads
@@ -197,13 +209,13 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
       wgmma_commit_group();
       // Keep this K-block's MMAs in flight; the previous block's have finished reading.
       wgmma_wait_group<1>();
-      if (kb > 0 && me.lane == 0) mbarrier_arrive(&ring.empty[prev_stage]);
+      if (kb > 0 && me.lane == 0 && !releases_withheld(p)) mbarrier_arrive(&ring.empty[prev_stage]);
       prev_stage = stage;
       cursor.advance();
     }
     wgmma_wait_group<0>();
     fence_accumulators(acc);
-    if ((!Gemm::Scheduler::kReducesOverRows || tile.num_k_blocks > 0) && me.lane == 0) {
+    if ((!Gemm::Scheduler::kReducesOverRows || tile.num_k_blocks > 0) && me.lane == 0 && !releases_withheld(p)) {
       mbarrier_arrive(&ring.empty[prev_stage]);
     }
 

@@ -42,7 +42,7 @@ void launch_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
                      static_cast<int32_t>(sm90_dgrad_num_n_tiles(rows.intermediate, kBlockN)),
                      p.swiglu_clamp};
   params.shape = sm90::rows_shape(rows, rows.hidden, rows.intermediate, rows.hidden);
-  sm90::launch_grouped_gemm(params, rows);
+  sm90::launch_grouped_gemm(params, rows, WaitKernel::kDgradSwiglu);
 }
 
 template <bool kFp32, bool kAccumulate>
@@ -61,7 +61,7 @@ void launch_weight_grad(const Sm90WeightGradParams& p) {
   s.num_experts = static_cast<int32_t>(rows.num_experts);
   s.n_valid = static_cast<int32_t>(p.n);
   s.m_valid = static_cast<int32_t>(p.m);
-  sm90::launch_grouped_gemm(params, rows);
+  sm90::launch_grouped_gemm(params, rows, WaitKernel::kWeightGrad);
 }
 
 }  // namespace
@@ -86,7 +86,7 @@ void launch_sm90_recompute_z(const Sm90RecomputeZParams& p) {
   params.a.map = sm90::make_tensor_map_bf16(p.xs, rows.hidden, rows.max_rows, sm90::kBlockM, "xs");
   params.epilogue = {static_cast<__nv_bfloat16*>(p.z), nullptr, nullptr};
   params.shape = sm90::rows_shape(rows, rows.hidden, 2 * rows.intermediate, 2 * rows.intermediate);
-  sm90::launch_grouped_gemm(params, rows);
+  sm90::launch_grouped_gemm(params, rows, WaitKernel::kRecomputeZ);
 }
 
 void launch_sm90_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
@@ -114,7 +114,7 @@ void launch_sm90_dgrad_scatter(const Sm90DgradScatterParams& p) {
   params.a.map = sm90::make_tensor_map_bf16(p.dz, 2 * rows.intermediate, rows.max_rows, sm90::kBlockM, "dz");
   params.epilogue = {static_cast<__nv_bfloat16*>(p.dx_slots), p.row_slot, nullptr};
   params.shape = sm90::rows_shape(rows, 2 * rows.intermediate, rows.hidden, 2 * rows.intermediate);
-  sm90::launch_grouped_gemm(params, rows);
+  sm90::launch_grouped_gemm(params, rows, WaitKernel::kDgradScatter);
 }
 
 void launch_sm90_weight_grad(const Sm90WeightGradParams& p) {

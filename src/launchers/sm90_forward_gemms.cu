@@ -29,7 +29,7 @@ void launch_gate_up(const Sm90GateUpParams& p) {
   params.a = {static_cast<const __nv_bfloat16*>(p.x), p.row_slot, static_cast<int32_t>(p.top_k)};
   params.epilogue = {static_cast<__nv_bfloat16*>(p.h), static_cast<__nv_bfloat16*>(p.z), p.swiglu_clamp};
   params.shape = sm90::rows_shape(rows, rows.hidden, rows.intermediate, 2 * rows.intermediate);
-  sm90::launch_grouped_gemm(params, rows);
+  sm90::launch_grouped_gemm(params, rows, WaitKernel::kGateUp);
 }
 
 }  // namespace
@@ -58,7 +58,7 @@ void launch_sm90_down_weighted(const Sm90DownParams& p) {
   params.a.map = sm90::make_tensor_map_bf16(p.h, rows.intermediate, rows.max_rows, sm90::kBlockM, "h");
   params.epilogue = {static_cast<__nv_bfloat16*>(p.ys), p.row_slot, p.topk_weights};
   params.shape = sm90::rows_shape(rows, rows.intermediate, rows.hidden, rows.hidden);
-  sm90::launch_grouped_gemm(params, rows);
+  sm90::launch_grouped_gemm(params, rows, WaitKernel::kDown);
 }
 
 }  // namespace fusemoe

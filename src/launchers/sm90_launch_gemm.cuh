@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 
+#include "common/device_wait.h"
 #include "kernels/sm90_grouped_gemm.cuh"
 #include "launchers/sm90_grouped_gemm.h"
 #include "launchers/sm90_launch_common.h"
@@ -31,7 +32,8 @@ inline GemmShape rows_shape(const Sm90Rows& rows, int64_t k, int64_t n, int64_t 
 // for its own E's bytes), so later calls make no attribute call and threads running layers of
 // different E never race on it.
 template <class Gemm>
-void launch_grouped_gemm(const GemmParams<Gemm>& params, const Sm90Rows& rows) {
+void launch_grouped_gemm(GemmParams<Gemm> params, const Sm90Rows& rows, WaitKernel kernel_name) {
+  params.shape.wait = device_wait_bound(kernel_name);
   const DeviceInfo info = device_info();
   const size_t smem_bytes = Gemm::smem_bytes(static_cast<int>(rows.num_experts));
   const size_t smem_limit = std::min(Gemm::smem_bytes(kMaxExperts), static_cast<size_t>(info.max_smem_optin));

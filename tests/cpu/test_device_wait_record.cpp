@@ -1,0 +1,41 @@
+// The host's description of a timed-out device wait (common/device_wait.h), from a record as a
+// kernel writes it: kernel, block, thread, role, barrier, stage, parity, expectation, time.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "common/device_wait.h"
+#include "fusemoe/error.h"
+
+namespace fusemoe {
+namespace {
+
+// The message names the kernel: spot-check two of them against the description's wording.
+TEST(DeviceWaitRecord, NamesKernelRoleAndBarrier) {
+  DeviceWaitRecord r{};
+  r.state = 1;
+  r.site = wait_site(WaitKernel::kWeightGrad, WaitRole::kProducer, WaitObject::kStageEmpty, 2);
+  r.expected = 8;
+  r.parity = 1;
+  r.block = 17;
+  r.waited_ns = 1500000000ull;
+  const std::string text = describe_device_wait(r);
+  EXPECT_NE(text.find("weight-gradient GEMM block 17 thread 0 (producer) waited 1.5 s for ring stage 2 to be released"),
+            std::string::npos)
+      << text;
+  r.site = wait_site(WaitKernel::kGateUp, WaitRole::kConsumer, WaitObject::kStageFull, 0);
+  EXPECT_NE(describe_device_wait(r).find("gate/up GEMM block 17"), std::string::npos);
+}
+
+TEST(DeviceWaitRecord, TimeoutIsValidated) {
+  const double before = device_wait_timeout();
+  EXPECT_THROW(set_device_wait_timeout(0.0), Error);
+  EXPECT_THROW(set_device_wait_timeout(-1.0), Error);
+  EXPECT_EQ(device_wait_timeout(), before);
+  set_device_wait_timeout(2.5);
+  EXPECT_DOUBLE_EQ(device_wait_timeout(), 2.5);
+  set_device_wait_timeout(before);
+}
+
+}  // namespace
+}  // namespace fusemoe

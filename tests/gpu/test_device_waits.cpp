@@ -1,0 +1,70 @@
+// Bounded device waits (common/device_wait.h), in the fault-injection build of the library: a
+// launch told to announce 16 TMA bytes too many (its consumers' full-barrier wait can never
+// complete) or to withhold its consumers' releases (its producer's empty-barrier wait can never
+// complete) must fail within the timeout with an error that names the kernel, the role and the
+// barrier, instead of hanging. A trap ends the CUDA context, so each case runs in a child process
+// (gtest death test, "threadsafe" style: the child re-executes this binary).
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "common/device_wait.h"
+#include "gpu/gpu_test_util.h"
+
+namespace fusemoe::test {
+namespace {
+
+// Runs a small fused forward + backward with `fault` injected into `kernel`; prints the error
+// and exits 3 if the call fails as it must, 0 if it (wrongly) completes.
+[[noreturn]] void run_with_fault(WaitKernel kernel, WaitFault fault, bool recompute_z) {
+  set_device_wait_timeout(0.5);
+  inject_wait_fault(kernel, fault);
+  const HostProblem p = make_problem(Dims{300, 256, 128, 8, 2}, Routing::kUniform, 7);
+  RunOptions opt;
+  opt.save_z = !recompute_z;
+  try {
+    run_layer(Impl::kFused, p, opt);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    std::exit(3);
+  }
+  std::exit(0);
+}
+
+struct FaultCase {
+  WaitKernel kernel;
+  WaitFault fault;
+  bool recompute_z;
+  const char* expected;  // regex the error must match
+};
+
+class DeviceWaits : public ::testing::TestWithParam<FaultCase> {};
+
+TEST_P(DeviceWaits, TimeOutWithADescription) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const FaultCase c = GetParam();
+  EXPECT_EXIT(run_with_fault(c.kernel, c.fault, c.recompute_z), ::testing::ExitedWithCode(3), c.expected);
+}
+
+constexpr const char* kFull = "\\(consumer\\) waited 0\\.[5-9][0-9]* s for ring stage [0-9]+ to be filled";
+constexpr const char* kEmpty = "\\(producer\\) waited 0\\.[5-9][0-9]* s for ring stage [0-9]+ to be released";
+
+INSTANTIATE_TEST_SUITE_P(
+    Fused, DeviceWaits,
+    ::testing::Values(FaultCase{WaitKernel::kGateUp, WaitFault::kStageFull, false, kFull},
+                      FaultCase{WaitKernel::kGateUp, WaitFault::kStageEmpty, false, kEmpty},
+                      FaultCase{WaitKernel::kDown, WaitFault::kStageFull, false, kFull},
+                      FaultCase{WaitKernel::kRecomputeZ, WaitFault::kStageEmpty, true, kEmpty},
+                      FaultCase{WaitKernel::kDgradSwiglu, WaitFault::kStageFull, false, kFull},
+                      FaultCase{WaitKernel::kDgradScatter, WaitFault::kStageEmpty, false, kEmpty},
+                      FaultCase{WaitKernel::kWeightGrad, WaitFault::kStageFull, false, kFull},
+                      FaultCase{WaitKernel::kWeightGrad, WaitFault::kStageEmpty, false, kEmpty}),
+    [](const ::testing::TestParamInfo<FaultCase>& info) {
+      return std::to_string(static_cast<int>(info.param.kernel)) +
+             (info.param.fault == WaitFault::kStageFull ? "_full" : "_empty");
+    });
+
+}  // namespace
+}  // namespace fusemoe::test
