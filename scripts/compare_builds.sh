@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Times several builds of fusemoe_bench against each other on the GPU, interleaved: every round
+# runs every case with every build (the builds' order rotating from round to round), so clock
+# drift spreads over all of them; the summary gives each build's median over the rounds and its
+# ratio to the first build.
+#   usage: scripts/compare_builds.sh OUTDIR NAME=BENCH_BINARY [NAME=BENCH_BINARY ...]
+# Env: ROUNDS (2), ITERS (20), WARMUP (5), IMPLS (fused,fused_saved_z),
+#      CASES ("qwen3-30b-a3b:4096,16384 qwen3-235b-a22b:16384"). Timings only (--no-check): the
+#      correctness of each build is the GPU round's business.
+# Writes OUTDIR/compare.json (every run) and OUTDIR/compare.md (the table), and prints the table.
+set -u -o pipefail
+if [[ $# -lt 2 ]]; then
+  echo "usage: $0 OUTDIR NAME=BENCH_BINARY [NAME=BENCH_BINARY ...]" >&2
+  exit 2
+fi
+OUTDIR="$1"
+shift
+mkdir -p "$OUTDIR"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
+ROUNDS="${ROUNDS:-2}"
+ITERS="${ITERS:-20}"
+WARMUP="${WARMUP:-5}"
+IMPLS="${IMPLS:-fused,fused_saved_z}"
+read -r -a CASES <<<"${CASES:-qwen3-30b-a3b:4096,16384 qwen3-235b-a22b:16384}"
+BUILDS=("$@")
+PARTS="$(mktemp -d /tmp/fusemoe_compare.XXXXXX)"
+status=0
+for ((round = 0; round < ROUNDS; ++round)); do
+  for spec in "${CASES[@]}"; do
+    preset="${spec%%:*}"
+    tokens="${spec#*:}"
+    for ((i = 0; i < ${#BUILDS[@]}; ++i)); do
+      build="${BUILDS[$(((i + round) % ${#BUILDS[@]}))]}"
+      name="${build%%=*}"
+      binary="${build#*=}"
+      echo "[compare] round $round $preset T=$tokens: $name" >&2
+      if ! "$binary" --preset "$preset" --tokens "$tokens" --impl "$IMPLS" --iters "$ITERS" --warmup "$WARMUP" \
+        --no-check --json "$PARTS/${round}_${preset}_${name}.json" >"$PARTS/${round}_${preset}_${name}.log" 2>&1; then
+        echo "[compare] $name failed on $preset (log: $PARTS/${round}_${preset}_${name}.log)" >&2
+        tail -5 "$PARTS/${round}_${preset}_${name}.log" >&2
+        status=1
+      fi
+    done
+  done
+done
+python3 "$REPO/scripts/summarize_compare.py" "$PARTS" "$OUTDIR" "${BUILDS[@]%%=*}" || status=1
+rm -rf "$PARTS"
+exit $status
