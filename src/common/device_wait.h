@@ -55,11 +55,12 @@ struct WaitBound {
   int32_t fault;             // test build only (FUSEMOE_FAULT_INJECTION): a WaitFault to inject
 };
 
-// Test build only: which wait a launch makes time out on purpose.
+// Test build only: which wait a launch makes time out on purpose (the values of the WaitObject
+// the fault blocks).
 enum class WaitFault : int32_t {
   kNone = 0,
-  kStageFull,   // the producer announces 16 more TMA bytes than it loads
-  kStageEmpty,  // the consumers never release a stage
+  kStageFull = static_cast<int32_t>(WaitObject::kStageFull),    // 16 more TMA bytes announced than loaded
+  kStageEmpty = static_cast<int32_t>(WaitObject::kStageEmpty),  // the consumers never release a stage
 };
 
 // Library-wide wait timeout (default 30 s, or FUSEMOE_WAIT_TIMEOUT_S from the environment at

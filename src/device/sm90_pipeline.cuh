@@ -31,7 +31,15 @@ constexpr bool kFaultInjection = false;
 // Waits for the phase of `parity` of ring barrier `bar`, bounded by `bound`.
 __device__ __forceinline__ void bounded_wait(uint64_t* bar, uint32_t parity, const WaitBound& bound, WaitRole role,
                                              WaitObject object, int stage, uint32_t expected) {
-  mbarrier_wait_or_trap(bar, parity, bound.timeout_ns, bound.record,
+  uint64_t timeout_ns = bound.timeout_ns;
+  if constexpr (kFaultInjection) {
+    // With a fault injected, only the wait it targets keeps the timeout; the waits it blocks in
+    // turn get 20x longer, so the report names the faulty wait, not a consequence of it.
+    if (bound.fault != static_cast<int32_t>(WaitFault::kNone) && bound.fault != static_cast<int32_t>(object)) {
+      timeout_ns *= 20;
+    }
+  }
+  mbarrier_wait_or_trap(bar, parity, timeout_ns, bound.record,
                         wait_site(static_cast<WaitKernel>(bound.kernel), role, object, stage), expected);
 }
 

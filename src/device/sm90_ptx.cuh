@@ -48,7 +48,7 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
 // Waits until the phase with the given parity has completed. try_wait suspends the thread for a
 // hardware-chosen time between polls, so the loop does not steal issue slots from the MMA warps.
 // Bounded: once timeout_ns have passed since the first failed try, the first thread of the
-// device to time out writes DeviceWaitRecord (common/device_wait.h: state, site, expected,
+// device to time out (the others wait until it is done) writes DeviceWaitRecord (common/device_wait.h: state, site, expected,
 // parity, block, thread, waited ns at offsets 0..24) to `record` (mapped host memory), and the
 // thread traps. All of it is one asm statement: a wait loop or a report branch the compiler can
 // see inside the main loop changed how it scheduled the MMA loop and spilled registers.
@@ -71,7 +71,7 @@ __device__ __forceinline__ void mbarrier_wait_or_trap(uint64_t* bar, uint32_t pa
       "@p bra wait_loop;\n"
       "atom.global.cas.b32 old, [%3], 0, -1;\n"
       "setp.ne.b32 p, old, 0;\n"
-      "@p bra give_up;\n"
+      "@p bra others_wait;\n"
       "st.global.u32 [%3+4], %4;\n"
       "st.global.u32 [%3+8], %5;\n"
       "st.global.u32 [%3+12], %1;\n"
@@ -83,7 +83,13 @@ __device__ __forceinline__ void mbarrier_wait_or_trap(uint64_t* bar, uint32_t pa
       "fence.sc.sys;\n"
       "st.global.u32 [%3], 1;\n"
       "fence.sc.sys;\n"
-      "give_up:\n"
+      "trap;\n"
+      // A trap ends the whole context: a thread that lost the race waits for the winner's
+      // record to be complete (state -1 -> 1) before it traps too.
+      "others_wait:\n"
+      "ld.volatile.global.u32 old, [%3];\n"
+      "setp.eq.s32 p, old, -1;\n"
+      "@p bra others_wait;\n"
       "trap;\n"
       "done:\n"
       "}\n" ::"r"(smem_addr(bar)),

@@ -21,7 +21,9 @@ namespace {
 [[noreturn]] void run_with_fault(WaitKernel kernel, WaitFault fault, bool recompute_z) {
   set_device_wait_timeout(0.5);
   inject_wait_fault(kernel, fault);
-  const HostProblem p = make_problem(Dims{300, 256, 128, 8, 2}, Routing::kUniform, 7);
+  // Every instance runs more K-blocks per tile than its ring has stages (H = 2I = 1024; ~250
+  // rows per expert for the weight gradients), so a withheld release is waited for.
+  const HostProblem p = make_problem(Dims{1000, 1024, 512, 8, 2}, Routing::kUniform, 7);
   RunOptions opt;
   opt.save_z = !recompute_z;
   try {
