@@ -48,6 +48,7 @@ const char* kernel_name(int32_t kernel) {
     case WaitKernel::kDgradSwiglu: return "dgrad + SwiGLU GEMM";
     case WaitKernel::kDgradScatter: return "dgrad-of-x GEMM";
     case WaitKernel::kWeightGrad: return "weight-gradient GEMM";
+    case WaitKernel::kEpExchange: return "expert-parallel exchange";
   }
   return "unknown kernel";
 }
@@ -103,7 +104,10 @@ std::string describe_device_wait(const DeviceWaitRecord& r) {
   const int32_t stage = static_cast<int32_t>(r.site & 0xFFFF);
   std::ostringstream out;
   out << "device wait timed out: " << kernel_name(kernel) << " block " << r.block << " thread " << r.thread << " ("
-      << (role == static_cast<int32_t>(WaitRole::kProducer) ? "producer" : "consumer") << ") waited "
+      << (role == static_cast<int32_t>(WaitRole::kProducer)   ? "producer"
+          : role == static_cast<int32_t>(WaitRole::kConsumer) ? "consumer"
+                                                              : "exchange")
+      << ") waited "
       << static_cast<double>(r.waited_ns) * 1e-9 << " s for ";
   switch (static_cast<WaitObject>(object)) {
     case WaitObject::kStageFull:
@@ -113,6 +117,14 @@ std::string describe_device_wait(const DeviceWaitRecord& r) {
     case WaitObject::kStageEmpty:
       out << "ring stage " << stage << " to be released (parity " << r.parity << ", " << r.expected
           << " consumer-warp arrivals expected)";
+      break;
+    case WaitObject::kPeerMessage:
+      out << "the routing message of source rank " << r.peer << " (rank " << r.rank << " waiting; call " << r.wanted
+          << ", flag at " << r.observed << ")";
+      break;
+    case WaitObject::kPeerRows:
+      out << "the output rows of owner rank " << r.peer << " (rank " << r.rank << " waiting; call " << r.wanted
+          << ", flag at " << r.observed << ")";
       break;
     default:
       out << "object " << object << " (stage " << stage << ")";

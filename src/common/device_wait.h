@@ -17,14 +17,17 @@ enum class WaitKernel : int32_t {
   kDgradSwiglu,
   kDgradScatter,
   kWeightGrad,
+  kEpExchange,  // expert parallelism: the cross-rank signals of ep_forward / ep_backward
 };
 
-enum class WaitRole : int32_t { kProducer = 1, kConsumer };
+enum class WaitRole : int32_t { kProducer = 1, kConsumer, kExchange };
 
 // What it waited for.
 enum class WaitObject : int32_t {
   kStageFull = 1,  // a ring stage's loads (TMA bytes + gathered-row arrivals)
   kStageEmpty,     // the consumers' release of a ring stage
+  kPeerMessage,    // expert parallelism: a source rank's routing message (and staged rows)
+  kPeerRows,       // expert parallelism: an owner rank's pushed output rows
 };
 
 // Written once, by the first wait that times out on a device (state 0 -> -1 while written ->
@@ -38,8 +41,13 @@ struct DeviceWaitRecord {
   int32_t block;       // 16: blockIdx.x
   int32_t thread;      // 20: threadIdx.x
   uint64_t waited_ns;  // 24
+  // Cross-rank waits (kPeerMessage, kPeerRows) only:
+  int32_t rank;        // 32: the waiting rank
+  int32_t peer;        // 36: the rank waited for
+  int32_t wanted;      // 40: the call number (epoch) the flag had to reach
+  int32_t observed;    // 44: what the flag held when the wait gave up
 };
-static_assert(sizeof(DeviceWaitRecord) == 32, "the PTX writer uses these offsets");
+static_assert(sizeof(DeviceWaitRecord) == 48, "the PTX writer uses these offsets");
 
 // The site of a wait, packed into one word: kernel (8 bits), role (4), object (4), stage (16).
 constexpr uint32_t wait_site(WaitKernel kernel, WaitRole role, WaitObject object, int stage) {

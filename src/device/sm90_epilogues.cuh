@@ -4,8 +4,9 @@
 //   SwiGLUEpilogue<N, kClamp, kStoreZ>  h = silu(g) * u (g, u clamped when kClamp), bf16, into h
 //                                       [R, I]; z = [g | u] (before the clamp) into z [R, 2I]
 //   RowStoreEpilogue<N, kWeighted, kDest>
-//                                       bf16 rows (times topk_weights[slot] when kWeighted) to
-//                                       row r of out (kSortedRow) or to its slot row_slot[r]
+//                                       bf16 rows (times the routing weight when kWeighted) to
+//                                       row r of out (kSortedRow), to its slot row_slot[r]
+//                                       (kSlotRow), or to that slot of another rank (kPeerSlot)
 //   DgradSwiGLUEpilogue<N, kClamp>      from a = dy W2: dz = [w a u silu'(g) | w a silu(g)]
 //                                       (clamp masks), wh = w h, and the router-gradient
 //                                       partial <h, a> of the tile's columns
@@ -147,33 +148,47 @@ struct SwiGLUEpilogue {
 enum class RowDestination {
   kSortedRow,  // out row r: the pool's own order (z recompute)
   kSlotRow,    // out row row_slot[r]: the token's slot t*K + j (down, dgrad of x)
+  kPeerSlot,   // row row_slot[r] of rank row_src[r]'s slot buffer (expert parallelism: the source
+               // rank's memory, written over NVLink); weighted by row_weight[r]
 };
+
+constexpr int kMaxPeers = 8;  // ranks of an expert-parallel group (fusemoe::kMaxRanks)
 
 template <int kBlockN, bool kWeighted, RowDestination kDest>
 struct RowStoreEpilogue {
-  static_assert(!kWeighted || kDest == RowDestination::kSlotRow, "routing weights are indexed by slot");
+  static_assert(!kWeighted || kDest != RowDestination::kSortedRow, "routing weights belong to slots");
+  static constexpr bool kToPeers = kDest == RowDestination::kPeerSlot;
   static constexpr int kStagingBytes = 0;
   static constexpr int kChunks = kBlockN / 8;
   struct Args {
-    __nv_bfloat16* out;         // [rows, N] bf16
-    const int32_t* row_slot;    // [R_max] (kSlotRow)
-    const float* topk_weights;  // [T*K] (kWeighted)
+    __nv_bfloat16* out;         // [rows, N] bf16 (kSortedRow, kSlotRow)
+    const int32_t* row_slot;    // [R_max] (kSlotRow, kPeerSlot)
+    const float* topk_weights;  // kWeighted: [T*K] by slot, or [R_max] by row for kPeerSlot
+    const int32_t* row_src;     // [R_max] (kPeerSlot): the rank each row goes to
+    __nv_bfloat16* peer_out[kMaxPeers];  // (kPeerSlot) each rank's slot buffer [S, N] as mapped here
   };
   struct Inputs {
     int32_t dest[2];
     float weight[2];
+    __nv_bfloat16* peer_row[kToPeers ? 2 : 1];
   };
   __device__ static void prefetch(const Args&) {}
-  __device__ static Inputs prepare(const Args& args, const EpilogueShape&, const Tile&, const AccRows& rows,
+  __device__ static Inputs prepare(const Args& args, const EpilogueShape& s, const Tile&, const AccRows& rows,
                                    const ConsumerThread&) {
-    Inputs in{{rows.row[0], rows.row[1]}, {1.0f, 1.0f}};
-    if constexpr (kDest == RowDestination::kSlotRow) {
+    Inputs in{{rows.row[0], rows.row[1]}, {1.0f, 1.0f}, {}};
+    if constexpr (kDest != RowDestination::kSortedRow) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         in.dest[h] = 0;
+        if constexpr (kToPeers) in.peer_row[h] = nullptr;
         if (rows.valid[h]) {
           in.dest[h] = __ldg(args.row_slot + rows.row[h]);
-          if constexpr (kWeighted) in.weight[h] = __ldg(args.topk_weights + in.dest[h]);
+          if constexpr (kToPeers) {
+            in.peer_row[h] = args.peer_out[__ldg(args.row_src + rows.row[h])] + static_cast<int64_t>(in.dest[h]) * s.n_valid;
+            if constexpr (kWeighted) in.weight[h] = __ldg(args.topk_weights + rows.row[h]);
+          } else if constexpr (kWeighted) {
+            in.weight[h] = __ldg(args.topk_weights + in.dest[h]);
+          }
         }
       }
     }
@@ -196,8 +211,13 @@ struct RowStoreEpilogue {
         }
         words[j] = pack_bf16x2(v0, v1);
       }
-      store_row_fragment<kChunks>(words, args.out + static_cast<int64_t>(in.dest[h]) * s.n_valid, rows.valid[h],
-                                  col0, s.n_valid, me.lane);
+      __nv_bfloat16* row_ptr;
+      if constexpr (kToPeers) {
+        row_ptr = in.peer_row[h];
+      } else {
+        row_ptr = args.out + static_cast<int64_t>(in.dest[h]) * s.n_valid;
+      }
+      store_row_fragment<kChunks>(words, row_ptr, rows.valid[h], col0, s.n_valid, me.lane);
     }
   }
   __device__ static void finish(const ConsumerThread&) {}

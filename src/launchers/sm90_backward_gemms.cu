@@ -18,8 +18,9 @@ using RecomputeZGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsB<256>, sm90::R
 template <int kBlockN, bool kClamp>
 using DgradSwigluGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsTransposedB<kBlockN>, sm90::RowTileScheduler,
                                     sm90::DgradSwiGLUEpilogue<kBlockN, kClamp>>;
+template <RowDestination kDest>
 using DgradScatterGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsTransposedB<256>, sm90::RowTileScheduler,
-                                     sm90::RowStoreEpilogue<256, false, RowDestination::kSlotRow>>;
+                                     sm90::RowStoreEpilogue<256, false, kDest>>;
 template <bool kFp32, bool kAccumulate>
 using WeightGradGemm = GroupedGemm<sm90::PoolRowsTransposedA, sm90::PoolRowsTransposedB<256>,
                                    sm90::ExpertOutputTileScheduler, sm90::WeightGradEpilogue<kFp32, kAccumulate>>;
@@ -106,15 +107,34 @@ void launch_sm90_dgrad_scatter(const Sm90DgradScatterParams& p) {
   const Sm90Rows& rows = p.rows;
   sm90::assert_rows(rows);
   if (rows.max_rows == 0) return;
-  FUSEMOE_ASSERT(p.dz && p.w13 && p.row_slot && p.dx_slots);
-  GemmParams<DgradScatterGemm> params{};
-  // w13 [E, 2I, H] read as [E*2I rows, H]: N-major boxes.
-  params.map_b = sm90::make_tensor_map_bf16(p.w13, rows.hidden, rows.num_experts * 2 * rows.intermediate,
-                                            DgradScatterGemm::B::kBoxRows, "w13");
-  params.a.map = sm90::make_tensor_map_bf16(p.dz, 2 * rows.intermediate, rows.max_rows, sm90::kBlockM, "dz");
-  params.epilogue = {static_cast<__nv_bfloat16*>(p.dx_slots), p.row_slot, nullptr};
-  params.shape = sm90::rows_shape(rows, 2 * rows.intermediate, rows.hidden, 2 * rows.intermediate);
-  sm90::launch_grouped_gemm(params, rows, WaitKernel::kDgradScatter);
+  FUSEMOE_ASSERT(p.dz && p.w13);
+  auto launch = [&](auto gemm) {
+    using Gemm = decltype(gemm);
+    GemmParams<Gemm> params{};
+    // w13 [E, 2I, H] read as [E*2I rows, H]: N-major boxes.
+    params.map_b = sm90::make_tensor_map_bf16(p.w13, rows.hidden, rows.num_experts * 2 * rows.intermediate,
+                                              Gemm::B::kBoxRows, "w13");
+    params.a.map = sm90::make_tensor_map_bf16(p.dz, 2 * rows.intermediate, rows.max_rows, sm90::kBlockM, "dz");
+    if constexpr (Gemm::Epilogue::kToPeers) {
+      params.epilogue.row_slot = p.to_peers->row_slot;
+      params.epilogue.row_src = p.to_peers->row_src;
+      for (int d = 0; d < sm90::kMaxPeers; ++d) {
+        params.epilogue.peer_out[d] = static_cast<__nv_bfloat16*>(p.to_peers->slot_buffers[d]);
+      }
+    } else {
+      params.epilogue.out = static_cast<__nv_bfloat16*>(p.dx_slots);
+      params.epilogue.row_slot = p.row_slot;
+    }
+    params.shape = sm90::rows_shape(rows, 2 * rows.intermediate, rows.hidden, 2 * rows.intermediate);
+    sm90::launch_grouped_gemm(params, rows, WaitKernel::kDgradScatter);
+  };
+  if (p.to_peers != nullptr) {
+    FUSEMOE_ASSERT(p.to_peers->row_src && p.to_peers->row_slot);
+    launch(DgradScatterGemm<RowDestination::kPeerSlot>{});
+  } else {
+    FUSEMOE_ASSERT(p.row_slot && p.dx_slots);
+    launch(DgradScatterGemm<RowDestination::kSlotRow>{});
+  }
 }
 
 void launch_sm90_weight_grad(const Sm90WeightGradParams& p) {

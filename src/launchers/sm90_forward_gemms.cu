@@ -16,8 +16,9 @@ constexpr int kBlockN = 256;
 template <bool kClamp, bool kStoreZ>
 using GateUpGemm = GroupedGemm<sm90::GatheredTokenRowsA, sm90::GateUpWeightsB<kBlockN>, sm90::RowTileScheduler,
                                sm90::SwiGLUEpilogue<kBlockN, kClamp, kStoreZ>>;
+template <sm90::RowDestination kDest>
 using DownGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsB<kBlockN>, sm90::RowTileScheduler,
-                             sm90::RowStoreEpilogue<kBlockN, true, sm90::RowDestination::kSlotRow>>;
+                             sm90::RowStoreEpilogue<kBlockN, true, kDest>>;
 
 template <bool kClamp, bool kStoreZ>
 void launch_gate_up(const Sm90GateUpParams& p) {
@@ -51,14 +52,35 @@ void launch_sm90_down_weighted(const Sm90DownParams& p) {
   const Sm90Rows& rows = p.rows;
   sm90::assert_rows(rows);
   if (rows.max_rows == 0) return;
-  FUSEMOE_ASSERT(p.h && p.w2 && p.row_slot && p.topk_weights && p.ys);
-  GemmParams<DownGemm> params{};
-  params.map_b = sm90::make_tensor_map_bf16(p.w2, rows.intermediate, rows.num_experts * rows.hidden,
-                                            DownGemm::B::kBoxRows, "w2");
-  params.a.map = sm90::make_tensor_map_bf16(p.h, rows.intermediate, rows.max_rows, sm90::kBlockM, "h");
-  params.epilogue = {static_cast<__nv_bfloat16*>(p.ys), p.row_slot, p.topk_weights};
-  params.shape = sm90::rows_shape(rows, rows.intermediate, rows.hidden, rows.hidden);
-  sm90::launch_grouped_gemm(params, rows, WaitKernel::kDown);
+  FUSEMOE_ASSERT(p.h && p.w2);
+  auto launch = [&](auto gemm) {
+    using Gemm = decltype(gemm);
+    GemmParams<Gemm> params{};
+    params.map_b = sm90::make_tensor_map_bf16(p.w2, rows.intermediate, rows.num_experts * rows.hidden,
+                                              Gemm::B::kBoxRows, "w2");
+    params.a.map = sm90::make_tensor_map_bf16(p.h, rows.intermediate, rows.max_rows, sm90::kBlockM, "h");
+    if constexpr (Gemm::Epilogue::kToPeers) {
+      params.epilogue.row_slot = p.to_peers->row_slot;
+      params.epilogue.topk_weights = p.to_peers->row_weight;
+      params.epilogue.row_src = p.to_peers->row_src;
+      for (int d = 0; d < sm90::kMaxPeers; ++d) {
+        params.epilogue.peer_out[d] = static_cast<__nv_bfloat16*>(p.to_peers->slot_buffers[d]);
+      }
+    } else {
+      params.epilogue.out = static_cast<__nv_bfloat16*>(p.ys);
+      params.epilogue.row_slot = p.row_slot;
+      params.epilogue.topk_weights = p.topk_weights;
+    }
+    params.shape = sm90::rows_shape(rows, rows.intermediate, rows.hidden, rows.hidden);
+    sm90::launch_grouped_gemm(params, rows, WaitKernel::kDown);
+  };
+  if (p.to_peers != nullptr) {
+    FUSEMOE_ASSERT(p.to_peers->row_src && p.to_peers->row_slot && p.to_peers->row_weight);
+    launch(DownGemm<sm90::RowDestination::kPeerSlot>{});
+  } else {
+    FUSEMOE_ASSERT(p.row_slot && p.topk_weights && p.ys);
+    launch(DownGemm<sm90::RowDestination::kSlotRow>{});
+  }
 }
 
 }  // namespace fusemoe

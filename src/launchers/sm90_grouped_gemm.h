@@ -38,6 +38,15 @@ struct Sm90Rows {
   cudaStream_t stream = nullptr;
 };
 
+// Output rows that go to other ranks' slot buffers (expert parallelism, pipelines/ep_layer.cu):
+// row r is written to row row_slot[r] of rank row_src[r]'s buffer, over NVLink.
+struct Sm90PeerRows {
+  const int32_t* row_src = nullptr;    // [R_max] destination rank
+  const int32_t* row_slot = nullptr;   // [R_max] slot on that rank
+  const float* row_weight = nullptr;   // [R_max] routing weight (down only)
+  void* slot_buffers[8] = {};          // each rank's [S, H] bf16 buffer as mapped in this process
+};
+
 struct Sm90GateUpParams {
   Sm90Rows rows;
   const void* x = nullptr;             // [T, H] bf16 token rows, gathered by the kernel
@@ -57,6 +66,8 @@ struct Sm90DownParams {
   const int32_t* row_slot = nullptr;    // [R_max]
   const float* topk_weights = nullptr;  // [S]
   void* ys = nullptr;                   // [S, H] bf16 (output)
+  // Set: rows go to other ranks instead (row_slot, topk_weights and ys unused).
+  const Sm90PeerRows* to_peers = nullptr;
 };
 
 struct Sm90RecomputeZParams {
@@ -87,6 +98,8 @@ struct Sm90DgradScatterParams {
   const void* w13 = nullptr;          // [E, 2I, H] bf16
   const int32_t* row_slot = nullptr;  // [R_max]
   void* dx_slots = nullptr;           // [S, H] bf16 (output)
+  // Set: rows go to other ranks instead (row_slot and dx_slots unused).
+  const Sm90PeerRows* to_peers = nullptr;
 };
 
 struct Sm90WeightGradParams {

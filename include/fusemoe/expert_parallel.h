@@ -1,0 +1,114 @@
+// fusemoe expert-parallel layer: the experts of one MoE layer spread over the R ranks (GPUs) of
+// one NVLink node. Expert e lives on rank e / (E / R) (contiguous blocks of E / R experts).
+// Each rank passes its own tokens and its local experts' weights; tokens travel to the ranks
+// that own their experts and come back combined.
+//
+//   forward : y_t = sum_j w[t,j] * expert_{idx[t,j]}(x_t)  for this rank's tokens t
+//   backward: dx, d_topk_weights for this rank's tokens; dw13, dw2 for its local experts
+//
+// The result is bitwise the single-GPU fused layer (fusemoe::forward/backward with Impl::kFused)
+// run on the concatenation of every rank's tokens (rank 0's first) with all experts local: y,
+// dx and d_topk_weights of this rank's tokens, dw13/dw2 of its experts.
+//
+// Communication goes through a symmetric workspace: every rank allocates ep_symmetric_bytes()
+// bytes, zeroes them ONCE after allocation (cudaMemset; later calls clean up after themselves),
+// and makes them reachable from every other rank. Each call gets the table of the R ranks'
+// symmetric workspaces as mapped in the calling process (peer_symmetric[rank] is its own):
+// CUDA IPC handles (cudaIpcGetMemHandle / cudaIpcOpenMemHandle), PyTorch symmetric memory, or
+// NCCL window registration give such pointers (docs/expert_parallel.md shows each route). The
+// protocol: sources publish (token, slot) metadata to the owners; owners pull each token row
+// once per rank (however many of its experts live there), run the gate/up and down GEMMs, and
+// push every output row into the source's slot buffer; each source combines its slots in slot
+// order. No host synchronisation and no host-visible counts: every buffer is sized for the worst
+// case (all tokens of all ranks to one rank), so nothing is ever dropped; CUDA-graph capturable.
+//
+// Every rank must make the same calls in the same order (forward, backward, ...), with the same
+// EpConfig except the rank. Every cross-rank wait is bounded (set_device_wait_timeout, default
+// 30 s): a rank that never arrives makes the others fail with an error naming the rank, the
+// peer and what was waited for, instead of hanging.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "fusemoe/fusemoe.h"
+
+namespace fusemoe {
+
+constexpr int kMaxRanks = 8;
+
+struct EpConfig {
+  // The layer with GLOBAL num_experts E; max_tokens bounds every rank's T.
+  LayerConfig layer;
+  int world_size = 1;  // R in {1, 2, 4, 8}; E % R == 0
+  int rank = 0;        // 0 <= rank < R
+};
+
+// Bytes of the symmetric workspace each rank allocates (the same on every rank; zero it once).
+size_t ep_symmetric_bytes(const EpConfig& config);
+// Bytes of the rank's private workspace for a call (as fusemoe::workspace_bytes); a buffer of
+// ep_workspace_bytes(config) serves every call.
+size_t ep_workspace_bytes(const EpConfig& config, WorkspaceUse use);
+size_t ep_workspace_bytes(const EpConfig& config);
+// Bytes of EpForwardArgs::saved_state: what the forward keeps for the backward of the same
+// inputs (the pre-activations z of this rank's owner rows, so the backward skips recomputing
+// them). Per rank.
+size_t ep_saved_state_bytes(const EpConfig& config);
+
+struct EpForwardArgs {
+  const void* x = nullptr;              // [T, H] bf16, this rank's tokens
+  const int32_t* topk_idx = nullptr;    // [T, K] GLOBAL expert ids, -1 masks a slot
+  const float* topk_weights = nullptr;  // [T, K]
+  const void* w13 = nullptr;            // [E/R, 2I, H] bf16: this rank's experts
+  const void* w2 = nullptr;             // [E/R, H, I] bf16
+  void* y = nullptr;                    // [T, H] bf16 (output)
+  int64_t num_tokens = 0;               // T of this rank, 0 <= T <= max_tokens (may differ by rank)
+  void* const* peer_symmetric = nullptr;  // [R] host array: each rank's symmetric workspace
+  void* workspace = nullptr;            // ep_workspace_bytes(config, kForward), 256-byte aligned
+  size_t workspace_bytes = 0;
+  // Optional: ep_saved_state_bytes(config) bytes the backward of this call reads (saves the
+  // backward its routing exchange and the z recompute).
+  void* saved_state = nullptr;
+  // As ForwardArgs (ids checked against the GLOBAL E). A synchronising check waits for this
+  // rank's whole call, which needs the other ranks' calls: with one host thread driving several
+  // ranks, pass a report (or false) instead.
+  bool sync_check_expert_ids = true;
+  int32_t* expert_id_report = nullptr;
+  int num_sms = 0;                      // SMs the persistent GEMMs use (0: all); co-resident ranks
+  cudaStream_t stream = nullptr;
+};
+
+struct EpBackwardArgs {
+  // The forward's inputs (x, topk_idx, topk_weights, w13, w2, num_tokens) and:
+  const void* x = nullptr;
+  const int32_t* topk_idx = nullptr;
+  const float* topk_weights = nullptr;
+  const void* w13 = nullptr;
+  const void* w2 = nullptr;
+  int64_t num_tokens = 0;
+  const void* dy = nullptr;              // [T, H] bf16
+  void* dx = nullptr;                    // [T, H] bf16 (output)
+  float* d_topk_weights = nullptr;       // [T, K] fp32 (output; 0 for masked slots)
+  void* dw13 = nullptr;                  // [E/R, 2I, H] weight_grad_dtype (output)
+  void* dw2 = nullptr;                   // [E/R, H, I]
+  WeightGradDtype weight_grad_dtype = WeightGradDtype::kFloat32;
+  bool accumulate_weight_grads = false;
+  void* const* peer_symmetric = nullptr;
+  void* workspace = nullptr;             // ep_workspace_bytes(config, kBackward or kBackwardSavedZ)
+  size_t workspace_bytes = 0;
+  const void* saved_state = nullptr;     // the forward's EpForwardArgs::saved_state, or null
+  bool sync_check_expert_ids = true;
+  int32_t* expert_id_report = nullptr;
+  int num_sms = 0;
+  cudaStream_t stream = nullptr;
+};
+
+// Throws fusemoe::Error naming the first field that breaks a limit.
+void validate_ep_config(const EpConfig& config);
+
+void ep_forward(const EpConfig& config, const EpForwardArgs& args);
+void ep_backward(const EpConfig& config, const EpBackwardArgs& args);
+
+}  // namespace fusemoe

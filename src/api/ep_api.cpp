@@ -1,0 +1,144 @@
+// Public entry points of the expert-parallel layer (include/fusemoe/expert_parallel.h):
+// validate -> dispatch, as api.cpp does for the single-GPU layer. Every check is here; the
+// pipeline (src/pipelines/ep_layer.cu) and its launchers only assert.
+#include <cstdint>
+#include <limits>
+
+#include "fusemoe/expert_parallel.h"
+#include "fusemoe/fusemoe.h"
+#include "kernels/routing.h"
+#include "pipelines/ep_layer.h"
+
+namespace fusemoe {
+namespace {
+
+bool aligned(const void* p, uintptr_t alignment) { return reinterpret_cast<uintptr_t>(p) % alignment == 0; }
+
+void check_tensor(const void* p, const char* name, uintptr_t alignment) {
+  FUSEMOE_CHECK(p != nullptr, name << " must not be null");
+  FUSEMOE_CHECK(aligned(p, alignment), name << " must be " << alignment << "-byte aligned, got address " << p);
+}
+
+// The layer one owner rank computes: its E/R experts over the rows of every rank's tokens.
+LayerConfig owner_layer(const EpConfig& c) {
+  LayerConfig owner = c.layer;
+  owner.num_experts = c.layer.num_experts / c.world_size;
+  owner.max_tokens = c.layer.max_tokens * c.world_size;
+  return owner;
+}
+
+void check_common(const EpConfig& c, void* const* peer_symmetric, void* workspace, size_t workspace_bytes,
+                  WorkspaceUse use, int64_t num_tokens, int num_sms) {
+  validate_ep_config(c);
+  FUSEMOE_CHECK(num_tokens >= 0 && num_tokens <= c.layer.max_tokens,
+                "num_tokens must be in [0, max_tokens=" << c.layer.max_tokens << "], got " << num_tokens);
+  FUSEMOE_CHECK(peer_symmetric != nullptr, "peer_symmetric must point to world_size (" << c.world_size
+                                                                                        << ") symmetric workspaces");
+  for (int d = 0; d < c.world_size; ++d) {
+    FUSEMOE_CHECK(peer_symmetric[d] != nullptr && aligned(peer_symmetric[d], 256),
+                  "peer_symmetric[" << d << "] must be a non-null 256-byte aligned pointer, got " << peer_symmetric[d]);
+  }
+  const size_t needed = ep_workspace_bytes(c, use);
+  FUSEMOE_CHECK(workspace != nullptr && aligned(workspace, 256),
+                "workspace must be a non-null 256-byte aligned pointer (need " << needed << " bytes)");
+  FUSEMOE_CHECK(workspace_bytes >= needed,
+                "workspace_bytes: " << workspace_bytes << " bytes given, " << needed << " needed");
+  FUSEMOE_CHECK(num_sms >= 0, "num_sms must be >= 0 (0: every SM), got " << num_sms);
+}
+
+void sync_check(const EpConfig& c, void* workspace, cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  FUSEMOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return;
+  const RoutingPlan plan = ep_routing_plan(c, workspace);
+  int32_t bad[3] = {0, 0, 0};
+  FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(bad, plan.bad_id_info, sizeof(bad), cudaMemcpyDeviceToHost, stream));
+  FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  check_bad_id_record(bad, c.layer.num_experts, c.layer.top_k);
+}
+
+}  // namespace
+
+void validate_ep_config(const EpConfig& c) {
+  validate_config(c.layer);
+  FUSEMOE_CHECK(c.world_size == 1 || c.world_size == 2 || c.world_size == 4 || c.world_size == 8,
+                "world_size must be 1, 2, 4 or 8, got " << c.world_size);
+  FUSEMOE_CHECK(c.rank >= 0 && c.rank < c.world_size,
+                "rank must be in [0, world_size=" << c.world_size << "), got " << c.rank);
+  FUSEMOE_CHECK(c.layer.num_experts % c.world_size == 0,
+                "num_experts (" << c.layer.num_experts << ") must be divisible by world_size (" << c.world_size << ")");
+  // An owner may receive every slot of every rank: its rows are world_size * max_tokens * top_k.
+  FUSEMOE_CHECK(c.layer.max_tokens <= std::numeric_limits<int32_t>::max() / c.layer.top_k / c.world_size,
+                "world_size * max_tokens * top_k must be < 2^31 (an owner's rows are int32 indices), got "
+                    << c.world_size << " * " << c.layer.max_tokens << " * " << c.layer.top_k);
+  validate_config(owner_layer(c));
+}
+
+size_t ep_symmetric_bytes(const EpConfig& config) {
+  validate_ep_config(config);
+  return ep_symmetric_layout_bytes(config);
+}
+
+size_t ep_workspace_bytes(const EpConfig& config, WorkspaceUse use) {
+  validate_ep_config(config);
+  FUSEMOE_CHECK(use == WorkspaceUse::kForward || use == WorkspaceUse::kBackward || use == WorkspaceUse::kBackwardSavedZ,
+                "use: unknown WorkspaceUse value " << static_cast<int>(use));
+  return ep_private_workspace_bytes(config, use);
+}
+
+size_t ep_workspace_bytes(const EpConfig& config) {
+  size_t bytes = 0;
+  for (WorkspaceUse use : {WorkspaceUse::kForward, WorkspaceUse::kBackward, WorkspaceUse::kBackwardSavedZ}) {
+    const size_t b = ep_workspace_bytes(config, use);
+    bytes = b > bytes ? b : bytes;
+  }
+  return bytes;
+}
+
+size_t ep_saved_state_bytes(const EpConfig& config) {
+  validate_ep_config(config);
+  const LayerConfig& l = config.layer;
+  return static_cast<size_t>(config.world_size) * l.max_tokens * l.top_k * 2 * l.intermediate * 2;
+}
+
+void ep_forward(const EpConfig& c, const EpForwardArgs& a) {
+  check_common(c, a.peer_symmetric, a.workspace, a.workspace_bytes, WorkspaceUse::kForward, a.num_tokens, a.num_sms);
+  check_tensor(a.w13, "w13", 16);
+  check_tensor(a.w2, "w2", 16);
+  if (a.num_tokens > 0) {
+    check_tensor(a.x, "x", 16);
+    check_tensor(a.topk_idx, "topk_idx", 4);
+    check_tensor(a.topk_weights, "topk_weights", 4);
+    check_tensor(a.y, "y", 16);
+  }
+  if (a.saved_state != nullptr) check_tensor(a.saved_state, "saved_state", 16);
+  if (a.expert_id_report != nullptr) check_tensor(a.expert_id_report, "expert_id_report", 4);
+  ep_layer_forward(c, a);
+  if (a.sync_check_expert_ids && a.expert_id_report == nullptr) sync_check(c, a.workspace, a.stream);
+}
+
+void ep_backward(const EpConfig& c, const EpBackwardArgs& a) {
+  check_common(c, a.peer_symmetric, a.workspace, a.workspace_bytes,
+               a.saved_state != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward, a.num_tokens,
+               a.num_sms);
+  FUSEMOE_CHECK(a.weight_grad_dtype == WeightGradDtype::kFloat32 || a.weight_grad_dtype == WeightGradDtype::kBFloat16,
+                "weight_grad_dtype: unknown value " << static_cast<int>(a.weight_grad_dtype));
+  check_tensor(a.w13, "w13", 16);
+  check_tensor(a.w2, "w2", 16);
+  check_tensor(a.dw13, "dw13", 16);
+  check_tensor(a.dw2, "dw2", 16);
+  if (a.num_tokens > 0) {
+    check_tensor(a.x, "x", 16);
+    check_tensor(a.topk_idx, "topk_idx", 4);
+    check_tensor(a.topk_weights, "topk_weights", 4);
+    check_tensor(a.dy, "dy", 16);
+    check_tensor(a.dx, "dx", 16);
+    check_tensor(a.d_topk_weights, "d_topk_weights", 4);
+  }
+  if (a.saved_state != nullptr) check_tensor(a.saved_state, "saved_state", 16);
+  if (a.expert_id_report != nullptr) check_tensor(a.expert_id_report, "expert_id_report", 4);
+  ep_layer_backward(c, a);
+  if (a.sync_check_expert_ids && a.expert_id_report == nullptr) sync_check(c, a.workspace, a.stream);
+}
+
+}  // namespace fusemoe

@@ -1,0 +1,206 @@
+// The expert-parallel layer (include/fusemoe/expert_parallel.h) on one rank. Arguments are
+// validated by src/api before this runs. Stream order, forward:
+//   source   1. call number + 1; routing of this rank's slots by GLOBAL expert (the single-GPU
+//               routing: bad ids reported, rows of owner d contiguous, in (expert, slot) order)
+//            2. token routing: the tokens each owner needs, each once (dest_TR sorted)
+//            3. publish to every owner: counts per expert, tokens, per-row (token, slot, weight);
+//               x into the stage; signal "message ready" to every owner
+//   owner    4. wait for every source's message; row plan (local expert, source, slot)
+//            5. pull each source's tokens into the pool (once per token and rank)
+//            6. gate/up + SwiGLU (gathering pool rows), down + weight pushed into the source's
+//               slot buffer; signal "rows ready" to every source
+//   source   7. wait for every owner's rows; combine its slots in slot order -> y
+// Backward: 1-5 again (x and dy staged, both pulled), the expert-sorted xs/dys pools, z (saved
+// or recomputed), dgrad + SwiGLU with per-row weights, router gradients and dgrad-of-x rows
+// pushed to the sources, "rows ready", the local weight gradients; the source combines its dx
+// slots and takes its router gradients. The owner's rows follow the single GPU's order on the
+// concatenated batch, so every output is bitwise the single-GPU fused layer's.
+#include "pipelines/ep_layer.h"
+
+#include "kernels/ep_exchange.h"
+#include "kernels/moe_elementwise.h"
+#include "kernels/routing.h"
+#include "launchers/sm90_grouped_gemm.h"
+#include "pipelines/ep_workspace.h"
+
+namespace fusemoe {
+namespace {
+
+EpPeers peers_of(const EpConfig& c, void* const* peer_symmetric) {
+  EpPeers peers{};
+  for (int d = 0; d < c.world_size; ++d) peers.base[d] = static_cast<char*>(peer_symmetric[d]);
+  peers.own = peers.base[c.rank];
+  peers.rank = c.rank;
+  peers.world_size = c.world_size;
+  return peers;
+}
+
+// The rows problem of the owner's GEMMs: its local experts, capacity R * T * K rows.
+Sm90Rows owner_rows(const EpConfig& c, const EpPrivate& ws, int num_sms, cudaStream_t stream) {
+  Sm90Rows rows;
+  rows.expert_offsets = ws.owner.expert_offsets;
+  rows.max_rows = c.world_size * c.layer.max_tokens * c.layer.top_k;
+  rows.hidden = c.layer.hidden;
+  rows.intermediate = c.layer.intermediate;
+  rows.num_experts = c.layer.num_experts / c.world_size;
+  rows.num_sms = num_sms;
+  rows.stream = stream;
+  return rows;
+}
+
+Sm90PeerRows peer_rows(const EpConfig& c, const EpPeers& peers, const EpSymmetric& own, const EpOwnerPlan& plan) {
+  Sm90PeerRows to;
+  to.row_src = plan.row_src;
+  to.row_slot = plan.row_slot;
+  to.row_weight = plan.row_weight;
+  const int64_t slots_offset = static_cast<const char*>(own.slots) - peers.own;
+  for (int d = 0; d < c.world_size; ++d) to.slot_buffers[d] = peers.base[d] + slots_offset;
+  return to;
+}
+
+// Steps 1-5: this rank's message out, every source's message in, the owner plan and the pulls.
+// stage_dy: the backward also stages and pulls dy.
+void exchange(const EpConfig& c, const EpPeers& peers, const EpSymmetric& own, EpPrivate& ws, const void* x,
+              const void* dy, const int32_t* topk_idx, const float* topk_weights, int64_t num_tokens,
+              int32_t* expert_id_report, cudaStream_t stream) {
+  const LayerConfig& l = c.layer;
+  const int64_t R = c.world_size, El = l.num_experts / R;
+  launch_ep_begin_call(own.epoch, stream);
+  launch_routing(topk_idx, num_tokens, l.top_k, l.num_experts, ws.plan, expert_id_report, stream);
+  launch_ep_mark_destinations(topk_idx, num_tokens, l.top_k, l.num_experts, c.world_size, ws.dest_TR, stream);
+  launch_routing(ws.dest_TR, num_tokens, R, R, ws.token_plan, nullptr, stream);
+  launch_ep_publish(peers, own, ws.plan, ws.token_plan, topk_idx, topk_weights, l.max_tokens, l.top_k,
+                    l.num_experts, stream);
+  const size_t row_bytes = static_cast<size_t>(l.hidden) * 2;
+  FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(own.x_stage, x, num_tokens * row_bytes, cudaMemcpyDeviceToDevice, stream));
+  if (dy != nullptr) {
+    FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(own.dy_stage, dy, num_tokens * row_bytes, cudaMemcpyDeviceToDevice, stream));
+  }
+  launch_ep_signal(peers, own, /*to_owners=*/true, stream);
+
+  launch_ep_wait(peers, own, /*from_sources=*/true, stream);
+  launch_ep_owner_plan(own, ws.owner, c.world_size, El, l.max_tokens, l.top_k, stream);
+  launch_ep_pull_rows(peers, own, ws.owner, /*x=*/true, l.max_tokens, l.hidden, ws.x_pool, stream);
+  if (dy != nullptr) launch_ep_pull_rows(peers, own, ws.owner, /*x=*/false, l.max_tokens, l.hidden, ws.dy_pool, stream);
+}
+
+}  // namespace
+
+size_t ep_symmetric_layout_bytes(const EpConfig& config) { return EpSymmetric(config, nullptr).total_bytes; }
+
+size_t ep_private_workspace_bytes(const EpConfig& config, WorkspaceUse use) {
+  return EpPrivate(config, nullptr, use).total_bytes;
+}
+
+RoutingPlan ep_routing_plan(const EpConfig& config, void* workspace) {
+  return EpPrivate(config, workspace, WorkspaceUse::kForward).plan;
+}
+
+void ep_layer_forward(const EpConfig& c, const EpForwardArgs& a) {
+  const LayerConfig& l = c.layer;
+  const EpPeers peers = peers_of(c, a.peer_symmetric);
+  const EpSymmetric own(c, a.peer_symmetric[c.rank]);
+  EpPrivate ws(c, a.workspace, WorkspaceUse::kForward);
+  exchange(c, peers, own, ws, a.x, nullptr, a.topk_idx, a.topk_weights, a.num_tokens, a.expert_id_report, a.stream);
+
+  const Sm90Rows rows = owner_rows(c, ws, a.num_sms, a.stream);
+  Sm90GateUpParams gate_up;
+  gate_up.rows = rows;
+  gate_up.x = ws.x_pool;
+  gate_up.row_slot = ws.owner.row_pool;  // token row = row_pool[r] / top_k with top_k 1
+  gate_up.top_k = 1;
+  gate_up.w13 = a.w13;
+  gate_up.h = ws.h;
+  gate_up.z = a.saved_state;
+  gate_up.use_swiglu_clamp = l.use_swiglu_clamp;
+  gate_up.swiglu_clamp = l.swiglu_clamp;
+  launch_sm90_gate_up_swiglu(gate_up);
+
+  const Sm90PeerRows to_sources = peer_rows(c, peers, own, ws.owner);
+  Sm90DownParams down;
+  down.rows = rows;
+  down.h = ws.h;
+  down.w2 = a.w2;
+  down.to_peers = &to_sources;
+  launch_sm90_down_weighted(down);
+  launch_ep_signal(peers, own, /*to_owners=*/false, a.stream);
+
+  launch_ep_wait(peers, own, /*from_sources=*/false, a.stream);
+  launch_combine_slots(own.slots, ws.plan.slot_row, a.num_tokens, l.top_k, l.hidden, a.y, a.stream);
+}
+
+void ep_layer_backward(const EpConfig& c, const EpBackwardArgs& a) {
+  const LayerConfig& l = c.layer;
+  const int64_t H = l.hidden, I = l.intermediate, El = l.num_experts / c.world_size;
+  const EpPeers peers = peers_of(c, a.peer_symmetric);
+  const EpSymmetric own(c, a.peer_symmetric[c.rank]);
+  EpPrivate ws(c, a.workspace, a.saved_state != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward);
+  exchange(c, peers, own, ws, a.x, a.dy, a.topk_idx, a.topk_weights, a.num_tokens, a.expert_id_report, a.stream);
+
+  const Sm90Rows rows = owner_rows(c, ws, a.num_sms, a.stream);
+  const int32_t* num_rows_device = ws.owner.expert_offsets + El;
+  launch_gather_rows_device_count(ws.x_pool, ws.owner.row_pool, num_rows_device, rows.max_rows, 1, H, ws.xs, a.stream);
+  launch_gather_rows_device_count(ws.dy_pool, ws.owner.row_pool, num_rows_device, rows.max_rows, 1, H, ws.dys,
+                                  a.stream);
+  // z from the forward of the same call (the same plan, so the same row order) or recomputed.
+  const void* z = a.saved_state;
+  if (z == nullptr) {
+    Sm90RecomputeZParams rz;
+    rz.rows = rows;
+    rz.xs = ws.xs;
+    rz.w13 = a.w13;
+    rz.z = ws.z;
+    launch_sm90_recompute_z(rz);
+    z = ws.z;
+  }
+  Sm90DgradSwigluParams d1;
+  d1.rows = rows;
+  d1.dys = ws.dys;
+  d1.w2 = a.w2;
+  d1.z = z;
+  d1.row_slot = ws.owner.row_identity;   // weights by row: topk_weights[row_identity[r]] = row_weight[r]
+  d1.topk_weights = ws.owner.row_weight;
+  d1.dz = ws.dz;
+  d1.wh = ws.wh;
+  d1.router_partials = ws.partials;
+  d1.block_n = sm90_dgrad_block_n(H);
+  d1.use_swiglu_clamp = l.use_swiglu_clamp;
+  d1.swiglu_clamp = l.swiglu_clamp;
+  launch_sm90_dgrad_swiglu(d1);
+  launch_ep_push_router_grads(peers, own, ws.owner, El, ws.partials, sm90_dgrad_num_n_tiles(I, d1.block_n),
+                              rows.max_rows, a.stream);
+
+  const Sm90PeerRows to_sources = peer_rows(c, peers, own, ws.owner);
+  Sm90DgradScatterParams d2;
+  d2.rows = rows;
+  d2.dz = ws.dz;
+  d2.w13 = a.w13;
+  d2.to_peers = &to_sources;
+  launch_sm90_dgrad_scatter(d2);
+  launch_ep_signal(peers, own, /*to_owners=*/false, a.stream);
+
+  // The weight gradients stay local; they run while the sources combine.
+  Sm90WeightGradParams w2g;
+  w2g.rows = rows;
+  w2g.act_m = ws.dys;
+  w2g.act_n = ws.wh;
+  w2g.grad = a.dw2;
+  w2g.m = H;
+  w2g.n = I;
+  w2g.bf16_grad = a.weight_grad_dtype == WeightGradDtype::kBFloat16;
+  w2g.accumulate = a.accumulate_weight_grads;
+  launch_sm90_weight_grad(w2g);
+  Sm90WeightGradParams w13g = w2g;
+  w13g.act_m = ws.dz;
+  w13g.act_n = ws.xs;
+  w13g.grad = a.dw13;
+  w13g.m = 2 * I;
+  w13g.n = H;
+  launch_sm90_weight_grad(w13g);
+
+  launch_ep_wait(peers, own, /*from_sources=*/false, a.stream);
+  launch_combine_slots(own.slots, ws.plan.slot_row, a.num_tokens, l.top_k, H, a.dx, a.stream);
+  launch_ep_finish_router_grads(own, ws.plan.slot_row, a.num_tokens * l.top_k, a.d_topk_weights, a.stream);
+}
+
+}  // namespace fusemoe

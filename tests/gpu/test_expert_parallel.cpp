@@ -1,0 +1,384 @@
+// The expert-parallel layer on one GPU, its R ranks co-resident in this process: each rank has
+// its own stream, host thread, symmetric workspace (the peer table is the R workspaces) and a
+// 1/R share of the SMs, so the ranks' kernels run truly concurrently and wait on each other's
+// signals. Every output must be bitwise the single-GPU fused layer's on the concatenated batch
+// (rank 0's tokens first) with all experts local: y, dx and d_topk_weights of each rank's tokens,
+// dw13/dw2 of each rank's experts. Outputs, private workspaces and (in one case) the symmetric
+// workspaces are NaN-poisoned first.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/device_wait.h"
+#include "fusemoe/expert_parallel.h"
+#include "gpu/gpu_test_util.h"
+
+namespace fusemoe::test {
+namespace {
+
+// Raw outputs (bits) of one forward + backward.
+struct RawOutputs {
+  std::vector<uint16_t> y, dx;     // [T, H] bf16
+  std::vector<float> d_topk_w;     // [T, K]
+  std::vector<uint8_t> dw13, dw2;  // [E', 2I, H], [E', H, I] of the grad dtype
+};
+
+// Rows [first, first + count) of a [rows, width] host array.
+template <class T>
+std::vector<T> rows_of(const std::vector<T>& all, int64_t first, int64_t count, int64_t width) {
+  return std::vector<T>(all.begin() + first * width, all.begin() + (first + count) * width);
+}
+
+struct EpCase {
+  int world_size;
+  std::vector<int64_t> tokens;  // per rank
+  Routing routing;
+  // Optional rewrite of the concatenated batch's topk_idx (token t of the batch, its rank).
+  std::function<void(HostProblem&, const std::vector<int64_t>& first_token)> reroute;
+  bool save_z = true;
+  WeightGradDtype grad_dtype = WeightGradDtype::kBFloat16;
+  bool poison_symmetric = false;
+  int calls = 1;  // repeated forward + backward calls, each bitwise equal to the first
+};
+
+constexpr Dims kEpDims{0, 256, 128, 8, 4};
+
+RawOutputs run_single_gpu(const HostProblem& p, const EpCase& c) {
+  const Dims& d = p.d;
+  LayerConfig config = config_of(d, std::max<int64_t>(d.T, 1));
+  DeviceBuffer x = DeviceBuffer::from(p.x_TH), w13 = DeviceBuffer::from(p.w13_EFH), w2 = DeviceBuffer::from(p.w2_EHI),
+               dy = DeviceBuffer::from(p.dy_TH), idx = DeviceBuffer::from(p.idx_TK), w = DeviceBuffer::from(p.w_TK);
+  const size_t g = c.grad_dtype == WeightGradDtype::kBFloat16 ? 2 : 4;
+  DeviceBuffer y(d.T * d.H * 2), dx(d.T * d.H * 2), dtw(d.T * d.K * 4), dw13(d.E * 2 * d.I * d.H * g),
+      dw2(d.E * d.H * d.I * g), ws(workspace_bytes(config, Impl::kFused)),
+      saved_z(c.save_z ? saved_z_bytes(config) : 0);
+  for (DeviceBuffer* b : {&y, &dx, &dtw, &dw13, &dw2, &ws}) b->poison();
+  ForwardArgs fa;
+  fa.x = x.get();
+  fa.topk_idx = static_cast<const int32_t*>(idx.get());
+  fa.topk_weights = static_cast<const float*>(w.get());
+  fa.w13 = w13.get();
+  fa.w2 = w2.get();
+  fa.y = y.get();
+  fa.num_tokens = d.T;
+  fa.workspace = ws.get();
+  fa.workspace_bytes = ws.bytes();
+  fa.saved_z = c.save_z ? saved_z.get() : nullptr;
+  fa.sync_check_expert_ids = false;
+  forward(config, Impl::kFused, fa);
+  BackwardArgs ba;
+  ba.x = x.get();
+  ba.topk_idx = fa.topk_idx;
+  ba.topk_weights = fa.topk_weights;
+  ba.w13 = w13.get();
+  ba.w2 = w2.get();
+  ba.dy = dy.get();
+  ba.dx = dx.get();
+  ba.d_topk_weights = static_cast<float*>(dtw.get());
+  ba.dw13 = dw13.get();
+  ba.dw2 = dw2.get();
+  ba.weight_grad_dtype = c.grad_dtype;
+  ba.num_tokens = d.T;
+  ba.workspace = ws.get();
+  ba.workspace_bytes = ws.bytes();
+  ba.saved_z = fa.saved_z;
+  ba.sync_check_expert_ids = false;
+  backward(config, Impl::kFused, ba);
+  TEST_CUDA(cudaDeviceSynchronize());
+  return {y.to_host<uint16_t>(), dx.to_host<uint16_t>(), dtw.to_host<float>(), dw13.to_host<uint8_t>(),
+          dw2.to_host<uint8_t>()};
+}
+
+// One rank's device state.
+struct Rank {
+  DeviceBuffer x, idx, w, dy, w13, w2, y, dx, dtw, dw13, dw2, ws, saved, symmetric;
+  cudaStream_t stream = nullptr;
+};
+
+// Runs the EP layer with c.world_size co-resident ranks; returns each rank's outputs of every call.
+std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& c,
+                                            const std::vector<int64_t>& first_token) {
+  const Dims& d = p.d;
+  const int R = c.world_size;
+  const int64_t El = d.E / R;
+  const size_t g = c.grad_dtype == WeightGradDtype::kBFloat16 ? 2 : 4;
+  int64_t max_tokens = 1;
+  for (int64_t t : c.tokens) max_tokens = std::max(max_tokens, t);
+  EpConfig config;
+  config.layer = config_of(d, max_tokens);
+  config.world_size = R;
+  int num_sms = 0;
+  TEST_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
+  std::vector<Rank> ranks(R);
+  std::vector<void*> peers(R);
+  for (int r = 0; r < R; ++r) {
+    config.rank = r;
+    Rank& k = ranks[r];
+    const int64_t T = c.tokens[r], t0 = first_token[r];
+    k.x = DeviceBuffer::from(rows_of(p.x_TH, t0, T, d.H));
+    k.idx = DeviceBuffer::from(rows_of(p.idx_TK, t0, T, d.K));
+    k.w = DeviceBuffer::from(rows_of(p.w_TK, t0, T, d.K));
+    k.dy = DeviceBuffer::from(rows_of(p.dy_TH, t0, T, d.H));
+    k.w13 = DeviceBuffer::from(rows_of(p.w13_EFH, r * El, El, 2 * d.I * d.H));
+    k.w2 = DeviceBuffer::from(rows_of(p.w2_EHI, r * El, El, d.H * d.I));
+    k.y = DeviceBuffer(T * d.H * 2);
+    k.dx = DeviceBuffer(T * d.H * 2);
+    k.dtw = DeviceBuffer(T * d.K * 4);
+    k.dw13 = DeviceBuffer(El * 2 * d.I * d.H * g);
+    k.dw2 = DeviceBuffer(El * d.H * d.I * g);
+    k.ws = DeviceBuffer(ep_workspace_bytes(config));
+    k.saved = DeviceBuffer(c.save_z ? ep_saved_state_bytes(config) : 0);
+    k.symmetric = DeviceBuffer(ep_symmetric_bytes(config));
+    // Zeroed once, as the API asks; or all 0xFF: the slot rows NaN, the flags and the call
+    // counter -1, which the protocol must also start from.
+    TEST_CUDA(cudaMemset(k.symmetric.get(), c.poison_symmetric ? 0xFF : 0, k.symmetric.bytes()));
+    TEST_CUDA(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking));
+    peers[r] = k.symmetric.get();
+  }
+  std::vector<std::vector<RawOutputs>> out(R);
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(R);
+  for (int r = 0; r < R; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        EpConfig rc = config;
+        rc.rank = r;
+        Rank& k = ranks[r];
+        for (int call = 0; call < c.calls; ++call) {
+          for (DeviceBuffer* b : {&k.y, &k.dx, &k.dtw, &k.dw13, &k.dw2, &k.ws}) b->poison();
+          EpForwardArgs fa;
+          fa.x = k.x.get();
+          fa.topk_idx = static_cast<const int32_t*>(k.idx.get());
+          fa.topk_weights = static_cast<const float*>(k.w.get());
+          fa.w13 = k.w13.get();
+          fa.w2 = k.w2.get();
+          fa.y = k.y.get();
+          fa.num_tokens = c.tokens[r];
+          fa.peer_symmetric = peers.data();
+          fa.workspace = k.ws.get();
+          fa.workspace_bytes = k.ws.bytes();
+          fa.saved_state = c.save_z ? k.saved.get() : nullptr;
+          fa.num_sms = num_sms / R;
+          fa.stream = k.stream;
+          ep_forward(rc, fa);
+          EpBackwardArgs ba;
+          ba.x = fa.x;
+          ba.topk_idx = fa.topk_idx;
+          ba.topk_weights = fa.topk_weights;
+          ba.w13 = fa.w13;
+          ba.w2 = fa.w2;
+          ba.num_tokens = fa.num_tokens;
+          ba.dy = k.dy.get();
+          ba.dx = k.dx.get();
+          ba.d_topk_weights = static_cast<float*>(k.dtw.get());
+          ba.dw13 = k.dw13.get();
+          ba.dw2 = k.dw2.get();
+          ba.weight_grad_dtype = c.grad_dtype;
+          ba.peer_symmetric = peers.data();
+          ba.workspace = k.ws.get();
+          ba.workspace_bytes = k.ws.bytes();
+          ba.saved_state = fa.saved_state;
+          ba.num_sms = fa.num_sms;
+          ba.stream = k.stream;
+          ep_backward(rc, ba);
+          TEST_CUDA(cudaStreamSynchronize(k.stream));
+          out[r].push_back({k.y.to_host<uint16_t>(), k.dx.to_host<uint16_t>(), k.dtw.to_host<float>(),
+                            k.dw13.to_host<uint8_t>(), k.dw2.to_host<uint8_t>()});
+        }
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < R; ++r) {
+    EXPECT_TRUE(errors[r].empty()) << "rank " << r << ": " << errors[r];
+    TEST_CUDA(cudaStreamDestroy(ranks[r].stream));
+  }
+  return out;
+}
+
+template <class T>
+size_t first_difference(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) return i;
+  }
+  return a.size();
+}
+
+#define EXPECT_BITWISE(got, want, what)                                                                  \
+  do {                                                                                                   \
+    const size_t at_ = first_difference(got, want);                                                      \
+    EXPECT_EQ(at_, (want).size()) << what << ": first difference at element " << at_ << " of "           \
+                                  << (want).size() << " (sizes " << (got).size() << ", " << (want).size() \
+                                  << ")";                                                                \
+  } while (0)
+
+void run_case(const EpCase& c) {
+  Dims d = kEpDims;
+  std::vector<int64_t> first(c.tokens.size(), 0);
+  d.T = 0;
+  for (size_t r = 0; r < c.tokens.size(); ++r) {
+    first[r] = d.T;
+    d.T += c.tokens[r];
+  }
+  HostProblem p = make_problem(d, c.routing, 1000 + c.world_size);
+  if (c.reroute) c.reroute(p, first);
+  const RawOutputs single = run_single_gpu(p, c);
+  const auto ep = run_ep(p, c, first);
+  const int64_t El = d.E / c.world_size;
+  const size_t g = c.grad_dtype == WeightGradDtype::kBFloat16 ? 2 : 4;
+  for (int r = 0; r < c.world_size; ++r) {
+    ASSERT_EQ(ep[r].size(), static_cast<size_t>(c.calls)) << "rank " << r;
+    for (int call = 0; call < c.calls; ++call) {
+      const RawOutputs& o = ep[r][call];
+      const std::string where = "rank " + std::to_string(r) + " call " + std::to_string(call);
+      EXPECT_BITWISE(o.y, rows_of(single.y, first[r], c.tokens[r], d.H), where + " y");
+      EXPECT_BITWISE(o.dx, rows_of(single.dx, first[r], c.tokens[r], d.H), where + " dx");
+      EXPECT_BITWISE(o.d_topk_w, rows_of(single.d_topk_w, first[r], c.tokens[r], d.K), where + " d_topk_weights");
+      EXPECT_BITWISE(o.dw13, rows_of(single.dw13, r * El, El, 2 * d.I * d.H * g), where + " dw13");
+      EXPECT_BITWISE(o.dw2, rows_of(single.dw2, r * El, El, d.H * d.I * g), where + " dw2");
+    }
+  }
+}
+
+// Rewrites the batch's ids: every valid slot of every token to the experts `to(t, j)` returns.
+std::function<void(HostProblem&, const std::vector<int64_t>&)> reroute_with(
+    std::function<int32_t(int64_t t, int64_t j, int rank)> to) {
+  return [to](HostProblem& p, const std::vector<int64_t>& first) {
+    for (int64_t t = 0; t < p.d.T; ++t) {
+      int rank = 0;
+      while (rank + 1 < static_cast<int>(first.size()) && t >= first[rank + 1]) ++rank;
+      for (int64_t j = 0; j < p.d.K; ++j) {
+        if (p.idx_TK[t * p.d.K + j] >= 0) p.idx_TK[t * p.d.K + j] = to(t, j, rank);
+      }
+    }
+  };
+}
+
+TEST(ExpertParallel, TwoRanksUniformMatchesSingleGpu) { run_case({2, {300, 257}, Routing::kUniform}); }
+TEST(ExpertParallel, FourRanksUnevenAndEmptyRanks) { run_case({4, {400, 0, 129, 1}, Routing::kUniform}); }
+TEST(ExpertParallel, EightRanksSkewedFp32GradsRecomputedZ) {
+  EpCase c{8, {100, 70, 0, 3, 128, 64, 1, 200}, Routing::kSkewed};
+  c.save_z = false;
+  c.grad_dtype = WeightGradDtype::kFloat32;
+  run_case(c);
+}
+TEST(ExpertParallel, OneRankIsTheWholeLayer) { run_case({1, {333}, Routing::kMasked}); }
+TEST(ExpertParallel, MaskedSlotsAndEmptyExperts) {
+  run_case({2, {200, 150}, Routing::kMasked});
+  run_case({4, {100, 100, 100, 100}, Routing::kFewExperts});
+}
+TEST(ExpertParallel, EveryTokenToOneRank) {
+  EpCase c{4, {150, 90, 210, 33}, Routing::kUniform};
+  c.reroute = reroute_with([](int64_t, int64_t j, int) { return static_cast<int32_t>(j % 2); });  // rank 0's experts
+  run_case(c);
+}
+TEST(ExpertParallel, EveryTokenToOneExpert) {
+  EpCase c{2, {120, 80}, Routing::kUniform};
+  c.reroute = reroute_with([](int64_t, int64_t, int) { return 5; });  // repeated ids: all slots to expert 5
+  run_case(c);
+}
+TEST(ExpertParallel, TokensStayOnTheirRank) {
+  EpCase c{4, {90, 110, 64, 1}, Routing::kUniform};
+  c.reroute = reroute_with([](int64_t t, int64_t j, int rank) { return static_cast<int32_t>(rank * 2 + (t + j) % 2); });
+  run_case(c);
+}
+TEST(ExpertParallel, PoisonedSymmetricWorkspaceNeverReachesOutputs) {
+  EpCase c{2, {180, 220}, Routing::kMasked};
+  c.poison_symmetric = true;
+  run_case(c);
+}
+TEST(ExpertParallel, HundredCallsBitwiseEqual) {
+  EpCase c{2, {64, 96}, Routing::kUniform};
+  c.calls = 100;
+  run_case(c);
+}
+
+TEST(ExpertParallel, BadExpertIdsAreReported) {
+  Dims d = kEpDims;
+  d.T = 16;
+  HostProblem p = make_problem(d, Routing::kUniform, 5);
+  p.idx_TK[3 * d.K + 1] = 99;  // token 3 of rank 0
+  EpCase c{1, {16}, Routing::kUniform};
+  std::vector<int64_t> first{0};
+  EpConfig config;
+  config.layer = config_of(d, 16);
+  config.world_size = 1;
+  DeviceBuffer x = DeviceBuffer::from(p.x_TH), idx = DeviceBuffer::from(p.idx_TK), w = DeviceBuffer::from(p.w_TK),
+               w13 = DeviceBuffer::from(p.w13_EFH), w2 = DeviceBuffer::from(p.w2_EHI), y(d.T * d.H * 2),
+               ws(ep_workspace_bytes(config)), sym(ep_symmetric_bytes(config));
+  TEST_CUDA(cudaMemset(sym.get(), 0, sym.bytes()));
+  void* peers[1] = {sym.get()};
+  EpForwardArgs fa;
+  fa.x = x.get();
+  fa.topk_idx = static_cast<const int32_t*>(idx.get());
+  fa.topk_weights = static_cast<const float*>(w.get());
+  fa.w13 = w13.get();
+  fa.w2 = w2.get();
+  fa.y = y.get();
+  fa.num_tokens = d.T;
+  fa.peer_symmetric = peers;
+  fa.workspace = ws.get();
+  fa.workspace_bytes = ws.bytes();
+  try {
+    ep_forward(config, fa);
+    FAIL() << "a bad expert id must be reported";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("first at token 3, slot 1, value 99"), std::string::npos) << e.what();
+  }
+}
+
+// One rank never launches: the other fails within the timeout with an error naming the rank it
+// waited for. A trap ends the CUDA context, so this runs in a child process.
+TEST(ExpertParallelDeathTest, AMissingRankTimesOutWithADiagnostic) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto lonely_rank = [] {
+    set_device_wait_timeout(0.5);
+    Dims d = kEpDims;
+    d.T = 64;
+    HostProblem p = make_problem(d, Routing::kUniform, 9);
+    EpConfig config;
+    config.layer = config_of(d, 64);
+    config.world_size = 2;
+    config.rank = 0;
+    DeviceBuffer x = DeviceBuffer::from(p.x_TH), idx = DeviceBuffer::from(p.idx_TK), w = DeviceBuffer::from(p.w_TK),
+                 w13 = DeviceBuffer::from(rows_of(p.w13_EFH, 0, 4, 2 * d.I * d.H)),
+                 w2 = DeviceBuffer::from(rows_of(p.w2_EHI, 0, 4, d.H * d.I)), y(d.T * d.H * 2),
+                 ws(ep_workspace_bytes(config)), sym0(ep_symmetric_bytes(config)), sym1(ep_symmetric_bytes(config));
+    TEST_CUDA(cudaMemset(sym0.get(), 0, sym0.bytes()));
+    TEST_CUDA(cudaMemset(sym1.get(), 0, sym1.bytes()));
+    void* peers[2] = {sym0.get(), sym1.get()};
+    EpForwardArgs fa;
+    fa.x = x.get();
+    fa.topk_idx = static_cast<const int32_t*>(idx.get());
+    fa.topk_weights = static_cast<const float*>(w.get());
+    fa.w13 = w13.get();
+    fa.w2 = w2.get();
+    fa.y = y.get();
+    fa.num_tokens = d.T;
+    fa.peer_symmetric = peers;
+    fa.workspace = ws.get();
+    fa.workspace_bytes = ws.bytes();
+    try {
+      ep_forward(config, fa);  // syncs for the id check: rank 1's message never comes
+    } catch (const Error& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      std::exit(3);
+    }
+    std::exit(0);
+  };
+  EXPECT_EXIT(lonely_rank(), ::testing::ExitedWithCode(3),
+              "expert-parallel exchange .* waited 0\\.[5-9][0-9]* s for the routing message of source rank 1 "
+              "\\(rank 0 waiting; call 1, flag at 0\\)");
+}
+
+}  // namespace
+}  // namespace fusemoe::test
