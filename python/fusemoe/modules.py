@@ -30,15 +30,18 @@ class MoEExperts(nn.Module):
     """The experts block of an MoE layer, computed by fusemoe (impl: "unfused", ...)."""
 
     def __init__(self, num_experts, hidden_dim, intermediate_dim, impl=DEFAULT_IMPL, device=None,
-                 dtype=torch.bfloat16, init_std=0.02, grad_in_place=False, recompute_z=False):
+                 dtype=torch.bfloat16, init_std=0.02, grad_in_place=False, recompute_z=False,
+                 swiglu_clamp=None):
         """grad_in_place: the backward adds the weight gradients straight into .grad (see
         fusemoe.moe_experts; eager mode, bf16 parameters, no gradient hooks on them).
         recompute_z: recompute the pre-activations in the backward instead of saving them in the
-        forward (impl "fused": less activation memory, one more GEMM; see fusemoe.moe_experts)."""
+        forward (impl "fused": less activation memory, one more GEMM; see fusemoe.moe_experts).
+        swiglu_clamp: None, or c: g <- min(g, c), u <- clamp(u, -c, c) (DeepSeek-V4's limit)."""
         super().__init__()
         _check_impl_name(impl)
         self.grad_in_place = bool(grad_in_place)
         self.recompute_z = bool(recompute_z)
+        self.swiglu_clamp = None if swiglu_clamp is None else float(swiglu_clamp)
         self.num_experts = num_experts
         self.hidden_dim = hidden_dim
         self.intermediate_dim = intermediate_dim
@@ -56,12 +59,14 @@ class MoEExperts(nn.Module):
         nn.init.normal_(self.down_proj, std=self.init_std)
 
     @classmethod
-    def from_experts(cls, experts, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False):
+    def from_experts(cls, experts, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False,
+                     swiglu_clamp=None):
         """A MoEExperts over the very Parameter objects of `experts` (no copy): an optimizer or a
         state dict that holds them keeps working."""
         num_experts, two_intermediate, hidden_dim = experts.gate_up_proj.shape
         module = cls(num_experts, hidden_dim, two_intermediate // 2, impl=impl, device="meta",
-                     grad_in_place=grad_in_place, recompute_z=recompute_z)
+                     grad_in_place=grad_in_place, recompute_z=recompute_z,
+                     swiglu_clamp=swiglu_clamp)
         module.gate_up_proj = experts.gate_up_proj
         module.down_proj = experts.down_proj
         return module
@@ -77,14 +82,16 @@ class MoEExperts(nn.Module):
         topk_idx_TK = top_k_index.reshape(-1, top_k).to(torch.int32).contiguous()
         topk_weights_TK = top_k_weights.reshape(-1, top_k).to(torch.float32).contiguous()
         y_TH = moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=self.impl,
-                           grad_in_place=self.grad_in_place, recompute_z=self.recompute_z)
+                           grad_in_place=self.grad_in_place, recompute_z=self.recompute_z,
+                           swiglu_clamp=self.swiglu_clamp)
         return y_TH.to(hidden_states.dtype).reshape(hidden_states.shape)
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
                 f"intermediate_dim={self.intermediate_dim}, impl={self.impl!r}" +
                 (", grad_in_place=True" if self.grad_in_place else "") +
-                (", recompute_z=True" if self.recompute_z else ""))
+                (", recompute_z=True" if self.recompute_z else "") +
+                (f", swiglu_clamp={self.swiglu_clamp}" if self.swiglu_clamp is not None else ""))
 
 
 def _check_swappable(name, experts):
