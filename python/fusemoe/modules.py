@@ -80,7 +80,9 @@ class MoEExperts(nn.Module):
         y_TH = moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=self.impl,
                            grad_in_place=self.grad_in_place, recompute_z=self.recompute_z,
                            swiglu_clamp=self.swiglu_clamp)
-        return y_TH.to(hidden_states.dtype).reshape(hidden_states.shape)
+        y = y_TH.to(hidden_states.dtype)
+        # A view only where the caller's shape needs one (FSDP2 warns about views it returns).
+        return y if y.shape == hidden_states.shape else y.reshape(hidden_states.shape)
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "

@@ -373,8 +373,9 @@ def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAUL
     grad_in_place=True (eager mode, leaf w13/w2 such as Parameters): the backward kernels add the
     weight gradients straight into w13.grad / w2.grad (gradient accumulation over micro-batches
     without a separate elementwise add; .grad in the Parameters' dtype), and autograd sees no
-    gradient for w13/w2, so their hooks (register_post_accumulate_grad_hook, DDP/FSDP reducers)
-    do not fire. Like Megatron's gradient_accumulation_fusion. Not traceable by torch.compile.
+    gradient for w13/w2, so their hooks (register_post_accumulate_grad_hook, DDP's reducer) do
+    not fire; FSDP2 reduces the .grad it finds and works (docs/design.md). Like Megatron's
+    gradient_accumulation_fusion. Not traceable by torch.compile.
 
     recompute_z: with impl="fused" and gradients required, the forward by default also saves the
     pre-activations z (2·I·K bf16 per token: 24 KiB for Qwen3-30B-A3B) and the backward skips

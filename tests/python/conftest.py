@@ -16,6 +16,10 @@ if os.environ.get("FUSEMOE_TEST_INSTALLED") != "1":
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "backend(name): torch.distributed backend of the test")
+
+
 def require_gpu():
     def missing(reason):
         if os.environ.get("FUSEMOE_REQUIRE_GPU") == "1":

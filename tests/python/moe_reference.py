@@ -104,6 +104,16 @@ def register_cpu_kernels():
             dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, swiglu_clamp)
         return dx_TH.to(x_TH.dtype), dw_TK, dw13_EFH.to(w13_EFH.dtype), dw2_EHI.to(w2_EHI.dtype)
 
+    @torch.library.register_kernel("fusemoe::moe_experts_backward_into", "cpu")
+    def _backward_into_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13_EFH,
+                           dw2_EHI, accumulate, impl, saved_z_SF=None, swiglu_clamp=None):
+        _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+        dx_TH, dw_TK, g13_EFH, g2_EHI = moe_experts_backward_fp32(
+            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, swiglu_clamp)
+        for out, grad in ((dw13_EFH, g13_EFH), (dw2_EHI, g2_EHI)):  # one rounding, as the kernels
+            out.copy_(out.float() + grad if accumulate else grad)
+        return dx_TH.to(x_TH.dtype), dw_TK
+
 
 def make_problem(num_tokens, hidden, intermediate, num_experts, top_k, device, seed=0,
                  routing="uniform"):
