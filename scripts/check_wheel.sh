@@ -8,6 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${1:-python3}"
+# A path relative to the repository stays valid after the cd below.
+if [[ "$PY" == */* ]]; then PY="$(cd "$(dirname "$PY")" && pwd -P)/$(basename "$PY")"; fi
 WHEEL_DIR="${FUSEMOE_WHEEL_DIR:-build/wheelhouse}"
 SCRATCH="$(mktemp -d /tmp/fusemoe_wheel.XXXXXX)"
 trap 'rm -rf "$SCRATCH"' EXIT

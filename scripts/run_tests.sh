@@ -16,7 +16,9 @@ ctest --test-dir "$BUILD_DIR" --output-on-failure
 PY=python3
 if ! python3 -c "import torch" 2>/dev/null; then
   VENV="${FUSEMOE_TEST_VENV:-$BUILD_DIR/test-venv}"
-  if ! "$VENV/bin/python" -c "import torch, pytest" 2>/dev/null; then
+  mkdir -p "$(dirname "$VENV")"
+  VENV="$(cd "$(dirname "$VENV")" && pwd -P)/$(basename "$VENV")"  # absolute: scripts cd away
+  if ! "$VENV/bin/python" -c "import torch, pytest, transformers, matplotlib" 2>/dev/null; then
     echo "[tests] python3 has no PyTorch: installing tests/python/requirements.txt from PyPI into $VENV"
     start=$SECONDS
     if python3 -m venv "$VENV" && "$VENV/bin/python" -m pip install -q -r tests/python/requirements.txt; then

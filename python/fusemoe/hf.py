@@ -10,6 +10,9 @@ layer's shape; every other experts module is left alone with the reasons, e.g. g
 its own gate function (clamped, alpha-scaled sigmoid, up + 1, interleaved rows), transposed
 weights, H = 2880 not a multiple of 128. DeepSeek-V4's experts (SwiGLU with its swiglu_limit
 clamp) are the one custom gate function recognised: fusemoe's swiglu_clamp computes it.
+Routing stays the model's: the swapped module receives the router's top-k ids and weights. A
+masked slot must be id -1 for fusemoe; an id >= E (which transformers' own loops skip) is
+reported as a bad id (FusemoeError), never used.
 """
 import dataclasses
 

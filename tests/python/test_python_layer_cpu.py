@@ -433,3 +433,42 @@ def test_module_shares_parameters_and_converts_inputs(problem):
     y3 = module(x3, problem["topk_idx_TK"].long().reshape(1, 37, 2),
                 problem["topk_weights_TK"].bfloat16().reshape(1, 37, 2))
     assert y3.shape == x3.shape and y3.dtype == torch.float32
+
+
+def test_header_is_c_and_a_c_compiler_lays_the_structs_out_as_the_library():
+    """include/fusemoe/fusemoe_c.h compiled as C99 (-pedantic -Werror): sizeof and offsetof of
+    every field as a C compiler sees them equal the library's own answer."""
+    import shutil
+    import subprocess
+    require_library()
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("skipped: no C compiler")
+    import os
+    import tempfile
+    repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    lines = ['#include <stddef.h>', '#include <stdio.h>', '#include "fusemoe/fusemoe_c.h"',
+             'int main(void) {']
+    for struct_name in sorted(_capi.STRUCTS):
+        lines.append(f'  printf("{struct_name} - %zu\\n", sizeof({struct_name}));')
+        for field, _, _ in _capi.library_struct_layout(struct_name)[1]:
+            lines.append(f'  printf("{struct_name} {field} %zu %zu\\n", '
+                         f'offsetof({struct_name}, {field}), sizeof((({struct_name}*)0)->{field}));')
+    lines += ["  return 0;", "}"]
+    with tempfile.TemporaryDirectory() as scratch:
+        source, program = os.path.join(scratch, "layout.c"), os.path.join(scratch, "layout")
+        with open(source, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        subprocess.run([compiler, "-std=c99", "-pedantic", "-Wall", "-Wextra", "-Werror",
+                        "-I", os.path.join(repo, "include"), source, "-o", program], check=True)
+        printed = subprocess.run([program], capture_output=True, text=True, check=True).stdout
+    c_layout = {}
+    for line in printed.splitlines():
+        struct_name, field, *numbers = line.split()
+        c_layout.setdefault(struct_name, [None, []])
+        if field == "-":
+            c_layout[struct_name][0] = int(numbers[0])
+        else:
+            c_layout[struct_name][1].append((field, int(numbers[0]), int(numbers[1])))
+    for struct_name in _capi.STRUCTS:
+        assert tuple(c_layout[struct_name]) == _capi.library_struct_layout(struct_name), struct_name
