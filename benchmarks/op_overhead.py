@@ -49,8 +49,8 @@ def main():
     w13 = torch.nn.Parameter((torch.randn(E, 2 * I, H, device=dev) * 0.02).bfloat16())
     w2 = torch.nn.Parameter((torch.randn(E, H, I, device=dev) * 0.02).bfloat16())
     dy = torch.randn(T, H, device=dev).bfloat16()
-    layer = (H, I, E, K, T)
-    ws, nbytes = ops._workspace(layer, args.impl, dev)
+    layer = _capi.layer(H, I, E, K, T, args.impl)  # the FusemoeCLayer struct, built once
+    ws, nbytes = ops._workspace(layer, dev, None)
     y = torch.empty_like(x)
     dx, dtw = torch.empty_like(x), torch.empty_like(w)
     g13, g2 = torch.zeros_like(w13), torch.zeros_like(w2)
@@ -59,14 +59,14 @@ def main():
     rows = []
 
     def c_forward():
-        _capi.forward(layer, args.impl, x.data_ptr(), idx.data_ptr(), w.data_ptr(), w13.data_ptr(),
-                      w2.data_ptr(), y.data_ptr(), T, ws.data_ptr(), nbytes, report, stream)
+        _capi.forward(layer, x.data_ptr(), idx.data_ptr(), w.data_ptr(), w13.data_ptr(),
+                      w2.data_ptr(), y.data_ptr(), T, ws.data_ptr(), nbytes, report, None, stream)
 
     def c_backward():
-        _capi.backward(layer, args.impl, x.data_ptr(), idx.data_ptr(), w.data_ptr(),
+        _capi.backward(layer, x.data_ptr(), idx.data_ptr(), w.data_ptr(),
                        w13.data_ptr(), w2.data_ptr(), dy.data_ptr(), dx.data_ptr(), dtw.data_ptr(),
                        g13.data_ptr(), g2.data_ptr(), _capi.WEIGHT_GRAD_BFLOAT16, True, T,
-                       ws.data_ptr(), nbytes, report, stream)
+                       ws.data_ptr(), nbytes, report, None, stream)
 
     def op_forward():
         with torch.no_grad():
@@ -93,7 +93,7 @@ def main():
                       lambda: torch.cuda.current_stream(dev).cuda_stream),
                      ("  piece: _expert_id_report", lambda: ops._expert_id_report(dev, E, K)),
                      ("  piece: _check_inputs", lambda: ops._check_inputs(x, idx, w, w13, w2)),
-                     ("  piece: _workspace", lambda: ops._workspace(layer, args.impl, dev)),
+                     ("  piece: _workspace", lambda: ops._workspace(layer, dev, None)),
                      ("  piece: empty_like(x)", lambda: torch.empty_like(x))):
         rows.append((name, per_call_us(fn, 200)))
     rows.append(("C ABI forward", per_call_us(c_forward, args.calls)))
@@ -118,7 +118,7 @@ def main():
         @staticmethod
         def forward(ctx, x_, idx_, w_, w13_, w2_):
             ctx.save_for_backward(x_, idx_, w_, w13_, w2_)
-            return torch.ops.fusemoe.moe_experts_forward(x_, idx_, w_, w13_, w2_, args.impl)
+            return torch.ops.fusemoe.moe_experts_forward(x_, idx_, w_, w13_, w2_, args.impl)[0]
 
         @staticmethod
         def backward(ctx, dy_):

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -38,6 +39,20 @@ L2_FLUSH_BYTES = 256 << 20  # 4x the H200's 60 MB L2
 CEILING_DIM = 8192
 PATH_GROUPED_MM = "grouped_mm"
 PATH_LOOP = "per_expert_loop"
+
+
+def project_commit():
+    """$FUSEMOE_COMMIT, else scripts/project_commit.sh: this checkout's commit or "unknown",
+    never the commit of a repository this copy merely sits in."""
+    if os.environ.get("FUSEMOE_COMMIT"):
+        return os.environ["FUSEMOE_COMMIT"]
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts",
+                          "project_commit.sh")
+    try:
+        out = subprocess.run(["bash", script], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
 
 
 def progress(message):
@@ -411,7 +426,7 @@ def main():
             **gpu_meta,
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
-            "commit": os.environ.get("FUSEMOE_COMMIT") or "unknown",
+            "commit": project_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "preset": args.preset,
             "hidden": hidden, "intermediate": intermediate,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Trains a small Hugging Face Qwen3-MoE twice, from the same initialisation on the same data
 order: with the model's own experts (transformers' default experts implementation, "grouped_mm")
-and with fusemoe experts (--impl) swapped in by fusemoe.replace_qwen3_moe_experts, and optionally
+and with fusemoe experts (--impl) swapped in by fusemoe.patch_hf_experts, and optionally
 (--runs ...,hf_reordered) with Hugging Face experts again on the same batches in another
 micro-batch order: mathematically the same training, so its distance from the first run is the
 bf16 noise floor the fusemoe curve is judged against. Prints
@@ -423,10 +423,10 @@ def main(argv=None):
     runs = {}
     for name in args.runs:
         if name == RUN_FUSEMOE:
-            replaced = fusemoe.replace_qwen3_moe_experts(model, impl=args.impl,
-                                                         grad_in_place=args.grad_in_place)
+            report = fusemoe.patch_hf_experts(model, impl=args.impl,
+                                              grad_in_place=args.grad_in_place)
             log(f"fusemoe experts (impl={args.impl}, grad_in_place={args.grad_in_place}) in "
-                f"{len(replaced)} layers")
+                f"{len(report.replaced)} layers")
         else:
             for module_name, module in hf_modules.items():
                 parent, _, child = module_name.rpartition(".")

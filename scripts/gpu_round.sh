@@ -30,12 +30,8 @@ WARMUP="${WARMUP:-5}"
 TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-240}"
 CHECK_235B_MAX_TOKENS="${CHECK_235B_MAX_TOKENS:-}"
 ROUND_BUDGET_S="${ROUND_BUDGET_S:-480}"
-if [[ -z "${FUSEMOE_COMMIT:-}" ]]; then
-  FUSEMOE_COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-  if [[ "$FUSEMOE_COMMIT" != unknown && -n "$(git status --porcelain 2>/dev/null)" ]]; then
-    FUSEMOE_COMMIT="$FUSEMOE_COMMIT-dirty"
-  fi
-fi
+# The project's own commit (never a parent folder's repository), "-dirty" with local changes.
+FUSEMOE_COMMIT="${FUSEMOE_COMMIT:-$(bash scripts/project_commit.sh)}"
 export FUSEMOE_COMMIT
 export PYTHONUNBUFFERED=1
 

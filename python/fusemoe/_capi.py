@@ -1,48 +1,94 @@
-"""ctypes binding of libfusemoe_c.so (src/capi/fusemoe_c.h): loading, signatures, errors.
+"""ctypes binding of libfusemoe_c.so (include/fusemoe/fusemoe_c.h): loading, structs, errors.
 
-The library is found through the environment variable FUSEMOE_LIBRARY (a path to the .so) or, by
-default, at build/libfusemoe_c.so of the repository this package sits in (python/fusemoe/ ->
-../../build). It is loaded on first use, so `import fusemoe` works without it. Every C function
-returns a status; a non-zero one becomes FusemoeError carrying fusemoe_c_last_error().
+The library is found, in this order, at the path in the environment variable FUSEMOE_LIBRARY,
+beside this file (the copy `pip install .` bundles), or at build/libfusemoe_c.so of the
+repository this package sits in (python/fusemoe/ -> ../../build, for `pip install -e python`
+or python/ on PYTHONPATH). It is loaded on first use, so `import fusemoe` works without it.
+Every C function returns a status; a non-zero one becomes FusemoeError carrying
+fusemoe_c_last_error(). Calls pass one struct each (FusemoeCLayer, built once per layer and
+implementation by layer(); FusemoeCForwardArgs / FusemoeCBackwardArgs, filled per call), whose
+struct_size lets the library refuse a binding written for another layout.
 """
 import ctypes
+import functools
 import os
 import threading
 
-ABI_VERSION = 4  # FUSEMOE_C_ABI_VERSION this binding is written for
+ABI_VERSION = 5  # FUSEMOE_C_ABI_VERSION this binding is written for
 WEIGHT_GRAD_FLOAT32 = 0
 WEIGHT_GRAD_BFLOAT16 = 1
 EXPERT_ID_REPORT_INTS = 3  # fusemoe::kExpertIdReportInts
 WORKSPACE_USES = {"forward": 0, "backward": 1, "backward_saved_z": 2}  # FUSEMOE_C_WORKSPACE_*
+LIBRARY_NAME = "libfusemoe_c.so"
 
-_DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "build",
-                             "libfusemoe_c.so")
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_BUNDLED_PATH = os.path.join(_PACKAGE_DIR, LIBRARY_NAME)
+_BUILD_TREE_PATH = os.path.normpath(os.path.join(_PACKAGE_DIR, "..", "..", "build", LIBRARY_NAME))
 _STATUS_NAMES = {1: "error", 2: "out of memory", 3: "internal error"}
 
-_i32, _i64, _u64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
-_LAYER = [_i64, _i64, _i64, _i64, _i64, _i32]  # hidden, intermediate, experts, top_k, max_tokens, impl
-_SIGNATURES = {
-    "fusemoe_c_abi_version": ([], _i32),
-    "fusemoe_c_last_error": ([], ctypes.c_char_p),
-    "fusemoe_c_impl_code": ([ctypes.c_char_p, ctypes.POINTER(_i32)], _i32),
-    "fusemoe_c_workspace_bytes": (_LAYER + [ctypes.POINTER(_u64)], _i32),
-    "fusemoe_c_workspace_bytes_for": (_LAYER + [_i32, ctypes.POINTER(_u64)], _i32),
-    "fusemoe_c_saved_z_bytes": (_LAYER[:-1] + [ctypes.POINTER(_u64)], _i32),
-    # x, topk_idx, topk_weights, w13, w2, y, num_tokens, workspace, workspace_bytes,
-    # expert_id_report, saved_z, stream
-    "fusemoe_c_forward": (_LAYER + [_ptr] * 6 + [_i64, _ptr, _u64, _ptr, _ptr, _ptr], _i32),
-    # x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights, dw13, dw2, weight_grad_dtype,
-    # accumulate, num_tokens, workspace, workspace_bytes, expert_id_report, saved_z, stream
-    "fusemoe_c_backward": (_LAYER + [_ptr] * 10 + [_i32, _i32, _i64, _ptr, _u64, _ptr, _ptr,
-                                                    _ptr], _i32),
-    # report (host-readable), num_experts, top_k
-    "fusemoe_c_check_expert_id_report": ([_ptr, _i64, _i64], _i32),
-}
+_i32, _i64, _u32, _u64, _ptr = (ctypes.c_int32, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint64,
+                                ctypes.c_void_p)
 
 
 class FusemoeError(RuntimeError):
     """A fusemoe failure: bad input caught by the library, a CUDA error, or a missing library."""
 
+
+class Layer(ctypes.Structure):
+    """FusemoeCLayer. Build it with layer(): that resolves the implementation and caches it."""
+    _fields_ = [("struct_size", _u32), ("impl_code", _i32), ("hidden", _i64),
+                ("intermediate", _i64), ("num_experts", _i64), ("top_k", _i64),
+                ("max_tokens", _i64), ("use_swiglu_clamp", _i32), ("swiglu_clamp", ctypes.c_float)]
+
+    def workspace_bytes(self, use=None):
+        """Bytes of workspace: use None (what every call accepts) or one of WORKSPACE_USES
+        ("forward", "backward", "backward_saved_z"): what that kind of call needs. Cached."""
+        sizes = self.__dict__.setdefault("_workspace_sizes", {})
+        num_bytes = sizes.get(use)
+        if num_bytes is None:
+            num_bytes = sizes.setdefault(use, _workspace_bytes(self, use))
+        return num_bytes
+
+
+class ForwardArgs(ctypes.Structure):
+    """FusemoeCForwardArgs: pointers are ints (data_ptr()) or None."""
+    _fields_ = [("struct_size", _u32), ("x", _ptr), ("topk_idx", _ptr), ("topk_weights", _ptr),
+                ("w13", _ptr), ("w2", _ptr), ("y", _ptr), ("num_tokens", _i64),
+                ("workspace", _ptr), ("workspace_bytes", _u64), ("expert_id_report", _ptr),
+                ("saved_z", _ptr), ("stream", _ptr)]
+
+
+class BackwardArgs(ctypes.Structure):
+    """FusemoeCBackwardArgs: pointers are ints (data_ptr()) or None."""
+    _fields_ = [("struct_size", _u32), ("weight_grad_dtype", _i32), ("x", _ptr),
+                ("topk_idx", _ptr), ("topk_weights", _ptr), ("w13", _ptr), ("w2", _ptr),
+                ("dy", _ptr), ("dx", _ptr), ("d_topk_weights", _ptr), ("dw13", _ptr),
+                ("dw2", _ptr), ("accumulate_weight_grads", _i32), ("num_tokens", _i64),
+                ("workspace", _ptr), ("workspace_bytes", _u64), ("expert_id_report", _ptr),
+                ("saved_z", _ptr), ("stream", _ptr)]
+
+
+STRUCTS = {"FusemoeCLayer": Layer, "FusemoeCForwardArgs": ForwardArgs,
+           "FusemoeCBackwardArgs": BackwardArgs}
+_FORWARD_SIZE = ctypes.sizeof(ForwardArgs)
+_BACKWARD_SIZE = ctypes.sizeof(BackwardArgs)
+
+_LAYER_P, _OUT_U64 = ctypes.POINTER(Layer), ctypes.POINTER(_u64)
+_SIGNATURES = {
+    "fusemoe_c_abi_version": ([], _i32),
+    "fusemoe_c_last_error": ([], ctypes.c_char_p),
+    "fusemoe_c_impl_code": ([ctypes.c_char_p, ctypes.POINTER(_i32)], _i32),
+    "fusemoe_c_workspace_bytes": ([_LAYER_P, _OUT_U64], _i32),
+    "fusemoe_c_workspace_bytes_for": ([_LAYER_P, _i32, _OUT_U64], _i32),
+    "fusemoe_c_saved_z_bytes": ([_LAYER_P, _OUT_U64], _i32),
+    "fusemoe_c_forward": ([_LAYER_P, ctypes.POINTER(ForwardArgs)], _i32),
+    "fusemoe_c_backward": ([_LAYER_P, ctypes.POINTER(BackwardArgs)], _i32),
+    # report (host-readable), num_experts, top_k
+    "fusemoe_c_check_expert_id_report": ([_ptr, _i64, _i64], _i32),
+    "fusemoe_c_struct_layout": ([ctypes.c_char_p, _OUT_U64, ctypes.POINTER(_i32)], _i32),
+    "fusemoe_c_struct_field": ([ctypes.c_char_p, _i32, ctypes.POINTER(ctypes.c_char_p),
+                                _OUT_U64, _OUT_U64], _i32),
+}
 
 _lock = threading.Lock()
 _lib = None
@@ -50,8 +96,12 @@ _impl_codes = {}
 
 
 def library_path():
-    """The path the library is (or would be) loaded from."""
-    return os.path.abspath(os.environ.get("FUSEMOE_LIBRARY") or _DEFAULT_PATH)
+    """The path the library is (or would be) loaded from: FUSEMOE_LIBRARY if set, else the
+    bundled copy if present, else the repository's build/."""
+    override = os.environ.get("FUSEMOE_LIBRARY")
+    if override:
+        return os.path.abspath(override)
+    return _BUNDLED_PATH if os.path.isfile(_BUNDLED_PATH) else _BUILD_TREE_PATH
 
 
 def load():
@@ -65,21 +115,25 @@ def load():
         path = library_path()
         if not os.path.isfile(path):
             raise FusemoeError(
-                f"fusemoe: C library not found at {path}. Build it with "
-                "`cmake -S . -B build -G Ninja && ninja -C build fusemoe_c` in the repository "
-                "(bash scripts/setup.sh does this), or set FUSEMOE_LIBRARY to the path of "
-                "libfusemoe_c.so.")
+                f"fusemoe: C library not found at {path}. Install the package with "
+                "`pip install .` from the repository (builds and bundles it), or build it with "
+                "`bash scripts/setup.sh` (build/libfusemoe_c.so), or set FUSEMOE_LIBRARY to the "
+                "path of libfusemoe_c.so.")
         try:
             lib = ctypes.CDLL(path)
         except OSError as e:
             raise FusemoeError(f"fusemoe: cannot load {path}: {e}") from e
-        for name, (argtypes, restype) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, restype
-        version = lib.fusemoe_c_abi_version()
+        try:
+            lib.fusemoe_c_abi_version.restype = _i32
+            version = lib.fusemoe_c_abi_version()
+        except AttributeError as e:
+            raise FusemoeError(f"fusemoe: {path} is not a fusemoe C library: {e}") from e
         if version != ABI_VERSION:
             raise FusemoeError(f"fusemoe: {path} has C ABI version {version}, this package needs "
                                f"{ABI_VERSION}; rebuild the library or update the package.")
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
         _lib = lib
     return _lib
 
@@ -113,51 +167,85 @@ def impl_code(name):
     return code
 
 
-def workspace_bytes(layer, impl, use=None):
-    """layer = (hidden, intermediate, num_experts, top_k, max_tokens). use: None (what every call
-    accepts) or one of WORKSPACE_USES ("forward", "backward", "backward_saved_z"): what that
-    kind of call needs."""
+@functools.lru_cache(maxsize=256)
+def layer(hidden, intermediate, num_experts, top_k, max_tokens, impl, swiglu_clamp=None):
+    """The FusemoeCLayer of a layer and implementation, built once and cached (the op calls this
+    with max_tokens = T, so a training loop reuses a handful). swiglu_clamp: None (off) or c.
+    Values are checked by the library when a call uses the struct, not here."""
+    clamp_on = swiglu_clamp is not None
+    built = Layer(ctypes.sizeof(Layer), impl_code(impl), hidden, intermediate, num_experts, top_k,
+                  max_tokens, int(clamp_on), float(swiglu_clamp) if clamp_on else 0.0)
+    built.impl = impl
+    return built
+
+
+def _workspace_bytes(layer_, use):
     lib = load()
     out = _u64()
     if use is None:
-        _check(lib.fusemoe_c_workspace_bytes(*layer, impl_code(impl), ctypes.byref(out)))
+        _check(lib.fusemoe_c_workspace_bytes(ctypes.byref(layer_), ctypes.byref(out)))
     else:
         if use not in WORKSPACE_USES:
             raise FusemoeError(f"use must be one of {sorted(WORKSPACE_USES)} or None, got {use!r}")
-        _check(lib.fusemoe_c_workspace_bytes_for(*layer, impl_code(impl), WORKSPACE_USES[use],
+        _check(lib.fusemoe_c_workspace_bytes_for(ctypes.byref(layer_), WORKSPACE_USES[use],
                                                  ctypes.byref(out)))
     return out.value
 
 
-def saved_z_bytes(layer):
-    """Bytes of the forward's saved pre-activations for layer (H, I, E, K, max_tokens)."""
+def workspace_bytes(layer_, use=None):
+    """Layer.workspace_bytes (cached on the struct)."""
+    return layer_.workspace_bytes(use)
+
+
+def saved_z_bytes(layer_):
+    """Bytes of the forward's saved pre-activations for a Layer."""
     lib = load()
     out = _u64()
-    _check(lib.fusemoe_c_saved_z_bytes(*layer, ctypes.byref(out)))
+    _check(lib.fusemoe_c_saved_z_bytes(ctypes.byref(layer_), ctypes.byref(out)))
     return out.value
 
 
-def forward(layer, impl, x, topk_idx, topk_weights, w13, w2, y, num_tokens, workspace,
+def forward(layer_, x, topk_idx, topk_weights, w13, w2, y, num_tokens, workspace,
             workspace_bytes_, expert_id_report, saved_z, stream):
     """Pointers are ints (data_ptr(); expert_id_report and saved_z may be None); stream is a
     cudaStream_t as an int."""
-    lib = load()
-    _check(lib.fusemoe_c_forward(*layer, impl_code(impl), x, topk_idx, topk_weights, w13, w2, y,
-                                 num_tokens, workspace, workspace_bytes_, expert_id_report,
-                                 saved_z, stream))
+    args = ForwardArgs(_FORWARD_SIZE, x, topk_idx, topk_weights, w13, w2, y, num_tokens,
+                       workspace, workspace_bytes_, expert_id_report, saved_z, stream)
+    _check(_lib.fusemoe_c_forward(layer_, args))
 
 
-def backward(layer, impl, x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights, dw13, dw2,
+def backward(layer_, x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights, dw13, dw2,
              weight_grad_dtype, accumulate, num_tokens, workspace, workspace_bytes_,
              expert_id_report, saved_z, stream):
-    lib = load()
-    _check(lib.fusemoe_c_backward(*layer, impl_code(impl), x, topk_idx, topk_weights, w13, w2, dy,
-                                  dx, d_topk_weights, dw13, dw2, weight_grad_dtype,
-                                  int(bool(accumulate)), num_tokens, workspace, workspace_bytes_,
-                                  expert_id_report, saved_z, stream))
+    args = BackwardArgs(_BACKWARD_SIZE, weight_grad_dtype, x, topk_idx, topk_weights, w13, w2,
+                        dy, dx, d_topk_weights, dw13, dw2, 1 if accumulate else 0, num_tokens,
+                        workspace, workspace_bytes_, expert_id_report, saved_z, stream)
+    _check(_lib.fusemoe_c_backward(layer_, args))
 
 
 def check_expert_id_report(report, num_experts, top_k):
     """report: address (int) of 3 host-readable int32; FusemoeError naming the bad id if set."""
     lib = load()
     _check(lib.fusemoe_c_check_expert_id_report(report, num_experts, top_k))
+
+
+def library_struct_layout(struct_name):
+    """The library's own layout of a struct: (sizeof, [(field, offset, size), ...])."""
+    lib = load()
+    name = struct_name.encode("utf-8")
+    size, num_fields = _u64(), _i32()
+    _check(lib.fusemoe_c_struct_layout(name, ctypes.byref(size), ctypes.byref(num_fields)))
+    fields = []
+    for index in range(num_fields.value):
+        field, offset, field_size = ctypes.c_char_p(), _u64(), _u64()
+        _check(lib.fusemoe_c_struct_field(name, index, ctypes.byref(field), ctypes.byref(offset),
+                                          ctypes.byref(field_size)))
+        fields.append((field.value.decode("utf-8"), offset.value, field_size.value))
+    return size.value, fields
+
+
+def binding_struct_layout(struct_name):
+    """This binding's (ctypes) layout of a struct, in library_struct_layout's form."""
+    cls = STRUCTS[struct_name]
+    return ctypes.sizeof(cls), [(name, getattr(cls, name).offset, getattr(cls, name).size)
+                                for name, _ in cls._fields_]

@@ -1,5 +1,5 @@
-"""fusemoe.MoEExperts, a drop-in for Hugging Face transformers' Qwen3MoeExperts, and the helper
-that swaps it into a Qwen3-MoE model.
+"""fusemoe.MoEExperts, a drop-in for Hugging Face transformers' experts modules (Qwen3MoeExperts
+and the others fusemoe.patch_hf_experts swaps, see hf.py).
 
 Parameters keep Hugging Face's (and the C++ API's) layout: gate_up_proj [E, 2I, H] (gate rows,
 then up rows) and down_proj [E, H, I]. forward(hidden_states, top_k_index, top_k_weights) has
@@ -14,10 +14,6 @@ from torch import nn
 from . import _capi
 from .ops import DEFAULT_IMPL, moe_experts
 
-# Experts classes of transformers whose math is this layer's (SwiGLU experts, no bias).
-_QWEN3_MOE_EXPERTS_CLASSES = ("Qwen3MoeExperts",)
-_SILU_NAMES = ("silu", "swish")
-
 
 def _check_impl_name(impl):
     if not isinstance(impl, str):
@@ -30,15 +26,18 @@ class MoEExperts(nn.Module):
     """The experts block of an MoE layer, computed by fusemoe (impl: "unfused", ...)."""
 
     def __init__(self, num_experts, hidden_dim, intermediate_dim, impl=DEFAULT_IMPL, device=None,
-                 dtype=torch.bfloat16, init_std=0.02, grad_in_place=False, recompute_z=False):
+                 dtype=torch.bfloat16, init_std=0.02, grad_in_place=False, recompute_z=False,
+                 swiglu_clamp=None):
         """grad_in_place: the backward adds the weight gradients straight into .grad (see
         fusemoe.moe_experts; eager mode, bf16 parameters, no gradient hooks on them).
         recompute_z: recompute the pre-activations in the backward instead of saving them in the
-        forward (impl "fused": less activation memory, one more GEMM; see fusemoe.moe_experts)."""
+        forward (impl "fused": less activation memory, one more GEMM; see fusemoe.moe_experts).
+        swiglu_clamp: None, or c: g <- min(g, c), u <- clamp(u, -c, c) (DeepSeek-V4's limit)."""
         super().__init__()
         _check_impl_name(impl)
         self.grad_in_place = bool(grad_in_place)
         self.recompute_z = bool(recompute_z)
+        self.swiglu_clamp = None if swiglu_clamp is None else float(swiglu_clamp)
         self.num_experts = num_experts
         self.hidden_dim = hidden_dim
         self.intermediate_dim = intermediate_dim
@@ -56,12 +55,14 @@ class MoEExperts(nn.Module):
         nn.init.normal_(self.down_proj, std=self.init_std)
 
     @classmethod
-    def from_experts(cls, experts, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False):
+    def from_experts(cls, experts, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False,
+                     swiglu_clamp=None):
         """A MoEExperts over the very Parameter objects of `experts` (no copy): an optimizer or a
         state dict that holds them keeps working."""
         num_experts, two_intermediate, hidden_dim = experts.gate_up_proj.shape
         module = cls(num_experts, hidden_dim, two_intermediate // 2, impl=impl, device="meta",
-                     grad_in_place=grad_in_place, recompute_z=recompute_z)
+                     grad_in_place=grad_in_place, recompute_z=recompute_z,
+                     swiglu_clamp=swiglu_clamp)
         module.gate_up_proj = experts.gate_up_proj
         module.down_proj = experts.down_proj
         return module
@@ -77,50 +78,15 @@ class MoEExperts(nn.Module):
         topk_idx_TK = top_k_index.reshape(-1, top_k).to(torch.int32).contiguous()
         topk_weights_TK = top_k_weights.reshape(-1, top_k).to(torch.float32).contiguous()
         y_TH = moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=self.impl,
-                           grad_in_place=self.grad_in_place, recompute_z=self.recompute_z)
-        return y_TH.to(hidden_states.dtype).reshape(hidden_states.shape)
+                           grad_in_place=self.grad_in_place, recompute_z=self.recompute_z,
+                           swiglu_clamp=self.swiglu_clamp)
+        y = y_TH.to(hidden_states.dtype)
+        # A view only where the caller's shape needs one (FSDP2 warns about views it returns).
+        return y if y.shape == hidden_states.shape else y.reshape(hidden_states.shape)
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
                 f"intermediate_dim={self.intermediate_dim}, impl={self.impl!r}" +
                 (", grad_in_place=True" if self.grad_in_place else "") +
-                (", recompute_z=True" if self.recompute_z else ""))
-
-
-def _check_swappable(name, experts):
-    """Raises if a Qwen3MoeExperts instance is configured in a way MoEExperts does not compute."""
-    config = getattr(experts, "config", None)
-    act = getattr(config, "hidden_act", None)
-    act_class = type(getattr(experts, "act_fn", None)).__name__
-    if act not in _SILU_NAMES and act_class not in ("SiLU", "SiLUActivation"):
-        raise ValueError(f"fusemoe: {name}: activation {act or act_class} is not SiLU")
-    for attr, expected in (("has_bias", False), ("is_transposed", False),
-                           ("is_concatenated", True), ("has_gate", True)):
-        if getattr(experts, attr, expected) != expected:
-            raise ValueError(f"fusemoe: {name}: {attr} = {getattr(experts, attr)} is not supported")
-    w13_EFH, w2_EHI = experts.gate_up_proj, experts.down_proj
-    num_experts, two_intermediate, hidden = w13_EFH.shape
-    if tuple(w2_EHI.shape) != (num_experts, hidden, two_intermediate // 2):
-        raise ValueError(f"fusemoe: {name}: gate_up_proj {tuple(w13_EFH.shape)} and down_proj "
-                         f"{tuple(w2_EHI.shape)} are not [E, 2I, H] and [E, H, I]")
-
-
-def replace_qwen3_moe_experts(model, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False):
-    """Replaces every Qwen3MoeExperts module of a transformers Qwen3-MoE model by a MoEExperts
-    that shares its weights (same Parameter objects). Returns the names of the replaced modules;
-    raises ValueError if there is none. grad_in_place, recompute_z: see MoEExperts."""
-    _check_impl_name(impl)
-    found = [(name, module) for name, module in model.named_modules()
-             if type(module).__name__ in _QWEN3_MOE_EXPERTS_CLASSES]
-    if not found:
-        raise ValueError("fusemoe.replace_qwen3_moe_experts: the model has no "
-                         f"{' / '.join(_QWEN3_MOE_EXPERTS_CLASSES)} module")
-    for name, experts in found:
-        _check_swappable(name, experts)
-    for name, experts in found:
-        parent_name, _, child_name = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child_name,
-                MoEExperts.from_experts(experts, impl=impl, grad_in_place=grad_in_place,
-                                        recompute_z=recompute_z))
-    return [name for name, _ in found]
+                (", recompute_z=True" if self.recompute_z else "") +
+                (f", swiglu_clamp={self.swiglu_clamp}" if self.swiglu_clamp is not None else ""))

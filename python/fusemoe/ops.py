@@ -2,7 +2,8 @@
 fusemoe::moe_experts_backward (torch.library custom ops), their fake kernels and the autograd
 formula that links them.
 
-    y_t = sum_j w[t,j] * W2_e (silu(Wg_e x_t) * (Wu_e x_t)),   e = topk_idx[t,j]  (-1: masked)
+    y_t = sum_j w[t,j] * W2_e (silu(g) * u),  g = Wg_e x_t, u = Wu_e x_t,  e = topk_idx[t,j]
+    (-1: masked); with swiglu_clamp = c: g <- min(g, c), u <- clamp(u, -c, c) first.
 
 Shape legend: T tokens, H hidden, I expert intermediate, F = 2I (gate rows, then up rows),
 E experts, K top-k. x, y, dy, dx bf16 [T, H]; topk_idx int32 [T, K]; topk_weights fp32 [T, K];
@@ -92,8 +93,8 @@ def _check_tensor(t, name, ndim, dtype):
 
 
 def _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH=None):
-    """Checks dtypes, ranks, contiguity, shapes and devices; returns the layer tuple
-    (H, I, E, K, T) the C library takes (max_tokens = T: the workspace is sized per call)."""
+    """Checks dtypes, ranks, contiguity, shapes and devices; returns the layer's dims
+    (H, I, E, K, T) (the C layer takes max_tokens = T: the workspace is sized per call)."""
     _check_tensor(x_TH, "x (hidden_states)", 2, torch.bfloat16)
     _check_tensor(topk_idx_TK, "topk_idx", 2, torch.int32)
     _check_tensor(topk_weights_TK, "topk_weights", 2, torch.float32)
@@ -141,24 +142,24 @@ def _check_impl(impl):
         _capi.impl_code(impl)
 
 
-_workspace_sizes = {}  # (layer, impl, use) -> bytes: the size query is a C call, the op runs often
+def _check_swiglu_clamp(swiglu_clamp):
+    """Its type only: the library checks the value (finite, > 0) when a call uses it."""
+    if swiglu_clamp is not None and not isinstance(swiglu_clamp, (int, float)):
+        _fail(f"swiglu_clamp must be None or a number, got {swiglu_clamp!r}")
 
 
-def _workspace(layer, impl, device, use):
-    """A workspace for one call of kind `use` (_capi.WORKSPACE_USES): each call gets only what it
-    needs (a backward given saved z needs no room for z)."""
-    key = (layer, impl, use)
-    num_bytes = _workspace_sizes.get(key)
-    if num_bytes is None:
-        num_bytes = _workspace_sizes.setdefault(key, _capi.workspace_bytes(layer, impl, use))
+def _workspace(layer, device, use):
+    """A workspace for one call of kind `use` (_capi.WORKSPACE_USES) of a _capi.Layer: each call
+    gets only what it needs (a backward given saved z needs no room for z)."""
+    num_bytes = layer.workspace_bytes(use)
     # The caching allocator returns 512-byte aligned blocks (the library needs 256).
     return torch.empty(max(num_bytes, 1), dtype=torch.uint8, device=device), num_bytes
 
 
-def _empty_saved_z(x_TH, layer, save_z):
+def _empty_saved_z(x_TH, dims, save_z):
     """The forward's saved pre-activations z [T*K, 2I] bf16 (expert-sorted rows, an opaque
     buffer for the backward), or an empty tensor when z is not saved."""
-    hidden, intermediate, _, top_k, num_tokens = layer
+    hidden, intermediate, _, top_k, num_tokens = dims
     shape = (num_tokens * top_k, 2 * intermediate) if save_z else (0,)
     return x_TH.new_empty(shape)
 
@@ -166,21 +167,23 @@ def _empty_saved_z(x_TH, layer, save_z):
 @torch.library.custom_op("fusemoe::moe_experts_forward", mutates_args=())
 def moe_experts_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
                         w13_EFH: Tensor, w2_EHI: Tensor, impl: str,
-                        grad_in_place: bool = False,
-                        save_z: bool = False) -> tuple[Tensor, Tensor]:
+                        grad_in_place: bool = False, save_z: bool = False,
+                        swiglu_clamp: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """Returns (y, z): z is the saved pre-activations when save_z ("fused" only), else empty.
-    grad_in_place and save_z: see moe_experts()."""
-    layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
+    grad_in_place, save_z and swiglu_clamp: see moe_experts()."""
+    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
     _check_cuda(x_TH)
     _check_save_z(save_z, impl)
+    _check_swiglu_clamp(swiglu_clamp)
+    layer = _capi.layer(*dims, impl, swiglu_clamp)
     y_TH = torch.empty_like(x_TH)
-    z_SF = _empty_saved_z(x_TH, layer, save_z)
+    z_SF = _empty_saved_z(x_TH, dims, save_z)
     with torch.cuda.device(x_TH.device):
-        report = _expert_id_report(x_TH.device, layer[2], layer[3])
-        workspace, num_bytes = _workspace(layer, impl, x_TH.device, "forward")
-        _capi.forward(layer, impl, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
+        report = _expert_id_report(x_TH.device, dims[2], dims[3])
+        workspace, num_bytes = _workspace(layer, x_TH.device, "forward")
+        _capi.forward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
                       topk_weights_TK.data_ptr(), w13_EFH.data_ptr(), w2_EHI.data_ptr(),
-                      y_TH.data_ptr(), layer[-1], workspace.data_ptr(), num_bytes, report,
+                      y_TH.data_ptr(), dims[-1], workspace.data_ptr(), num_bytes, report,
                       z_SF.data_ptr() if save_z and z_SF.numel() else None,
                       torch.cuda.current_stream(x_TH.device).cuda_stream)
     return y_TH, z_SF
@@ -188,11 +191,12 @@ def moe_experts_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tens
 
 @moe_experts_forward.register_fake
 def _moe_experts_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                              grad_in_place=False, save_z=False):
-    layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
+                              grad_in_place=False, save_z=False, swiglu_clamp=None):
+    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
     _check_impl(impl)
     _check_save_z(save_z, impl)
-    return torch.empty_like(x_TH), _empty_saved_z(x_TH, layer, save_z)
+    _check_swiglu_clamp(swiglu_clamp)
+    return torch.empty_like(x_TH), _empty_saved_z(x_TH, dims, save_z)
 
 
 def _check_save_z(save_z, impl):
@@ -200,12 +204,12 @@ def _check_save_z(save_z, impl):
         _fail(f"save_z needs impl=\"fused\" (got {impl!r})")
 
 
-def _check_saved_z(saved_z_SF, layer, x_TH, impl):
+def _check_saved_z(saved_z_SF, dims, x_TH, impl):
     """A backward's saved_z: None, or the (non-empty) z of a "fused" forward of these inputs."""
     if saved_z_SF is None or saved_z_SF.numel() == 0:
         return None
     _check_save_z(True, impl)
-    hidden, intermediate, _, top_k, num_tokens = layer
+    hidden, intermediate, _, top_k, num_tokens = dims
     expected = (num_tokens * top_k, 2 * intermediate)
     if (tuple(saved_z_SF.shape) != expected or saved_z_SF.dtype != torch.bfloat16
             or not saved_z_SF.is_contiguous() or saved_z_SF.device != x_TH.device):
@@ -217,35 +221,39 @@ def _check_saved_z(saved_z_SF, layer, x_TH, impl):
 @torch.library.custom_op("fusemoe::moe_experts_backward", mutates_args=())
 def moe_experts_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                          topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
-                         impl: str, saved_z_SF: Optional[Tensor] = None
+                         impl: str, saved_z_SF: Optional[Tensor] = None,
+                         swiglu_clamp: Optional[float] = None
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dx [T, H] bf16, d_topk_weights [T, K] fp32, dw13 [E, F, H], dw2 [E, H, I]).
-    saved_z: the z output of the forward of these inputs (skips recomputing it), or None."""
+    saved_z: the z output of the forward of these inputs (skips recomputing it), or None.
+    swiglu_clamp: the forward's."""
     dw13_EFH = torch.empty_like(w13_EFH)
     dw2_EHI = torch.empty_like(w2_EHI)
     dx_TH, d_topk_weights_TK = _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK,
                                                 w13_EFH, w2_EHI, dw13_EFH, dw2_EHI, False, impl,
-                                                saved_z_SF)
+                                                saved_z_SF, swiglu_clamp)
     return dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI
 
 
 def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13_EFH,
-                     dw2_EHI, accumulate, impl, saved_z_SF):
-    layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+                     dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp):
+    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
     _check_cuda(x_TH)
     grad_dtype = _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
-    saved_z_SF = _check_saved_z(saved_z_SF, layer, x_TH, impl)
+    saved_z_SF = _check_saved_z(saved_z_SF, dims, x_TH, impl)
+    _check_swiglu_clamp(swiglu_clamp)
+    layer = _capi.layer(*dims, impl, swiglu_clamp)
     dx_TH = torch.empty_like(x_TH)
     d_topk_weights_TK = torch.empty_like(topk_weights_TK)
     with torch.cuda.device(x_TH.device):
-        report = _expert_id_report(x_TH.device, layer[2], layer[3])
+        report = _expert_id_report(x_TH.device, dims[2], dims[3])
         use = "backward" if saved_z_SF is None else "backward_saved_z"
-        workspace, num_bytes = _workspace(layer, impl, x_TH.device, use)
-        _capi.backward(layer, impl, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
+        workspace, num_bytes = _workspace(layer, x_TH.device, use)
+        _capi.backward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
                        topk_weights_TK.data_ptr(), w13_EFH.data_ptr(), w2_EHI.data_ptr(),
                        dy_TH.data_ptr(), dx_TH.data_ptr(), d_topk_weights_TK.data_ptr(),
                        dw13_EFH.data_ptr(), dw2_EHI.data_ptr(), grad_dtype, accumulate,
-                       layer[-1], workspace.data_ptr(), num_bytes, report,
+                       dims[-1], workspace.data_ptr(), num_bytes, report,
                        saved_z_SF.data_ptr() if saved_z_SF is not None else None,
                        torch.cuda.current_stream(x_TH.device).cuda_stream)
     return dx_TH, d_topk_weights_TK
@@ -253,10 +261,11 @@ def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
 
 @moe_experts_backward.register_fake
 def _moe_experts_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                               saved_z_SF=None):
-    layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+                               saved_z_SF=None, swiglu_clamp=None):
+    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
     _check_impl(impl)
-    _check_saved_z(saved_z_SF, layer, x_TH, impl)
+    _check_saved_z(saved_z_SF, dims, x_TH, impl)
+    _check_swiglu_clamp(swiglu_clamp)
     return (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK), torch.empty_like(w13_EFH),
             torch.empty_like(w2_EHI))
 
@@ -266,21 +275,23 @@ def _moe_experts_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EF
 def moe_experts_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                               topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
                               dw13_EFH: Tensor, dw2_EHI: Tensor, accumulate: bool,
-                              impl: str, saved_z_SF: Optional[Tensor] = None
-                              ) -> tuple[Tensor, Tensor]:
+                              impl: str, saved_z_SF: Optional[Tensor] = None,
+                              swiglu_clamp: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """The backward with the weight gradients written (accumulate=False) or added (True) into
     dw13/dw2 (bf16 or fp32, one dtype, the shapes of w13/w2); returns (dx, d_topk_weights)."""
     return _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13_EFH,
-                            dw2_EHI, accumulate, impl, saved_z_SF)
+                            dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp)
 
 
 @moe_experts_backward_into.register_fake
 def _moe_experts_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
-                                    dw13_EFH, dw2_EHI, accumulate, impl, saved_z_SF=None):
-    layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+                                    dw13_EFH, dw2_EHI, accumulate, impl, saved_z_SF=None,
+                                    swiglu_clamp=None):
+    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
     _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
     _check_impl(impl)
-    _check_saved_z(saved_z_SF, layer, x_TH, impl)
+    _check_saved_z(saved_z_SF, dims, x_TH, impl)
+    _check_swiglu_clamp(swiglu_clamp)
     return torch.empty_like(x_TH), torch.empty_like(topk_weights_TK)
 
 
@@ -300,11 +311,13 @@ def _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI):
 
 
 def _setup_context(ctx, inputs, output):
-    x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, grad_in_place, save_z = inputs
+    (x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, grad_in_place, save_z,
+     swiglu_clamp) = inputs
     z_SF = output[1]
     ctx.mark_non_differentiable(z_SF)
     ctx.save_for_backward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, z_SF)
     ctx.impl = impl
+    ctx.swiglu_clamp = swiglu_clamp
     # In-place gradients need the leaf Parameters themselves (not a converted copy).
     ctx.params = ((w13_EFH, w2_EHI) if grad_in_place and w13_EFH.is_leaf and w2_EHI.is_leaf and
                   w13_EFH.requires_grad and w2_EHI.requires_grad else None)
@@ -319,8 +332,9 @@ def _backward(ctx, dy_TH, _dz_unused):
         return _backward_into_grads(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH,
                                     w2_EHI, saved_z_SF)
     dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI = moe_experts_backward(
-        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, ctx.impl, saved_z_SF)
-    return dx_TH, None, d_topk_weights_TK, dw13_EFH, dw2_EHI, None, None, None
+        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, ctx.impl, saved_z_SF,
+        ctx.swiglu_clamp)
+    return dx_TH, None, d_topk_weights_TK, dw13_EFH, dw2_EHI, None, None, None, None
 
 
 def _backward_into_grads(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
@@ -342,32 +356,38 @@ def _backward_into_grads(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH
         grads = w13_param.grad, w2_param.grad
     dx_TH, d_topk_weights_TK = moe_experts_backward_into(
         dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, *grads, not fresh, ctx.impl,
-        saved_z_SF)
+        saved_z_SF, ctx.swiglu_clamp)
     if fresh:
         w13_param.grad, w2_param.grad = grads
-    return dx_TH, None, d_topk_weights_TK, None, None, None, None, None
+    return dx_TH, None, d_topk_weights_TK, None, None, None, None, None, None
 
 
 moe_experts_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAULT_IMPL,
-                grad_in_place=False, recompute_z=False):
+                grad_in_place=False, recompute_z=False, swiglu_clamp=None):
     """The experts block as a differentiable function (strict inputs: see the module docstring;
     fusemoe.MoEExperts converts dtypes and layouts for you).
 
     grad_in_place=True (eager mode, leaf w13/w2 such as Parameters): the backward kernels add the
     weight gradients straight into w13.grad / w2.grad (gradient accumulation over micro-batches
     without a separate elementwise add; .grad in the Parameters' dtype), and autograd sees no
-    gradient for w13/w2, so their hooks (register_post_accumulate_grad_hook, DDP/FSDP reducers)
-    do not fire. Like Megatron's gradient_accumulation_fusion. Not traceable by torch.compile.
+    gradient for w13/w2, so their hooks (register_post_accumulate_grad_hook, DDP's reducer) do
+    not fire; FSDP2 reduces the .grad it finds and works (docs/design.md). Like Megatron's
+    gradient_accumulation_fusion. Not traceable by torch.compile.
 
     recompute_z: with impl="fused" and gradients required, the forward by default also saves the
     pre-activations z (2·I·K bf16 per token: 24 KiB for Qwen3-30B-A3B) and the backward skips
     recomputing them (one grouped GEMM of 4·H·I FLOPs per routed row); recompute_z=True trades
-    that time for the memory."""
+    that time for the memory.
+
+    swiglu_clamp: None, or c > 0 (DeepSeek-V4 / gpt-oss style): g <- min(g, c) and
+    u <- clamp(u, -c, c) before silu(g) * u; gradients pass where the bounds are not active
+    (inclusive), as torch.clamp's do."""
+    _check_swiglu_clamp(swiglu_clamp)
     save_z = (impl == "fused" and not recompute_z and torch.is_grad_enabled()
               and any(isinstance(t, Tensor) and t.requires_grad
                       for t in (x_TH, topk_weights_TK, w13_EFH, w2_EHI)))
     return moe_experts_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                               grad_in_place, save_z)[0]
+                               grad_in_place, save_z, swiglu_clamp)[0]

@@ -1,10 +1,13 @@
-// The C ABI (src/capi/fusemoe_c.h) over fusemoe's C++ API. Each entry point builds the C++
-// config and argument structs from plain values and calls the C++ function inside guarded(),
-// which turns every exception into a status code plus a thread-local message, so nothing
-// unwinds through a C or ctypes caller. Validation stays in src/api: this file adds only the
-// checks of its own arguments (out-pointers, implementation codes, enum values).
-#include "capi/fusemoe_c.h"
+// The C ABI (include/fusemoe/fusemoe_c.h) over fusemoe's C++ API. Each entry point converts
+// its C structs to the C++ config and argument structs field by field and calls the C++
+// function inside guarded(), which turns every exception into a status code plus a thread-local
+// message, so nothing unwinds through a C or ctypes caller. Validation stays in src/api: this
+// file checks only what is its own (struct pointers and struct_size, out-pointers,
+// implementation codes). The struct layout tables answer fusemoe_c_struct_layout/_field.
+#include "fusemoe/fusemoe_c.h"
 
+#include <cstddef>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
@@ -70,15 +73,125 @@ Impl impl_from_code(int32_t code) {
   return Impl::kUnfused;  // not reached
 }
 
-fusemoe::LayerConfig make_config(int64_t hidden, int64_t intermediate, int64_t num_experts,
-                                 int64_t top_k, int64_t max_tokens) {
+// A struct argument: not null, and declared with this library's layout.
+template <typename CStruct>
+const CStruct& checked_struct(const CStruct* s, const char* arg, const char* type) {
+  FUSEMOE_CHECK(s != nullptr, arg << " (" << type << "*) must not be null");
+  FUSEMOE_CHECK(s->struct_size == sizeof(CStruct),
+                type << ".struct_size: " << s->struct_size << ", but this library (C ABI "
+                     << FUSEMOE_C_ABI_VERSION << ") has sizeof(" << type << ") = "
+                     << sizeof(CStruct)
+                     << ": the caller was written for another version of fusemoe_c.h");
+  return *s;
+}
+
+fusemoe::LayerConfig config_of(const FusemoeCLayer& l) {
   fusemoe::LayerConfig config;
-  config.hidden = hidden;
-  config.intermediate = intermediate;
-  config.num_experts = num_experts;
-  config.top_k = top_k;
-  config.max_tokens = max_tokens;
+  config.hidden = l.hidden;
+  config.intermediate = l.intermediate;
+  config.num_experts = l.num_experts;
+  config.top_k = l.top_k;
+  config.max_tokens = l.max_tokens;
+  config.use_swiglu_clamp = l.use_swiglu_clamp != 0;
+  config.swiglu_clamp = l.swiglu_clamp;
   return config;
+}
+
+// The C codes are the C++ enum values; the C++ API rejects any other value, naming the field.
+static_assert(static_cast<int>(fusemoe::WorkspaceUse::kForward) == FUSEMOE_C_WORKSPACE_FORWARD &&
+                  static_cast<int>(fusemoe::WorkspaceUse::kBackward) == FUSEMOE_C_WORKSPACE_BACKWARD &&
+                  static_cast<int>(fusemoe::WorkspaceUse::kBackwardSavedZ) ==
+                      FUSEMOE_C_WORKSPACE_BACKWARD_SAVED_Z,
+              "C codes of the workspace uses");
+static_assert(static_cast<int>(fusemoe::WeightGradDtype::kFloat32) == FUSEMOE_C_WEIGHT_GRAD_FLOAT32 &&
+                  static_cast<int>(fusemoe::WeightGradDtype::kBFloat16) ==
+                      FUSEMOE_C_WEIGHT_GRAD_BFLOAT16,
+              "C codes of the weight-gradient dtypes");
+
+// ---- struct layout tables (fusemoe_c_struct_layout / fusemoe_c_struct_field) ----
+
+struct FieldLayout {
+  const char* name;
+  size_t offset;
+  size_t size;
+};
+
+// Stringizes the field name; the only reason this is a macro.
+#define FUSEMOE_C_FIELD(Struct, field) \
+  FieldLayout { #field, offsetof(Struct, field), sizeof(Struct::field) }
+
+constexpr FieldLayout kLayerFields[] = {
+    FUSEMOE_C_FIELD(FusemoeCLayer, struct_size),  FUSEMOE_C_FIELD(FusemoeCLayer, impl_code),
+    FUSEMOE_C_FIELD(FusemoeCLayer, hidden),       FUSEMOE_C_FIELD(FusemoeCLayer, intermediate),
+    FUSEMOE_C_FIELD(FusemoeCLayer, num_experts),  FUSEMOE_C_FIELD(FusemoeCLayer, top_k),
+    FUSEMOE_C_FIELD(FusemoeCLayer, max_tokens),   FUSEMOE_C_FIELD(FusemoeCLayer, use_swiglu_clamp),
+    FUSEMOE_C_FIELD(FusemoeCLayer, swiglu_clamp),
+};
+constexpr FieldLayout kForwardFields[] = {
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, struct_size),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, x),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, topk_idx),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, topk_weights),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, w13),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, w2),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, y),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, num_tokens),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, workspace),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, workspace_bytes),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, expert_id_report),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, saved_z),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, stream),
+};
+constexpr FieldLayout kBackwardFields[] = {
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, struct_size),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, weight_grad_dtype),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, x),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, topk_idx),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, topk_weights),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, w13),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, w2),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, dy),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, dx),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, d_topk_weights),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, dw13),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, dw2),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, accumulate_weight_grads),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, num_tokens),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, workspace),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, workspace_bytes),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, expert_id_report),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, saved_z),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, stream),
+};
+#undef FUSEMOE_C_FIELD
+
+struct StructLayout {
+  const char* name;
+  size_t size;
+  const FieldLayout* fields;
+  int32_t num_fields;
+};
+
+template <size_t N>
+constexpr StructLayout struct_layout(const char* name, size_t size, const FieldLayout (&fields)[N]) {
+  return StructLayout{name, size, fields, static_cast<int32_t>(N)};
+}
+
+const StructLayout kStructs[] = {
+    struct_layout("FusemoeCLayer", sizeof(FusemoeCLayer), kLayerFields),
+    struct_layout("FusemoeCForwardArgs", sizeof(FusemoeCForwardArgs), kForwardFields),
+    struct_layout("FusemoeCBackwardArgs", sizeof(FusemoeCBackwardArgs), kBackwardFields),
+};
+
+const StructLayout& find_struct(const char* name) {
+  FUSEMOE_CHECK(name != nullptr, "struct_name must not be null");
+  for (const StructLayout& s : kStructs) {
+    if (std::strcmp(s.name, name) == 0) return s;
+  }
+  FUSEMOE_CHECK(false, "struct_name: unknown struct \"" << name
+                                                        << "\" (FusemoeCLayer, FusemoeCForwardArgs, "
+                                                           "FusemoeCBackwardArgs)");
+  return kStructs[0];  // not reached
 }
 
 }  // namespace
@@ -104,109 +217,111 @@ int32_t fusemoe_c_impl_code(const char* name, int32_t* impl_code) {
   });
 }
 
-int32_t fusemoe_c_workspace_bytes(int64_t hidden, int64_t intermediate, int64_t num_experts,
-                                  int64_t top_k, int64_t max_tokens, int32_t impl_code,
-                                  uint64_t* bytes) {
+int32_t fusemoe_c_workspace_bytes(const FusemoeCLayer* layer, uint64_t* bytes) {
   return guarded([&] {
+    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
     FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
-    const auto config = make_config(hidden, intermediate, num_experts, top_k, max_tokens);
-    *bytes = fusemoe::workspace_bytes(config, impl_from_code(impl_code));
+    *bytes = fusemoe::workspace_bytes(config_of(l), impl_from_code(l.impl_code));
   });
 }
 
-int32_t fusemoe_c_workspace_bytes_for(int64_t hidden, int64_t intermediate, int64_t num_experts,
-                                      int64_t top_k, int64_t max_tokens, int32_t impl_code, int32_t use,
-                                      uint64_t* bytes) {
+int32_t fusemoe_c_workspace_bytes_for(const FusemoeCLayer* layer, int32_t use, uint64_t* bytes) {
   return guarded([&] {
+    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
     FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
-    // The C codes are the enum values; fusemoe::workspace_bytes rejects any other value, naming it.
-    static_assert(static_cast<int>(fusemoe::WorkspaceUse::kForward) == FUSEMOE_C_WORKSPACE_FORWARD &&
-                      static_cast<int>(fusemoe::WorkspaceUse::kBackward) == FUSEMOE_C_WORKSPACE_BACKWARD &&
-                      static_cast<int>(fusemoe::WorkspaceUse::kBackwardSavedZ) == FUSEMOE_C_WORKSPACE_BACKWARD_SAVED_Z,
-                  "C codes of the workspace uses");
-    const auto config = make_config(hidden, intermediate, num_experts, top_k, max_tokens);
-    *bytes = fusemoe::workspace_bytes(config, impl_from_code(impl_code), static_cast<fusemoe::WorkspaceUse>(use));
+    *bytes = fusemoe::workspace_bytes(config_of(l), impl_from_code(l.impl_code),
+                                      static_cast<fusemoe::WorkspaceUse>(use));
   });
 }
 
-int32_t fusemoe_c_saved_z_bytes(int64_t hidden, int64_t intermediate, int64_t num_experts,
-                                int64_t top_k, int64_t max_tokens, uint64_t* bytes) {
+int32_t fusemoe_c_saved_z_bytes(const FusemoeCLayer* layer, uint64_t* bytes) {
   return guarded([&] {
+    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
     FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
-    *bytes = fusemoe::saved_z_bytes(make_config(hidden, intermediate, num_experts, top_k, max_tokens));
+    *bytes = fusemoe::saved_z_bytes(config_of(l));
   });
 }
 
-int32_t fusemoe_c_forward(int64_t hidden, int64_t intermediate, int64_t num_experts, int64_t top_k,
-                          int64_t max_tokens, int32_t impl_code, const void* x,
-                          const int32_t* topk_idx, const float* topk_weights, const void* w13,
-                          const void* w2, void* y, int64_t num_tokens, void* workspace,
-                          uint64_t workspace_bytes, int32_t* expert_id_report, void* saved_z,
-                          void* stream) {
+int32_t fusemoe_c_forward(const FusemoeCLayer* layer, const FusemoeCForwardArgs* args) {
   return guarded([&] {
-    const auto config = make_config(hidden, intermediate, num_experts, top_k, max_tokens);
-    const Impl impl = impl_from_code(impl_code);
-    fusemoe::ForwardArgs args;
-    args.x = x;
-    args.topk_idx = topk_idx;
-    args.topk_weights = topk_weights;
-    args.w13 = w13;
-    args.w2 = w2;
-    args.y = y;
-    args.num_tokens = num_tokens;
-    args.workspace = workspace;
-    args.workspace_bytes = workspace_bytes;
-    args.expert_id_report = expert_id_report;
-    args.saved_z = saved_z;
-    args.stream = static_cast<cudaStream_t>(stream);
-    fusemoe::forward(config, impl, args);
+    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
+    const FusemoeCForwardArgs& a = checked_struct(args, "args", "FusemoeCForwardArgs");
+    const Impl impl = impl_from_code(l.impl_code);
+    fusemoe::ForwardArgs f;
+    f.x = a.x;
+    f.topk_idx = a.topk_idx;
+    f.topk_weights = a.topk_weights;
+    f.w13 = a.w13;
+    f.w2 = a.w2;
+    f.y = a.y;
+    f.num_tokens = a.num_tokens;
+    f.workspace = a.workspace;
+    f.workspace_bytes = a.workspace_bytes;
+    f.expert_id_report = a.expert_id_report;
+    f.saved_z = a.saved_z;
+    f.stream = static_cast<cudaStream_t>(a.stream);
+    fusemoe::forward(config_of(l), impl, f);
   });
 }
 
-int32_t fusemoe_c_backward(int64_t hidden, int64_t intermediate, int64_t num_experts,
-                           int64_t top_k, int64_t max_tokens, int32_t impl_code, const void* x,
-                           const int32_t* topk_idx, const float* topk_weights, const void* w13,
-                           const void* w2, const void* dy, void* dx, float* d_topk_weights,
-                           void* dw13, void* dw2, int32_t weight_grad_dtype,
-                           int32_t accumulate_weight_grads, int64_t num_tokens, void* workspace,
-                           uint64_t workspace_bytes, int32_t* expert_id_report,
-                           const void* saved_z, void* stream) {
+int32_t fusemoe_c_backward(const FusemoeCLayer* layer, const FusemoeCBackwardArgs* args) {
   return guarded([&] {
-    const auto config = make_config(hidden, intermediate, num_experts, top_k, max_tokens);
-    const Impl impl = impl_from_code(impl_code);
-    FUSEMOE_CHECK(weight_grad_dtype == FUSEMOE_C_WEIGHT_GRAD_FLOAT32 ||
-                      weight_grad_dtype == FUSEMOE_C_WEIGHT_GRAD_BFLOAT16,
-                  "weight_grad_dtype must be " << FUSEMOE_C_WEIGHT_GRAD_FLOAT32 << " (float32) or "
-                                               << FUSEMOE_C_WEIGHT_GRAD_BFLOAT16
-                                               << " (bfloat16), got " << weight_grad_dtype);
-    fusemoe::BackwardArgs args;
-    args.x = x;
-    args.topk_idx = topk_idx;
-    args.topk_weights = topk_weights;
-    args.w13 = w13;
-    args.w2 = w2;
-    args.dy = dy;
-    args.dx = dx;
-    args.d_topk_weights = d_topk_weights;
-    args.dw13 = dw13;
-    args.dw2 = dw2;
-    args.weight_grad_dtype = weight_grad_dtype == FUSEMOE_C_WEIGHT_GRAD_FLOAT32
-                                 ? fusemoe::WeightGradDtype::kFloat32
-                                 : fusemoe::WeightGradDtype::kBFloat16;
-    args.accumulate_weight_grads = accumulate_weight_grads != 0;
-    args.num_tokens = num_tokens;
-    args.workspace = workspace;
-    args.workspace_bytes = workspace_bytes;
-    args.expert_id_report = expert_id_report;
-    args.saved_z = saved_z;
-    args.stream = static_cast<cudaStream_t>(stream);
-    fusemoe::backward(config, impl, args);
+    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
+    const FusemoeCBackwardArgs& a = checked_struct(args, "args", "FusemoeCBackwardArgs");
+    const Impl impl = impl_from_code(l.impl_code);
+    fusemoe::BackwardArgs b;
+    b.x = a.x;
+    b.topk_idx = a.topk_idx;
+    b.topk_weights = a.topk_weights;
+    b.w13 = a.w13;
+    b.w2 = a.w2;
+    b.dy = a.dy;
+    b.dx = a.dx;
+    b.d_topk_weights = a.d_topk_weights;
+    b.dw13 = a.dw13;
+    b.dw2 = a.dw2;
+    b.weight_grad_dtype = static_cast<fusemoe::WeightGradDtype>(a.weight_grad_dtype);
+    b.accumulate_weight_grads = a.accumulate_weight_grads != 0;
+    b.num_tokens = a.num_tokens;
+    b.workspace = a.workspace;
+    b.workspace_bytes = a.workspace_bytes;
+    b.expert_id_report = a.expert_id_report;
+    b.saved_z = a.saved_z;
+    b.stream = static_cast<cudaStream_t>(a.stream);
+    fusemoe::backward(config_of(l), impl, b);
   });
 }
 
 int32_t fusemoe_c_check_expert_id_report(const int32_t* report, int64_t num_experts,
                                          int64_t top_k) {
   return guarded([&] { fusemoe::throw_if_expert_id_report(report, num_experts, top_k); });
+}
+
+int32_t fusemoe_c_struct_layout(const char* struct_name, uint64_t* struct_size,
+                                int32_t* num_fields) {
+  return guarded([&] {
+    FUSEMOE_CHECK(struct_size != nullptr && num_fields != nullptr,
+                  "struct_size and num_fields (outputs) must not be null");
+    const StructLayout& s = find_struct(struct_name);
+    *struct_size = s.size;
+    *num_fields = s.num_fields;
+  });
+}
+
+int32_t fusemoe_c_struct_field(const char* struct_name, int32_t field_index,
+                               const char** field_name, uint64_t* offset, uint64_t* size) {
+  return guarded([&] {
+    FUSEMOE_CHECK(field_name != nullptr && offset != nullptr && size != nullptr,
+                  "field_name, offset and size (outputs) must not be null");
+    const StructLayout& s = find_struct(struct_name);
+    FUSEMOE_CHECK(field_index >= 0 && field_index < s.num_fields,
+                  "field_index: " << field_index << " is outside [0, " << s.num_fields << ") for "
+                                  << s.name);
+    const FieldLayout& f = s.fields[field_index];
+    *field_name = f.name;
+    *offset = f.offset;
+    *size = f.size;
+  });
 }
 
 }  // extern "C"

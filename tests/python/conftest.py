@@ -1,4 +1,5 @@
-"""pytest set-up for tests/python: python/ on sys.path, and the GPU gate.
+"""pytest set-up for tests/python: python/ on sys.path (unless FUSEMOE_TEST_INSTALLED=1, which
+tests the installed package instead, e.g. a wheel from `pip install .`), and the GPU gate.
 
 GPU tests call require_gpu(): it skips (never passes) where there is no torch, no CUDA device,
 no Hopper (sm_90) GPU or no built libfusemoe_c.so. With FUSEMOE_REQUIRE_GPU=1 (the GPU round
@@ -10,8 +11,13 @@ import sys
 import pytest
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(REPO, "python"))
+if os.environ.get("FUSEMOE_TEST_INSTALLED") != "1":
+    sys.path.insert(0, os.path.join(REPO, "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "backend(name): torch.distributed backend of the test")
 
 
 def require_gpu():

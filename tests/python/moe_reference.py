@@ -3,6 +3,8 @@ implementation the FlashAttention-3 tolerance rule compares against, plus CPU ke
 in for the CUDA library in the CPU tests of the Python layer.
 
     z = W13_e x_t,  g = z[:I], u = z[I:],  h = silu(g) * u,  o = W2_e h,  y_t = sum_j w[t,j] o
+    with a SwiGLU clamp c: g <- min(g, c), u <- clamp(u, -c, c) before h (torch.clamp's
+    gradients: they pass where the bound is not active, bounds inclusive).
 
 Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, K top-k, N rows of
 one expert. Masked slots (expert id -1) are never visited, so their weight is never read.
@@ -11,7 +13,15 @@ import torch
 import torch.nn.functional as F
 
 
-def moe_experts_torch(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI):
+def swiglu(z_NF, intermediate, swiglu_clamp=None):
+    g_NI, u_NI = z_NF[:, :intermediate], z_NF[:, intermediate:]
+    if swiglu_clamp is not None:
+        g_NI = g_NI.clamp(max=swiglu_clamp)
+        u_NI = u_NI.clamp(min=-swiglu_clamp, max=swiglu_clamp)
+    return F.silu(g_NI) * u_NI
+
+
+def moe_experts_torch(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, swiglu_clamp=None):
     """Per-expert loop in the dtype of x and the weights (z, h, o rounded to it), routing weights
     applied and rows summed in fp32, y rounded once: a careful PyTorch layer. Differentiable."""
     num_tokens, hidden = x_TH.shape
@@ -23,16 +33,18 @@ def moe_experts_torch(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI):
         if token_N.numel() == 0:
             continue
         z_NF = x_TH[token_N] @ w13_EFH[e].t()
-        h_NI = F.silu(z_NF[:, :intermediate]) * z_NF[:, intermediate:]
+        h_NI = swiglu(z_NF, intermediate, swiglu_clamp)
         o_NH = h_NI @ w2_EHI[e].t()
         w_N = topk_weights_TK[token_N, slot_N].float()
         y_TH = y_TH.index_add(0, token_N, o_NH.float() * w_N[:, None])
     return y_TH.to(x_TH.dtype)
 
 
-def moe_experts_backward_fp32(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI):
+def moe_experts_backward_fp32(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
+                              swiglu_clamp=None):
     """Closed-form backward in fp32 (no autograd): dx, d_topk_weights, dw13, dw2.
-    d_topk_w = <h, a> with a = dy W2_e; dh = w a; dg = dh u silu'(g); du = dh silu(g)."""
+    d_topk_w = <h, a> with a = dy W2_e; dh = w a; dg = dh u silu'(g); du = dh silu(g)
+    (g, u clamped; dg, du zero where their bound is active)."""
     x_TH, dy_TH, w13_EFH, w2_EHI = (t.float() for t in (x_TH, dy_TH, w13_EFH, w2_EHI))
     num_experts, two_intermediate, _ = w13_EFH.shape
     intermediate = two_intermediate // 2
@@ -48,14 +60,20 @@ def moe_experts_backward_fp32(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH
         w_N = topk_weights_TK[token_N, slot_N].float()
         z_NF = x_NH @ w13_EFH[e].t()
         g_NI, u_NI = z_NF[:, :intermediate], z_NF[:, intermediate:]
+        g_pass_NI = u_pass_NI = torch.ones_like(g_NI)
+        if swiglu_clamp is not None:
+            g_pass_NI = (g_NI <= swiglu_clamp).float()
+            u_pass_NI = ((u_NI >= -swiglu_clamp) & (u_NI <= swiglu_clamp)).float()
+            g_NI = g_NI.clamp(max=swiglu_clamp)
+            u_NI = u_NI.clamp(min=-swiglu_clamp, max=swiglu_clamp)
         sig_NI = torch.sigmoid(g_NI)
         silu_NI = g_NI * sig_NI
         h_NI = silu_NI * u_NI
         a_NI = dy_NH @ w2_EHI[e]
         d_topk_weights_TK[token_N, slot_N] = (h_NI * a_NI).sum(dim=1)
         dh_NI = w_N[:, None] * a_NI
-        dg_NI = dh_NI * u_NI * sig_NI * (1 + g_NI * (1 - sig_NI))
-        dz_NF = torch.cat([dg_NI, dh_NI * silu_NI], dim=1)
+        dg_NI = dh_NI * u_NI * sig_NI * (1 + g_NI * (1 - sig_NI)) * g_pass_NI
+        dz_NF = torch.cat([dg_NI, dh_NI * silu_NI * u_pass_NI], dim=1)
         dx_TH.index_add_(0, token_N, dz_NF @ w13_EFH[e])
         dw13_EFH[e] = dz_NF.t() @ x_NH
         dw2_EHI[e] = (w_N[:, None] * dy_NH).t() @ h_NI
@@ -70,21 +88,31 @@ def register_cpu_kernels():
 
     @torch.library.register_kernel("fusemoe::moe_experts_forward", "cpu")
     def _forward_cpu(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                     grad_in_place=False, save_z=False):
-        layer = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
+                     grad_in_place=False, save_z=False, swiglu_clamp=None):
+        dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
         y_TH = moe_experts_torch(x_TH.float(), topk_idx_TK, topk_weights_TK, w13_EFH.float(),
-                                 w2_EHI.float())
+                                 w2_EHI.float(), swiglu_clamp)
         # z's layout is the library's own (an opaque buffer): zeros of its shape here, and the
         # CPU backward recomputes.
-        return y_TH.to(x_TH.dtype), _empty_saved_z(x_TH, layer, save_z).zero_()
+        return y_TH.to(x_TH.dtype), _empty_saved_z(x_TH, dims, save_z).zero_()
 
     @torch.library.register_kernel("fusemoe::moe_experts_backward", "cpu")
     def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                      saved_z_SF=None):
+                      saved_z_SF=None, swiglu_clamp=None):
         _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
         dx_TH, dw_TK, dw13_EFH, dw2_EHI = moe_experts_backward_fp32(
-            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
+            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, swiglu_clamp)
         return dx_TH.to(x_TH.dtype), dw_TK, dw13_EFH.to(w13_EFH.dtype), dw2_EHI.to(w2_EHI.dtype)
+
+    @torch.library.register_kernel("fusemoe::moe_experts_backward_into", "cpu")
+    def _backward_into_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13_EFH,
+                           dw2_EHI, accumulate, impl, saved_z_SF=None, swiglu_clamp=None):
+        _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+        dx_TH, dw_TK, g13_EFH, g2_EHI = moe_experts_backward_fp32(
+            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, swiglu_clamp)
+        for out, grad in ((dw13_EFH, g13_EFH), (dw2_EHI, g2_EHI)):  # one rounding, as the kernels
+            out.copy_(out.float() + grad if accumulate else grad)
+        return dx_TH.to(x_TH.dtype), dw_TK
 
 
 def make_problem(num_tokens, hidden, intermediate, num_experts, top_k, device, seed=0,

@@ -37,11 +37,12 @@ def run_layer(fn, p, dtype):
     return dict(zip(OUTPUTS, [y.detach()] + [leaf.grad for leaf in leaves]))
 
 
-def check_against_reference(p, impl=fusemoe.DEFAULT_IMPL, **options):
-    got = run_layer(functools.partial(fusemoe.moe_experts, impl=impl, **options), p,
-                    torch.bfloat16)
-    same_precision = run_layer(moe_experts_torch, p, torch.bfloat16)
-    ref = run_layer(moe_experts_torch, p, torch.float32)
+def check_against_reference(p, impl=fusemoe.DEFAULT_IMPL, swiglu_clamp=None, **options):
+    got = run_layer(functools.partial(fusemoe.moe_experts, impl=impl, swiglu_clamp=swiglu_clamp,
+                                      **options), p, torch.bfloat16)
+    torch_layer = functools.partial(moe_experts_torch, swiglu_clamp=swiglu_clamp)
+    same_precision = run_layer(torch_layer, p, torch.bfloat16)
+    ref = run_layer(torch_layer, p, torch.float32)
     lines, failures = [], []
     for name in OUTPUTS:
         err, base = rel_err(got[name], ref[name]), rel_err(same_precision[name], ref[name])
@@ -77,6 +78,26 @@ def test_matches_fp32_reference(shape, impl):
 def test_fused_with_recomputed_z(shape):
     """The fused op saves z in the forward by default; recompute_z=True takes the other path."""
     check_against_reference(make_problem(*shape, "cuda", seed=23), "fused", recompute_z=True)
+
+
+@pytest.mark.parametrize("impl, recompute_z", [("unfused", False), ("fused", False),
+                                                ("fused", True)])
+def test_swiglu_clamp(impl, recompute_z):
+    """The clamp through the op (C ABI 5's FusemoeCLayer): at c = 0.75 about a third of g and u
+    are clamped (z ~ N(0, 1) here), so a clamp that were dropped would fail the comparison."""
+    p = make_problem(199, 256, 128, 8, 2, "cuda", seed=29)
+    check_against_reference(p, impl, swiglu_clamp=0.75, recompute_z=recompute_z)
+    unclamped = run_layer(functools.partial(fusemoe.moe_experts, impl=impl), p, torch.bfloat16)
+    clamped = run_layer(functools.partial(fusemoe.moe_experts, impl=impl, swiglu_clamp=0.75), p,
+                        torch.bfloat16)
+    assert rel_err(clamped["y"], unclamped["y"]) > 1e-2
+
+
+def test_swiglu_clamp_value_is_checked_by_the_library():
+    p = make_problem(16, 128, 64, 4, 2, "cuda")
+    args = [p[k] for k in ("x_TH", "topk_idx_TK", "topk_weights_TK", "w13_EFH", "w2_EHI")]
+    with pytest.raises(fusemoe.FusemoeError, match="swiglu_clamp must be finite and > 0"):
+        fusemoe.moe_experts(*args, swiglu_clamp=-1.0)
 
 
 @each_impl

@@ -2,6 +2,8 @@
 the op's registration (autograd, fake kernels, torch.compile, checkpointing, accumulation) run
 over CPU kernels from moe_reference.py that stand in for the CUDA library. Needs torch only
 (library tests skip without libfusemoe_c.so). The GPU tests live in test_ops_gpu.py."""
+import ctypes
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -66,7 +68,7 @@ def test_z_is_saved_only_when_it_can_be_used(problem, monkeypatch):
     real_forward = ops.moe_experts_forward
 
     def spy(*args):
-        asked.append(args[-1])  # save_z
+        asked.append(args[7])  # save_z
         return real_forward(*args)
 
     monkeypatch.setattr(ops, "moe_experts_forward", spy)
@@ -103,7 +105,7 @@ def test_missing_library_error(monkeypatch, tmp_path):
     monkeypatch.setattr(_capi, "_lib", None)
     assert not fusemoe.is_available()
     with pytest.raises(fusemoe.FusemoeError, match="C library not found at .*nowhere.so"):
-        _capi.workspace_bytes((128, 64, 6, 2, 37), "unfused")
+        _capi.load()
 
 
 def require_library():
@@ -117,26 +119,27 @@ def test_c_abi_errors_carry_the_library_message():
     with pytest.raises(fusemoe.FusemoeError, match='unknown implementation "nope".*unfused'):
         _capi.impl_code("nope")
     with pytest.raises(fusemoe.FusemoeError, match=r"hidden \(H\) must be a positive multiple of 128"):
-        _capi.workspace_bytes((100, 64, 6, 2, 37), "unfused")
+        _capi.workspace_bytes(_capi.layer(100, 64, 6, 2, 37, "unfused"))
     with pytest.raises(fusemoe.FusemoeError, match="unknown implementation"):
         fusemoe.MoEExperts(6, 128, 64, impl="nope")
-    assert _capi.workspace_bytes((128, 64, 6, 2, 37), "unfused") > 0
+    assert _capi.workspace_bytes(_capi.layer(128, 64, 6, 2, 37, "unfused")) > 0
 
 
 def test_workspace_per_call():
     """Each kind of call has its own size; the fused backward given saved z needs the room for
     z less; no use is the size every call accepts."""
     require_library()
-    layer = (256, 128, 8, 2, 1000)
-    sizes = {use: _capi.workspace_bytes(layer, "fused", use) for use in _capi.WORKSPACE_USES}
-    assert _capi.workspace_bytes(layer, "fused") == max(sizes.values())
-    z_bytes = _capi.saved_z_bytes(layer)
+    fused = _capi.layer(256, 128, 8, 2, 1000, "fused")
+    unfused = _capi.layer(256, 128, 8, 2, 1000, "unfused")
+    sizes = {use: _capi.workspace_bytes(fused, use) for use in _capi.WORKSPACE_USES}
+    assert _capi.workspace_bytes(fused) == max(sizes.values())
+    z_bytes = _capi.saved_z_bytes(fused)
     assert z_bytes <= sizes["backward"] - sizes["backward_saved_z"] < z_bytes + 256
     assert sizes["forward"] < sizes["backward"]
     for use in _capi.WORKSPACE_USES:
-        assert _capi.workspace_bytes(layer, "unfused", use) == _capi.workspace_bytes(layer, "unfused")
+        assert _capi.workspace_bytes(unfused, use) == _capi.workspace_bytes(unfused)
     with pytest.raises(fusemoe.FusemoeError, match="use must be one of"):
-        _capi.workspace_bytes(layer, "fused", "sideways")
+        _capi.workspace_bytes(fused, "sideways")
 
 
 def test_expert_id_reports_are_raised_once_with_their_own_layer_shape(monkeypatch):
@@ -183,17 +186,159 @@ def test_expert_id_report_message():
         _capi.check_expert_id_report(ctypes.addressof(report), 6, 0)
 
 
+# ---- the C structs: one layout in C and in ctypes; errors name the field ----
+
+@pytest.mark.parametrize("struct_name", sorted(_capi.STRUCTS))
+def test_struct_layout_matches_the_library(struct_name):
+    """Every field of every C struct, in order, at the same offset and of the same size in the
+    library (offsetof / sizeof as compiled) and in the ctypes declarations."""
+    require_library()
+    library = _capi.library_struct_layout(struct_name)
+    binding = _capi.binding_struct_layout(struct_name)
+    assert binding == library, f"{struct_name}: ctypes {binding} != library {library}"
+    assert library[1][0][0] == "struct_size"
+
+
+def test_struct_layout_query_errors():
+    require_library()
+    with pytest.raises(fusemoe.FusemoeError, match='struct_name: unknown struct "FusemoeCNope"'):
+        _capi.library_struct_layout("FusemoeCNope")
+    lib = _capi.load()
+    out = [ctypes.c_char_p(), ctypes.c_uint64(), ctypes.c_uint64()]
+    status = lib.fusemoe_c_struct_field(b"FusemoeCLayer", 9, *[ctypes.byref(o) for o in out])
+    assert status == 1 and b"field_index: 9 is outside [0, 9)" in lib.fusemoe_c_last_error()
+
+
+def layer_struct(**changes):
+    fields = dict(struct_size=ctypes.sizeof(_capi.Layer), impl_code=_capi.impl_code("fused"),
+                  hidden=256, intermediate=128, num_experts=8, top_k=2, max_tokens=64,
+                  use_swiglu_clamp=0, swiglu_clamp=0.0)
+    fields.update(changes)
+    return _capi.Layer(**fields)
+
+
+FAKE_DEVICE_ADDRESS = 1 << 20  # aligned, never dereferenced: the checks below fail earlier
+
+
+def forward_args(**changes):
+    fields = dict(struct_size=ctypes.sizeof(_capi.ForwardArgs), x=FAKE_DEVICE_ADDRESS,
+                  topk_idx=FAKE_DEVICE_ADDRESS, topk_weights=FAKE_DEVICE_ADDRESS,
+                  w13=FAKE_DEVICE_ADDRESS, w2=FAKE_DEVICE_ADDRESS, y=FAKE_DEVICE_ADDRESS,
+                  num_tokens=16, workspace=FAKE_DEVICE_ADDRESS, workspace_bytes=1 << 40)
+    fields.update(changes)
+    return _capi.ForwardArgs(**fields)
+
+
+def backward_args(**changes):
+    fields = dict(struct_size=ctypes.sizeof(_capi.BackwardArgs), weight_grad_dtype=0,
+                  num_tokens=16, workspace_bytes=1 << 40,
+                  **{name: FAKE_DEVICE_ADDRESS for name in ("x", "topk_idx", "topk_weights",
+                                                            "w13", "w2", "dy", "dx",
+                                                            "d_topk_weights", "dw13", "dw2",
+                                                            "workspace")})
+    fields.update(changes)
+    return _capi.BackwardArgs(**fields)
+
+
+def c_error(fn, *args):
+    """The status and message of one C call (no GPU needed: each fails before the device)."""
+    lib = _capi.load()
+    status = getattr(lib, fn)(*args)
+    return status, lib.fusemoe_c_last_error().decode()
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: ("fusemoe_c_workspace_bytes", None, ctypes.byref(ctypes.c_uint64())),
+     r"layer \(FusemoeCLayer\*\) must not be null"),
+    (lambda: ("fusemoe_c_workspace_bytes", layer_struct(struct_size=48),
+              ctypes.byref(ctypes.c_uint64())),
+     r"FusemoeCLayer.struct_size: 48, but this library \(C ABI 5\) has sizeof\(FusemoeCLayer\) = 56"),
+    (lambda: ("fusemoe_c_workspace_bytes", layer_struct(impl_code=99),
+              ctypes.byref(ctypes.c_uint64())),
+     r"impl_code: 99 is not a code from fusemoe_c_impl_code"),
+    (lambda: ("fusemoe_c_workspace_bytes", layer_struct(intermediate=96),
+              ctypes.byref(ctypes.c_uint64())),
+     r"intermediate \(I\) must be a positive multiple of 64, got 96"),
+    (lambda: ("fusemoe_c_workspace_bytes", layer_struct(top_k=9), ctypes.byref(ctypes.c_uint64())),
+     r"top_k \(K\) must be in \[1, min\(num_experts, 32\)\], got 9"),
+    (lambda: ("fusemoe_c_saved_z_bytes", layer_struct(use_swiglu_clamp=1, swiglu_clamp=-1.0),
+              ctypes.byref(ctypes.c_uint64())),
+     r"swiglu_clamp must be finite and > 0 when use_swiglu_clamp is set, got -1"),
+    (lambda: ("fusemoe_c_saved_z_bytes", layer_struct(use_swiglu_clamp=1,
+                                                      swiglu_clamp=float("nan")),
+              ctypes.byref(ctypes.c_uint64())),
+     r"swiglu_clamp must be finite"),
+    (lambda: ("fusemoe_c_workspace_bytes_for", layer_struct(), 9, ctypes.byref(ctypes.c_uint64())),
+     r"use: unknown WorkspaceUse value 9"),
+    (lambda: ("fusemoe_c_forward", layer_struct(), None),
+     r"args \(FusemoeCForwardArgs\*\) must not be null"),
+    (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(struct_size=96)),
+     r"FusemoeCForwardArgs.struct_size: 96, but .* has sizeof\(FusemoeCForwardArgs\) = 104"),
+    (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(x=None)), r": x must not be null"),
+    (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(num_tokens=65)),
+     r"num_tokens must be in \[0, max_tokens=64\], got 65"),
+    (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(y=FAKE_DEVICE_ADDRESS + 2)),
+     r": y must be 16-byte aligned"),
+    (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(workspace_bytes=1000)),
+     r"workspace_bytes: 1000 bytes given, \d+ needed for impl fused \(forward\)"),
+    (lambda: ("fusemoe_c_backward", layer_struct(), backward_args(weight_grad_dtype=7)),
+     r"weight_grad_dtype: unknown value 7"),
+    (lambda: ("fusemoe_c_backward", layer_struct(), backward_args(struct_size=8)),
+     r"FusemoeCBackwardArgs.struct_size: 8"),
+    (lambda: ("fusemoe_c_backward", layer_struct(), backward_args(dy=None)),
+     r": dy must not be null"),
+    (lambda: ("fusemoe_c_backward", layer_struct(), backward_args(d_topk_weights=None)),
+     r": d_topk_weights must not be null"),
+])
+def test_c_errors_name_the_field(call, message):
+    import re
+    require_library()
+    fn, *args = call()
+    status, text = c_error(fn, *args)
+    assert status == 1, f"{fn} returned {status}, expected an error ({text!r})"
+    assert re.search(message, text), f"{text!r} does not match {message!r}"
+
+
+def test_abi_version_mismatch_is_refused(monkeypatch):
+    require_library()
+    monkeypatch.setattr(_capi, "_lib", None)
+    monkeypatch.setattr(_capi, "ABI_VERSION", 4)
+    with pytest.raises(fusemoe.FusemoeError, match="has C ABI version 5, this package needs 4"):
+        _capi.load()
+
+
+def test_layer_struct_is_built_once():
+    require_library()
+    a = _capi.layer(256, 128, 8, 2, 64, "fused")
+    assert _capi.layer(256, 128, 8, 2, 64, "fused") is a
+    assert _capi.layer(256, 128, 8, 2, 64, "unfused") is not a
+    clamped = _capi.layer(256, 128, 8, 2, 64, "fused", 7.0)
+    assert (clamped.use_swiglu_clamp, clamped.swiglu_clamp) == (1, 7.0)
+    assert (a.use_swiglu_clamp, a.swiglu_clamp) == (0, 0.0)
+    assert a.workspace_bytes("forward") == a.workspace_bytes("forward") > 0
+
+
 # ---- the reference itself: closed-form backward against autograd ----
 
-def test_reference_backward_matches_autograd(problem):
+@pytest.mark.parametrize("swiglu_clamp", [None, 0.5])
+def test_reference_backward_matches_autograd(problem, swiglu_clamp):
     p = {k: v.float() if v.is_floating_point() else v for k, v in problem.items()}
     leaves = [p[k].clone().requires_grad_() for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
-    y = moe_experts_torch(leaves[0], p["topk_idx_TK"], leaves[1], leaves[2], leaves[3])
+    y = moe_experts_torch(leaves[0], p["topk_idx_TK"], leaves[1], leaves[2], leaves[3],
+                          swiglu_clamp)
     y.backward(p["dy_TH"])
     closed = moe_experts_backward_fp32(p["dy_TH"], p["x_TH"], p["topk_idx_TK"],
-                                       p["topk_weights_TK"], p["w13_EFH"], p["w2_EHI"])
+                                       p["topk_weights_TK"], p["w13_EFH"], p["w2_EHI"],
+                                       swiglu_clamp)
     for leaf, grad in zip(leaves, closed):
         assert rel_err(grad, leaf.grad) <= 1e-5
+
+
+def test_reference_clamp_is_active(problem):
+    """At c = 0.5 the clamp changes y (so the clamp tests above test something)."""
+    args = [problem[k].float() if problem[k].is_floating_point() else problem[k]
+            for k in ("x_TH", "topk_idx_TK", "topk_weights_TK", "w13_EFH", "w2_EHI")]
+    assert rel_err(moe_experts_torch(*args, 0.5), moe_experts_torch(*args)) > 1e-2
 
 
 # ---- registration: autograd, compile, checkpointing, accumulation (CPU stand-in kernels) ----
@@ -205,13 +350,25 @@ def grads_of(fn, p):
     return [y.detach()] + [leaf.grad for leaf in leaves]
 
 
-def test_autograd_reaches_every_input(problem):
-    got = grads_of(fusemoe.moe_experts, problem)
+@pytest.mark.parametrize("swiglu_clamp", [None, 0.5])
+def test_autograd_reaches_every_input(problem, swiglu_clamp):
+    got = grads_of(lambda *a: fusemoe.moe_experts(*a, swiglu_clamp=swiglu_clamp), problem)
     assert [g.dtype for g in got] == [torch.bfloat16, torch.bfloat16, torch.float32,
                                       torch.bfloat16, torch.bfloat16]
-    ref = moe_experts_backward_fp32(problem["dy_TH"], *op_args(problem))
+    ref = moe_experts_backward_fp32(problem["dy_TH"], *op_args(problem), swiglu_clamp)
     for g, r in zip(got[1:], ref):
         assert rel_err(g, r) <= 1e-2
+
+
+def test_swiglu_clamp_reaches_the_module(problem):
+    module = fusemoe.MoEExperts.from_experts(_experts_holder(problem), swiglu_clamp=0.5)
+    assert "swiglu_clamp=0.5" in repr(module)
+    y = module(problem["x_TH"], problem["topk_idx_TK"], problem["topk_weights_TK"])
+    ref = moe_experts_torch(*[t.float() if t.is_floating_point() else t
+                              for t in op_args(problem)], swiglu_clamp=0.5)
+    assert rel_err(y, ref) <= 1e-2
+    with pytest.raises(ValueError, match="swiglu_clamp must be None or a number"):
+        fusemoe.moe_experts(*op_args(problem), swiglu_clamp="7")
 
 
 def test_opcheck(problem):
@@ -276,3 +433,42 @@ def test_module_shares_parameters_and_converts_inputs(problem):
     y3 = module(x3, problem["topk_idx_TK"].long().reshape(1, 37, 2),
                 problem["topk_weights_TK"].bfloat16().reshape(1, 37, 2))
     assert y3.shape == x3.shape and y3.dtype == torch.float32
+
+
+def test_header_is_c_and_a_c_compiler_lays_the_structs_out_as_the_library():
+    """include/fusemoe/fusemoe_c.h compiled as C99 (-pedantic -Werror): sizeof and offsetof of
+    every field as a C compiler sees them equal the library's own answer."""
+    import shutil
+    import subprocess
+    require_library()
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("skipped: no C compiler")
+    import os
+    import tempfile
+    repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    lines = ['#include <stddef.h>', '#include <stdio.h>', '#include "fusemoe/fusemoe_c.h"',
+             'int main(void) {']
+    for struct_name in sorted(_capi.STRUCTS):
+        lines.append(f'  printf("{struct_name} - %zu\\n", sizeof({struct_name}));')
+        for field, _, _ in _capi.library_struct_layout(struct_name)[1]:
+            lines.append(f'  printf("{struct_name} {field} %zu %zu\\n", '
+                         f'offsetof({struct_name}, {field}), sizeof((({struct_name}*)0)->{field}));')
+    lines += ["  return 0;", "}"]
+    with tempfile.TemporaryDirectory() as scratch:
+        source, program = os.path.join(scratch, "layout.c"), os.path.join(scratch, "layout")
+        with open(source, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        subprocess.run([compiler, "-std=c99", "-pedantic", "-Wall", "-Wextra", "-Werror",
+                        "-I", os.path.join(repo, "include"), source, "-o", program], check=True)
+        printed = subprocess.run([program], capture_output=True, text=True, check=True).stdout
+    c_layout = {}
+    for line in printed.splitlines():
+        struct_name, field, *numbers = line.split()
+        c_layout.setdefault(struct_name, [None, []])
+        if field == "-":
+            c_layout[struct_name][0] = int(numbers[0])
+        else:
+            c_layout[struct_name][1].append((field, int(numbers[0]), int(numbers[1])))
+    for struct_name in _capi.STRUCTS:
+        assert tuple(c_layout[struct_name]) == _capi.library_struct_layout(struct_name), struct_name

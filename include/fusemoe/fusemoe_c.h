@@ -1,0 +1,147 @@
+/* C ABI of fusemoe: the C++ API (fusemoe/fusemoe.h) behind plain C functions and structs, for
+ * bindings that must not compile against a framework's C++ ABI (python/fusemoe fills these
+ * structs with ctypes.Structure). Every function returns a FusemoeCStatus and lets no exception
+ * cross the boundary; fusemoe_c_last_error() gives the message of the calling thread's last
+ * failure. Tensors are device pointers (layouts and dtypes as in fusemoe.h); the stream is a
+ * cudaStream_t passed as void* (NULL = the legacy default stream).
+ * Each struct starts with struct_size, which the caller sets to sizeof(the struct) as it was
+ * compiled: a binding written for another layout fails naming the struct instead of passing
+ * shifted fields. The library only converts; validation is the C++ API's (src/api), whose
+ * messages name the fields below by the same names. */
+#ifndef FUSEMOE_FUSEMOE_C_H_
+#define FUSEMOE_FUSEMOE_C_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FUSEMOE_C_API __attribute__((visibility("default")))
+
+/* Raised whenever a function's signature, a struct or a meaning changes; bindings refuse other
+ * versions. 5: one struct per call instead of positional arguments, the SwiGLU clamp. */
+#define FUSEMOE_C_ABI_VERSION 5
+
+typedef enum {
+  FUSEMOE_C_OK = 0,
+  FUSEMOE_C_ERROR = 1,          /* fusemoe::Error: bad argument or failed CUDA / cuBLAS call */
+  FUSEMOE_C_OUT_OF_MEMORY = 2,  /* host allocation failed */
+  FUSEMOE_C_INTERNAL = 3,       /* any other exception */
+} FusemoeCStatus;
+
+/* Values of FusemoeCBackwardArgs.weight_grad_dtype (fusemoe::WeightGradDtype). */
+#define FUSEMOE_C_WEIGHT_GRAD_FLOAT32 0
+#define FUSEMOE_C_WEIGHT_GRAD_BFLOAT16 1
+
+/* Values of `use` in fusemoe_c_workspace_bytes_for (fusemoe::WorkspaceUse). */
+#define FUSEMOE_C_WORKSPACE_FORWARD 0
+#define FUSEMOE_C_WORKSPACE_BACKWARD 1           /* backward with saved_z NULL (z recomputed) */
+#define FUSEMOE_C_WORKSPACE_BACKWARD_SAVED_Z 2   /* backward given the forward's saved_z */
+
+/* One layer and the implementation that runs it (fusemoe::LayerConfig + fusemoe::Impl). Built
+ * once per layer and reused for every call. */
+typedef struct FusemoeCLayer {
+  uint32_t struct_size;      /* sizeof(FusemoeCLayer) */
+  int32_t impl_code;         /* from fusemoe_c_impl_code() */
+  int64_t hidden;            /* H */
+  int64_t intermediate;      /* I */
+  int64_t num_experts;       /* E */
+  int64_t top_k;             /* K */
+  int64_t max_tokens;        /* largest T a call passes; sizes the workspace */
+  int32_t use_swiglu_clamp;  /* != 0: g <- min(g, c), u <- clamp(u, -c, c) before silu(g) * u */
+  float swiglu_clamp;        /* c: finite and > 0 when use_swiglu_clamp */
+} FusemoeCLayer;
+
+/* y = MoE(x): fusemoe::ForwardArgs. */
+typedef struct FusemoeCForwardArgs {
+  uint32_t struct_size;            /* sizeof(FusemoeCForwardArgs) */
+  const void* x;                   /* [T, H] bf16 */
+  const int32_t* topk_idx;         /* [T, K] */
+  const float* topk_weights;       /* [T, K] */
+  const void* w13;                 /* [E, 2I, H] bf16 */
+  const void* w2;                  /* [E, H, I] bf16 */
+  void* y;                         /* [T, H] bf16 (output) */
+  int64_t num_tokens;              /* T */
+  void* workspace;
+  uint64_t workspace_bytes;
+  /* NULL, or fusemoe::kExpertIdReportInts (3) int32 the caller zeroed once, in device memory or
+   * pinned host memory. NULL: a call with bad expert ids fails (after a stream sync, for
+   * "fused"). Set: the call never syncs for the check; check the report with
+   * fusemoe_c_check_expert_id_report whenever convenient. */
+  int32_t* expert_id_report;
+  /* NULL, or fusemoe_c_saved_z_bytes() bytes ("fused" only): the forward also stores the
+   * pre-activations there for the backward of the same inputs. */
+  void* saved_z;
+  void* stream;                    /* cudaStream_t */
+} FusemoeCForwardArgs;
+
+/* dx, d_topk_weights, dw13, dw2 from dy: fusemoe::BackwardArgs. */
+typedef struct FusemoeCBackwardArgs {
+  uint32_t struct_size;              /* sizeof(FusemoeCBackwardArgs) */
+  int32_t weight_grad_dtype;         /* FUSEMOE_C_WEIGHT_GRAD_* */
+  const void* x;
+  const int32_t* topk_idx;
+  const float* topk_weights;
+  const void* w13;
+  const void* w2;
+  const void* dy;                    /* [T, H] bf16 */
+  void* dx;                          /* [T, H] bf16 (output) */
+  float* d_topk_weights;             /* [T, K] fp32 (output) */
+  void* dw13;                        /* [E, 2I, H] weight_grad_dtype (output) */
+  void* dw2;                         /* [E, H, I] weight_grad_dtype (output) */
+  int32_t accumulate_weight_grads;   /* != 0: add to dw13/dw2 instead of overwriting them */
+  int64_t num_tokens;
+  void* workspace;
+  uint64_t workspace_bytes;
+  int32_t* expert_id_report;         /* as in FusemoeCForwardArgs */
+  const void* saved_z;               /* NULL, or the forward's saved_z of these same inputs */
+  void* stream;
+} FusemoeCBackwardArgs;
+
+FUSEMOE_C_API int32_t fusemoe_c_abi_version(void);
+
+/* Message of the last failed call on this thread ("" if none); valid until the next failure on
+ * this thread. */
+FUSEMOE_C_API const char* fusemoe_c_last_error(void);
+
+/* "unfused", "reference_fp32", "fused" -> the code FusemoeCLayer.impl_code takes. */
+FUSEMOE_C_API int32_t fusemoe_c_impl_code(const char* name, int32_t* impl_code);
+
+/* Bytes of workspace that every forward and backward call of the layer accepts. */
+FUSEMOE_C_API int32_t fusemoe_c_workspace_bytes(const FusemoeCLayer* layer, uint64_t* bytes);
+
+/* Bytes of workspace one kind of call (FUSEMOE_C_WORKSPACE_*) needs: each call checks only its
+ * own need, for callers that allocate a workspace per call. */
+FUSEMOE_C_API int32_t fusemoe_c_workspace_bytes_for(const FusemoeCLayer* layer, int32_t use,
+                                                    uint64_t* bytes);
+
+/* Bytes of a saved_z buffer for the layer (impl_code is not used). */
+FUSEMOE_C_API int32_t fusemoe_c_saved_z_bytes(const FusemoeCLayer* layer, uint64_t* bytes);
+
+/* See fusemoe::forward and fusemoe::backward. */
+FUSEMOE_C_API int32_t fusemoe_c_forward(const FusemoeCLayer* layer,
+                                        const FusemoeCForwardArgs* args);
+FUSEMOE_C_API int32_t fusemoe_c_backward(const FusemoeCLayer* layer,
+                                         const FusemoeCBackwardArgs* args);
+
+/* FUSEMOE_C_ERROR with the message naming the first bad id if `report` (host-readable: a host
+ * copy or pinned memory) holds one; FUSEMOE_C_OK for an empty report. Reads, never writes. */
+FUSEMOE_C_API int32_t fusemoe_c_check_expert_id_report(const int32_t* report, int64_t num_experts,
+                                                       int64_t top_k);
+
+/* The layout of the structs above as this library was compiled, so a binding can check its own
+ * declarations ("FusemoeCLayer", "FusemoeCForwardArgs", "FusemoeCBackwardArgs"):
+ * fusemoe_c_struct_layout gives sizeof and the number of fields; fusemoe_c_struct_field gives
+ * field `field_index` (declaration order): its name (static storage), offsetof and sizeof. */
+FUSEMOE_C_API int32_t fusemoe_c_struct_layout(const char* struct_name, uint64_t* struct_size,
+                                              int32_t* num_fields);
+FUSEMOE_C_API int32_t fusemoe_c_struct_field(const char* struct_name, int32_t field_index,
+                                             const char** field_name, uint64_t* offset,
+                                             uint64_t* size);
+
+#ifdef __cplusplus
+}  /* extern "C" */
+#endif
+
+#endif  /* FUSEMOE_FUSEMOE_C_H_ */
