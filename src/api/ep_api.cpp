@@ -19,11 +19,13 @@ void check_tensor(const void* p, const char* name, uintptr_t alignment) {
   FUSEMOE_CHECK(aligned(p, alignment), name << " must be " << alignment << "-byte aligned, got address " << p);
 }
 
-// The layer one owner rank computes: its E/R experts over the rows of every rank's tokens.
+// The layer one owner rank computes, for its limits: its E/R experts over up to every rank's
+// slots (each owner row as a token of top-1; top_k itself may exceed E/R).
 LayerConfig owner_layer(const EpConfig& c) {
   LayerConfig owner = c.layer;
   owner.num_experts = c.layer.num_experts / c.world_size;
-  owner.max_tokens = c.layer.max_tokens * c.world_size;
+  owner.max_tokens = c.layer.max_tokens * c.layer.top_k * c.world_size;
+  owner.top_k = 1;
   return owner;
 }
 
@@ -68,7 +70,7 @@ void validate_ep_config(const EpConfig& c) {
   FUSEMOE_CHECK(c.layer.num_experts % c.world_size == 0,
                 "num_experts (" << c.layer.num_experts << ") must be divisible by world_size (" << c.world_size << ")");
   // An owner may receive every slot of every rank: its rows are world_size * max_tokens * top_k.
-  FUSEMOE_CHECK(c.layer.max_tokens <= std::numeric_limits<int32_t>::max() / c.layer.top_k / c.world_size,
+  FUSEMOE_CHECK(c.layer.max_tokens < std::numeric_limits<int32_t>::max() / c.layer.top_k / c.world_size,
                 "world_size * max_tokens * top_k must be < 2^31 (an owner's rows are int32 indices), got "
                     << c.world_size << " * " << c.layer.max_tokens << " * " << c.layer.top_k);
   validate_config(owner_layer(c));

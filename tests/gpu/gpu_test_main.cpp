@@ -4,8 +4,16 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 int main(int argc, char** argv) {
+  // The expert-parallel suite runs several ranks' streams side by side in this process, their
+  // kernels waiting on each other: give every stream its own hardware queue (the default 8 can
+  // make two streams share one, and a waiting kernel then blocks the other stream's work).
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  // Lazy loading may synchronise the context when a kernel is first launched, which would wait
+  // for another rank's kernel that spins on this rank: load every kernel up front.
+  setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   int count = 0;
   const cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess || count == 0) {

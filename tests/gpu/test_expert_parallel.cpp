@@ -13,6 +13,7 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "common/device_wait.h"
@@ -150,8 +151,18 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
         EpConfig rc = config;
         rc.rank = r;
         Rank& k = ranks[r];
+        // Every copy and fill of a rank goes on its own stream: an operation on the legacy
+        // default stream could wait behind another rank's kernel that waits for this rank.
+        auto download = [&](const DeviceBuffer& b, auto* tag) {
+          using T = std::remove_pointer_t<decltype(tag)>;
+          std::vector<T> host(b.bytes() / sizeof(T));
+          if (b.bytes()) TEST_CUDA(cudaMemcpyAsync(host.data(), b.get(), b.bytes(), cudaMemcpyDeviceToHost, k.stream));
+          return host;
+        };
         for (int call = 0; call < c.calls; ++call) {
-          for (DeviceBuffer* b : {&k.y, &k.dx, &k.dtw, &k.dw13, &k.dw2, &k.ws}) b->poison();
+          for (DeviceBuffer* b : {&k.y, &k.dx, &k.dtw, &k.dw13, &k.dw2, &k.ws}) {
+            if (b->bytes()) TEST_CUDA(cudaMemsetAsync(b->get(), 0xFF, b->bytes(), k.stream));
+          }
           EpForwardArgs fa;
           fa.x = k.x.get();
           fa.topk_idx = static_cast<const int32_t*>(k.idx.get());
@@ -187,9 +198,11 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
           ba.num_sms = fa.num_sms;
           ba.stream = k.stream;
           ep_backward(rc, ba);
+          RawOutputs o{download(k.y, (uint16_t*)nullptr), download(k.dx, (uint16_t*)nullptr),
+                       download(k.dtw, (float*)nullptr), download(k.dw13, (uint8_t*)nullptr),
+                       download(k.dw2, (uint8_t*)nullptr)};
           TEST_CUDA(cudaStreamSynchronize(k.stream));
-          out[r].push_back({k.y.to_host<uint16_t>(), k.dx.to_host<uint16_t>(), k.dtw.to_host<float>(),
-                            k.dw13.to_host<uint8_t>(), k.dw2.to_host<uint8_t>()});
+          out[r].push_back(std::move(o));
         }
       } catch (const std::exception& e) {
         errors[r] = e.what();
@@ -198,9 +211,9 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
   }
   for (auto& t : threads) t.join();
   for (int r = 0; r < R; ++r) {
-    EXPECT_TRUE(errors[r].empty()) << "rank " << r << ": " << errors[r];
-    TEST_CUDA(cudaStreamDestroy(ranks[r].stream));
+    EXPECT_TRUE(errors[r].empty()) << "rank " << r << " (after " << out[r].size() << " calls): " << errors[r];
   }
+  for (int r = 0; r < R; ++r) cudaStreamDestroy(ranks[r].stream);  // a failed context keeps its error
   return out;
 }
 

@@ -95,8 +95,12 @@ def check_fsdp_matches_unsharded(device, impl, grad_in_place, monkeypatch):
     unsharded.grad_in_place = False  # the plain autograd path is the reference
     expected = grads_of(unsharded, batches, lambda x: x)
 
-    fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                       reduce_dtype=torch.float32))
+    # The mesh on the test's device: left to FSDP, a machine with a GPU puts a CPU module's mesh
+    # on cuda:0 and the gloo test fails with mixed devices.
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device if device == "cpu" else "cuda", (1,))
+    fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                  reduce_dtype=torch.float32))
     got = grads_of(module, batches, lambda x: x)
     assert module.gate_up_proj.grad is not None and module.down_proj.grad is not None, \
         "FSDP left the expert weights without gradients"
