@@ -59,9 +59,10 @@ Sm90PeerRows peer_rows(const EpConfig& c, const EpPeers& peers, const EpSymmetri
 }
 
 // Steps 1-5: this rank's message out, every source's message in, the owner plan and the pulls.
-// stage_dy: the backward also stages and pulls dy.
+// The backward (with_dy) also stages and pulls dy. (Decided by the direction, never by the
+// pointer: a rank with no tokens passes no dy, and as an owner still pulls the others'.)
 void exchange(const EpConfig& c, const EpPeers& peers, const EpSymmetric& own, EpPrivate& ws, const void* x,
-              const void* dy, const int32_t* topk_idx, const float* topk_weights, int64_t num_tokens,
+              bool with_dy, const void* dy, const int32_t* topk_idx, const float* topk_weights, int64_t num_tokens,
               int32_t* expert_id_report, cudaStream_t stream) {
   const LayerConfig& l = c.layer;
   const int64_t R = c.world_size, El = l.num_experts / R;
@@ -71,9 +72,11 @@ void exchange(const EpConfig& c, const EpPeers& peers, const EpSymmetric& own, E
   launch_routing(ws.dest_TR, num_tokens, R, R, ws.token_plan, nullptr, stream);
   launch_ep_publish(peers, own, ws.plan, ws.token_plan, topk_idx, topk_weights, l.max_tokens, l.top_k,
                     l.num_experts, stream);
-  const size_t row_bytes = static_cast<size_t>(l.hidden) * 2;
-  FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(own.x_stage, x, num_tokens * row_bytes, cudaMemcpyDeviceToDevice, stream));
-  if (dy != nullptr) {
+  const size_t row_bytes = static_cast<size_t>(l.hidden) * 2;  // copies of 0 rows are skipped
+  if (num_tokens > 0) {
+    FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(own.x_stage, x, num_tokens * row_bytes, cudaMemcpyDeviceToDevice, stream));
+  }
+  if (with_dy && num_tokens > 0) {
     FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(own.dy_stage, dy, num_tokens * row_bytes, cudaMemcpyDeviceToDevice, stream));
   }
   launch_ep_signal(peers, own, /*to_owners=*/true, stream);
@@ -81,7 +84,7 @@ void exchange(const EpConfig& c, const EpPeers& peers, const EpSymmetric& own, E
   launch_ep_wait(peers, own, /*from_sources=*/true, stream);
   launch_ep_owner_plan(own, ws.owner, c.world_size, El, l.max_tokens, l.top_k, stream);
   launch_ep_pull_rows(peers, own, ws.owner, /*x=*/true, l.max_tokens, l.hidden, ws.x_pool, stream);
-  if (dy != nullptr) launch_ep_pull_rows(peers, own, ws.owner, /*x=*/false, l.max_tokens, l.hidden, ws.dy_pool, stream);
+  if (with_dy) launch_ep_pull_rows(peers, own, ws.owner, /*x=*/false, l.max_tokens, l.hidden, ws.dy_pool, stream);
 }
 
 }  // namespace
@@ -101,7 +104,8 @@ void ep_layer_forward(const EpConfig& c, const EpForwardArgs& a) {
   const EpPeers peers = peers_of(c, a.peer_symmetric);
   const EpSymmetric own(c, a.peer_symmetric[c.rank]);
   EpPrivate ws(c, a.workspace, WorkspaceUse::kForward);
-  exchange(c, peers, own, ws, a.x, nullptr, a.topk_idx, a.topk_weights, a.num_tokens, a.expert_id_report, a.stream);
+  exchange(c, peers, own, ws, a.x, /*with_dy=*/false, nullptr, a.topk_idx, a.topk_weights, a.num_tokens,
+           a.expert_id_report, a.stream);
 
   const Sm90Rows rows = owner_rows(c, ws, a.num_sms, a.stream);
   Sm90GateUpParams gate_up;
@@ -135,7 +139,8 @@ void ep_layer_backward(const EpConfig& c, const EpBackwardArgs& a) {
   const EpPeers peers = peers_of(c, a.peer_symmetric);
   const EpSymmetric own(c, a.peer_symmetric[c.rank]);
   EpPrivate ws(c, a.workspace, a.saved_state != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward);
-  exchange(c, peers, own, ws, a.x, a.dy, a.topk_idx, a.topk_weights, a.num_tokens, a.expert_id_report, a.stream);
+  exchange(c, peers, own, ws, a.x, /*with_dy=*/true, a.dy, a.topk_idx, a.topk_weights, a.num_tokens,
+           a.expert_id_report, a.stream);
 
   const Sm90Rows rows = owner_rows(c, ws, a.num_sms, a.stream);
   const int32_t* num_rows_device = ws.owner.expert_offsets + El;

@@ -207,10 +207,14 @@ def test_report_lists_swapped_and_left():
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_patched_model_matches_gpu(family):
     require_gpu()
-    reference = tiny_model(family, "grouped_mm", "cuda")
-    noise = tiny_model(family, "eager", "cuda")
-    noise.load_state_dict(reference.state_dict())
-    swapped = copy.deepcopy(reference)
+    # The FA3 rule: fusemoe's error against an fp32 run of the same weights is at most twice the
+    # error of transformers' own bf16 path (grouped_mm) plus a small absolute term. (Measured
+    # against the bf16 grouped_mm run with the bf16 eager run as noise, a tensor where the two
+    # HF paths agree exactly gave a bound of the atol alone.)
+    noise = tiny_model(family, "grouped_mm", "cuda")
+    reference = tiny_model(family, "eager", "cuda", dtype=torch.float32)
+    reference.load_state_dict({k: v.float() for k, v in noise.state_dict().items()})
+    swapped = copy.deepcopy(noise)
     assert fusemoe.patch_hf_experts(swapped).replaced == ["model.layers.0.mlp.experts"]
     input_ids = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(1))
     input_ids = input_ids.cuda()
@@ -224,7 +228,7 @@ def test_patched_model_matches_gpu(family):
     for name, g, b, r in rows:
         err, noise_err = rel_err(g, r), rel_err(b, r)
         tol = 2 * noise_err + BF16_NOISE_ATOL
-        report.append(f"{family} {name}: fusemoe {err:.2e}, eager {noise_err:.2e}, tol {tol:.2e}")
+        report.append(f"{family} {name}: fusemoe {err:.2e}, grouped_mm {noise_err:.2e}, tol {tol:.2e}")
         if not err <= tol:
             failures.append(report[-1])
     print("\n".join(report))
