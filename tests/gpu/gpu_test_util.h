@@ -1,6 +1,7 @@
-// Shared helpers of the GPU suites: random bf16 problems with named routings, device buffers
-// poisoned with NaN (0xFF bytes) before every call, a runner that drives one implementation
-// through the public API, and error statistics (relative L2, max abs, DeepGEMM calc_diff).
+// Shared helpers of the layer-level GPU suites: random bf16 problems with the named routings of
+// tests/common/routing.h, a runner that drives one implementation through the public API with
+// outputs and workspace poisoned with NaN (0xFF bytes) before every call (tests/common device
+// buffers), and error statistics (relative L2, max abs, DeepGEMM calc_diff).
 // Shape legend: T tokens, H hidden, I intermediate, E experts, K top-k.
 #pragma once
 
@@ -18,6 +19,8 @@
 #include <tuple>
 #include <vector>
 
+#include "common/device_buffer.h"
+#include "common/routing.h"
 #include "fusemoe/fusemoe.h"
 #include "reference/bf16_host.h"
 #include "reference/moe_reference.h"
@@ -37,30 +40,10 @@ struct Dims {
 inline Dims medium_dims(int64_t tokens) { return Dims{tokens, 512, 256, 16, 4}; }
 inline Dims qwen3_30b_dims(int64_t tokens) { return Dims{tokens, 2048, 768, 128, 8}; }
 
-enum class Routing {
-  kUniform,     // K distinct experts per token, uniformly random
-  kOneExpert,   // slot 0 of every token -> expert 3 (that expert holds T rows), rest uniform
-  kAllSlotsOne, // every slot of every token -> expert 3 (repeated ids: T*K rows on one expert)
-  kFewExperts,  // only experts 1 and E-2 are used: every other expert is empty
-  kMasked,      // uniform with ~30% masked slots and every 5th token fully masked
-  kSkewed,      // Zipf-like expert popularity, K distinct experts per token
-};
-
-inline const char* routing_name(Routing r) {
-  switch (r) {
-    case Routing::kUniform: return "uniform";
-    case Routing::kOneExpert: return "one_expert";
-    case Routing::kAllSlotsOne: return "all_slots_one";
-    case Routing::kFewExperts: return "few_experts";
-    case Routing::kMasked: return "masked";
-    case Routing::kSkewed: return "skewed";
-  }
-  return "?";
-}
-
-// Every routing, for suites that run all of them.
-constexpr Routing kAllRoutings[] = {Routing::kUniform,    Routing::kOneExpert, Routing::kAllSlotsOne,
-                                    Routing::kFewExperts, Routing::kMasked,    Routing::kSkewed};
+using harness::DeviceBuffer;
+using harness::kAllRoutings;
+using harness::Routing;
+using harness::routing_name;
 
 // Test names of (tokens, routing) suites: "T199_masked".
 inline std::string token_routing_name(
@@ -108,40 +91,9 @@ inline HostProblem make_problem(const Dims& d, Routing routing, uint64_t seed) {
   p.w13_EFH = random_bf16(d.E * 2 * d.I * d.H, 1.0 / std::sqrt(double(d.H)), rng);
   p.w2_EHI = random_bf16(d.E * d.H * d.I, 1.0 / std::sqrt(double(d.I)), rng);
   p.dy_TH = random_bf16(d.T * d.H, 1.0, rng);
-  p.idx_TK.assign(d.T * d.K, -1);
-  p.w_TK.assign(d.T * d.K, 0.0f);
-  std::vector<double> popularity(d.E, 1.0);
-  if (routing == Routing::kSkewed) {
-    std::vector<int> rank(d.E);
-    std::iota(rank.begin(), rank.end(), 0);
-    std::shuffle(rank.begin(), rank.end(), rng);
-    for (int64_t e = 0; e < d.E; ++e) popularity[e] = 1.0 / std::pow(rank[e] + 1.0, 1.2);
-  }
-  std::uniform_real_distribution<float> unit(0.05f, 1.0f);
-  for (int64_t t = 0; t < d.T; ++t) {
-    std::vector<double> weights = popularity;
-    float sum = 0.0f;
-    for (int64_t j = 0; j < d.K; ++j) {
-      int32_t e;
-      if (routing == Routing::kAllSlotsOne) {
-        e = 3 % d.E;
-      } else if (routing == Routing::kOneExpert && j == 0) {
-        e = 3 % d.E;
-      } else if (routing == Routing::kFewExperts) {
-        e = (j % 2 == 0) ? 1 : static_cast<int32_t>(d.E - 2);
-      } else {
-        if (routing == Routing::kOneExpert) weights[3 % d.E] = 0.0;  // keep ids distinct
-        std::discrete_distribution<int32_t> pick(weights.begin(), weights.end());
-        e = pick(rng);
-        weights[e] = 0.0;  // distinct ids per token
-      }
-      const bool masked = routing == Routing::kMasked && (t % 5 == 0 || unit(rng) < 0.3f);
-      p.idx_TK[t * d.K + j] = masked ? -1 : e;
-      p.w_TK[t * d.K + j] = unit(rng);
-      sum += p.w_TK[t * d.K + j];
-    }
-    for (int64_t j = 0; j < d.K; ++j) p.w_TK[t * d.K + j] /= sum;
-  }
+  harness::TopK topk = harness::make_topk(d.T, d.E, d.K, routing, rng());
+  p.idx_TK = std::move(topk.idx_TK);
+  p.w_TK = std::move(topk.w_TK);
   return p;
 }
 
@@ -179,43 +131,6 @@ inline reference::Problem to_reference(const HostProblem& p) {
   r.w2_EHI = widen(p.w2_EHI);
   return r;
 }
-
-// Owning device allocation. Poisoned with 0xFF bytes (NaN in bf16 and fp32) on request.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    if (bytes_ > 0) TEST_CUDA(cudaMalloc(&ptr_, bytes_));
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
-  ~DeviceBuffer() {
-    if (ptr_) cudaFree(ptr_);
-  }
-  template <typename T>
-  static DeviceBuffer from(const std::vector<T>& host) {
-    DeviceBuffer b(host.size() * sizeof(T));
-    if (b.bytes_) TEST_CUDA(cudaMemcpy(b.ptr_, host.data(), b.bytes_, cudaMemcpyHostToDevice));
-    return b;
-  }
-  template <typename T>
-  std::vector<T> to_host() const {
-    std::vector<T> out(bytes_ / sizeof(T));
-    if (bytes_) TEST_CUDA(cudaMemcpy(out.data(), ptr_, bytes_, cudaMemcpyDeviceToHost));
-    return out;
-  }
-  void poison() {
-    if (bytes_) TEST_CUDA(cudaMemset(ptr_, 0xFF, bytes_));
-  }
-  // A non-null, aligned address even for 0 bytes (the API requires weights to be non-null).
-  void* get() const { return ptr_; }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
 
 // Outputs of one forward + backward, widened to double for comparison.
 struct LayerOutputs {
