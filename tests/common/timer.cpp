@@ -5,17 +5,12 @@
 #include "fusemoe/error.h"
 
 namespace fusemoe::harness {
-namespace {
-
-// 4x the L2: after that much fresh data, nothing of the previous run is left in it.
 size_t l2_flush_bytes() {
   int device = 0, l2_bytes = 0;
   FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
   FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
   return 4 * static_cast<size_t>(l2_bytes);
 }
-
-}  // namespace
 
 TimingStats summarize(std::vector<float> samples_ms) {
   FUSEMOE_CHECK(!samples_ms.empty(), "summarize: no samples");

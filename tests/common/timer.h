@@ -20,6 +20,10 @@ struct TimingStats {
 
 TimingStats summarize(std::vector<float> samples_ms);
 
+// The bytes written before each timed run: 4x the current device's L2 (queried), so nothing of
+// the previous run is left in it.
+size_t l2_flush_bytes();
+
 class EventTimer {
  public:
   explicit EventTimer(cudaStream_t stream);
