@@ -9,8 +9,6 @@
 // bench/run (calls and timings), bench/checks (against the reference), bench/report (table, JSON).
 // Exit: 0 ok, 1 a correctness check failed, 2 bad arguments, 3 no Hopper GPU, 4 runtime error.
 // Shapes: T tokens, H hidden, I expert intermediate, E experts, K top-k, R valid routed rows.
-#include <cublas_v2.h>
-
 #include <cstdio>
 #include <exception>
 #include <string>
@@ -18,56 +16,17 @@
 #include "bench/options.h"
 #include "bench/report.h"
 #include "bench/run.h"
-#include "common/timer.h"
-
-namespace {
-
-// major * 10000 + minor * 100 + patch.
-int cublas_version() {
-  int major = 0, minor = 0, patch = 0;
-  if (cublasGetProperty(MAJOR_VERSION, &major) != CUBLAS_STATUS_SUCCESS ||
-      cublasGetProperty(MINOR_VERSION, &minor) != CUBLAS_STATUS_SUCCESS ||
-      cublasGetProperty(PATCH_LEVEL, &patch) != CUBLAS_STATUS_SUCCESS) {
-    return 0;
-  }
-  return major * 10000 + minor * 100 + patch;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   using namespace fusemoe::bench;
-  BenchParams params;
-  try {
-    params = parse_args(argc, argv);
-  } catch (const UsageError& usage) {
-    if (usage.message.empty()) {
-      std::fputs(kUsage, stdout);
-      return kExitOk;
-    }
-    std::fprintf(stderr, "fusemoe_bench: %s\n%s", usage.message.c_str(), kUsage);
-    return kExitBadArgs;
-  }
-
-  BenchResult result;
-  result.commit = commit_id();
-  result.date = utc_now();
-  std::string reason;
-  bool found = false;
-  try {
-    found = fusemoe::harness::find_sm90(&result.gpu, &reason);
-  } catch (const std::exception& error) {
-    reason = error.what();
-  }
-  if (!found) {
-    std::fprintf(stderr, "fusemoe_bench: no Hopper (sm_90) GPU found: %s; the benchmark needs an H100/H200\n",
-                 reason.c_str());
-    return kExitNoHopper;
-  }
-  result.cublas_version = cublas_version();
-  result.l2_flush_bytes = fusemoe::harness::l2_flush_bytes();
-
   int exit_code = kExitOk;
+  BenchParams params;
+  if (!parse_command_line("fusemoe_bench", kUsage, [&] { return parse_args(argc, argv); }, &params, &exit_code)) {
+    return exit_code;
+  }
+  BenchResult result;
+  if (!gather_facts("fusemoe_bench", &result.facts)) return kExitNoHopper;
+
   try {
     print_header(params, result);
     if (!run_bench(params, result)) {

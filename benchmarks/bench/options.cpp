@@ -25,8 +25,6 @@ const char* const kUsage =
     "  --check-max-tokens  check only token counts <= N (others are timed, check 'skipped')\n"
     "exit: 0 ok, 1 correctness failure, 2 bad arguments, 3 no Hopper GPU, 4 runtime error\n";
 
-namespace {
-
 int64_t parse_int(const std::string& flag, const std::string& text, int64_t min_value) {
   size_t used = 0;
   long long value = 0;
@@ -48,51 +46,75 @@ std::vector<std::string> split_commas(const std::string& text) {
   return parts;
 }
 
-}  // namespace
+const Preset& find_preset(const std::string& name) {
+  for (const Preset& preset : kPresets) {
+    if (name == preset.name) return preset;
+  }
+  throw UsageError{"unknown --preset '" + name + "'"};
+}
+
+void for_each_flag(int argc, char** argv, const std::function<void(const Flag&)>& handle) {
+  for (int i = 1; i < argc; ++i) {
+    std::string name = argv[i], value;
+    bool has_inline_value = false;
+    if (size_t eq = name.find('='); name.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_inline_value = true;
+    }
+    if (name == "--help" || name == "-h") throw UsageError{""};
+    const Flag flag{name,
+                    [&]() -> std::string {
+                      if (has_inline_value) return value;
+                      if (i + 1 >= argc) throw UsageError{name + " needs a value"};
+                      return argv[++i];
+                    },
+                    has_inline_value};
+    handle(flag);
+  }
+}
+
+bool parse_shared_flag(const Flag& flag, SharedOptions* options) {
+  if (flag.name == "--tokens") {
+    options->tokens.clear();
+    for (const std::string& part : split_commas(flag.value())) options->tokens.push_back(parse_int(flag.name, part, 1));
+    if (options->tokens.empty()) throw UsageError{"--tokens needs at least one count"};
+  } else if (flag.name == "--routing") {
+    const std::string name = flag.value();
+    if (!harness::parse_routing(name, &options->routing)) {
+      std::string known;
+      for (harness::Routing r : harness::kAllRoutings) known += std::string(" ") + harness::routing_name(r);
+      throw UsageError{"unknown --routing '" + name + "' (known:" + known + ")"};
+    }
+  } else if (flag.name == "--iters") {
+    options->iters = static_cast<int>(parse_int(flag.name, flag.value(), 1));
+  } else if (flag.name == "--warmup") {
+    options->warmup = static_cast<int>(parse_int(flag.name, flag.value(), 0));
+  } else if (flag.name == "--json") {
+    options->json_path = flag.value();
+    if (options->json_path.empty()) throw UsageError{"--json needs a path"};
+  } else if (flag.name == "--seed") {
+    options->seed = static_cast<uint64_t>(parse_int(flag.name, flag.value(), 0));
+  } else if (flag.name == "--no-check") {
+    if (flag.has_inline_value) throw UsageError{"--no-check takes no value"};
+    options->check = false;
+  } else {
+    return false;
+  }
+  return true;
+}
 
 BenchParams parse_args(int argc, char** argv) {
   BenchParams params;
+  params.tokens = {4096};
   for (const BenchImpl& impl : kBenchImpls) params.impls.push_back(impl);
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    std::string value;
-    bool has_inline_value = false;
-    if (size_t eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-      has_inline_value = true;
-    }
-    auto next_value = [&]() -> std::string {
-      if (has_inline_value) return value;
-      if (i + 1 >= argc) throw UsageError{flag + " needs a value"};
-      return argv[++i];
-    };
-    if (flag == "--help" || flag == "-h") {
-      throw UsageError{""};
-    } else if (flag == "--preset") {
-      const std::string name = next_value();
-      bool found = false;
-      for (const Preset& preset : kPresets) {
-        if (name == preset.name) {
-          params.preset = preset;
-          found = true;
-        }
-      }
-      if (!found) throw UsageError{"unknown --preset '" + name + "'"};
-    } else if (flag == "--tokens") {
-      params.tokens.clear();
-      for (const std::string& part : split_commas(next_value())) params.tokens.push_back(parse_int(flag, part, 1));
-      if (params.tokens.empty()) throw UsageError{"--tokens needs at least one count"};
-    } else if (flag == "--routing") {
-      const std::string name = next_value();
-      if (!harness::parse_routing(name, &params.routing)) {
-        std::string known;
-        for (harness::Routing r : harness::kAllRoutings) known += std::string(" ") + harness::routing_name(r);
-        throw UsageError{"unknown --routing '" + name + "' (known:" + known + ")"};
-      }
-    } else if (flag == "--impl") {
+  for_each_flag(argc, argv, [&](const Flag& flag) {
+    if (parse_shared_flag(flag, &params)) return;
+    if (flag.name == "--preset") {
+      params.preset = find_preset(flag.value());
+    } else if (flag.name == "--impl") {
       params.impls.clear();
-      for (const std::string& name : split_commas(next_value())) {
+      for (const std::string& name : split_commas(flag.value())) {
         const BenchImpl* match = nullptr;
         for (const BenchImpl& impl : kBenchImpls) {
           if (name == impl.name) match = &impl;
@@ -105,24 +127,12 @@ BenchParams parse_args(int argc, char** argv) {
         params.impls.push_back(*match);
       }
       if (params.impls.empty()) throw UsageError{"--impl needs at least one name"};
-    } else if (flag == "--iters") {
-      params.iters = static_cast<int>(parse_int(flag, next_value(), 1));
-    } else if (flag == "--warmup") {
-      params.warmup = static_cast<int>(parse_int(flag, next_value(), 0));
-    } else if (flag == "--json") {
-      params.json_path = next_value();
-      if (params.json_path.empty()) throw UsageError{"--json needs a path"};
-    } else if (flag == "--seed") {
-      params.seed = static_cast<uint64_t>(parse_int(flag, next_value(), 0));
-    } else if (flag == "--no-check") {
-      if (has_inline_value) throw UsageError{"--no-check takes no value"};
-      params.check = false;
-    } else if (flag == "--check-max-tokens") {
-      params.check_max_tokens = parse_int(flag, next_value(), 0);
+    } else if (flag.name == "--check-max-tokens") {
+      params.check_max_tokens = parse_int(flag.name, flag.value(), 0);
     } else {
-      throw UsageError{"unknown argument '" + std::string(argv[i]) + "'"};
+      throw UsageError{"unknown argument '" + flag.name + "'"};
     }
-  }
+  });
   return params;
 }
 

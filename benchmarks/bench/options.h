@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -47,16 +49,20 @@ constexpr BenchImpl kBenchImpls[] = {
 // The fp32 GPU oracle every implementation is checked against.
 constexpr BenchImpl kReferenceImpl = {"reference_fp32", Impl::kReferenceFp32, true, false};
 
-struct BenchParams {
-  Preset preset = kPresets[0];
-  std::vector<int64_t> tokens = {4096};
+// The flags both benchmarks take.
+struct SharedOptions {
+  std::vector<int64_t> tokens;
   harness::Routing routing = harness::Routing::kUniform;
-  std::vector<BenchImpl> impls;
   int iters = 20;
   int warmup = 5;
   std::string json_path;
   uint64_t seed = 1234;
   bool check = true;
+};
+
+struct BenchParams : SharedOptions {
+  Preset preset = kPresets[0];
+  std::vector<BenchImpl> impls;
   // Token counts above this are timed but not checked (the fp32 reference is slow at 235B).
   int64_t check_max_tokens = std::numeric_limits<int64_t>::max();
 };
@@ -67,6 +73,43 @@ struct UsageError {
 };
 
 extern const char* const kUsage;
+
+// Command-line pieces the benchmarks share; they throw UsageError.
+int64_t parse_int(const std::string& flag, const std::string& text, int64_t min_value);
+std::vector<std::string> split_commas(const std::string& text);
+const Preset& find_preset(const std::string& name);
+
+// What a flag handler gets: the flag ("--iters"), its value (from "--iters=N" or the next
+// argument; throws UsageError when there is none) and whether "=" gave one.
+struct Flag {
+  std::string name;
+  std::function<std::string()> value;
+  bool has_inline_value;
+};
+// Calls handle(flag) for each argument; --help and -h throw UsageError{""}.
+void for_each_flag(int argc, char** argv, const std::function<void(const Flag&)>& handle);
+// Handles --tokens, --routing, --iters, --warmup, --json, --seed and --no-check; false for any
+// other flag.
+bool parse_shared_flag(const Flag& flag, SharedOptions* options);
+
+// *params = parse(); on a UsageError prints `usage` (on stdout for --help, else on stderr after
+// the message) and returns false with the exit code in *exit_code.
+template <typename Params, typename Parse>
+bool parse_command_line(const char* tool, const char* usage, Parse&& parse, Params* params, int* exit_code) {
+  try {
+    *params = parse();
+    return true;
+  } catch (const UsageError& error) {
+    if (error.message.empty()) {
+      std::fputs(usage, stdout);
+      *exit_code = kExitOk;
+    } else {
+      std::fprintf(stderr, "%s: %s\n%s", tool, error.message.c_str(), usage);
+      *exit_code = kExitBadArgs;
+    }
+    return false;
+  }
+}
 
 // Throws UsageError.
 BenchParams parse_args(int argc, char** argv);

@@ -6,8 +6,9 @@
 #include <string>
 #include <vector>
 
+#include "bench/cublas.h"
+#include "bench/facts.h"
 #include "bench/options.h"
-#include "common/device.h"
 #include "common/routing.h"
 #include "common/timer.h"
 
@@ -44,26 +45,12 @@ struct CaseResult {
   std::vector<TimingLine> timings;
 };
 
-struct Ceiling {
-  std::string what;
-  double tflops = 0;
-  harness::TimingStats stats;
-};
-
 struct BenchResult {
-  harness::GpuInfo gpu;
-  int cublas_version = 0;  // major * 10000 + minor * 100 + patch
-  size_t l2_flush_bytes = 0;  // written before each timed call (harness::l2_flush_bytes)
-  std::string commit, date;
+  RunFacts facts;
   Ceiling ceiling;
   std::vector<CaseResult> cases;
   std::string error;  // set when a runtime error stopped the run
 };
-
-// The commit under test: $FUSEMOE_COMMIT when set, else the one the build recorded from its
-// own source checkout (fusemoe_commit.h, CMake), else "unknown".
-std::string commit_id();
-std::string utc_now();
 
 void print_header(const BenchParams& params, const BenchResult& result);
 void print_case(const BenchParams& params, const BenchResult& result, const CaseResult& c);

@@ -34,11 +34,13 @@ class DeviceBuffer {
     std::swap(bytes_, other.bytes_);
   }
 
+  // Done before it returns (also for work queued next on a non-blocking stream).
   template <typename T>
   static DeviceBuffer from(const std::vector<T>& host) {
     DeviceBuffer buffer(host.size() * sizeof(T));
     if (buffer.bytes_ > 0) {
       FUSEMOE_CUDA_CHECK(cudaMemcpy(buffer.ptr_, host.data(), buffer.bytes_, cudaMemcpyHostToDevice));
+      FUSEMOE_CUDA_CHECK(cudaDeviceSynchronize());
     }
     return buffer;
   }
@@ -48,10 +50,12 @@ class DeviceBuffer {
     if (bytes_ > 0) FUSEMOE_CUDA_CHECK(cudaMemcpy(out.data(), ptr_, bytes_, cudaMemcpyDeviceToHost));
     return out;
   }
-  // Copies all of `other` (same size) on the device.
+  // Copies all of `other` (same size) on the device; done before it returns.
   void copy_from(const DeviceBuffer& other) {
     FUSEMOE_CHECK(other.bytes_ == bytes_, "copy_from: " << other.bytes_ << " bytes into " << bytes_);
-    if (bytes_ > 0) FUSEMOE_CUDA_CHECK(cudaMemcpy(ptr_, other.ptr_, bytes_, cudaMemcpyDeviceToDevice));
+    if (bytes_ == 0) return;
+    FUSEMOE_CUDA_CHECK(cudaMemcpy(ptr_, other.ptr_, bytes_, cudaMemcpyDeviceToDevice));
+    FUSEMOE_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
   // Queued on `stream`, ordered with the calls that follow on it.

@@ -157,6 +157,7 @@ __global__ void count_different_kernel(const uint8_t* a, const uint8_t* b, int64
 
 template <typename Launch>
 uint64_t run_count(Launch&& launch) {
+  FUSEMOE_CUDA_CHECK(cudaDeviceSynchronize());
   DeviceBuffer count(sizeof(unsigned long long));
   FUSEMOE_CUDA_CHECK(cudaMemset(count.get(), 0, count.bytes()));
   launch(count.as<unsigned long long>());
@@ -197,6 +198,7 @@ CompareResult compare(DeviceTensor out, DeviceTensor ref, int64_t rows, int64_t 
   CompareResult result;
   result.count = rows * cols;
   if (result.count == 0) return result;
+  FUSEMOE_CUDA_CHECK(cudaDeviceSynchronize());
   DeviceBuffer sums_buffer(sizeof(Sums));
   CompareArgs args{out, ref, options.addend, options.out_row, options.row_scale, rows, cols,
                    options.out_stride < 0 ? cols : options.out_stride, static_cast<float>(options.rtol), 0.0f};

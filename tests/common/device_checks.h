@@ -53,9 +53,10 @@ struct CompareResult {
   std::string describe(int64_t cols) const;
 };
 
-// Synchronises the device before returning.
+// Waits for all work on the device first (so the inputs may come from any stream).
 CompareResult compare(DeviceTensor out, DeviceTensor ref, int64_t rows, int64_t cols, const CompareOptions& options);
 
+// The counts below wait for all work on the device first, as compare() does.
 // Bytes other than `value` in the rows r < rows with keep[r] != 0 of a [rows, row_bytes] buffer.
 uint64_t count_bytes_other_than(const void* buffer, int64_t rows, int64_t row_bytes, const uint8_t* keep_device,
                                 uint8_t value);

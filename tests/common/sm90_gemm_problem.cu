@@ -117,13 +117,14 @@ Sm90GemmProblem::Sm90GemmProblem(const MoeShape& shape, const std::vector<int32_
   w2_ = bf16_buffer(E * H * I);
   // Scales keep every GEMM's output near 1 (z, o, a, dx), so that rounding, not range, sets
   // the error: rows ~ N(0, 1), weights ~ N(0, 1/K) for a sum over K.
-  const float inv_sqrt_h = 1.0f / std::sqrt(static_cast<float>(H)), inv_sqrt_i = 1.0f / std::sqrt(static_cast<float>(I));
+  const float inv_sqrt_h = 1.0f / std::sqrt(static_cast<float>(H));
+  const float inv_sqrt_i = 1.0f / std::sqrt(static_cast<float>(I));
   uint64_t stream_seed = seed * 16;
   fill_normal_bf16(x_.get(), shape.T * H, ++stream_seed, 1.0f, stream_);
   fill_normal_bf16(xs_.get(), S * H, ++stream_seed, 1.0f, stream_);
   fill_normal_bf16(dys_.get(), S * H, ++stream_seed, 1.0f, stream_);
   fill_normal_bf16(z_in_.get(), S * 2 * I, ++stream_seed, 1.0f, stream_);
-  fill_normal_bf16(dz_in_.get(), S * 2 * I, ++stream_seed, inv_sqrt_i, stream_);
+  fill_normal_bf16(dz_in_.get(), S * 2 * I, ++stream_seed, 1.0f, stream_);
   fill_normal_bf16(wh_in_.get(), S * I, ++stream_seed, 1.0f, stream_);
   fill_normal_bf16(h_in_.get(), S * I, ++stream_seed, 1.0f, stream_);
   fill_normal_bf16(w13_.get(), E * 2 * I * H, ++stream_seed, inv_sqrt_h, stream_);
@@ -252,7 +253,8 @@ std::vector<Check> Sm90GemmProblem::check_gate_up(bool clamp, bool store_z, bool
   const DeviceBuffer z_ref = rows_reference(xs_, w13_, WeightLayout::kNK, shape_.H, 2 * I);
   DeviceBuffer h_ref = fp32_buffer(S * I);
   if (R > 0) {
-    reference_swiglu_forward<<<1024, 256>>>(z_ref.as<float>(), R, I, clamp ? kClampLimit : 0.0f, h_ref.as<float>());
+    reference_swiglu_forward<<<1024, 256, 0, stream_>>>(z_ref.as<float>(), R, I, clamp ? kClampLimit : 0.0f,
+                                                        h_ref.as<float>());
     FUSEMOE_CUDA_CHECK(cudaGetLastError());
   }
   const CompareOptions options = bf16_options();
@@ -268,33 +270,40 @@ std::vector<Check> Sm90GemmProblem::check_gate_up(bool clamp, bool store_z, bool
   return checks;
 }
 
-std::vector<Check> Sm90GemmProblem::check_down(bool determinism) {
-  const int64_t S = num_slots(), R = num_rows(), H = shape_.H;
-  const auto launch = [&] { launch_down(); };
+std::vector<Check> Sm90GemmProblem::check_rows_output(const std::string& what, const std::function<void()>& launch,
+                                                      const DeviceBuffer& out, const DeviceBuffer& ref, int64_t n,
+                                                      const CompareOptions& options, const DeviceBuffer& keep,
+                                                      bool determinism) const {
   std::vector<Check> checks;
-  poison_and_launch("down", {&ys_}, launch);
-  const DeviceBuffer o_ref = rows_reference(h_in_, w2_, WeightLayout::kNK, shape_.I, H);
-  CompareOptions options = bf16_options();
-  options.out_row = row_slot_.as<int32_t>();
-  options.row_scale = topk_w_.as<float>();
-  checks.push_back(compared("down ys[slot] = w[slot] (h W2^T)",
-                            compare(bf16_tensor(ys_.get()), fp32_tensor(o_ref.get()), R, H, options), H));
-  checks.push_back(kept_poison("down ys (slots without a row)", ys_, H * 2, slot_keep_));
-  if (determinism) checks.push_back(rerun_is_bitwise_equal("down", {&ys_}, launch));
+  poison_and_launch(what.c_str(), {&out}, launch);
+  checks.push_back(compared(what, compare(bf16_tensor(out.get()), fp32_tensor(ref.get()), num_rows(), n, options), n));
+  checks.push_back(kept_poison(what, out, n * 2, keep));
+  if (determinism) checks.push_back(rerun_is_bitwise_equal(what, {&out}, launch));
   return checks;
 }
 
+std::vector<Check> Sm90GemmProblem::check_down(bool determinism) {
+  CompareOptions options = bf16_options();
+  options.out_row = row_slot_.as<int32_t>();
+  options.row_scale = topk_w_.as<float>();
+  return check_rows_output("down ys[slot] = w[slot] (h W2^T)", [&] { launch_down(); }, ys_,
+                           rows_reference(h_in_, w2_, WeightLayout::kNK, shape_.I, shape_.H), shape_.H, options,
+                           slot_keep_, determinism);
+}
+
 std::vector<Check> Sm90GemmProblem::check_recompute_z(bool determinism) {
-  const int64_t S = num_slots(), R = num_rows(), I = shape_.I;
-  const auto launch = [&] { launch_recompute_z(); };
-  std::vector<Check> checks;
-  poison_and_launch("recompute z", {&z_}, launch);
-  const DeviceBuffer z_ref = rows_reference(xs_, w13_, WeightLayout::kNK, shape_.H, 2 * I);
-  checks.push_back(compared("recompute z = xs W13^T",
-                            compare(bf16_tensor(z_.get()), fp32_tensor(z_ref.get()), R, 2 * I, bf16_options()), 2 * I));
-  checks.push_back(kept_poison("recompute z", z_, 2 * I * 2, row_keep_));
-  if (determinism) checks.push_back(rerun_is_bitwise_equal("recompute z", {&z_}, launch));
-  return checks;
+  return check_rows_output("recompute z = xs W13^T", [&] { launch_recompute_z(); }, z_,
+                           rows_reference(xs_, w13_, WeightLayout::kNK, shape_.H, 2 * shape_.I), 2 * shape_.I,
+                           bf16_options(), row_keep_, determinism);
+}
+
+std::vector<Check> Sm90GemmProblem::check_dgrad_scatter(bool determinism) {
+  CompareOptions options = bf16_options();
+  options.out_row = row_slot_.as<int32_t>();
+  // dx = dz W13_e: W13 [E, 2I, H] is [E, K, N] here.
+  return check_rows_output("dgrad scatter dx_slots[slot] = dz W13", [&] { launch_dgrad_scatter(); }, dx_slots_,
+                           rows_reference(dz_in_, w13_, WeightLayout::kKN, 2 * shape_.I, shape_.H), shape_.H, options,
+                           slot_keep_, determinism);
 }
 
 std::vector<Check> Sm90GemmProblem::check_dgrad_swiglu(int block_n, bool clamp, bool determinism) {
@@ -312,7 +321,7 @@ std::vector<Check> Sm90GemmProblem::check_dgrad_swiglu(int block_n, bool clamp, 
   const DeviceBuffer a_ref = rows_reference(dys_, w2_, WeightLayout::kKN, shape_.H, I);
   DeviceBuffer dz_ref = fp32_buffer(S * 2 * I), wh_ref = fp32_buffer(S * I), dot_ref = fp32_buffer(S);
   if (R > 0) {
-    reference_swiglu_backward<<<static_cast<unsigned>((R * 32 + 255) / 256), 256>>>(
+    reference_swiglu_backward<<<static_cast<unsigned>((R * 32 + 255) / 256), 256, 0, stream_>>>(
         a_ref.as<float>(), z_in_.as<bf16>(), row_slot_.as<int32_t>(), topk_w_.as<float>(), R, I,
         clamp ? kClampLimit : 0.0f, dz_ref.as<float>(), wh_ref.as<float>(), dot_ref.as<float>());
     FUSEMOE_CUDA_CHECK(cudaGetLastError());
@@ -339,22 +348,6 @@ std::vector<Check> Sm90GemmProblem::check_dgrad_swiglu(int block_n, bool clamp, 
   return checks;
 }
 
-std::vector<Check> Sm90GemmProblem::check_dgrad_scatter(bool determinism) {
-  const int64_t S = num_slots(), R = num_rows(), H = shape_.H;
-  const auto launch = [&] { launch_dgrad_scatter(); };
-  std::vector<Check> checks;
-  poison_and_launch("dgrad scatter", {&dx_slots_}, launch);
-  // dx = dz W13_e: W13 [E, 2I, H] is [E, K, N] here.
-  const DeviceBuffer dx_ref = rows_reference(dz_in_, w13_, WeightLayout::kKN, 2 * shape_.I, H);
-  CompareOptions options = bf16_options();
-  options.out_row = row_slot_.as<int32_t>();
-  checks.push_back(compared("dgrad scatter dx_slots[slot] = dz W13",
-                            compare(bf16_tensor(dx_slots_.get()), fp32_tensor(dx_ref.get()), R, H, options), H));
-  checks.push_back(kept_poison("dgrad scatter dx_slots (slots without a row)", dx_slots_, H * 2, slot_keep_));
-  if (determinism) checks.push_back(rerun_is_bitwise_equal("dgrad scatter", {&dx_slots_}, launch));
-  return checks;
-}
-
 std::vector<Check> Sm90GemmProblem::check_weight_grad(WeightGrad which, bool determinism) {
   const bool w2 = which == WeightGrad::kW2;
   const int64_t E = shape_.E, M = w2 ? shape_.H : 2 * shape_.I, N = w2 ? shape_.I : shape_.H;
@@ -364,7 +357,7 @@ std::vector<Check> Sm90GemmProblem::check_weight_grad(WeightGrad which, bool det
   std::vector<Check> checks;
   DeviceBuffer ref = fp32_buffer(count);
   reference_weight_grad(w2 ? dys_.get() : dz_in_.get(), w2 ? wh_in_.get() : xs_.get(), offsets_.as<int32_t>(), E, M, N,
-                        ref.as<float>());
+                        ref.as<float>(), stream_);
   std::vector<uint8_t> empty(E);  // experts without rows
   for (int64_t e = 0; e < E; ++e) empty[e] = rows_.counts[e] == 0;
   const DeviceBuffer empty_device = DeviceBuffer::from(empty);
@@ -400,11 +393,11 @@ std::vector<Check> Sm90GemmProblem::check_weight_grad(WeightGrad which, bool det
     // Onto random values: ref + init; experts without rows keep init bit for bit.
     DeviceBuffer init(count * elem);
     if (bf16_grad) {
-      fill_normal_bf16(init.get(), count, 77 + static_cast<int>(which), 1.0f);
+      fill_normal_bf16(init.get(), count, 77 + static_cast<int>(which), 1.0f, stream_);
     } else {
-      fill_normal_fp32(init.as<float>(), count, 77 + static_cast<int>(which), 1.0f);
+      fill_normal_fp32(init.as<float>(), count, 77 + static_cast<int>(which), 1.0f, stream_);
     }
-    FUSEMOE_CUDA_CHECK(cudaMemcpy(grad.get(), init.get(), init.bytes(), cudaMemcpyDeviceToDevice));
+    FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(grad.get(), init.get(), init.bytes(), cudaMemcpyDeviceToDevice, stream_));
     launch_weight_grad(which, bf16_grad, /*accumulate=*/true);
     wait_device("weight gradient accumulate", stream_);
     CompareOptions accumulate = options;

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common/device_buffer.h"
+#include "common/device_checks.h"
 #include "common/reference_gemm.h"
 #include "common/routing.h"
 #include "launchers/sm90_grouped_gemm.h"
@@ -102,6 +103,12 @@ class Sm90GemmProblem {
                               int64_t n) const;
   void poison_and_launch(const char* what, const std::vector<const DeviceBuffer*>& outputs,
                          const std::function<void()>& launch) const;
+  // One bf16 output of rows (or slots, by options.out_row) against ref [R, n]: poisoned,
+  // launched, compared; rows with keep[r] keep their poison; optionally launched again.
+  std::vector<Check> check_rows_output(const std::string& what, const std::function<void()>& launch,
+                                       const DeviceBuffer& out, const DeviceBuffer& ref, int64_t n,
+                                       const CompareOptions& options, const DeviceBuffer& keep,
+                                       bool determinism) const;
   // Launches again on poisoned outputs: every byte as the launch before.
   Check rerun_is_bitwise_equal(const std::string& what, const std::vector<const DeviceBuffer*>& outputs,
                                const std::function<void()>& launch) const;
