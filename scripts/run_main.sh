@@ -8,5 +8,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR="${FUSEMOE_BUILD_DIR:-build}"
 bash scripts/setup.sh
-export FUSEMOE_COMMIT="${FUSEMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+# The report names the commit the build recorded from this checkout (or $FUSEMOE_COMMIT if set).
 exec "$BUILD_DIR/fusemoe_bench" "$@"
