@@ -17,6 +17,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "common/device_buffer.h"
@@ -164,15 +165,42 @@ inline std::vector<double> widen_grad(const DeviceBuffer& b, WeightGradDtype dty
   return std::vector<double>(f.begin(), f.end());
 }
 
+// Device copies of a problem's inputs.
+struct DeviceInputs {
+  DeviceBuffer x, w13, w2, dy, idx, w;
+
+  explicit DeviceInputs(const HostProblem& p)
+      : x(DeviceBuffer::from(p.x_TH)),
+        w13(DeviceBuffer::from(p.w13_EFH)),
+        w2(DeviceBuffer::from(p.w2_EHI)),
+        dy(DeviceBuffer::from(p.dy_TH)),
+        idx(DeviceBuffer::from(p.idx_TK)),
+        w(DeviceBuffer::from(p.w_TK)) {}
+
+  // The fields ForwardArgs and BackwardArgs share (BackwardArgs::dy is set too where it exists).
+  template <typename Args>
+  Args args(int64_t num_tokens, const DeviceBuffer& workspace) const {
+    Args a;
+    a.x = x.get();
+    a.topk_idx = idx.as<int32_t>();
+    a.topk_weights = w.as<float>();
+    a.w13 = w13.get();
+    a.w2 = w2.get();
+    if constexpr (std::is_same_v<Args, BackwardArgs>) a.dy = dy.get();
+    a.num_tokens = num_tokens;
+    a.workspace = workspace.get();
+    a.workspace_bytes = workspace.bytes();
+    return a;
+  }
+};
+
 // Runs forward then backward of `impl` through the public API with every output and the
 // workspace poisoned first. max_tokens may exceed T (the workspace is sized for it).
 inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions& opt = {},
                               int64_t max_tokens = -1) {
   const Dims& d = p.d;
   const LayerConfig config = config_of(d, max_tokens < 0 ? std::max<int64_t>(d.T, 1) : max_tokens);
-  DeviceBuffer x = DeviceBuffer::from(p.x_TH), w13 = DeviceBuffer::from(p.w13_EFH),
-               w2 = DeviceBuffer::from(p.w2_EHI), dy = DeviceBuffer::from(p.dy_TH),
-               idx = DeviceBuffer::from(p.idx_TK), w = DeviceBuffer::from(p.w_TK);
+  const DeviceInputs in(p);
   DeviceBuffer y(d.T * d.H * 2), dx(d.T * d.H * 2), dtw(d.T * d.K * 4);
   const size_t grad_elem = opt.grad_dtype == WeightGradDtype::kBFloat16 ? 2 : 4;
   DeviceBuffer dw13(d.E * 2 * d.I * d.H * grad_elem), dw2(d.E * d.H * d.I * grad_elem);
@@ -197,35 +225,18 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
     upload(dw13, *opt.dw13_init);
     upload(dw2, *opt.dw2_init);
   }
-  ForwardArgs fa;
-  fa.x = x.get();
-  fa.topk_idx = static_cast<const int32_t*>(idx.get());
-  fa.topk_weights = static_cast<const float*>(w.get());
-  fa.w13 = w13.get();
-  fa.w2 = w2.get();
+  ForwardArgs fa = in.args<ForwardArgs>(d.T, workspace);
   fa.y = y.get();
-  fa.num_tokens = d.T;
-  fa.workspace = workspace.get();
-  fa.workspace_bytes = workspace.bytes();
   fa.expert_id_report = opt.expert_id_report;
   fa.saved_z = opt.save_z ? saved_z.get() : nullptr;
   forward(config, impl, fa);
-  BackwardArgs ba;
-  ba.x = x.get();
-  ba.topk_idx = fa.topk_idx;
-  ba.topk_weights = fa.topk_weights;
-  ba.w13 = w13.get();
-  ba.w2 = w2.get();
-  ba.dy = dy.get();
+  BackwardArgs ba = in.args<BackwardArgs>(d.T, bwd_workspace);
   ba.dx = dx.get();
-  ba.d_topk_weights = static_cast<float*>(dtw.get());
+  ba.d_topk_weights = dtw.as<float>();
   ba.dw13 = dw13.get();
   ba.dw2 = dw2.get();
   ba.weight_grad_dtype = opt.grad_dtype;
   ba.accumulate_weight_grads = opt.accumulate;
-  ba.num_tokens = d.T;
-  ba.workspace = bwd_workspace.get();
-  ba.workspace_bytes = bwd_workspace.bytes();
   ba.expert_id_report = opt.expert_id_report;
   ba.saved_z = opt.save_z ? saved_z.get() : nullptr;
   backward(config, impl, ba);
@@ -243,27 +254,17 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
 // Device copies of a problem's inputs and a poisoned y, for forward-only runs.
 struct ForwardSetup {
   LayerConfig config;
-  DeviceBuffer x, w13, w2, idx, w, y, workspace;
+  DeviceInputs in;
+  DeviceBuffer y, workspace;
   ForwardArgs args;
 
   ForwardSetup(Impl impl, const HostProblem& p, int64_t max_tokens = -1)
       : config(config_of(p.d, max_tokens < 0 ? std::max<int64_t>(p.d.T, 1) : max_tokens)),
-        x(DeviceBuffer::from(p.x_TH)),
-        w13(DeviceBuffer::from(p.w13_EFH)),
-        w2(DeviceBuffer::from(p.w2_EHI)),
-        idx(DeviceBuffer::from(p.idx_TK)),
-        w(DeviceBuffer::from(p.w_TK)),
+        in(p),
         y(p.d.T * p.d.H * 2),
         workspace(workspace_bytes(config, impl)) {
-    args.x = x.get();
-    args.topk_idx = static_cast<const int32_t*>(idx.get());
-    args.topk_weights = static_cast<const float*>(w.get());
-    args.w13 = w13.get();
-    args.w2 = w2.get();
+    args = in.args<ForwardArgs>(p.d.T, workspace);
     args.y = y.get();
-    args.num_tokens = p.d.T;
-    args.workspace = workspace.get();
-    args.workspace_bytes = workspace.bytes();
   }
 };
 

@@ -121,26 +121,16 @@ TEST(FusedBackward, StreamGraphReplayAndExactAccumulate) {
   const Dims d = medium_dims(512);
   const HostProblem p = make_problem(d, Routing::kMasked, 9600);
   const LayerConfig config = config_of(d, d.T);
-  DeviceBuffer x = DeviceBuffer::from(p.x_TH), w13 = DeviceBuffer::from(p.w13_EFH), w2 = DeviceBuffer::from(p.w2_EHI),
-               dy = DeviceBuffer::from(p.dy_TH), idx = DeviceBuffer::from(p.idx_TK), w = DeviceBuffer::from(p.w_TK);
+  const DeviceInputs in(p);
   DeviceBuffer dx(d.T * d.H * 2), dtw(d.T * d.K * 4), dw13(d.E * 2 * d.I * d.H * 4), dw2(d.E * d.H * d.I * 4),
       workspace(workspace_bytes(config, Impl::kFused, WorkspaceUse::kBackward));
   cudaStream_t stream;
   TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  BackwardArgs a;
-  a.x = x.get();
-  a.topk_idx = idx.as<int32_t>();
-  a.topk_weights = w.as<float>();
-  a.w13 = w13.get();
-  a.w2 = w2.get();
-  a.dy = dy.get();
+  BackwardArgs a = in.args<BackwardArgs>(d.T, workspace);
   a.dx = dx.get();
   a.d_topk_weights = dtw.as<float>();
   a.dw13 = dw13.get();
   a.dw2 = dw2.get();
-  a.num_tokens = d.T;
-  a.workspace = workspace.get();
-  a.workspace_bytes = workspace.bytes();
   a.stream = stream;
   auto poison_all = [&] {
     for (DeviceBuffer* b : {&dx, &dtw, &dw13, &dw2, &workspace}) b->poison();
