@@ -2,9 +2,10 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cmath>
-#include <functional>
 #include <cstdio>
+#include <functional>
 
 #include "common/device.h"
 #include "common/device_checks.h"
@@ -97,7 +98,10 @@ Sm90GemmProblem::Sm90GemmProblem(const MoeShape& shape, const std::vector<int32_
   FUSEMOE_CHECK(static_cast<int64_t>(idx_TK.size()) == S && static_cast<int64_t>(w_TK.size()) == S,
                 "Sm90GemmProblem: " << idx_TK.size() << " ids for T*K = " << S);
   offsets_ = DeviceBuffer::from(rows_.offsets);
-  row_slot_ = DeviceBuffer::from(rows_.row_slot);
+  // [S] as the routing plan's: entries past R are never read (-1, as in a poisoned workspace).
+  std::vector<int32_t> row_slot(S, -1);
+  std::copy(rows_.row_slot.begin(), rows_.row_slot.end(), row_slot.begin());
+  row_slot_ = DeviceBuffer::from(row_slot);
   slot_row_ = DeviceBuffer::from(rows_.slot_row);
   topk_w_ = DeviceBuffer::from(w_TK);
   std::vector<uint8_t> row_keep(S), slot_keep(S);
