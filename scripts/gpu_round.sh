@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# One whole GPU round on the H200 machine: GPU facts, the GPU test suite, fusemoe_bench and the
-# PyTorch baseline for every case below, then scripts/summarize_round.py.
+# One whole GPU round on the H200 machine: GPU facts, the GPU test suites (ctest -L gpu: the layer
+# suite and the sm90 GEMM suite), memcheck over their edge cases, fusemoe_bench and the PyTorch
+# baseline for every case below, the kernel benchmark, pytest and the training example, then
+# scripts/summarize_round.py.
 #   usage: scripts/gpu_round.sh OUTDIR
 # Uses the carried build folder ($BUILD_DIR, default build/) when it holds fusemoe_bench, else
 # configures and builds one here. OUTDIR gets 8 files (the device machine returns at most 8):
 # gpu.txt, gpu_tests.log, sanitizer.log, round.log, results.json (every figure), summary.md,
 # train_qwen3_moe.json and train_qwen3_moe.png (the PyTorch training example).
-# Env: FUSEMOE_COMMIT (recorded in the results; default from git where .git exists), ITERS and
-# WARMUP (20, 5), TEST_TIMEOUT_S (240), CHECK_235B_MAX_TOKENS (unset: check every T; 4096 skips
-# the fp32 reference check at 235B T=16384, the largest one), ROUND_BUDGET_S (480: benchmark steps
-# not started by then are recorded as skipped, a failure). Budget on an H200: about 8 min
-# (GPU tests ~1.5, memcheck ~0.7, benchmarks ~2, pytest ~1, the 200-step three-run training
-# comparison ~3.5), so give the device call its 600 s. results.json and summary.md are rewritten after every step, so a round cut short
-# still leaves what it measured. Exit 0 only if the tests and every correctness check passed.
+# Env: FUSEMOE_COMMIT (recorded in the results; default: git HEAD when this folder is the top of
+# its own git checkout, else the commit the build recorded in $BUILD_DIR/fusemoe_commit.txt),
+# ITERS and WARMUP (20, 5), TEST_TIMEOUT_S (300), CHECK_235B_MAX_TOKENS (unset: check every T;
+# 4096 skips the fp32 reference check at 235B T=16384, the largest one), ROUND_BUDGET_S (480:
+# benchmark steps not started by then are recorded as skipped, a failure). Budget on an H200:
+# about 9.5 min (GPU tests ~2, memcheck ~1, benchmarks ~2, kernel benchmark ~1, pytest ~1, the
+# 200-step three-run training comparison ~3.5), so give the device call its 600 s. results.json
+# and summary.md are rewritten after every step, so a round cut short still leaves what it
+# measured. Exit 0 only if the tests and every correctness check passed.
 set -u -o pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -27,13 +31,31 @@ cd "$REPO" || exit 2
 BUILD_DIR="${BUILD_DIR:-build}"
 ITERS="${ITERS:-20}"
 WARMUP="${WARMUP:-5}"
-TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-240}"
+TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-300}"
 CHECK_235B_MAX_TOKENS="${CHECK_235B_MAX_TOKENS:-}"
 ROUND_BUDGET_S="${ROUND_BUDGET_S:-480}"
 # The project's own commit (never a parent folder's repository), "-dirty" with local changes.
 FUSEMOE_COMMIT="${FUSEMOE_COMMIT:-$(bash scripts/project_commit.sh)}"
 export FUSEMOE_COMMIT
 export PYTHONUNBUFFERED=1
+
+# The commit under test: git only where this folder is the top of its own checkout (a copy
+# without .git inside another repository must not report that repository's commit), else what
+# the build recorded from its source checkout (cmake/commit_id.cmake).
+commit_of_this_tree() {
+  local top
+  top="$(git -C "$REPO" rev-parse --show-toplevel 2>/dev/null)" || top=""
+  if [[ -n "$top" && "$(cd "$top" && pwd -P)" == "$REPO" ]]; then
+    local commit
+    commit="$(git -C "$REPO" rev-parse --short HEAD)"
+    [[ -n "$(git -C "$REPO" status --porcelain 2>/dev/null)" ]] && commit="$commit-dirty"
+    echo "$commit"
+  elif [[ -s "$BUILD_DIR/fusemoe_commit.txt" ]]; then
+    head -1 "$BUILD_DIR/fusemoe_commit.txt"
+  else
+    echo unknown
+  fi
+}
 
 # The JSON parts live outside OUTDIR: only the merged results.json comes back.
 PARTS="$(mktemp -d /tmp/fusemoe_round.XXXXXX)"
@@ -73,7 +95,7 @@ bench_step() {
   summarize
 }
 
-log "fusemoe GPU round: repo $REPO, commit $FUSEMOE_COMMIT, out $OUTDIR"
+log "fusemoe GPU round: repo $REPO, out $OUTDIR"
 
 # ---- 1. GPU facts ----
 {
@@ -96,6 +118,9 @@ if [[ ! -x "$BUILD_DIR/fusemoe_bench" ]]; then
   step build "" ninja -C "$BUILD_DIR"
 fi
 BENCH="$BUILD_DIR/fusemoe_bench"
+FUSEMOE_COMMIT="${FUSEMOE_COMMIT:-$(commit_of_this_tree)}"
+export FUSEMOE_COMMIT
+log "commit under test: $FUSEMOE_COMMIT"
 
 # ctest runs the test binaries by the absolute paths of the machine that configured the build.
 # If the carried build folder was configured elsewhere, make that source path lead here.
@@ -105,7 +130,7 @@ if [[ -n "$recorded_src" && "$recorded_src" != "$REPO" && ! -e "$recorded_src" ]
   mkdir -p "$(dirname "$recorded_src")" && ln -s "$REPO" "$recorded_src"
 fi
 
-# ---- 3. GPU tests ----
+# ---- 3. GPU tests: fusemoe_gpu_tests (the layer) and fusemoe_gemm_tests (the sm90 GEMMs) ----
 tests_note=""
 log "start gpu_tests (log: gpu_tests.log, limit ${TEST_TIMEOUT_S} s)"
 start=$SECONDS
@@ -122,16 +147,27 @@ printf '%s\t%d\t%d\t%s\n' gpu_tests "$tests_rc" "$((SECONDS - start))" "$tests_n
 tail -n 15 "$OUTDIR/gpu_tests.log" | tee -a "$LOG"
 log "end gpu_tests: exit $tests_rc after $((SECONDS - start)) s ${tests_note}"
 
-# ---- 3b. Memory checker over the edge cases (bad ids, empty experts, T = 0/1/7/199) ----
-GPU_TESTS_BIN="$BUILD_DIR/fusemoe_gpu_tests"
-if command -v compute-sanitizer >/dev/null && [[ -x "$GPU_TESTS_BIN" ]]; then
+# ---- 3b. Memory checker over the edge cases (bad ids, empty experts, T = 0/1/7/199; the GEMM
+# instances on odd expert sizes, a single row, no rows, T = 0, masked slots) ----
+# memcheck BINARY FILTER: appends to sanitizer.log; returns compute-sanitizer's exit code.
+memcheck() {
+  echo "== compute-sanitizer memcheck $1 --gtest_filter=$2" >>"$OUTDIR/sanitizer.log"
+  timeout --kill-after=15 "${SANITIZER_TIMEOUT_S:-180}" compute-sanitizer --tool memcheck \
+    --error-exitcode 1 "$1" --gtest_filter="$2" >>"$OUTDIR/sanitizer.log" 2>&1
+}
+if command -v compute-sanitizer >/dev/null && [[ -x "$BUILD_DIR/fusemoe_gpu_tests" ]]; then
   start=$SECONDS
   log "start memcheck (log: sanitizer.log)"
-  timeout --kill-after=15 "${SANITIZER_TIMEOUT_S:-180}" compute-sanitizer --tool memcheck \
-    --error-exitcode 1 "$GPU_TESTS_BIN" \
-    --gtest_filter='Baseline/SmallShapes.*:Unfused.InvalidExpertIdsAreReported:Unfused.SwigluClampMatchesReference:Fused/FusedSmall.*:Fused/FusedBackwardSmall.*:FusedForward.InvalidExpertIdsReportedNowOrLater:FusedExpertIdReport.*' \
-    >"$OUTDIR/sanitizer.log" 2>&1
+  : >"$OUTDIR/sanitizer.log"
+  memcheck "$BUILD_DIR/fusemoe_gpu_tests" \
+    'Baseline/SmallShapes.*:Unfused.InvalidExpertIdsAreReported:Unfused.SwigluClampMatchesReference:Fused/FusedSmall.*:Fused/FusedBackwardSmall.*:FusedForward.InvalidExpertIdsReportedNowOrLater:FusedExpertIdReport.*'
   san_rc=$?
+  if [[ -x "$BUILD_DIR/fusemoe_gemm_tests" ]]; then
+    memcheck "$BUILD_DIR/fusemoe_gemm_tests" \
+      'Cases/Sm90Gemms.*/odd_counts:Cases/Sm90Gemms.*/single_row:Cases/Sm90Gemms.*/no_rows:Cases/Sm90Gemms.*/T0:Cases/Sm90Gemms.*/masked'
+    gemm_san_rc=$?
+    ((san_rc == 0)) && san_rc=$gemm_san_rc
+  fi
   printf '%s\t%d\t%d\t%s\n' memcheck "$san_rc" "$((SECONDS - start))" "" >>"$PARTS/steps.tsv"
   tail -n 4 "$OUTDIR/sanitizer.log" | tee -a "$LOG"
   log "end memcheck: exit $san_rc after $((SECONDS - start)) s"
@@ -154,6 +190,11 @@ for spec in "${CASES[@]}"; do
     --routing "$routing" --tokens "$tokens" --iters "$ITERS" --warmup "$WARMUP" \
     --json "$PARTS/${STEP_NUM}_torch_$id.json"
 done
+
+# ---- 4a. Kernel benchmark: each sm90 GEMM instance against cuBLAS grouped and dense GEMMs ----
+STEP_NUM=$((STEP_NUM + 1))
+bench_step "fusemoe_kernel_bench" "$BUILD_DIR/fusemoe_kernel_bench" --iters "$ITERS" --warmup "$WARMUP" \
+  --json "$PARTS/${STEP_NUM}_kernels.json"
 
 # ---- 4b. PyTorch layer (issue 5): pytest tests/python (a skip is a failure here), a short training run ----
 export FUSEMOE_LIBRARY="${FUSEMOE_LIBRARY:-$(cd "$BUILD_DIR" && pwd -P)/libfusemoe_c.so}" FUSEMOE_REQUIRE_GPU=1

@@ -9,7 +9,7 @@ TOKENS="${3:-16384}"
 BUILD_DIR="${BUILD_DIR:-build}"
 for impl in fused unfused; do
   ncu --clock-control none --cache-control all --metrics gpu__time_duration.sum \
-    --kernel-name-base demangled -k 'regex:routing|gather|moe_gemm|combine|swiglu|Gemm|gemm|sm90' \
+    --kernel-name-base demangled -k 'regex:routing|gather|combine|swiglu|Gemm|gemm|sm90' \
     --csv "$BUILD_DIR/fusemoe_bench" --preset "$PRESET" --tokens "$TOKENS" --impl "$impl" \
     --iters 1 --warmup 0 --no-check >"$OUTDIR/ncu_${impl}_${PRESET}_${TOKENS}.csv" 2>"$OUTDIR/ncu_${impl}.err"
   python3 - "$OUTDIR/ncu_${impl}_${PRESET}_${TOKENS}.csv" <<'PY'

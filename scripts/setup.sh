@@ -16,6 +16,10 @@ command -v g++ >/dev/null || missing+=(g++)
 if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then
   missing+=(libgtest-dev)
 fi
+# The benchmarks write JSON with nlohmann::json (header only: needed to build, not to run).
+if [ ! -f /usr/include/nlohmann/json.hpp ] && [ ! -f /usr/local/include/nlohmann/json.hpp ]; then
+  missing+=(nlohmann-json3-dev)
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   log "installing missing packages: ${missing[*]}"
   if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi

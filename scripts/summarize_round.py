@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Merges one GPU round's JSON files into OUTDIR/results.json and writes OUTDIR/summary.md.
 
-Input (PARTS, default OUTDIR/parts): fusemoe_*.json from benchmarks/fusemoe_bench.cu --json,
-torch_*.json from benchmarks/torch_baseline.py --json, and steps.tsv (one line per step of
-scripts/gpu_round.sh: name, exit code, seconds, note). Without PARTS, re-renders summary.md from an
-existing results.json. summary.md: one table per case (preset, routing, T) with the fusemoe
-implementations and the PyTorch path side by side (ms, TFLOP/s, % of the cuBLAS ceiling measured
-by fusemoe_bench in the same round, speedup against PyTorch), then the correctness lines.
+Input (PARTS, default OUTDIR/parts): the --json files of fusemoe_bench (tool "fusemoe_bench"),
+fusemoe_kernel_bench (tool "fusemoe_kernel_bench") and benchmarks/torch_baseline.py (tool
+"torch_baseline"), and steps.tsv (one line per step of scripts/gpu_round.sh: name, exit code,
+seconds, note). Without PARTS, re-renders summary.md from an existing results.json. summary.md:
+one table per case (preset, routing, T) with the fusemoe implementations and the PyTorch path side
+by side (ms, TFLOP/s, % of the cuBLAS ceiling measured by fusemoe_bench in the same round, speedup
+against PyTorch), then the correctness lines; then one table per kernel-benchmark case (each sm90
+GEMM instance against cuBLAS grouped and dense GEMMs of the same size).
 Standard library only. Exit: 0 written, 2 nothing to summarise.
 """
 import argparse
@@ -19,7 +21,7 @@ PASS_ORDER = ["forward", "backward", "forward+backward"]
 
 
 def load_parts(parts_dir):
-    fusemoe_runs, torch_runs, steps = [], [], []
+    fusemoe_runs, kernel_runs, torch_runs, steps = [], [], [], []
     for path in sorted(glob.glob(os.path.join(parts_dir, "*.json"))):
         name = os.path.basename(path)
         try:
@@ -29,7 +31,9 @@ def load_parts(parts_dir):
             steps.append({"name": f"read {name}", "rc": 1, "seconds": 0, "note": repr(error)})
             continue
         data["source_file"] = name
-        (torch_runs if data.get("tool") == "torch_baseline" else fusemoe_runs).append(data)
+        tool = data.get("tool")
+        (torch_runs if tool == "torch_baseline" else kernel_runs if tool == "fusemoe_kernel_bench"
+         else fusemoe_runs).append(data)
     steps_path = os.path.join(parts_dir, "steps.tsv")
     if os.path.exists(steps_path):
         with open(steps_path) as f:
@@ -39,7 +43,7 @@ def load_parts(parts_dir):
                     continue
                 steps.append({"name": fields[0], "rc": int(fields[1]), "seconds": float(fields[2]),
                               "note": fields[3] if len(fields) > 3 else ""})
-    return {"steps": steps, "fusemoe": fusemoe_runs, "torch": torch_runs}
+    return {"steps": steps, "fusemoe": fusemoe_runs, "kernels": kernel_runs, "torch": torch_runs}
 
 
 def fmt(value, spec):
@@ -131,6 +135,33 @@ def render_case(key, entry, lines):
         lines.append("")
 
 
+def render_kernels(run, lines):
+    meta = run.get("meta", {})
+    ceiling = (run.get("ceiling") or {}).get("tflops")
+    failed = [c for c in run.get("checks", []) if not c.get("pass")]
+    lines.append(f"### Kernels ({run['source_file']}): routing {meta.get('routing')}, ceiling "
+                 f"{fmt(ceiling, '.0f')} TFLOP/s; check of every instance: "
+                 + (f"**{len(failed)} FAIL**" if failed else f"{len(run.get('checks', []))} pass"))
+    lines.append("")
+    for check in failed:
+        lines.append(f"- FAIL {check.get('case')}: {check.get('what')}: {check.get('detail')}")
+    if failed:
+        lines.append("")
+    for case in run.get("cases", []):
+        lines.append(f"#### {case.get('preset')}, T={case.get('tokens')}: {case.get('valid_rows')} rows, per expert "
+                     f"{case.get('expert_rows_min')}..{case.get('expert_rows_max')}; dgrad block_n "
+                     f"{case.get('dgrad_block_n')} by shape; check {case.get('check_status')}")
+        lines.append("")
+        lines.append("| GEMM | impl | ms | TFLOP/s | % ceiling | vs cuBLAS grouped | vs cuBLAS dense |")
+        lines.append("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for t in case.get("timings", []):
+            lines.append(f"| {t.get('gemm')} | {t.get('impl')} | {fmt(t.get('ms_median'), '.3f')} | "
+                         f"{fmt(t.get('tflops'), '.1f')} | {fmt(t.get('pct_ceiling'), '.1f')} | "
+                         f"{fmt(t.get('speedup_vs_cublas_grouped'), '.2f')} | "
+                         f"{fmt(t.get('speedup_vs_cublas_dense'), '.2f')} |")
+        lines.append("")
+
+
 def verdict(results):
     problems = []
     for step in results["steps"]:
@@ -144,6 +175,12 @@ def verdict(results):
                                 f"{run['meta'].get('routing')} T={case.get('tokens')}")
         if run.get("error"):
             problems.append(f"fusemoe_bench error ({run['source_file']}): {run['error']}")
+    for run in results.get("kernels", []):
+        failed = sum(1 for c in run.get("checks", []) if not c.get("pass"))
+        if failed:
+            problems.append(f"fusemoe_kernel_bench: {failed} correctness check(s) FAIL ({run['source_file']})")
+        if run.get("error"):
+            problems.append(f"fusemoe_kernel_bench error ({run['source_file']}): {run['error']}")
     for run in results["torch"]:
         if not run.get("self_check", {}).get("pass", False):
             problems.append(f"torch_baseline self-check failed or missing ({run['source_file']})")
@@ -191,6 +228,8 @@ def render(results):
     cases = collect_cases(results)
     for key, entry in cases.items():  # the round's order: parts are named with a step number
         render_case(key, entry, lines)
+    for run in results.get("kernels", []):
+        render_kernels(run, lines)
     return "\n".join(lines) + "\n", problems
 
 

@@ -1,10 +1,14 @@
-// Entry point of the GPU suite: exits 77 (ctest SKIP_RETURN_CODE: reported "Skipped", never
-// "Passed") when there is no sm_90 GPU, otherwise runs every GoogleTest case.
-#include <cuda_runtime_api.h>
+// Entry point of the GPU suites: exits 77 (ctest SKIP_RETURN_CODE: reported "Skipped", never
+// "Passed") when there is no sm_90 GPU, otherwise runs every GoogleTest case. Listing the
+// cases (--gtest_list_tests) needs no GPU.
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "common/device.h"
 
 int main(int argc, char** argv) {
   // The expert-parallel suite runs several ranks' streams side by side in this process, their
@@ -14,20 +18,21 @@ int main(int argc, char** argv) {
   // Lazy loading may synchronise the context when a kernel is first launched, which would wait
   // for another rank's kernel that spins on this rank: load every kernel up front.
   setenv("CUDA_MODULE_LOADING", "EAGER", 0);
-  int count = 0;
-  const cudaError_t status = cudaGetDeviceCount(&count);
-  if (status != cudaSuccess || count == 0) {
-    std::printf("SKIPPED: no CUDA GPU (%s); the GPU suite needs an sm_90 (Hopper) GPU\n",
-                status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--gtest_list_tests") == 0) {
+      ::testing::InitGoogleTest(&argc, argv);
+      return RUN_ALL_TESTS();
+    }
+  }
+  fusemoe::harness::GpuInfo gpu;
+  std::string reason;
+  if (!fusemoe::harness::find_sm90(&gpu, &reason)) {
+    std::printf("SKIPPED: %s; the GPU suites need an sm_90 (Hopper) GPU\n", reason.c_str());
     return 77;
   }
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess || prop.major != 9 || prop.minor != 0) {
-    std::printf("SKIPPED: GPU 0 is %s (sm_%d%d); the GPU suite needs sm_90 (Hopper)\n", prop.name,
-                prop.major, prop.minor);
-    return 77;
-  }
-  std::printf("GPU: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  std::printf("GPU: %s, %d SMs, driver CUDA %s, runtime %s\n", gpu.name.c_str(), gpu.sm_count,
+              fusemoe::harness::cuda_version_string(gpu.driver_version).c_str(),
+              fusemoe::harness::cuda_version_string(gpu.runtime_version).c_str());
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }

@@ -1,6 +1,7 @@
-// Shared helpers of the GPU suites: random bf16 problems with named routings, device buffers
-// poisoned with NaN (0xFF bytes) before every call, a runner that drives one implementation
-// through the public API, and error statistics (relative L2, max abs, DeepGEMM calc_diff).
+// Shared helpers of the layer-level GPU suites: random bf16 problems with the named routings of
+// tests/common/routing.h, a runner that drives one implementation through the public API with
+// outputs and workspace poisoned with NaN (0xFF bytes) before every call (tests/common device
+// buffers), and error statistics (relative L2, max abs, DeepGEMM calc_diff).
 // Shape legend: T tokens, H hidden, I intermediate, E experts, K top-k.
 #pragma once
 
@@ -16,8 +17,11 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
+#include "common/device_buffer.h"
+#include "common/routing.h"
 #include "fusemoe/fusemoe.h"
 #include "reference/bf16_host.h"
 #include "reference/moe_reference.h"
@@ -37,30 +41,10 @@ struct Dims {
 inline Dims medium_dims(int64_t tokens) { return Dims{tokens, 512, 256, 16, 4}; }
 inline Dims qwen3_30b_dims(int64_t tokens) { return Dims{tokens, 2048, 768, 128, 8}; }
 
-enum class Routing {
-  kUniform,     // K distinct experts per token, uniformly random
-  kOneExpert,   // slot 0 of every token -> expert 3 (that expert holds T rows), rest uniform
-  kAllSlotsOne, // every slot of every token -> expert 3 (repeated ids: T*K rows on one expert)
-  kFewExperts,  // only experts 1 and E-2 are used: every other expert is empty
-  kMasked,      // uniform with ~30% masked slots and every 5th token fully masked
-  kSkewed,      // Zipf-like expert popularity, K distinct experts per token
-};
-
-inline const char* routing_name(Routing r) {
-  switch (r) {
-    case Routing::kUniform: return "uniform";
-    case Routing::kOneExpert: return "one_expert";
-    case Routing::kAllSlotsOne: return "all_slots_one";
-    case Routing::kFewExperts: return "few_experts";
-    case Routing::kMasked: return "masked";
-    case Routing::kSkewed: return "skewed";
-  }
-  return "?";
-}
-
-// Every routing, for suites that run all of them.
-constexpr Routing kAllRoutings[] = {Routing::kUniform,    Routing::kOneExpert, Routing::kAllSlotsOne,
-                                    Routing::kFewExperts, Routing::kMasked,    Routing::kSkewed};
+using harness::DeviceBuffer;
+using harness::kAllRoutings;
+using harness::Routing;
+using harness::routing_name;
 
 // Test names of (tokens, routing) suites: "T199_masked".
 inline std::string token_routing_name(
@@ -108,40 +92,9 @@ inline HostProblem make_problem(const Dims& d, Routing routing, uint64_t seed) {
   p.w13_EFH = random_bf16(d.E * 2 * d.I * d.H, 1.0 / std::sqrt(double(d.H)), rng);
   p.w2_EHI = random_bf16(d.E * d.H * d.I, 1.0 / std::sqrt(double(d.I)), rng);
   p.dy_TH = random_bf16(d.T * d.H, 1.0, rng);
-  p.idx_TK.assign(d.T * d.K, -1);
-  p.w_TK.assign(d.T * d.K, 0.0f);
-  std::vector<double> popularity(d.E, 1.0);
-  if (routing == Routing::kSkewed) {
-    std::vector<int> rank(d.E);
-    std::iota(rank.begin(), rank.end(), 0);
-    std::shuffle(rank.begin(), rank.end(), rng);
-    for (int64_t e = 0; e < d.E; ++e) popularity[e] = 1.0 / std::pow(rank[e] + 1.0, 1.2);
-  }
-  std::uniform_real_distribution<float> unit(0.05f, 1.0f);
-  for (int64_t t = 0; t < d.T; ++t) {
-    std::vector<double> weights = popularity;
-    float sum = 0.0f;
-    for (int64_t j = 0; j < d.K; ++j) {
-      int32_t e;
-      if (routing == Routing::kAllSlotsOne) {
-        e = 3 % d.E;
-      } else if (routing == Routing::kOneExpert && j == 0) {
-        e = 3 % d.E;
-      } else if (routing == Routing::kFewExperts) {
-        e = (j % 2 == 0) ? 1 : static_cast<int32_t>(d.E - 2);
-      } else {
-        if (routing == Routing::kOneExpert) weights[3 % d.E] = 0.0;  // keep ids distinct
-        std::discrete_distribution<int32_t> pick(weights.begin(), weights.end());
-        e = pick(rng);
-        weights[e] = 0.0;  // distinct ids per token
-      }
-      const bool masked = routing == Routing::kMasked && (t % 5 == 0 || unit(rng) < 0.3f);
-      p.idx_TK[t * d.K + j] = masked ? -1 : e;
-      p.w_TK[t * d.K + j] = unit(rng);
-      sum += p.w_TK[t * d.K + j];
-    }
-    for (int64_t j = 0; j < d.K; ++j) p.w_TK[t * d.K + j] /= sum;
-  }
+  harness::TopK topk = harness::make_topk(d.T, d.E, d.K, routing, rng());
+  p.idx_TK = std::move(topk.idx_TK);
+  p.w_TK = std::move(topk.w_TK);
   return p;
 }
 
@@ -180,53 +133,6 @@ inline reference::Problem to_reference(const HostProblem& p) {
   return r;
 }
 
-// Owning device allocation. Poisoned with 0xFF bytes (NaN in bf16 and fp32) on request.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    if (bytes_ > 0) TEST_CUDA(cudaMalloc(&ptr_, bytes_));
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
-    if (this != &o) {
-      if (ptr_) cudaFree(ptr_);
-      ptr_ = o.ptr_;
-      bytes_ = o.bytes_;
-      o.ptr_ = nullptr;
-      o.bytes_ = 0;
-    }
-    return *this;
-  }
-  ~DeviceBuffer() {
-    if (ptr_) cudaFree(ptr_);
-  }
-  template <typename T>
-  static DeviceBuffer from(const std::vector<T>& host) {
-    DeviceBuffer b(host.size() * sizeof(T));
-    if (b.bytes_) TEST_CUDA(cudaMemcpy(b.ptr_, host.data(), b.bytes_, cudaMemcpyHostToDevice));
-    return b;
-  }
-  template <typename T>
-  std::vector<T> to_host() const {
-    std::vector<T> out(bytes_ / sizeof(T));
-    if (bytes_) TEST_CUDA(cudaMemcpy(out.data(), ptr_, bytes_, cudaMemcpyDeviceToHost));
-    return out;
-  }
-  void poison() {
-    if (bytes_) TEST_CUDA(cudaMemset(ptr_, 0xFF, bytes_));
-  }
-  // A non-null, aligned address even for 0 bytes (the API requires weights to be non-null).
-  void* get() const { return ptr_; }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
-
 // Outputs of one forward + backward, widened to double for comparison.
 struct LayerOutputs {
   std::vector<double> y, dx, d_topk_w, dw13, dw2;
@@ -259,15 +165,42 @@ inline std::vector<double> widen_grad(const DeviceBuffer& b, WeightGradDtype dty
   return std::vector<double>(f.begin(), f.end());
 }
 
+// Device copies of a problem's inputs.
+struct DeviceInputs {
+  DeviceBuffer x, w13, w2, dy, idx, w;
+
+  explicit DeviceInputs(const HostProblem& p)
+      : x(DeviceBuffer::from(p.x_TH)),
+        w13(DeviceBuffer::from(p.w13_EFH)),
+        w2(DeviceBuffer::from(p.w2_EHI)),
+        dy(DeviceBuffer::from(p.dy_TH)),
+        idx(DeviceBuffer::from(p.idx_TK)),
+        w(DeviceBuffer::from(p.w_TK)) {}
+
+  // The fields ForwardArgs and BackwardArgs share (BackwardArgs::dy is set too where it exists).
+  template <typename Args>
+  Args args(int64_t num_tokens, const DeviceBuffer& workspace) const {
+    Args a;
+    a.x = x.get();
+    a.topk_idx = idx.as<int32_t>();
+    a.topk_weights = w.as<float>();
+    a.w13 = w13.get();
+    a.w2 = w2.get();
+    if constexpr (std::is_same_v<Args, BackwardArgs>) a.dy = dy.get();
+    a.num_tokens = num_tokens;
+    a.workspace = workspace.get();
+    a.workspace_bytes = workspace.bytes();
+    return a;
+  }
+};
+
 // Runs forward then backward of `impl` through the public API with every output and the
 // workspace poisoned first. max_tokens may exceed T (the workspace is sized for it).
 inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions& opt = {},
                               int64_t max_tokens = -1) {
   const Dims& d = p.d;
   const LayerConfig config = config_of(d, max_tokens < 0 ? std::max<int64_t>(d.T, 1) : max_tokens);
-  DeviceBuffer x = DeviceBuffer::from(p.x_TH), w13 = DeviceBuffer::from(p.w13_EFH),
-               w2 = DeviceBuffer::from(p.w2_EHI), dy = DeviceBuffer::from(p.dy_TH),
-               idx = DeviceBuffer::from(p.idx_TK), w = DeviceBuffer::from(p.w_TK);
+  const DeviceInputs in(p);
   DeviceBuffer y(d.T * d.H * 2), dx(d.T * d.H * 2), dtw(d.T * d.K * 4);
   const size_t grad_elem = opt.grad_dtype == WeightGradDtype::kBFloat16 ? 2 : 4;
   DeviceBuffer dw13(d.E * 2 * d.I * d.H * grad_elem), dw2(d.E * d.H * d.I * grad_elem);
@@ -292,35 +225,18 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
     upload(dw13, *opt.dw13_init);
     upload(dw2, *opt.dw2_init);
   }
-  ForwardArgs fa;
-  fa.x = x.get();
-  fa.topk_idx = static_cast<const int32_t*>(idx.get());
-  fa.topk_weights = static_cast<const float*>(w.get());
-  fa.w13 = w13.get();
-  fa.w2 = w2.get();
+  ForwardArgs fa = in.args<ForwardArgs>(d.T, workspace);
   fa.y = y.get();
-  fa.num_tokens = d.T;
-  fa.workspace = workspace.get();
-  fa.workspace_bytes = workspace.bytes();
   fa.expert_id_report = opt.expert_id_report;
   fa.saved_z = opt.save_z ? saved_z.get() : nullptr;
   forward(config, impl, fa);
-  BackwardArgs ba;
-  ba.x = x.get();
-  ba.topk_idx = fa.topk_idx;
-  ba.topk_weights = fa.topk_weights;
-  ba.w13 = w13.get();
-  ba.w2 = w2.get();
-  ba.dy = dy.get();
+  BackwardArgs ba = in.args<BackwardArgs>(d.T, bwd_workspace);
   ba.dx = dx.get();
-  ba.d_topk_weights = static_cast<float*>(dtw.get());
+  ba.d_topk_weights = dtw.as<float>();
   ba.dw13 = dw13.get();
   ba.dw2 = dw2.get();
   ba.weight_grad_dtype = opt.grad_dtype;
   ba.accumulate_weight_grads = opt.accumulate;
-  ba.num_tokens = d.T;
-  ba.workspace = bwd_workspace.get();
-  ba.workspace_bytes = bwd_workspace.bytes();
   ba.expert_id_report = opt.expert_id_report;
   ba.saved_z = opt.save_z ? saved_z.get() : nullptr;
   backward(config, impl, ba);
@@ -338,27 +254,17 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
 // Device copies of a problem's inputs and a poisoned y, for forward-only runs.
 struct ForwardSetup {
   LayerConfig config;
-  DeviceBuffer x, w13, w2, idx, w, y, workspace;
+  DeviceInputs in;
+  DeviceBuffer y, workspace;
   ForwardArgs args;
 
   ForwardSetup(Impl impl, const HostProblem& p, int64_t max_tokens = -1)
       : config(config_of(p.d, max_tokens < 0 ? std::max<int64_t>(p.d.T, 1) : max_tokens)),
-        x(DeviceBuffer::from(p.x_TH)),
-        w13(DeviceBuffer::from(p.w13_EFH)),
-        w2(DeviceBuffer::from(p.w2_EHI)),
-        idx(DeviceBuffer::from(p.idx_TK)),
-        w(DeviceBuffer::from(p.w_TK)),
+        in(p),
         y(p.d.T * p.d.H * 2),
         workspace(workspace_bytes(config, impl)) {
-    args.x = x.get();
-    args.topk_idx = static_cast<const int32_t*>(idx.get());
-    args.topk_weights = static_cast<const float*>(w.get());
-    args.w13 = w13.get();
-    args.w2 = w2.get();
+    args = in.args<ForwardArgs>(p.d.T, workspace);
     args.y = y.get();
-    args.num_tokens = p.d.T;
-    args.workspace = workspace.get();
-    args.workspace_bytes = workspace.bytes();
   }
 };
 

@@ -2,9 +2,10 @@
 // gradient (dx, d_topk_weights, dw13, dw2) and for y: error against the fp64 CPU reference at
 // most 2 x the unfused bf16 baseline's error + kAtol. Edge routings and token counts, clamp,
 // bf16 and accumulated weight gradients, NaN-poisoned outputs and workspace (run_layer), and
-// bitwise determinism over repeated calls.
+// bitwise determinism over repeated calls, on a stream and from a CUDA-graph replay.
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "gpu/gpu_test_util.h"
 
@@ -111,6 +112,67 @@ TEST(FusedBackward, BitwiseDeterministic) {
                 again.dw13 == first.dw13 && again.dw2 == first.dw2)
         << "run " << run << " differs";
   }
+}
+
+// On a non-blocking stream: 20 calls and a CUDA-graph replay of the call give the first call's
+// bits (outputs and workspace poisoned before each), and accumulating onto the first result
+// doubles the fp32 weight gradients exactly (each gradient is the same sum, added once more).
+TEST(FusedBackward, StreamGraphReplayAndExactAccumulate) {
+  const Dims d = medium_dims(512);
+  const HostProblem p = make_problem(d, Routing::kMasked, 9600);
+  const LayerConfig config = config_of(d, d.T);
+  const DeviceInputs in(p);
+  DeviceBuffer dx(d.T * d.H * 2), dtw(d.T * d.K * 4), dw13(d.E * 2 * d.I * d.H * 4), dw2(d.E * d.H * d.I * 4),
+      workspace(workspace_bytes(config, Impl::kFused, WorkspaceUse::kBackward));
+  cudaStream_t stream;
+  TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  BackwardArgs a = in.args<BackwardArgs>(d.T, workspace);
+  a.dx = dx.get();
+  a.d_topk_weights = dtw.as<float>();
+  a.dw13 = dw13.get();
+  a.dw2 = dw2.get();
+  a.stream = stream;
+  auto poison_all = [&] {
+    for (DeviceBuffer* b : {&dx, &dtw, &dw13, &dw2, &workspace}) b->poison();
+  };
+  auto outputs = [&] {
+    TEST_CUDA(cudaStreamSynchronize(stream));
+    return std::vector<std::vector<uint8_t>>{dx.to_host<uint8_t>(), dtw.to_host<uint8_t>(), dw13.to_host<uint8_t>(),
+                                             dw2.to_host<uint8_t>()};
+  };
+  poison_all();
+  backward(config, Impl::kFused, a);
+  const auto first = outputs();
+  for (int run = 0; run < 20; ++run) {
+    poison_all();
+    backward(config, Impl::kFused, a);
+    ASSERT_TRUE(outputs() == first) << "call " << run << " on the stream differs";
+  }
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  backward(config, Impl::kFused, a);
+  TEST_CUDA(cudaStreamEndCapture(stream, &graph));
+  TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  poison_all();
+  TEST_CUDA(cudaGraphLaunch(exec, stream));
+  EXPECT_TRUE(outputs() == first) << "the graph replay differs";
+  TEST_CUDA(cudaGraphExecDestroy(exec));
+  TEST_CUDA(cudaGraphDestroy(graph));
+
+  const DeviceBuffer dw13_first = DeviceBuffer::from(first[2]), dw2_first = DeviceBuffer::from(first[3]);
+  dw13.copy_from(dw13_first);
+  dw2.copy_from(dw2_first);
+  a.accumulate_weight_grads = true;
+  backward(config, Impl::kFused, a);
+  TEST_CUDA(cudaStreamSynchronize(stream));
+  const std::vector<float> dw13_twice = dw13.to_host<float>(), dw2_twice = dw2.to_host<float>();
+  const std::vector<float> dw13_once = dw13_first.to_host<float>(), dw2_once = dw2_first.to_host<float>();
+  int64_t not_doubled = 0;
+  for (size_t i = 0; i < dw13_once.size(); ++i) not_doubled += !(dw13_twice[i] == 2.0f * dw13_once[i]);
+  for (size_t i = 0; i < dw2_once.size(); ++i) not_doubled += !(dw2_twice[i] == 2.0f * dw2_once[i]);
+  EXPECT_EQ(not_doubled, 0) << "accumulated fp32 weight gradients are not exactly twice the first";
+  TEST_CUDA(cudaStreamDestroy(stream));
 }
 
 TEST(FusedBackward, InvalidExpertIdsAreReported) {

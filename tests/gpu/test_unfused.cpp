@@ -147,23 +147,11 @@ TEST(Unfused, HostPointerIsRejected) {
   Dims d;
   d.T = 4;
   const HostProblem p = make_problem(d, Routing::kUniform, 61);
-  const LayerConfig config = config_of(d, d.T);
-  DeviceBuffer w13 = DeviceBuffer::from(p.w13_EFH), w2 = DeviceBuffer::from(p.w2_EHI),
-               idx = DeviceBuffer::from(p.idx_TK), w = DeviceBuffer::from(p.w_TK),
-               y(d.T * d.H * 2), workspace(workspace_bytes(config, Impl::kUnfused));
+  ForwardSetup s(Impl::kUnfused, p);
   alignas(16) static uint16_t host_x[4 * 256];
-  ForwardArgs fa;
-  fa.x = host_x;
-  fa.topk_idx = static_cast<const int32_t*>(idx.get());
-  fa.topk_weights = static_cast<const float*>(w.get());
-  fa.w13 = w13.get();
-  fa.w2 = w2.get();
-  fa.y = y.get();
-  fa.num_tokens = d.T;
-  fa.workspace = workspace.get();
-  fa.workspace_bytes = workspace.bytes();
+  s.args.x = host_x;
   try {
-    forward(config, Impl::kUnfused, fa);
+    forward(s.config, Impl::kUnfused, s.args);
     ADD_FAILURE() << "a host pointer for x was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("x must point to device memory"), std::string::npos)

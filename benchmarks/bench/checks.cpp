@@ -1,0 +1,83 @@
+#include "bench/checks.h"
+
+#include <cstdio>
+
+#include "common/device_checks.h"
+
+namespace fusemoe::bench {
+namespace {
+
+// out (an implementation's) against ref (the fp32 reference's); both on the device.
+CheckLine compare_output(const std::string& impl, const std::string& output, const std::string& wgrad,
+                         harness::DeviceTensor out, harness::DeviceTensor ref, int64_t count, cudaStream_t stream) {
+  FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const harness::CompareResult r = harness::compare(out, ref, 1, count, harness::CompareOptions{});
+  CheckLine line{impl, output, wgrad};
+  line.rel_err = r.rel_l2;
+  line.max_abs_err = r.max_abs_err;
+  line.calc_diff = r.calc_diff;
+  line.nonfinite = r.nonfinite_out;
+  line.nonfinite_ref = r.nonfinite_ref;
+  line.pass = line.nonfinite == 0 && line.nonfinite_ref == 0 && line.rel_err <= kRelErrTol;
+  return line;
+}
+
+}  // namespace
+
+std::vector<CheckLine> check_case(const LayerConfig& config, const LayerConfig& reference_config,
+                                  const std::vector<BenchImpl>& impls, const std::vector<DeviceBuffer>& workspaces,
+                                  const DeviceBuffer& reference_workspace, const LayerInputs& in,
+                                  const LayerOutputs& out, const LayerOutputs& ref, int64_t num_tokens,
+                                  const std::string& label, cudaStream_t stream) {
+  using harness::bf16_tensor;
+  using harness::fp32_tensor;
+  const int64_t y_elems = num_tokens * config.hidden;
+  const int64_t topk_elems = num_tokens * config.top_k;
+  const int64_t w13_elems = config.num_experts * 2 * config.intermediate * config.hidden;
+  const int64_t w2_elems = config.num_experts * config.hidden * config.intermediate;
+
+  std::fprintf(stderr, "[bench] %s: fp32 reference forward + backward ...\n", label.c_str());
+  ref.poison(stream);
+  reference_workspace.poison(stream);
+  run_forward(reference_config, kReferenceImpl, in, ref, reference_workspace, num_tokens, stream);
+  reference_workspace.poison(stream);
+  run_backward(reference_config, kReferenceImpl, in, ref, reference_workspace, num_tokens, WeightGradDtype::kFloat32,
+               stream);
+  FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+  std::vector<CheckLine> lines;
+  for (size_t i = 0; i < impls.size(); ++i) {
+    const std::string name = impls[i].name;
+    const DeviceBuffer& workspace = workspaces[i];
+    std::fprintf(stderr, "[bench] %s: checking %s ...\n", label.c_str(), name.c_str());
+
+    out.poison(stream);
+    workspace.poison(stream);
+    run_forward(config, impls[i], in, out, workspace, num_tokens, stream);
+    check_expert_ids(config, impls[i].impl, workspace.get(), stream);
+    lines.push_back(compare_output(name, "y", "-", bf16_tensor(out.y_TH.get()), bf16_tensor(ref.y_TH.get()), y_elems,
+                                   stream));
+    if (!impls[i].has_backward) continue;
+    for (WeightGradDtype dtype : {WeightGradDtype::kFloat32, WeightGradDtype::kBFloat16}) {
+      out.poison(stream);
+      workspace.poison(stream);
+      run_backward(config, impls[i], in, out, workspace, num_tokens, dtype, stream);
+      const std::string wgrad = wgrad_name(dtype);
+      const harness::DeviceTensor dw13{out.dw13_EFH.get(), dtype == WeightGradDtype::kFloat32 ? harness::DType::kFp32
+                                                                                              : harness::DType::kBf16};
+      const harness::DeviceTensor dw2{out.dw2_EHI.get(), dw13.dtype};
+      // dx and d_topk_weights do not depend on the weight-gradient dtype: checked once.
+      if (dtype == WeightGradDtype::kFloat32) {
+        lines.push_back(compare_output(name, "dx", "-", bf16_tensor(out.dx_TH.get()), bf16_tensor(ref.dx_TH.get()),
+                                       y_elems, stream));
+        lines.push_back(compare_output(name, "d_topk_weights", "-", fp32_tensor(out.d_topk_w_TK.get()),
+                                       fp32_tensor(ref.d_topk_w_TK.get()), topk_elems, stream));
+      }
+      lines.push_back(compare_output(name, "dw13", wgrad, dw13, fp32_tensor(ref.dw13_EFH.get()), w13_elems, stream));
+      lines.push_back(compare_output(name, "dw2", wgrad, dw2, fp32_tensor(ref.dw2_EHI.get()), w2_elems, stream));
+    }
+  }
+  return lines;
+}
+
+}  // namespace fusemoe::bench

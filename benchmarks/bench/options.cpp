@@ -1,0 +1,139 @@
+#include "bench/options.h"
+
+#include <sstream>
+
+namespace fusemoe::bench {
+
+const char* const kUsage =
+    "usage: fusemoe_bench [--preset qwen3-30b-a3b|qwen3-235b-a22b] [--tokens N[,N...]]\n"
+    "                     [--routing NAME] [--impl NAME[,NAME...]] [--iters N]\n"
+    "                     [--warmup N] [--json PATH] [--seed N] [--no-check]\n"
+    "                     [--check-max-tokens N]\n"
+    "  --preset            layer shape (default qwen3-30b-a3b: H=2048 I=768 E=128 K=8;\n"
+    "                      qwen3-235b-a22b: H=4096 I=1536 E=128 K=8)\n"
+    "  --tokens            token counts to run, comma separated (default 4096)\n"
+    "  --routing           uniform: K distinct experts uniformly at random per token;\n"
+    "                      skewed: Zipf popularity p(e) ~ 1/(rank+1)^1.2 (default uniform);\n"
+    "                      also one_expert, all_slots_one, few_experts, masked\n"
+    "                      (tests/common/routing.h)\n"
+    "  --impl              implementations to time (default: all of them: unfused, fused, and\n"
+    "                      fused_saved_z = fused with the forward saving z for the backward)\n"
+    "  --iters, --warmup   timed runs (median reported) and untimed runs before (20, 5)\n"
+    "  --json              write all figures and metadata to PATH\n"
+    "  --seed              seed of the inputs and the routing (default 1234)\n"
+    "  --no-check          skip the correctness check against the fp32 reference\n"
+    "  --check-max-tokens  check only token counts <= N (others are timed, check 'skipped')\n"
+    "exit: 0 ok, 1 correctness failure, 2 bad arguments, 3 no Hopper GPU, 4 runtime error\n";
+
+int64_t parse_int(const std::string& flag, const std::string& text, int64_t min_value) {
+  size_t used = 0;
+  long long value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) throw UsageError{flag + " expects an integer, got '" + text + "'"};
+  if (value < min_value) throw UsageError{flag + " must be >= " + std::to_string(min_value) + ", got " + text};
+  return value;
+}
+
+std::vector<std::string> split_commas(const std::string& text) {
+  std::vector<std::string> parts;
+  std::stringstream stream(text);
+  std::string part;
+  while (std::getline(stream, part, ',')) parts.push_back(part);
+  return parts;
+}
+
+const Preset& find_preset(const std::string& name) {
+  for (const Preset& preset : kPresets) {
+    if (name == preset.name) return preset;
+  }
+  throw UsageError{"unknown --preset '" + name + "'"};
+}
+
+void for_each_flag(int argc, char** argv, const std::function<void(const Flag&)>& handle) {
+  for (int i = 1; i < argc; ++i) {
+    std::string name = argv[i], value;
+    bool has_inline_value = false;
+    if (size_t eq = name.find('='); name.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_inline_value = true;
+    }
+    if (name == "--help" || name == "-h") throw UsageError{""};
+    const Flag flag{name,
+                    [&]() -> std::string {
+                      if (has_inline_value) return value;
+                      if (i + 1 >= argc) throw UsageError{name + " needs a value"};
+                      return argv[++i];
+                    },
+                    has_inline_value};
+    handle(flag);
+  }
+}
+
+bool parse_shared_flag(const Flag& flag, SharedOptions* options) {
+  if (flag.name == "--tokens") {
+    options->tokens.clear();
+    for (const std::string& part : split_commas(flag.value())) options->tokens.push_back(parse_int(flag.name, part, 1));
+    if (options->tokens.empty()) throw UsageError{"--tokens needs at least one count"};
+  } else if (flag.name == "--routing") {
+    const std::string name = flag.value();
+    if (!harness::parse_routing(name, &options->routing)) {
+      std::string known;
+      for (harness::Routing r : harness::kAllRoutings) known += std::string(" ") + harness::routing_name(r);
+      throw UsageError{"unknown --routing '" + name + "' (known:" + known + ")"};
+    }
+  } else if (flag.name == "--iters") {
+    options->iters = static_cast<int>(parse_int(flag.name, flag.value(), 1));
+  } else if (flag.name == "--warmup") {
+    options->warmup = static_cast<int>(parse_int(flag.name, flag.value(), 0));
+  } else if (flag.name == "--json") {
+    options->json_path = flag.value();
+    if (options->json_path.empty()) throw UsageError{"--json needs a path"};
+  } else if (flag.name == "--seed") {
+    options->seed = static_cast<uint64_t>(parse_int(flag.name, flag.value(), 0));
+  } else if (flag.name == "--no-check") {
+    if (flag.has_inline_value) throw UsageError{"--no-check takes no value"};
+    options->check = false;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+BenchParams parse_args(int argc, char** argv) {
+  BenchParams params;
+  params.tokens = {4096};
+  for (const BenchImpl& impl : kBenchImpls) params.impls.push_back(impl);
+  for_each_flag(argc, argv, [&](const Flag& flag) {
+    if (parse_shared_flag(flag, &params)) return;
+    if (flag.name == "--preset") {
+      params.preset = find_preset(flag.value());
+    } else if (flag.name == "--impl") {
+      params.impls.clear();
+      for (const std::string& name : split_commas(flag.value())) {
+        const BenchImpl* match = nullptr;
+        for (const BenchImpl& impl : kBenchImpls) {
+          if (name == impl.name) match = &impl;
+        }
+        if (match == nullptr) {
+          std::string known;
+          for (const BenchImpl& impl : kBenchImpls) known += std::string(" ") + impl.name;
+          throw UsageError{"unknown --impl '" + name + "' (known:" + known + ")"};
+        }
+        params.impls.push_back(*match);
+      }
+      if (params.impls.empty()) throw UsageError{"--impl needs at least one name"};
+    } else if (flag.name == "--check-max-tokens") {
+      params.check_max_tokens = parse_int(flag.name, flag.value(), 0);
+    } else {
+      throw UsageError{"unknown argument '" + flag.name + "'"};
+    }
+  });
+  return params;
+}
+
+}  // namespace fusemoe::bench

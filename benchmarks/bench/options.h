@@ -1,0 +1,117 @@
+// fusemoe_bench's command line: the layer presets, the implementations it can time, and the
+// parsed parameters of one run.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common/routing.h"
+#include "fusemoe/fusemoe.h"
+
+namespace fusemoe::bench {
+
+constexpr int kExitOk = 0;
+constexpr int kExitCheckFailed = 1;
+constexpr int kExitBadArgs = 2;
+constexpr int kExitNoHopper = 3;
+constexpr int kExitRuntimeError = 4;
+
+struct Preset {
+  const char* name;
+  const char* short_name;  // for progress lines
+  int64_t hidden, intermediate, num_experts, top_k;
+};
+
+constexpr Preset kPresets[] = {
+    {"qwen3-30b-a3b", "30B", 2048, 768, 128, 8},
+    {"qwen3-235b-a22b", "235B", 4096, 1536, 128, 8},
+};
+
+struct BenchImpl {
+  const char* name;  // command-line and report name
+  Impl impl;
+  bool has_backward;  // false: forward only
+  bool save_z;        // the forward saves z (ForwardArgs::saved_z), the backward reads it
+};
+
+// Implementations the benchmark can time (the fp32 reference is the oracle, never timed).
+// A new fusemoe::Impl is one line here; the default --impl list is all of them.
+constexpr BenchImpl kBenchImpls[] = {
+    {"unfused", Impl::kUnfused, true, false},
+    {"fused", Impl::kFused, true, false},
+    // As the PyTorch op runs it when gradients are needed.
+    {"fused_saved_z", Impl::kFused, true, true},
+};
+// The fp32 GPU oracle every implementation is checked against.
+constexpr BenchImpl kReferenceImpl = {"reference_fp32", Impl::kReferenceFp32, true, false};
+
+// The flags both benchmarks take.
+struct SharedOptions {
+  std::vector<int64_t> tokens;
+  harness::Routing routing = harness::Routing::kUniform;
+  int iters = 20;
+  int warmup = 5;
+  std::string json_path;
+  uint64_t seed = 1234;
+  bool check = true;
+};
+
+struct BenchParams : SharedOptions {
+  Preset preset = kPresets[0];
+  std::vector<BenchImpl> impls;
+  // Token counts above this are timed but not checked (the fp32 reference is slow at 235B).
+  int64_t check_max_tokens = std::numeric_limits<int64_t>::max();
+};
+
+// A bad command line; an empty message asks for the usage text (--help).
+struct UsageError {
+  std::string message;
+};
+
+extern const char* const kUsage;
+
+// Command-line pieces the benchmarks share; they throw UsageError.
+int64_t parse_int(const std::string& flag, const std::string& text, int64_t min_value);
+std::vector<std::string> split_commas(const std::string& text);
+const Preset& find_preset(const std::string& name);
+
+// What a flag handler gets: the flag ("--iters"), its value (from "--iters=N" or the next
+// argument; throws UsageError when there is none) and whether "=" gave one.
+struct Flag {
+  std::string name;
+  std::function<std::string()> value;
+  bool has_inline_value;
+};
+// Calls handle(flag) for each argument; --help and -h throw UsageError{""}.
+void for_each_flag(int argc, char** argv, const std::function<void(const Flag&)>& handle);
+// Handles --tokens, --routing, --iters, --warmup, --json, --seed and --no-check; false for any
+// other flag.
+bool parse_shared_flag(const Flag& flag, SharedOptions* options);
+
+// *params = parse(); on a UsageError prints `usage` (on stdout for --help, else on stderr after
+// the message) and returns false with the exit code in *exit_code.
+template <typename Params, typename Parse>
+bool parse_command_line(const char* tool, const char* usage, Parse&& parse, Params* params, int* exit_code) {
+  try {
+    *params = parse();
+    return true;
+  } catch (const UsageError& error) {
+    if (error.message.empty()) {
+      std::fputs(usage, stdout);
+      *exit_code = kExitOk;
+    } else {
+      std::fprintf(stderr, "%s: %s\n%s", tool, error.message.c_str(), usage);
+      *exit_code = kExitBadArgs;
+    }
+    return false;
+  }
+}
+
+// Throws UsageError.
+BenchParams parse_args(int argc, char** argv);
+
+}  // namespace fusemoe::bench

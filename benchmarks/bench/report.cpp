@@ -1,0 +1,143 @@
+#include "bench/report.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "bench/checks.h"
+
+namespace fusemoe::bench {
+
+// Indexed by Pass.
+constexpr const char* kPassNames[] = {"forward", "backward", "forward+backward"};
+constexpr int kFlopsPerRowInHi[] = {6, 12, 18};
+
+const char* pass_name(Pass pass) { return kPassNames[static_cast<int>(pass)]; }
+
+int flops_per_row_in_hi(Pass pass) { return kFlopsPerRowInHi[static_cast<int>(pass)]; }
+
+void print_header(const BenchParams& params, const BenchResult& result) {
+  print_facts("fusemoe_bench", result.facts);
+  std::string tokens, impls;
+  for (int64_t t : params.tokens) tokens += (tokens.empty() ? "" : ",") + std::to_string(t);
+  for (const BenchImpl& impl : params.impls) impls += (impls.empty() ? "" : ",") + std::string(impl.name);
+  std::printf("layer %s: H=%lld I=%lld E=%lld K=%lld; tokens %s; routing %s; impls %s\n", params.preset.name,
+              static_cast<long long>(params.preset.hidden), static_cast<long long>(params.preset.intermediate),
+              static_cast<long long>(params.preset.num_experts), static_cast<long long>(params.preset.top_k),
+              tokens.c_str(), harness::routing_name(params.routing), impls.c_str());
+  std::printf("timing: median of %d after %d warm-up, CUDA events, %zu MiB L2 flush before each call\n", params.iters,
+              params.warmup, result.facts.l2_flush_bytes >> 20);
+  std::fflush(stdout);
+}
+
+void print_case(const BenchParams& params, const BenchResult& result, const CaseResult& c) {
+  const harness::RoutingStats& r = c.routing;
+  std::printf("\n== %s T=%lld routing=%s: %lld valid rows; rows/expert min %lld mean %.0f max %lld, %lld empty ==\n",
+              params.preset.name, static_cast<long long>(c.num_tokens), harness::routing_name(params.routing),
+              static_cast<long long>(r.valid_rows), static_cast<long long>(r.min_rows),
+              static_cast<double>(r.valid_rows) / params.preset.num_experts, static_cast<long long>(r.max_rows),
+              static_cast<long long>(r.num_empty_experts));
+  std::printf("correctness vs fp32 reference (fail: non-finite or rel_err > %.0e): %s\n", kRelErrTol,
+              c.check_status.c_str());
+  if (!c.checks.empty()) {
+    std::printf("  %-13s %-15s %-5s %10s %10s %10s %9s  %s\n", "impl", "output", "wgrad", "rel_err", "max_abs",
+                "calc_diff", "nonfinite", "result");
+    for (const CheckLine& line : c.checks) {
+      std::printf("  %-13s %-15s %-5s %10.2e %10.2e %10.2e %9llu  %s\n", line.impl.c_str(), line.output.c_str(),
+                  line.wgrad.c_str(), line.rel_err, line.max_abs_err, line.calc_diff,
+                  static_cast<unsigned long long>(line.nonfinite + line.nonfinite_ref), line.pass ? "pass" : "FAIL");
+    }
+  }
+  if (c.timings.empty()) return;
+  std::printf("timings (median of %d after %d warm-up, L2 flushed; ceiling %.0f TFLOP/s):\n", params.iters,
+              params.warmup, result.ceiling.tflops);
+  std::printf("  %-13s %-17s %-5s %9s %9s %9s %8s %12s\n", "impl", "pass", "wgrad", "ms", "min ms", "TFLOP/s", "%ceil",
+              "vs first");
+  for (const TimingLine& line : c.timings) {
+    std::printf("  %-13s %-17s %-5s %9.3f %9.3f %9.1f %7.1f%% %11.2fx\n", line.impl.c_str(), pass_name(line.pass),
+                line.wgrad.c_str(), line.stats.median_ms, line.stats.min_ms, line.tflops, line.pct_ceiling,
+                line.speedup_vs_first);
+  }
+}
+
+namespace {
+
+Json case_json(const BenchParams& params, const CaseResult& c) {
+  Json checks = Json::array();
+  for (const CheckLine& line : c.checks) {
+    checks.push_back({{"impl", line.impl},
+                      {"output", line.output},
+                      {"weight_grad_dtype", line.wgrad},
+                      {"rel_err", line.rel_err},
+                      {"max_abs_err", line.max_abs_err},
+                      {"calc_diff", line.calc_diff},
+                      {"nonfinite", line.nonfinite},
+                      {"nonfinite_reference", line.nonfinite_ref},
+                      {"pass", line.pass}});
+  }
+  Json timings = Json::array();
+  for (const TimingLine& line : c.timings) {
+    timings.push_back({{"impl", line.impl},
+                       {"pass", pass_name(line.pass)},
+                       {"weight_grad_dtype", line.wgrad},
+                       {"ms_median", line.stats.median_ms},
+                       {"ms_min", line.stats.min_ms},
+                       {"ms_max", line.stats.max_ms},
+                       {"flops", line.flops},
+                       {"tflops", line.tflops},
+                       {"pct_ceiling", line.pct_ceiling},
+                       {"speedup_vs_first_impl", line.speedup_vs_first}});
+  }
+  Json out = {{"tokens", c.num_tokens}};
+  out.update(routing_json(c.routing, params.preset.num_experts));
+  out.update(Json{{"check_status", c.check_status}, {"checks", checks}, {"timings", timings}});
+  return out;
+}
+
+}  // namespace
+
+bool write_json(const std::string& path, const BenchParams& params, const BenchResult& result) {
+  Json impls = Json::array();
+  for (const BenchImpl& impl : params.impls) impls.push_back(impl.name);
+  Json meta = facts_json(result.facts);
+  meta.update(Json{
+      {"preset", params.preset.name},
+      {"hidden", params.preset.hidden},
+      {"intermediate", params.preset.intermediate},
+      {"num_experts", params.preset.num_experts},
+      {"top_k", params.preset.top_k},
+      {"routing", harness::routing_name(params.routing)},
+      {"skew_exponent", params.routing == harness::Routing::kSkewed ? harness::kSkewExponent : 0.0},
+      {"seed", params.seed},
+      {"iters", params.iters},
+      {"warmup", params.warmup},
+      {"l2_flush_bytes", static_cast<uint64_t>(result.facts.l2_flush_bytes)},
+      {"rel_err_tol", kRelErrTol},
+      {"tokens", params.tokens},
+      {"impls", impls},
+  });
+  Json cases = Json::array();
+  for (const CaseResult& c : result.cases) cases.push_back(case_json(params, c));
+  const Json json = {
+      {"tool", "fusemoe_bench"},
+      {"schema", 1},
+      {"meta", meta},
+      {"ceiling",
+       {{"what", result.ceiling.what},
+        {"tflops", result.ceiling.tflops},
+        {"ms_median", result.ceiling.stats.median_ms}}},
+      {"cases", cases},
+      {"error", result.error},
+  };
+  std::ofstream file(path);
+  if (!file) {
+    std::fprintf(stderr, "fusemoe_bench: cannot write --json %s: %s\n", path.c_str(), std::strerror(errno));
+    return false;
+  }
+  file << json.dump(2) << "\n";
+  return static_cast<bool>(file);
+}
+
+}  // namespace fusemoe::bench

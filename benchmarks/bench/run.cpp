@@ -1,0 +1,287 @@
+#include "bench/run.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <memory>
+
+#include "bench/checks.h"
+#include "common/device_checks.h"
+#include "common/routing.h"
+#include "common/timer.h"
+
+namespace fusemoe::bench {
+namespace {
+
+// Inputs: x, dy ~ N(0, 1); w13 ~ N(0, 1/H) and w2 ~ N(0, 1/I) so that gate/up, h and each
+// expert's output are O(1) and the errors compare on a natural scale.
+LayerInputs make_inputs(const LayerConfig& c, uint64_t seed, cudaStream_t stream) {
+  LayerInputs in;
+  const int64_t x_elems = c.max_tokens * c.hidden;
+  const int64_t w13_elems = c.num_experts * 2 * c.intermediate * c.hidden;
+  const int64_t w2_elems = c.num_experts * c.hidden * c.intermediate;
+  in.x_TH = DeviceBuffer(x_elems * 2);
+  in.dy_TH = DeviceBuffer(x_elems * 2);
+  in.w13_EFH = DeviceBuffer(w13_elems * 2);
+  in.w2_EHI = DeviceBuffer(w2_elems * 2);
+  in.topk_idx_TK = DeviceBuffer(c.max_tokens * c.top_k * sizeof(int32_t));
+  in.topk_w_TK = DeviceBuffer(c.max_tokens * c.top_k * sizeof(float));
+  harness::fill_normal_bf16(in.x_TH.get(), x_elems, seed * 4 + 1, 1.0f, stream);
+  harness::fill_normal_bf16(in.dy_TH.get(), x_elems, seed * 4 + 2, 1.0f, stream);
+  harness::fill_normal_bf16(in.w13_EFH.get(), w13_elems, seed * 4 + 3, 1.0f / std::sqrt(static_cast<float>(c.hidden)),
+                            stream);
+  harness::fill_normal_bf16(in.w2_EHI.get(), w2_elems, seed * 4 + 4,
+                            1.0f / std::sqrt(static_cast<float>(c.intermediate)), stream);
+  return in;
+}
+
+struct TimingContext {
+  const BenchParams& params;
+  const LayerConfig& config;
+  const LayerInputs& inputs;
+  const LayerOutputs& outputs;
+  const std::vector<DeviceBuffer>& workspaces;  // one per params.impls entry
+  harness::EventTimer& timer;
+  double ceiling_tflops;
+  cudaStream_t stream;
+};
+
+std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, int64_t valid_rows,
+                                  const std::string& label) {
+  struct Measurement {
+    Pass pass;
+    WeightGradDtype dtype;
+  };
+  // fp32 weight gradients are the default (what an optimizer keeps); bf16 is what a bf16
+  // PyTorch model's autograd produces.
+  constexpr Measurement kMeasurements[] = {
+      {Pass::kForward, WeightGradDtype::kFloat32},
+      {Pass::kBackward, WeightGradDtype::kFloat32},
+      {Pass::kForwardBackward, WeightGradDtype::kFloat32},
+      {Pass::kBackward, WeightGradDtype::kBFloat16},
+      {Pass::kForwardBackward, WeightGradDtype::kBFloat16},
+  };
+  const double hi = static_cast<double>(ctx.config.hidden) * ctx.config.intermediate;
+  std::vector<TimingLine> lines;
+  // Per measurement, the implementations run interleaved (EventTimer::run_interleaved), so the
+  // ratios between them do not depend on the order they are listed in.
+  for (const Measurement& m : kMeasurements) {
+    std::vector<std::function<void()>> ops;
+    std::vector<TimingLine> measured;
+    for (size_t i = 0; i < ctx.params.impls.size(); ++i) {
+      const BenchImpl& impl = ctx.params.impls[i];
+      if (m.pass != Pass::kForward && !impl.has_backward) continue;
+      TimingLine line;
+      line.impl = impl.name;
+      line.pass = m.pass;
+      line.wgrad = m.pass == Pass::kForward ? "-" : wgrad_name(m.dtype);
+      measured.push_back(line);
+      // The ops hold pointers to the context, the implementation and its workspace (alive for
+      // the whole measurement), not references to locals of this loop.
+      const TimingContext* c = &ctx;
+      const BenchImpl* im = &impl;
+      const DeviceBuffer* ws = &ctx.workspaces[i];
+      auto forward = [c, im, ws, num_tokens]() {
+        run_forward(c->config, *im, c->inputs, c->outputs, *ws, num_tokens, c->stream);
+      };
+      auto backward = [c, im, ws, num_tokens, m]() {
+        run_backward(c->config, *im, c->inputs, c->outputs, *ws, num_tokens, m.dtype, c->stream);
+      };
+      switch (m.pass) {
+        case Pass::kForward: ops.push_back(forward); break;
+        case Pass::kBackward: ops.push_back(backward); break;
+        case Pass::kForwardBackward:
+          ops.push_back([forward, backward]() {
+            forward();
+            backward();
+          });
+          break;
+      }
+    }
+    if (ops.empty()) continue;
+    std::fprintf(stderr, "[bench] %s: timing %s%s%s of %zu implementation(s), interleaved ...\n", label.c_str(),
+                 pass_name(m.pass), m.pass == Pass::kForward ? "" : " wgrad=",
+                 m.pass == Pass::kForward ? "" : wgrad_name(m.dtype), ops.size());
+    const std::vector<harness::TimingStats> stats =
+        ctx.timer.run_interleaved(ops, ctx.params.warmup, ctx.params.iters, /*flush_l2=*/true);
+    for (size_t k = 0; k < measured.size(); ++k) {
+      TimingLine& line = measured[k];
+      line.stats = stats[k];
+      line.flops = flops_per_row_in_hi(m.pass) * hi * static_cast<double>(valid_rows);
+      line.tflops = line.flops / (line.stats.median_ms * 1e-3) / 1e12;
+      line.pct_ceiling = 100.0 * line.tflops / ctx.ceiling_tflops;
+      lines.push_back(line);
+    }
+  }
+  // Listed implementation by implementation.
+  auto rank = [&](const std::string& name) {
+    for (size_t i = 0; i < ctx.params.impls.size(); ++i) {
+      if (name == ctx.params.impls[i].name) return i;
+    }
+    return ctx.params.impls.size();
+  };
+  std::stable_sort(lines.begin(), lines.end(),
+                   [&](const TimingLine& a, const TimingLine& b) { return rank(a.impl) < rank(b.impl); });
+  // Speedups against the first implementation listed, same pass and weight-gradient dtype.
+  for (TimingLine& line : lines) {
+    for (const TimingLine& base : lines) {
+      if (base.impl == ctx.params.impls[0].name && base.pass == line.pass && base.wgrad == line.wgrad) {
+        line.speedup_vs_first = base.stats.median_ms / line.stats.median_ms;
+      }
+    }
+  }
+  return lines;
+}
+
+}  // namespace
+
+LayerOutputs::LayerOutputs(const LayerConfig& c, bool save_z)
+    : y_TH(c.max_tokens * c.hidden * 2),
+      dx_TH(c.max_tokens * c.hidden * 2),
+      d_topk_w_TK(c.max_tokens * c.top_k * sizeof(float)),
+      dw13_EFH(c.num_experts * 2 * c.intermediate * c.hidden * sizeof(float)),
+      dw2_EHI(c.num_experts * c.hidden * c.intermediate * sizeof(float)),
+      saved_z_SF(save_z ? saved_z_bytes(c) : 0) {}
+
+void LayerOutputs::poison(cudaStream_t stream) const {
+  for (const DeviceBuffer* buffer : {&y_TH, &dx_TH, &d_topk_w_TK, &dw13_EFH, &dw2_EHI}) buffer->poison(stream);
+}
+
+DeviceBuffer allocate_workspace(const LayerConfig& config, Impl impl) {
+  // At least one aligned block, so a zero-byte workspace is still a valid pointer.
+  return DeviceBuffer(std::max<size_t>(workspace_bytes(config, impl), 256));
+}
+
+namespace {
+
+// The fields ForwardArgs and BackwardArgs share.
+template <typename Args>
+Args layer_args(const BenchImpl& impl, const LayerInputs& in, const LayerOutputs& out, const DeviceBuffer& workspace,
+                int64_t num_tokens, cudaStream_t stream) {
+  Args args;
+  args.x = in.x_TH.get();
+  args.topk_idx = in.topk_idx_TK.as<int32_t>();
+  args.topk_weights = in.topk_w_TK.as<float>();
+  args.w13 = in.w13_EFH.get();
+  args.w2 = in.w2_EHI.get();
+  args.num_tokens = num_tokens;
+  args.workspace = workspace.get();
+  args.workspace_bytes = workspace.bytes();
+  args.stream = stream;
+  // As a training loop runs: no per-call sync; the correctness check calls check_expert_ids().
+  args.sync_check_expert_ids = false;
+  args.saved_z = out.saved_z(impl);  // the backward's: written by the forward of these inputs just before
+  return args;
+}
+
+}  // namespace
+
+void run_forward(const LayerConfig& config, const BenchImpl& impl, const LayerInputs& in, const LayerOutputs& out,
+                 const DeviceBuffer& workspace, int64_t num_tokens, cudaStream_t stream) {
+  ForwardArgs args = layer_args<ForwardArgs>(impl, in, out, workspace, num_tokens, stream);
+  args.y = out.y_TH.get();
+  forward(config, impl.impl, args);
+}
+
+void run_backward(const LayerConfig& config, const BenchImpl& impl, const LayerInputs& in, const LayerOutputs& out,
+                  const DeviceBuffer& workspace, int64_t num_tokens, WeightGradDtype weight_grad_dtype,
+                  cudaStream_t stream) {
+  BackwardArgs args = layer_args<BackwardArgs>(impl, in, out, workspace, num_tokens, stream);
+  args.dy = in.dy_TH.get();
+  args.dx = out.dx_TH.get();
+  args.d_topk_weights = out.d_topk_w_TK.as<float>();
+  args.dw13 = out.dw13_EFH.get();
+  args.dw2 = out.dw2_EHI.get();
+  args.weight_grad_dtype = weight_grad_dtype;
+  args.accumulate_weight_grads = false;
+  backward(config, impl.impl, args);
+}
+
+const char* wgrad_name(WeightGradDtype dtype) { return dtype == WeightGradDtype::kFloat32 ? "fp32" : "bf16"; }
+
+bool run_bench(const BenchParams& params, BenchResult& result) {
+  cudaStream_t stream = nullptr;
+  FUSEMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  struct StreamGuard {
+    cudaStream_t s;
+    ~StreamGuard() { cudaStreamDestroy(s); }
+  } stream_guard{stream};
+
+  const Preset& preset = params.preset;
+  LayerConfig config;
+  config.hidden = preset.hidden;
+  config.intermediate = preset.intermediate;
+  config.num_experts = preset.num_experts;
+  config.top_k = preset.top_k;
+  config.max_tokens = *std::max_element(params.tokens.begin(), params.tokens.end());
+  validate_config(config);
+
+  harness::EventTimer timer(stream);
+  std::fprintf(stderr, "[bench] measuring the bf16 GEMM ceiling ...\n");
+  result.ceiling = measure_gemm_ceiling(stream, timer, params.seed);
+  std::printf("bf16 GEMM ceiling: %.1f TFLOP/s, %.3f ms median (%s)\n", result.ceiling.tflops,
+              result.ceiling.stats.median_ms, result.ceiling.what.c_str());
+  std::fflush(stdout);
+
+  std::fprintf(stderr, "[bench] %s: generating inputs for up to T=%lld ...\n", preset.short_name,
+               static_cast<long long>(config.max_tokens));
+  const LayerInputs inputs = make_inputs(config, params.seed, stream);
+  const bool any_saves_z =
+      std::any_of(params.impls.begin(), params.impls.end(), [](const BenchImpl& impl) { return impl.save_z; });
+  const LayerOutputs outputs(config, any_saves_z);
+  std::vector<DeviceBuffer> workspaces;
+  for (const BenchImpl& impl : params.impls) workspaces.push_back(allocate_workspace(config, impl.impl));
+
+  // The reference and its outputs exist only while some token count is checked; its config
+  // is sized for the largest checked T so a skipped large T does not inflate its workspace.
+  LayerConfig reference_config = config;
+  reference_config.max_tokens = 0;
+  for (int64_t t : params.tokens) {
+    if (params.check && t <= params.check_max_tokens) {
+      reference_config.max_tokens = std::max(reference_config.max_tokens, t);
+    }
+  }
+  DeviceBuffer reference_workspace;
+  std::unique_ptr<LayerOutputs> reference_outputs;
+  if (reference_config.max_tokens > 0) {
+    reference_workspace = allocate_workspace(reference_config, Impl::kReferenceFp32);
+    reference_outputs = std::make_unique<LayerOutputs>(reference_config, false);
+  }
+
+  const TimingContext ctx{params, config, inputs, outputs, workspaces, timer, result.ceiling.tflops, stream};
+  bool all_pass = true;
+  for (int64_t num_tokens : params.tokens) {
+    const std::string label = std::string(preset.short_name) + " T=" + std::to_string(num_tokens);
+    result.cases.emplace_back();
+    CaseResult& c = result.cases.back();
+    c.num_tokens = num_tokens;
+    const harness::TopK topk =
+        harness::make_topk(num_tokens, config.num_experts, config.top_k, params.routing, params.seed);
+    c.routing = harness::routing_stats(topk.idx_TK, config.num_experts);
+    FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(inputs.topk_idx_TK.get(), topk.idx_TK.data(),
+                                       topk.idx_TK.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+    FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(inputs.topk_w_TK.get(), topk.w_TK.data(), topk.w_TK.size() * sizeof(float),
+                                       cudaMemcpyHostToDevice, stream));
+    FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+    if (!params.check) {
+      c.check_status = "skipped (--no-check)";
+    } else if (num_tokens > params.check_max_tokens) {
+      c.check_status = "skipped (T > --check-max-tokens " + std::to_string(params.check_max_tokens) + ")";
+    } else {
+      c.checks = check_case(config, reference_config, params.impls, workspaces, reference_workspace, inputs, outputs,
+                            *reference_outputs, num_tokens, label, stream);
+      const bool pass =
+          std::all_of(c.checks.begin(), c.checks.end(), [](const CheckLine& line) { return line.pass; });
+      c.check_status = pass ? "pass" : "FAIL";
+      all_pass = all_pass && pass;
+    }
+    c.timings = time_case(ctx, num_tokens, c.routing.valid_rows, label);
+    print_case(params, result, c);
+    std::fflush(stdout);
+  }
+  return all_pass;
+}
+
+}  // namespace fusemoe::bench
