@@ -196,6 +196,11 @@ STEP_NUM=$((STEP_NUM + 1))
 bench_step "fusemoe_kernel_bench" "$BUILD_DIR/fusemoe_kernel_bench" --iters "$ITERS" --warmup "$WARMUP" \
   --json "$PARTS/${STEP_NUM}_kernels.json"
 
+# ---- 4a'. Expert parallelism on one GPU: co-resident ranks against the single-GPU layer ----
+STEP_NUM=$((STEP_NUM + 1))
+bench_step "fusemoe_ep_bench" "$BUILD_DIR/fusemoe_ep_bench" --preset qwen3-30b-a3b --tokens 16384 --ranks 2,4 \
+  --iters "$ITERS" --warmup "$WARMUP" --json "$PARTS/${STEP_NUM}_ep_bench.json"
+
 # ---- 4b. PyTorch layer (issue 5): pytest tests/python (a skip is a failure here), a short training run ----
 export FUSEMOE_LIBRARY="${FUSEMOE_LIBRARY:-$(cd "$BUILD_DIR" && pwd -P)/libfusemoe_c.so}" FUSEMOE_REQUIRE_GPU=1
 bench_step pytest timeout --kill-after=15 300 python3 -m pytest -q -rs tests/python
