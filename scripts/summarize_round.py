@@ -21,7 +21,7 @@ PASS_ORDER = ["forward", "backward", "forward+backward"]
 
 
 def load_parts(parts_dir):
-    fusemoe_runs, kernel_runs, torch_runs, steps = [], [], [], []
+    fusemoe_runs, kernel_runs, torch_runs, ep_runs, steps = [], [], [], [], []
     for path in sorted(glob.glob(os.path.join(parts_dir, "*.json"))):
         name = os.path.basename(path)
         try:
@@ -33,7 +33,7 @@ def load_parts(parts_dir):
         data["source_file"] = name
         tool = data.get("tool")
         (torch_runs if tool == "torch_baseline" else kernel_runs if tool == "fusemoe_kernel_bench"
-         else fusemoe_runs).append(data)
+         else ep_runs if tool == "fusemoe_ep_bench" else fusemoe_runs).append(data)
     steps_path = os.path.join(parts_dir, "steps.tsv")
     if os.path.exists(steps_path):
         with open(steps_path) as f:
@@ -43,7 +43,8 @@ def load_parts(parts_dir):
                     continue
                 steps.append({"name": fields[0], "rc": int(fields[1]), "seconds": float(fields[2]),
                               "note": fields[3] if len(fields) > 3 else ""})
-    return {"steps": steps, "fusemoe": fusemoe_runs, "kernels": kernel_runs, "torch": torch_runs}
+    return {"steps": steps, "fusemoe": fusemoe_runs, "kernels": kernel_runs, "torch": torch_runs,
+            "ep": ep_runs}
 
 
 def fmt(value, spec):
@@ -230,6 +231,16 @@ def render(results):
         render_case(key, entry, lines)
     for run in results.get("kernels", []):
         render_kernels(run, lines)
+    for run in results.get("ep", []):
+        lines.append(f"### Expert parallelism, {run.get('mode')}: {run.get('preset')}, {run.get('tokens')} tokens "
+                     f"in all, {run.get('routing')} routing (`fusemoe_ep_bench`)")
+        lines.append("")
+        lines.append("| ranks | pass | EP ms | single-GPU ms | EP / single | EP TFLOP/s |")
+        lines.append("| ---: | --- | ---: | ---: | ---: | ---: |")
+        for r in run.get("results", []):
+            lines.append(f"| {r['ranks']} | {r['pass']} | {r['ep_ms']:.3f} | {r['single_gpu_ms']:.3f} | "
+                         f"{r['ratio']:.3f} | {r['ep_tflops']:.1f} |")
+        lines.append("")
     return "\n".join(lines) + "\n", problems
 
 
