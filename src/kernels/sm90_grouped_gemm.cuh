@@ -35,6 +35,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "device/sm90_block_scaled.cuh"
 #include "device/sm90_epilogues.cuh"
 #include "device/sm90_layout.cuh"
 #include "device/sm90_operands.cuh"
@@ -57,6 +58,9 @@ struct GroupedGemm {
   static constexpr int kStageBytes = kTileABytes + kTileBBytes;
   static constexpr int kStages = (kSmemDataBytes - Epilogue::kStagingBytes) / kStageBytes;
   static constexpr int kAccRegs = kBlockN / 2;
+  // Blockwise FP8 (sm90_block_scaled.cuh): its own producer/consumer loops and a scale record per stage.
+  static constexpr bool kBlockScaled = IsBlockScaled<A>::value;
+  static constexpr int kScaleRingBytes = kBlockScaled ? kStages * kStageScalesBytes : 0;
   using Mma = Wgmma<kBlockN, A::kMnMajor ? 1 : 0, B::kMnMajor ? 1 : 0>;
   using LayoutA = OperandLayout<A::kMnMajor>;
   using LayoutB = OperandLayout<B::kMnMajor>;
@@ -69,7 +73,7 @@ struct GroupedGemm {
                 "a reduction over rows reads both operands as transposed pool boxes");
 
   static constexpr size_t smem_bytes(int num_experts) {
-    return kSmemAlign + static_cast<size_t>(kStages) * kStageBytes + Epilogue::kStagingBytes +
+    return kSmemAlign + static_cast<size_t>(kStages) * kStageBytes + Epilogue::kStagingBytes + kScaleRingBytes +
            2 * kStages * sizeof(uint64_t) + 2 * (static_cast<size_t>(num_experts) + 1) * sizeof(int32_t);
   }
 };
@@ -224,8 +228,9 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
   uint8_t* tiles_a = smem;                                          // [kStages][128 x 64] bf16
   uint8_t* tiles_b = tiles_a + kStages * kTileABytes;               // [kStages][kBlockN x 64] bf16
   uint8_t* staging = tiles_b + kStages * Gemm::kTileBBytes;         // epilogue staging, if any
-  const StageRing<kStages> ring{reinterpret_cast<uint64_t*>(staging + Gemm::Epilogue::kStagingBytes),
-                                reinterpret_cast<uint64_t*>(staging + Gemm::Epilogue::kStagingBytes) + kStages};
+  StageScales* stage_scales = reinterpret_cast<StageScales*>(staging + Gemm::Epilogue::kStagingBytes);  // FP8
+  uint8_t* barriers = staging + Gemm::Epilogue::kStagingBytes + Gemm::kScaleRingBytes;
+  const StageRing<kStages> ring{reinterpret_cast<uint64_t*>(barriers), reinterpret_cast<uint64_t*>(barriers) + kStages};
   int32_t* table = reinterpret_cast<int32_t*>(ring.empty + kStages);  // [2][E + 1]
 
   const int warpgroup = threadIdx.x / kThreadsPerWarpgroup;
@@ -240,14 +245,24 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
 
   if (warpgroup == 0) {
     setmaxnreg_dec<kProducerRegs>();
-    if (Gemm::A::kGathered || threadIdx.x == 0) produce<Gemm>(p, sched, ring, tiles_a, tiles_b, threadIdx.x);
+    if (Gemm::A::kGathered || threadIdx.x == 0) {
+      if constexpr (Gemm::kBlockScaled) {
+        produce_block_scaled<Gemm>(p, sched, ring, tiles_a, tiles_b, stage_scales, threadIdx.x);
+      } else {
+        produce<Gemm>(p, sched, ring, tiles_a, tiles_b, threadIdx.x);
+      }
+    }
   } else {
     setmaxnreg_inc<kConsumerRegs>();
     const int warp_in_wg = (threadIdx.x / 32) % kWarpsPerWarpgroup;
     const int lane = threadIdx.x % 32;
     const ConsumerThread me{warpgroup - 1, warp_in_wg, lane, static_cast<int>(threadIdx.x % kThreadsPerWarpgroup),
                             warp_in_wg * 16 + lane / 4};
-    consume<Gemm>(p, sched, ring, tiles_a, tiles_b, staging, me);
+    if constexpr (Gemm::kBlockScaled) {
+      consume_block_scaled<Gemm>(p, sched, ring, tiles_a, tiles_b, stage_scales, staging, me);
+    } else {
+      consume<Gemm>(p, sched, ring, tiles_a, tiles_b, staging, me);
+    }
   }
 }
 
