@@ -82,6 +82,11 @@ struct BenchImpl {
   fusemoe::Impl impl;
   bool has_backward;  // false: forward only (its backward is not implemented yet)
   bool save_z;        // the forward saves z (ForwardArgs::saved_z), the backward reads it
+  fusemoe::Precision precision = fusemoe::Precision::kBf16;
+  // Relative error allowed against the fp32 reference. FP8: E4M3's quantization alone gives ~6%
+  // on these inputs; the GPU suite holds FP8 to 1.1x its emulation's error (tests/gpu/
+  // test_fp8_layer.cpp), this check only catches a broken path.
+  double check_tol = kRelErrTol;
 };
 
 // Implementations the benchmark can time (the fp32 reference is the oracle, never timed).
@@ -91,6 +96,10 @@ constexpr BenchImpl kBenchImpls[] = {
     {"fused", fusemoe::Impl::kFused, true, false},
     // As the PyTorch op runs it when gradients are needed.
     {"fused_saved_z", fusemoe::Impl::kFused, true, true},
+    // Blockwise FP8 (Precision::kFp8Blockwise); the weights are quantized once before timing, as
+    // a training step does once per optimizer step.
+    {"fused_fp8", fusemoe::Impl::kFused, true, false, fusemoe::Precision::kFp8Blockwise, 1e-1},
+    {"fused_fp8_saved_z", fusemoe::Impl::kFused, true, true, fusemoe::Precision::kFp8Blockwise, 1e-1},
 };
 // The fp32 GPU oracle every implementation is checked against.
 constexpr BenchImpl kReferenceImpl = {"reference_fp32", fusemoe::Impl::kReferenceFp32, true, false};
@@ -129,8 +138,9 @@ const char* kUsage =
     "  --tokens            token counts to run, comma separated (default 4096)\n"
     "  --routing           uniform: K distinct experts uniformly at random per token;\n"
     "                      skewed: Zipf popularity p(e) ~ 1/(rank+1)^1.2 (default uniform)\n"
-    "  --impl              implementations to time (default: all of them: unfused, fused, and\n"
-    "                      fused_saved_z = fused with the forward saving z for the backward)\n"
+    "  --impl              implementations to time (default: all of them: unfused, fused,\n"
+    "                      fused_saved_z = fused with the forward saving z for the backward,\n"
+    "                      fused_fp8 and fused_fp8_saved_z = the same at blockwise FP8)\n"
     "  --iters, --warmup   timed runs (median reported) and untimed runs before (20, 5)\n"
     "  --json              write all figures and metadata to PATH\n"
     "  --seed              seed of the inputs and the routing (default 1234)\n"
@@ -660,7 +670,15 @@ struct LayerInputs {
   DeviceBuffer x_TH, dy_TH;      // [max T, H] bf16; a call with T tokens uses the first T rows
   DeviceBuffer w13_EFH, w2_EHI;  // bf16
   DeviceBuffer topk_idx_TK, topk_w_TK;  // [max T, K]; rewritten per token count
+  DeviceBuffer fp8_weights;             // quantize_weights_fp8 of w13, w2 (FP8 impls only)
 };
+
+// The config an implementation runs with (its precision).
+fusemoe::LayerConfig impl_config(const fusemoe::LayerConfig& config, const BenchImpl& impl) {
+  fusemoe::LayerConfig c = config;
+  c.precision = impl.precision;
+  return c;
+}
 
 // Every output of forward and backward; the weight gradients are sized for fp32 and hold bf16
 // in their first half when the weight-gradient dtype is bf16.
@@ -685,9 +703,9 @@ struct LayerOutputs {
   }
 };
 
-DeviceBuffer allocate_workspace(const fusemoe::LayerConfig& config, fusemoe::Impl impl) {
+DeviceBuffer allocate_workspace(const fusemoe::LayerConfig& config, const BenchImpl& impl) {
   // At least one aligned block, so a zero-byte workspace is still a valid pointer.
-  return DeviceBuffer(std::max<size_t>(fusemoe::workspace_bytes(config, impl), 256));
+  return DeviceBuffer(std::max<size_t>(fusemoe::workspace_bytes(impl_config(config, impl), impl.impl), 256));
 }
 
 void run_forward(const fusemoe::LayerConfig& config, const BenchImpl& impl, const LayerInputs& in,
@@ -708,7 +726,8 @@ void run_forward(const fusemoe::LayerConfig& config, const BenchImpl& impl, cons
   // check_expert_ids() once after its forward, which would report a bad id.
   args.sync_check_expert_ids = false;
   args.saved_z = out.saved_z(impl);
-  fusemoe::forward(config, impl.impl, args);
+  args.fp8_weights = in.fp8_weights.get();  // read at FP8 only
+  fusemoe::forward(impl_config(config, impl), impl.impl, args);
 }
 
 void run_backward(const fusemoe::LayerConfig& config, const BenchImpl& impl, const LayerInputs& in,
@@ -733,7 +752,8 @@ void run_backward(const fusemoe::LayerConfig& config, const BenchImpl& impl, con
   args.workspace = workspace.get();
   args.workspace_bytes = workspace.bytes();
   args.stream = stream;
-  fusemoe::backward(config, impl.impl, args);
+  args.fp8_weights = in.fp8_weights.get();
+  fusemoe::backward(impl_config(config, impl), impl.impl, args);
 }
 
 const char* wgrad_name(fusemoe::WeightGradDtype dtype) {
@@ -835,6 +855,11 @@ std::vector<CheckLine> check_case(
                                              w13_elems, stream));
         lines.push_back(
             compare<bf16, float>(name, "dw2", wgrad, out.dw2_EHI, ref.dw2_EHI, w2_elems, stream));
+      }
+    }
+    for (CheckLine& line : lines) {
+      if (line.impl == name) {
+        line.pass = line.nonfinite == 0 && line.nonfinite_ref == 0 && line.rel_err <= impls[i].check_tol;
       }
     }
   }
@@ -1324,7 +1349,15 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
   LayerOutputs outputs(config, any_saves_z);
   std::vector<DeviceBuffer> workspaces;
   for (const BenchImpl& impl : params.impls)
-    workspaces.push_back(allocate_workspace(config, impl.impl));
+    workspaces.push_back(allocate_workspace(config, impl));
+  if (std::any_of(params.impls.begin(), params.impls.end(),
+                  [](const BenchImpl& impl) { return impl.precision == fusemoe::Precision::kFp8Blockwise; })) {
+    fusemoe::LayerConfig fp8 = config;
+    fp8.precision = fusemoe::Precision::kFp8Blockwise;
+    inputs.fp8_weights = DeviceBuffer(fusemoe::fp8_weights_bytes(fp8));
+    fusemoe::quantize_weights_fp8(fp8, inputs.w13_EFH.get(), inputs.w2_EHI.get(), inputs.fp8_weights.get(),
+                                  inputs.fp8_weights.bytes(), stream);
+  }
 
   // The reference and its outputs exist only while some token count is checked; its config
   // is sized for the largest checked T so a skipped large T does not inflate its workspace.
@@ -1338,7 +1371,7 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
   DeviceBuffer reference_workspace;
   std::unique_ptr<LayerOutputs> reference_outputs;
   if (reference_config.max_tokens > 0) {
-    reference_workspace = allocate_workspace(reference_config, fusemoe::Impl::kReferenceFp32);
+    reference_workspace = allocate_workspace(reference_config, kReferenceImpl);
     reference_outputs = std::make_unique<LayerOutputs>(reference_config, false);
   }
 

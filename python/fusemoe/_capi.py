@@ -9,11 +9,12 @@ import ctypes
 import os
 import threading
 
-ABI_VERSION = 4  # FUSEMOE_C_ABI_VERSION this binding is written for
+ABI_VERSION = 5  # FUSEMOE_C_ABI_VERSION this binding is written for
 WEIGHT_GRAD_FLOAT32 = 0
 WEIGHT_GRAD_BFLOAT16 = 1
 EXPERT_ID_REPORT_INTS = 3  # fusemoe::kExpertIdReportInts
 WORKSPACE_USES = {"forward": 0, "backward": 1, "backward_saved_z": 2}  # FUSEMOE_C_WORKSPACE_*
+PRECISIONS = {"bf16": 0, "fp8": 1}  # FUSEMOE_C_PRECISION_BF16, FUSEMOE_C_PRECISION_FP8_BLOCKWISE
 
 _DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "build",
                              "libfusemoe_c.so")
@@ -37,6 +38,18 @@ _SIGNATURES = {
                                                     _ptr], _i32),
     # report (host-readable), num_experts, top_k
     "fusemoe_c_check_expert_id_report": ([_ptr, _i64, _i64], _i32),
+    # Blockwise FP8 (ABI 5): precision, use
+    "fusemoe_c_workspace_bytes_precision": (_LAYER + [_i32, _i32, ctypes.POINTER(_u64)], _i32),
+    "fusemoe_c_fp8_weights_bytes": (_LAYER[:-1] + [ctypes.POINTER(_u64)], _i32),
+    # w13, w2, buffer, buffer_bytes, stream
+    "fusemoe_c_quantize_weights_fp8": (_LAYER[:-1] + [_ptr, _ptr, _ptr, _u64, _ptr], _i32),
+    # x, topk_idx, topk_weights, fp8_weights, y, num_tokens, workspace, workspace_bytes,
+    # expert_id_report, saved_z, stream
+    "fusemoe_c_forward_fp8": (_LAYER + [_ptr] * 5 + [_i64, _ptr, _u64, _ptr, _ptr, _ptr], _i32),
+    # x, topk_idx, topk_weights, fp8_weights, dy, dx, d_topk_weights, dw13, dw2, weight_grad_dtype,
+    # accumulate, num_tokens, workspace, workspace_bytes, expert_id_report, saved_z, stream
+    "fusemoe_c_backward_fp8": (_LAYER + [_ptr] * 9 + [_i32, _i32, _i64, _ptr, _u64, _ptr, _ptr,
+                                                       _ptr], _i32),
 }
 
 
@@ -155,6 +168,49 @@ def backward(layer, impl, x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_wei
                                   dx, d_topk_weights, dw13, dw2, weight_grad_dtype,
                                   int(bool(accumulate)), num_tokens, workspace, workspace_bytes_,
                                   expert_id_report, saved_z, stream))
+
+
+def workspace_bytes_fp8(layer, impl, use):
+    """As workspace_bytes(layer, impl, use) at precision "fp8" (use required)."""
+    lib = load()
+    if use not in WORKSPACE_USES:
+        raise FusemoeError(f"use must be one of {sorted(WORKSPACE_USES)}, got {use!r}")
+    out = _u64()
+    _check(lib.fusemoe_c_workspace_bytes_precision(*layer, impl_code(impl), PRECISIONS["fp8"],
+                                                   WORKSPACE_USES[use], ctypes.byref(out)))
+    return out.value
+
+
+def fp8_weights_bytes(layer):
+    """Bytes of the FP8 weight buffer of layer (H, I, E, K, max_tokens)."""
+    lib = load()
+    out = _u64()
+    _check(lib.fusemoe_c_fp8_weights_bytes(*layer, ctypes.byref(out)))
+    return out.value
+
+
+def quantize_weights_fp8(layer, w13, w2, buffer, buffer_bytes, stream):
+    lib = load()
+    _check(lib.fusemoe_c_quantize_weights_fp8(*layer, w13, w2, buffer, buffer_bytes, stream))
+
+
+def forward_fp8(layer, impl, x, topk_idx, topk_weights, fp8_weights, y, num_tokens, workspace,
+                workspace_bytes_, expert_id_report, saved_z, stream):
+    lib = load()
+    _check(lib.fusemoe_c_forward_fp8(*layer, impl_code(impl), x, topk_idx, topk_weights,
+                                     fp8_weights, y, num_tokens, workspace, workspace_bytes_,
+                                     expert_id_report, saved_z, stream))
+
+
+def backward_fp8(layer, impl, x, topk_idx, topk_weights, fp8_weights, dy, dx, d_topk_weights, dw13,
+                 dw2, weight_grad_dtype, accumulate, num_tokens, workspace, workspace_bytes_,
+                 expert_id_report, saved_z, stream):
+    lib = load()
+    _check(lib.fusemoe_c_backward_fp8(*layer, impl_code(impl), x, topk_idx, topk_weights,
+                                      fp8_weights, dy, dx, d_topk_weights, dw13, dw2,
+                                      weight_grad_dtype, int(bool(accumulate)), num_tokens,
+                                      workspace, workspace_bytes_, expert_id_report, saved_z,
+                                      stream))
 
 
 def check_expert_id_report(report, num_experts, top_k):

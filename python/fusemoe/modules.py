@@ -30,13 +30,20 @@ class MoEExperts(nn.Module):
     """The experts block of an MoE layer, computed by fusemoe (impl: "unfused", ...)."""
 
     def __init__(self, num_experts, hidden_dim, intermediate_dim, impl=DEFAULT_IMPL, device=None,
-                 dtype=torch.bfloat16, init_std=0.02, grad_in_place=False, recompute_z=False):
+                 dtype=torch.bfloat16, init_std=0.02, grad_in_place=False, recompute_z=False,
+                 precision="bf16"):
         """grad_in_place: the backward adds the weight gradients straight into .grad (see
         fusemoe.moe_experts; eager mode, bf16 parameters, no gradient hooks on them).
         recompute_z: recompute the pre-activations in the backward instead of saving them in the
-        forward (impl "fused": less activation memory, one more GEMM; see fusemoe.moe_experts)."""
+        forward (impl "fused": less activation memory, one more GEMM; see fusemoe.moe_experts).
+        precision: "bf16", or "fp8" (blockwise FP8 GEMMs, impl "fused", intermediate_dim a multiple
+        of 128; the FP8 copy of the weights is rebuilt once per weight update: fusemoe.fp8)."""
         super().__init__()
         _check_impl_name(impl)
+        if precision not in ("bf16", "fp8"):
+            raise ValueError(f"fusemoe: precision must be \"bf16\" or \"fp8\", got {precision!r}")
+        self.precision = precision
+        self._fp8_cache = None  # fusemoe.fp8.Fp8WeightCache, made on first use
         self.grad_in_place = bool(grad_in_place)
         self.recompute_z = bool(recompute_z)
         self.num_experts = num_experts
@@ -56,12 +63,13 @@ class MoEExperts(nn.Module):
         nn.init.normal_(self.down_proj, std=self.init_std)
 
     @classmethod
-    def from_experts(cls, experts, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False):
+    def from_experts(cls, experts, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False,
+                     precision="bf16"):
         """A MoEExperts over the very Parameter objects of `experts` (no copy): an optimizer or a
         state dict that holds them keeps working."""
         num_experts, two_intermediate, hidden_dim = experts.gate_up_proj.shape
         module = cls(num_experts, hidden_dim, two_intermediate // 2, impl=impl, device="meta",
-                     grad_in_place=grad_in_place, recompute_z=recompute_z)
+                     grad_in_place=grad_in_place, recompute_z=recompute_z, precision=precision)
         module.gate_up_proj = experts.gate_up_proj
         module.down_proj = experts.down_proj
         return module
@@ -76,15 +84,24 @@ class MoEExperts(nn.Module):
         x_TH = hidden_states.reshape(-1, self.hidden_dim).to(torch.bfloat16).contiguous()
         topk_idx_TK = top_k_index.reshape(-1, top_k).to(torch.int32).contiguous()
         topk_weights_TK = top_k_weights.reshape(-1, top_k).to(torch.float32).contiguous()
+        fp8_weights = None
+        if self.precision == "fp8" and not torch.compiler.is_compiling():
+            from .fp8 import Fp8WeightCache
+            if self._fp8_cache is None:
+                self._fp8_cache = Fp8WeightCache()
+            # Versions of the Parameters themselves (an fp32 master's bf16 copy is new each call).
+            fp8_weights = self._fp8_cache.get(self.gate_up_proj, self.down_proj, w13_EFH, w2_EHI)
         y_TH = moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=self.impl,
-                           grad_in_place=self.grad_in_place, recompute_z=self.recompute_z)
+                           grad_in_place=self.grad_in_place, recompute_z=self.recompute_z,
+                           precision=self.precision, fp8_weights=fp8_weights)
         return y_TH.to(hidden_states.dtype).reshape(hidden_states.shape)
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
                 f"intermediate_dim={self.intermediate_dim}, impl={self.impl!r}" +
                 (", grad_in_place=True" if self.grad_in_place else "") +
-                (", recompute_z=True" if self.recompute_z else ""))
+                (", recompute_z=True" if self.recompute_z else "") +
+                (f", precision={self.precision!r}" if self.precision != "bf16" else ""))
 
 
 def _check_swappable(name, experts):
@@ -105,10 +122,11 @@ def _check_swappable(name, experts):
                          f"{tuple(w2_EHI.shape)} are not [E, 2I, H] and [E, H, I]")
 
 
-def replace_qwen3_moe_experts(model, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False):
+def replace_qwen3_moe_experts(model, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False,
+                              precision="bf16"):
     """Replaces every Qwen3MoeExperts module of a transformers Qwen3-MoE model by a MoEExperts
     that shares its weights (same Parameter objects). Returns the names of the replaced modules;
-    raises ValueError if there is none. grad_in_place, recompute_z: see MoEExperts."""
+    raises ValueError if there is none. grad_in_place, recompute_z, precision: see MoEExperts."""
     _check_impl_name(impl)
     found = [(name, module) for name, module in model.named_modules()
              if type(module).__name__ in _QWEN3_MOE_EXPERTS_CLASSES]
@@ -122,5 +140,5 @@ def replace_qwen3_moe_experts(model, impl=DEFAULT_IMPL, grad_in_place=False, rec
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child_name,
                 MoEExperts.from_experts(experts, impl=impl, grad_in_place=grad_in_place,
-                                        recompute_z=recompute_z))
+                                        recompute_z=recompute_z, precision=precision))
     return [name for name, _ in found]

@@ -352,7 +352,7 @@ moe_experts_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAULT_IMPL,
-                grad_in_place=False, recompute_z=False):
+                grad_in_place=False, recompute_z=False, precision="bf16", fp8_weights=None):
     """The experts block as a differentiable function (strict inputs: see the module docstring;
     fusemoe.MoEExperts converts dtypes and layouts for you).
 
@@ -365,7 +365,16 @@ def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAUL
     recompute_z: with impl="fused" and gradients required, the forward by default also saves the
     pre-activations z (2·I·K bf16 per token: 24 KiB for Qwen3-30B-A3B) and the backward skips
     recomputing them (one grouped GEMM of 4·H·I FLOPs per routed row); recompute_z=True trades
-    that time for the memory."""
+    that time for the memory.
+
+    precision="fp8": blockwise FP8 GEMMs (impl "fused"; fusemoe.fp8). fp8_weights: the buffer of
+    fusemoe.fp8.quantize_weights_fp8(w13, w2), or None for one cached on w13 per weight version."""
+    if precision != "bf16":
+        if precision != "fp8":
+            _fail(f"precision must be \"bf16\" or \"fp8\", got {precision!r}")
+        from .fp8 import moe_experts_fp8
+        return moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                               grad_in_place, recompute_z, fp8_weights)
     save_z = (impl == "fused" and not recompute_z and torch.is_grad_enabled()
               and any(isinstance(t, Tensor) and t.requires_grad
                       for t in (x_TH, topk_weights_TK, w13_EFH, w2_EHI)))

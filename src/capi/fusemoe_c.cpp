@@ -81,6 +81,31 @@ fusemoe::LayerConfig make_config(int64_t hidden, int64_t intermediate, int64_t n
   return config;
 }
 
+fusemoe::Precision precision_from_code(int32_t code) {
+  static_assert(static_cast<int>(fusemoe::Precision::kBf16) == FUSEMOE_C_PRECISION_BF16 &&
+                    static_cast<int>(fusemoe::Precision::kFp8Blockwise) == FUSEMOE_C_PRECISION_FP8_BLOCKWISE,
+                "C codes of the precisions");
+  FUSEMOE_CHECK(code == FUSEMOE_C_PRECISION_BF16 || code == FUSEMOE_C_PRECISION_FP8_BLOCKWISE,
+                "precision must be " << FUSEMOE_C_PRECISION_BF16 << " (bf16) or " << FUSEMOE_C_PRECISION_FP8_BLOCKWISE
+                                     << " (fp8_blockwise), got " << code);
+  return static_cast<fusemoe::Precision>(code);
+}
+
+fusemoe::LayerConfig make_fp8_config(int64_t hidden, int64_t intermediate, int64_t num_experts, int64_t top_k,
+                                     int64_t max_tokens) {
+  fusemoe::LayerConfig config = make_config(hidden, intermediate, num_experts, top_k, max_tokens);
+  config.precision = fusemoe::Precision::kFp8Blockwise;
+  return config;
+}
+
+fusemoe::WeightGradDtype weight_grad_dtype_from_code(int32_t code) {
+  FUSEMOE_CHECK(code == FUSEMOE_C_WEIGHT_GRAD_FLOAT32 || code == FUSEMOE_C_WEIGHT_GRAD_BFLOAT16,
+                "weight_grad_dtype must be " << FUSEMOE_C_WEIGHT_GRAD_FLOAT32 << " (float32) or "
+                                             << FUSEMOE_C_WEIGHT_GRAD_BFLOAT16 << " (bfloat16), got " << code);
+  return code == FUSEMOE_C_WEIGHT_GRAD_FLOAT32 ? fusemoe::WeightGradDtype::kFloat32
+                                               : fusemoe::WeightGradDtype::kBFloat16;
+}
+
 }  // namespace
 
 extern "C" {
@@ -201,6 +226,88 @@ int32_t fusemoe_c_backward(int64_t hidden, int64_t intermediate, int64_t num_exp
     args.saved_z = saved_z;
     args.stream = static_cast<cudaStream_t>(stream);
     fusemoe::backward(config, impl, args);
+  });
+}
+
+int32_t fusemoe_c_workspace_bytes_precision(int64_t hidden, int64_t intermediate, int64_t num_experts,
+                                            int64_t top_k, int64_t max_tokens, int32_t impl_code,
+                                            int32_t precision, int32_t use, uint64_t* bytes) {
+  return guarded([&] {
+    FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
+    auto config = make_config(hidden, intermediate, num_experts, top_k, max_tokens);
+    config.precision = precision_from_code(precision);
+    *bytes = fusemoe::workspace_bytes(config, impl_from_code(impl_code), static_cast<fusemoe::WorkspaceUse>(use));
+  });
+}
+
+int32_t fusemoe_c_fp8_weights_bytes(int64_t hidden, int64_t intermediate, int64_t num_experts, int64_t top_k,
+                                    int64_t max_tokens, uint64_t* bytes) {
+  return guarded([&] {
+    FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
+    *bytes = fusemoe::fp8_weights_bytes(make_fp8_config(hidden, intermediate, num_experts, top_k, max_tokens));
+  });
+}
+
+int32_t fusemoe_c_quantize_weights_fp8(int64_t hidden, int64_t intermediate, int64_t num_experts, int64_t top_k,
+                                       int64_t max_tokens, const void* w13, const void* w2, void* buffer,
+                                       uint64_t buffer_bytes, void* stream) {
+  return guarded([&] {
+    fusemoe::quantize_weights_fp8(make_fp8_config(hidden, intermediate, num_experts, top_k, max_tokens), w13, w2,
+                                  buffer, buffer_bytes, static_cast<cudaStream_t>(stream));
+  });
+}
+
+int32_t fusemoe_c_forward_fp8(int64_t hidden, int64_t intermediate, int64_t num_experts, int64_t top_k,
+                              int64_t max_tokens, int32_t impl_code, const void* x, const int32_t* topk_idx,
+                              const float* topk_weights, const void* fp8_weights, void* y, int64_t num_tokens,
+                              void* workspace, uint64_t workspace_bytes, int32_t* expert_id_report, void* saved_z,
+                              void* stream) {
+  return guarded([&] {
+    const auto config = make_fp8_config(hidden, intermediate, num_experts, top_k, max_tokens);
+    fusemoe::ForwardArgs args;
+    args.x = x;
+    args.topk_idx = topk_idx;
+    args.topk_weights = topk_weights;
+    args.fp8_weights = fp8_weights;
+    args.y = y;
+    args.num_tokens = num_tokens;
+    args.workspace = workspace;
+    args.workspace_bytes = workspace_bytes;
+    args.expert_id_report = expert_id_report;
+    args.saved_z = saved_z;
+    args.stream = static_cast<cudaStream_t>(stream);
+    fusemoe::forward(config, impl_from_code(impl_code), args);
+  });
+}
+
+int32_t fusemoe_c_backward_fp8(int64_t hidden, int64_t intermediate, int64_t num_experts, int64_t top_k,
+                               int64_t max_tokens, int32_t impl_code, const void* x, const int32_t* topk_idx,
+                               const float* topk_weights, const void* fp8_weights, const void* dy, void* dx,
+                               float* d_topk_weights, void* dw13, void* dw2, int32_t weight_grad_dtype,
+                               int32_t accumulate_weight_grads, int64_t num_tokens, void* workspace,
+                               uint64_t workspace_bytes, int32_t* expert_id_report, const void* saved_z,
+                               void* stream) {
+  return guarded([&] {
+    const auto config = make_fp8_config(hidden, intermediate, num_experts, top_k, max_tokens);
+    fusemoe::BackwardArgs args;
+    args.x = x;
+    args.topk_idx = topk_idx;
+    args.topk_weights = topk_weights;
+    args.fp8_weights = fp8_weights;
+    args.dy = dy;
+    args.dx = dx;
+    args.d_topk_weights = d_topk_weights;
+    args.dw13 = dw13;
+    args.dw2 = dw2;
+    args.weight_grad_dtype = weight_grad_dtype_from_code(weight_grad_dtype);
+    args.accumulate_weight_grads = accumulate_weight_grads != 0;
+    args.num_tokens = num_tokens;
+    args.workspace = workspace;
+    args.workspace_bytes = workspace_bytes;
+    args.expert_id_report = expert_id_report;
+    args.saved_z = saved_z;
+    args.stream = static_cast<cudaStream_t>(stream);
+    fusemoe::backward(config, impl_from_code(impl_code), args);
   });
 }
 

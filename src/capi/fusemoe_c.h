@@ -18,7 +18,7 @@ extern "C" {
 #define FUSEMOE_C_API __attribute__((visibility("default")))
 
 /* Raised whenever a function's signature or meaning changes; bindings refuse other versions. */
-#define FUSEMOE_C_ABI_VERSION 4
+#define FUSEMOE_C_ABI_VERSION 5
 
 typedef enum {
   FUSEMOE_C_OK = 0,
@@ -93,6 +93,52 @@ FUSEMOE_C_API int32_t fusemoe_c_backward(int64_t hidden, int64_t intermediate, i
                                          void* workspace, uint64_t workspace_bytes,
                                          int32_t* expert_id_report, const void* saved_z,
                                          void* stream);
+
+/* Blockwise FP8 (fusemoe::Precision::kFp8Blockwise, impl "fused" only, intermediate % 128 == 0;
+ * ABI version 5). The FP8 weights live in one device buffer of fusemoe_c_fp8_weights_bytes()
+ * bytes (256-byte aligned) that fusemoe_c_quantize_weights_fp8 fills from the bf16 w13 and w2; the
+ * FP8 calls read it instead of w13 and w2. */
+#define FUSEMOE_C_PRECISION_BF16 0
+#define FUSEMOE_C_PRECISION_FP8_BLOCKWISE 1
+
+/* As fusemoe_c_workspace_bytes_for, at a precision (FUSEMOE_C_PRECISION_*). */
+FUSEMOE_C_API int32_t fusemoe_c_workspace_bytes_precision(int64_t hidden, int64_t intermediate,
+                                                          int64_t num_experts, int64_t top_k,
+                                                          int64_t max_tokens, int32_t impl_code,
+                                                          int32_t precision, int32_t use,
+                                                          uint64_t* bytes);
+
+FUSEMOE_C_API int32_t fusemoe_c_fp8_weights_bytes(int64_t hidden, int64_t intermediate,
+                                                  int64_t num_experts, int64_t top_k,
+                                                  int64_t max_tokens, uint64_t* bytes);
+
+/* Quantizes w13 [E, 2I, H] and w2 [E, H, I] (bf16) into buffer; asynchronous on stream. */
+FUSEMOE_C_API int32_t fusemoe_c_quantize_weights_fp8(int64_t hidden, int64_t intermediate,
+                                                     int64_t num_experts, int64_t top_k,
+                                                     int64_t max_tokens, const void* w13,
+                                                     const void* w2, void* buffer,
+                                                     uint64_t buffer_bytes, void* stream);
+
+/* fusemoe_c_forward / fusemoe_c_backward at FP8: fp8_weights in place of w13, w2. */
+FUSEMOE_C_API int32_t fusemoe_c_forward_fp8(int64_t hidden, int64_t intermediate,
+                                            int64_t num_experts, int64_t top_k, int64_t max_tokens,
+                                            int32_t impl_code, const void* x,
+                                            const int32_t* topk_idx, const float* topk_weights,
+                                            const void* fp8_weights, void* y, int64_t num_tokens,
+                                            void* workspace, uint64_t workspace_bytes,
+                                            int32_t* expert_id_report, void* saved_z, void* stream);
+
+FUSEMOE_C_API int32_t fusemoe_c_backward_fp8(int64_t hidden, int64_t intermediate,
+                                             int64_t num_experts, int64_t top_k, int64_t max_tokens,
+                                             int32_t impl_code, const void* x,
+                                             const int32_t* topk_idx, const float* topk_weights,
+                                             const void* fp8_weights, const void* dy, void* dx,
+                                             float* d_topk_weights, void* dw13, void* dw2,
+                                             int32_t weight_grad_dtype,
+                                             int32_t accumulate_weight_grads, int64_t num_tokens,
+                                             void* workspace, uint64_t workspace_bytes,
+                                             int32_t* expert_id_report, const void* saved_z,
+                                             void* stream);
 
 /* FUSEMOE_C_ERROR with the message naming the first bad id if `report` (host-readable: a host
  * copy or pinned memory) holds one; FUSEMOE_C_OK for an empty report. Reads, never writes. */
