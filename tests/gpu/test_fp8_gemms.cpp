@@ -162,21 +162,25 @@ struct Fp8Weight {
   int64_t E, rows, cols;
   std::vector<uint8_t> q, q_t;
   std::vector<float> s;
+  std::vector<double> deq;  // dequantized, [E, rows, cols]
   Fp8Weight(int64_t E_, int64_t rows_, int64_t cols_, int fan_in, std::mt19937_64& rng)
       : E(E_), rows(rows_), cols(cols_) {
     q = random_codes(E * rows * cols, rng);
     // Codes ~ N(0, 64^2): scale 2^-6 / sqrt(fan_in) gives values ~ N(0, 1 / fan_in).
     s = random_scales(E * (rows / 128) * (cols / 128), -6 - (log2_ceil(fan_in) + 1) / 2, rng);
     q_t.resize(q.size());
+    deq.resize(q.size());
     for (int64_t e = 0; e < E; ++e) {
       for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t c = 0; c < cols; ++c) q_t[(e * cols + c) * rows + r] = q[(e * rows + r) * cols + c];
+        for (int64_t c = 0; c < cols; ++c) {
+          const int64_t i = (e * rows + r) * cols + c;
+          q_t[(e * cols + c) * rows + r] = q[i];
+          deq[i] = dq(q, i, s[(e * (rows / 128) + r / 128) * (cols / 128) + c / 128]);
+        }
       }
     }
   }
-  double at(int64_t e, int64_t r, int64_t c) const {
-    return dq(q, (e * rows + r) * cols + c, s[(e * (rows / 128) + r / 128) * (cols / 128) + c / 128]);
-  }
+  double at(int64_t e, int64_t r, int64_t c) const { return deq[(e * rows + r) * cols + c]; }
 };
 
 // A pool operand [S, K] E4M3 with block-major scales [K/128, rows_pad].
@@ -184,11 +188,16 @@ struct Fp8Pool {
   int64_t S, K, rows_pad;
   std::vector<uint8_t> q;
   std::vector<float> s;
+  std::vector<double> deq;  // dequantized, [S, K]
   Fp8Pool(int64_t S_, int64_t K_, int64_t rows_pad_, std::mt19937_64& rng) : S(S_), K(K_), rows_pad(rows_pad_) {
     q = random_codes(S * K, rng);
     s = random_scales((K / 128) * rows_pad, -6, rng);
+    deq.resize(q.size());
+    for (int64_t r = 0; r < S; ++r) {
+      for (int64_t k = 0; k < K; ++k) deq[r * K + k] = dq(q, r * K + k, s[(k / 128) * rows_pad + r]);
+    }
   }
-  double at(int64_t r, int64_t k) const { return dq(q, r * K + k, s[(k / 128) * rows_pad + r]); }
+  double at(int64_t r, int64_t k) const { return deq[r * K + k]; }
 };
 
 std::vector<double> widen_bf16_rows(const std::vector<uint16_t>& bits, int64_t rows, int64_t cols) {
@@ -263,12 +272,13 @@ TEST_P(Fp8Gemm, GateUpSwiGLU) {
     launch_sm90_fp8_gate_up_swiglu(a);
     TEST_CUDA(cudaDeviceSynchronize());
 
-    std::vector<double> z_ref(p.R * F), h_ref(p.R * I);
+    std::vector<double> x_deq(T * H), z_ref(p.R * F), h_ref(p.R * I);
+    for (int64_t i = 0; i < T * H; ++i) x_deq[i] = dq(x, i, xs[(i / H) * (H / 128) + (i % H) / 128]);
     for (int64_t r = 0; r < p.R; ++r) {
       const int64_t e = p.expert_of_row[r], t = p.row_slot[r] / K;
       for (int64_t f = 0; f < F; ++f) {
         double acc = 0.0;
-        for (int64_t k = 0; k < H; ++k) acc += dq(x, t * H + k, xs[t * (H / 128) + k / 128]) * w13.at(e, f, k);
+        for (int64_t k = 0; k < H; ++k) acc += x_deq[t * H + k] * w13.at(e, f, k);
         z_ref[r * F + f] = acc;
       }
       for (int64_t c = 0; c < I; ++c) {
