@@ -10,6 +10,10 @@ index_add_ into y (bf16 by default, as torchtitan's scatter_add). bf16 everywher
 backward (weights, x and the routing weights require grad, so weight gradients are bf16). Timed
 with CUDA events, median over --iters after --warmup, a 256 MiB write flushing L2 before every
 timed call. Useful FLOPs: 6*H*I per routed row forward, 12*H*I backward, 18*H*I both.
+--fp8 also times the FP8 path a PyTorch user can pick today (torchao-style): both grouped GEMMs as
+torch._scaled_grouped_mm on E4M3 operands with rowwise scales (activations per row, weights per
+output row; dgrad on E4M3 dy and weights; weight gradients bf16), every quantization inside the
+timed call, expert groups padded to 16 rows.
 Shape legend: T tokens, H hidden, I expert intermediate, F = 2I (gate rows then up rows),
 E experts, K top-k, S = T*K flat slots, R routed rows (expert-sorted slots), N rows of one expert.
 Exit: 0 ok, 1 self-check failed, 2 bad arguments, 3 no Hopper GPU, 4 runtime error.
@@ -144,6 +148,69 @@ def moe_per_expert_loop(x_TH, topk_idx_TK, topk_w_TK, w13_EFH, w2_EHI, combine_d
 LAYERS = {PATH_GROUPED_MM: moe_grouped_mm, PATH_LOOP: moe_per_expert_loop}
 
 
+# ------------------------------------------------------------------------------------------------
+# FP8 (--fp8): torch._scaled_grouped_mm with rowwise scales, torchao-style, quantization counted
+# ------------------------------------------------------------------------------------------------
+
+FP8_GROUP_ALIGN = 16  # rows per expert group padded to this (the FP8 grouped GEMM's alignment)
+FP8_REL_ERR_TOL = 1.5e-1  # E4M3 with one scale per row: several percent against fp32
+E4M3_MAX = 448.0
+
+
+def rowwise_fp8(t_MK):
+    """E4M3 codes of t along its last dimension and their dequantization factors [..., M] (fp32)."""
+    amax = t_MK.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
+    q = (t_MK.float() * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, (amax / E4M3_MAX).squeeze(-1)
+
+
+class Fp8RowwiseGroupedMM(torch.autograd.Function):
+    """out[rows of e] = a[rows of e] @ b[e]^T with a [M, K] and b [E, N, K] (bf16) quantized to E4M3
+    per row along K; backward: grad_a from E4M3 grad_out (rows) and b^T (per (e, k) along N), grad_b
+    as torch._grouped_mm's own bf16 formula."""
+
+    @staticmethod
+    def forward(ctx, a_MK, b_ENK, offs_E):
+        qa_MK, sa_M = rowwise_fp8(a_MK)
+        qb_ENK, sb_EN = rowwise_fp8(b_ENK)
+        ctx.save_for_backward(a_MK, b_ENK, offs_E)
+        return torch._scaled_grouped_mm(qa_MK, qb_ENK.transpose(-2, -1), sa_M, sb_EN, offs=offs_E,
+                                        out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    @staticmethod
+    def backward(ctx, grad_MN):
+        a_MK, b_ENK, offs_E = ctx.saved_tensors
+        grad_MN = grad_MN.contiguous()
+        qg_MN, sg_M = rowwise_fp8(grad_MN)
+        qbt_EKN, sbt_EK = rowwise_fp8(b_ENK.transpose(-2, -1).contiguous())
+        grad_a = torch._scaled_grouped_mm(qg_MN, qbt_EKN.transpose(-2, -1), sg_M, sbt_EK,
+                                          offs=offs_E, out_dtype=torch.bfloat16, use_fast_accum=True)
+        grad_b = torch._grouped_mm(a_MK.t(), grad_MN, offs=offs_E).transpose(-2, -1)
+        return grad_a, grad_b, None
+
+
+def moe_scaled_grouped_mm_fp8(x_TH, topk_idx_TK, topk_w_TK, w13_EFH, w2_EHI, combine_dtype):
+    """moe_grouped_mm with both GEMMs as Fp8RowwiseGroupedMM; each expert's rows padded to
+    FP8_GROUP_ALIGN (zero rows) in the GEMMs' buffers, without a host sync."""
+    num_tokens, hidden = x_TH.shape
+    num_experts, _, intermediate = w2_EHI.shape
+    token_R, w_R, offsets_E, rows_per_expert_E = reorder_tokens(topk_idx_TK, topk_w_TK, num_experts)
+    num_rows = token_R.numel()
+    counts_E = rows_per_expert_E.to(torch.int32)
+    padded_E = (counts_E + FP8_GROUP_ALIGN - 1) // FP8_GROUP_ALIGN * FP8_GROUP_ALIGN
+    padded_offsets_E = padded_E.cumsum(0, dtype=torch.int32)
+    row_R = torch.arange(num_rows, device=x_TH.device, dtype=torch.int32)
+    expert_R = torch.searchsorted(offsets_E, row_R, right=True)
+    position_R = (row_R - (offsets_E - counts_E)[expert_R] + (padded_offsets_E - padded_E)[expert_R]).long()
+    padded_rows = num_rows + num_experts * FP8_GROUP_ALIGN  # static upper bound
+    x_RH = torch.gather(x_TH, 0, token_R[:, None].expand(-1, hidden))
+    x_PH = x_TH.new_zeros(padded_rows, hidden).index_copy(0, position_R, x_RH)
+    gu_PF = Fp8RowwiseGroupedMM.apply(x_PH, w13_EFH, padded_offsets_E)
+    h_PI = silu(gu_PF[:, :intermediate]) * gu_PF[:, intermediate:]
+    o_PH = Fp8RowwiseGroupedMM.apply(h_PI, w2_EHI, padded_offsets_E)
+    return combine(o_PH[position_R], w_R, token_R, num_tokens, combine_dtype).to(x_TH.dtype)
+
+
 def moe_reference_fp32(x_TH, topk_idx_TK, topk_w_TK, w13_EFH, w2_EHI):
     """Plain fp32 loop over experts, token order untouched: the self-check's oracle."""
     num_experts, _, intermediate = w2_EHI.shape
@@ -171,10 +238,10 @@ def rel_err(a, b):
     return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
 
 
-def self_check(layer, combine_dtype, device, seed):
+def self_check(layer, combine_dtype, device, seed, num_experts=8):
     """Runs `layer` (bf16) and the fp32 loop on the same bf16-rounded inputs, forward and backward;
     returns {output: relative error}. T=203 (odd), E=8, K=2: every expert gets rows."""
-    num_tokens, hidden, intermediate, num_experts, top_k = 203, 256, 128, 8, 2
+    num_tokens, hidden, intermediate, top_k = 203, 256, 128, 2
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape, scale=1.0):
@@ -330,6 +397,9 @@ def parse_args():
                         help="dtype of the index_add_ accumulation into y (torchtitan: bf16)")
     parser.add_argument("--force-loop", action="store_true",
                         help="time the per-expert loop instead of torch._grouped_mm")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also time torch._scaled_grouped_mm with rowwise E4M3 scales (torchao-"
+                             "style; quantization inside the timed calls, weight gradients bf16)")
     parser.add_argument("--device", default="cuda",
                         help="'cpu' only to test this script without a GPU (timings meaningless)")
     args = parser.parse_args()
@@ -398,6 +468,24 @@ def choose_path(args, device, result):
           + ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
           + (" -> pass" if passed else " -> FAIL"), flush=True)
     return path, passed
+
+
+def fp8_self_check(args, device, result):
+    """The FP8 path against the fp32 loop (loose: rowwise E4M3); False (reported) if it fails."""
+    combine_dtype = torch.float32 if args.combine_dtype == "fp32" else torch.bfloat16
+    try:
+        errors = self_check(moe_scaled_grouped_mm_fp8, combine_dtype, device, args.seed)
+    except Exception as error:
+        traceback.print_exc(file=sys.stderr)
+        result["fp8_self_check"] = {"error": repr(error), "pass": False}
+        print(f"torch_baseline: FP8 path unavailable: {error!r}", flush=True)
+        return False
+    passed = all(err <= FP8_REL_ERR_TOL for err in errors.values())
+    result["fp8_self_check"] = {"tol": FP8_REL_ERR_TOL, "rel_err": errors, "pass": passed}
+    print(f"FP8 self-check (torch._scaled_grouped_mm rowwise) vs fp32 loop, tol "
+          f"{FP8_REL_ERR_TOL:.0e}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
+          + (" -> pass" if passed else " -> FAIL: not timed"), flush=True)
+    return passed
 
 
 def print_case(case, meta, ceiling):
@@ -471,9 +559,22 @@ def main():
                                  dtype=torch.bfloat16)
             w2_EHI.mul_(intermediate ** -0.5).requires_grad_()
             impl_name = "torch_" + path
+            fp8 = args.fp8 and fp8_self_check(args, device, result)
             for num_tokens in args.token_list:
                 case = time_case(LAYERS[path], impl_name, PRESETS[args.preset], num_tokens, args,
                                  (w13_EFH, w2_EHI), timer, device, ceiling)
+                if fp8:
+                    try:
+                        fp8_case = time_case(moe_scaled_grouped_mm_fp8, "torch_scaled_grouped_mm_fp8",
+                                             PRESETS[args.preset], num_tokens, args,
+                                             (w13_EFH, w2_EHI), timer, device, ceiling)
+                        case["timings"] += fp8_case["timings"]
+                    except Exception as error:  # the FP8 path is optional: report, keep going
+                        traceback.print_exc(file=sys.stderr)
+                        result["fp8_error"] = repr(error)
+                        print(f"torch_baseline: FP8 path failed at T={num_tokens}: {error!r}",
+                              flush=True)
+                        fp8 = False
                 result["cases"].append(case)
                 print_case(case, meta, ceiling)
     except Exception as error:

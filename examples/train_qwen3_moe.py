@@ -54,6 +54,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     p.add_argument("--impl", default=fusemoe.DEFAULT_IMPL, help="fusemoe implementation")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                   help="fusemoe experts' GEMM precision (fp8: blockwise E4M3, impl fused; the "
+                        "model and the other runs stay bf16)")
     p.add_argument("--micro-batches", type=int, default=2,
                    help="forward/backward passes per optimizer step (gradient accumulation)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch")
@@ -309,6 +312,7 @@ def compare(runs):
         "max_abs_loss_diff_step": worst_step,
         "mean_abs_loss_diff": mean,
         "final_loss_diff": fm["losses"][n - 1] - hf["losses"][n - 1],
+        "final_loss_rel_diff": (fm["losses"][n - 1] - hf["losses"][n - 1]) / hf["losses"][n - 1],
         "speedup_step_time": hf["median_step_ms"] / fm["median_step_ms"],
         "peak_memory_ratio": (fm["peak_memory_gib"] / hf["peak_memory_gib"]
                               if hf["peak_memory_gib"] else None),
@@ -424,9 +428,10 @@ def main(argv=None):
     for name in args.runs:
         if name == RUN_FUSEMOE:
             report = fusemoe.patch_hf_experts(model, impl=args.impl,
-                                              grad_in_place=args.grad_in_place)
-            log(f"fusemoe experts (impl={args.impl}, grad_in_place={args.grad_in_place}) in "
-                f"{len(report.replaced)} layers")
+                                              grad_in_place=args.grad_in_place,
+                                              precision=args.precision)
+            log(f"fusemoe experts (impl={args.impl}, grad_in_place={args.grad_in_place}, "
+                f"precision={args.precision}) in {len(report.replaced)} layers")
         else:
             for module_name, module in hf_modules.items():
                 parent, _, child = module_name.rpartition(".")
@@ -434,7 +439,8 @@ def main(argv=None):
         model.load_state_dict(initial)  # the same Parameter objects serve both kinds of experts
         log(f"[{name}] training {args.steps} steps")
         record = train(name, model, corpus_N, offsets_SMB, args)
-        record["experts"] = args.impl if name == RUN_FUSEMOE else hf_experts
+        record["experts"] = (args.impl + ("" if args.precision == "bf16" else f" {args.precision}")
+                             if name == RUN_FUSEMOE else hf_experts)
         runs[name] = record
         peak = record["peak_memory_gib"]
         log(f"[{name}] median step {record['median_step_ms']:.1f} ms, final loss "
@@ -451,7 +457,7 @@ def main(argv=None):
         c = result["comparison"] = compare(runs)
         log(f"loss curves: max |diff| {c['max_abs_loss_diff']:.4f} at step "
             f"{c['max_abs_loss_diff_step']}, mean |diff| {c['mean_abs_loss_diff']:.4f}, final "
-            f"fusemoe - hf {c['final_loss_diff']:+.4f}")
+            f"fusemoe - hf {c['final_loss_diff']:+.4f} ({100 * c['final_loss_rel_diff']:+.2f}%)")
         if "noise_max_abs_loss_diff" in c:
             log(f"bf16 noise floor ({RUN_HF_REORDERED} vs {RUN_HF}): max |diff| "
                 f"{c['noise_max_abs_loss_diff']:.4f} at step {c['noise_max_abs_loss_diff_step']}, "

@@ -8,17 +8,18 @@ namespace fusemoe::bench {
 namespace {
 
 // out (an implementation's) against ref (the fp32 reference's); both on the device.
-CheckLine compare_output(const std::string& impl, const std::string& output, const std::string& wgrad,
+CheckLine compare_output(const BenchImpl& impl, const std::string& output, const std::string& wgrad,
                          harness::DeviceTensor out, harness::DeviceTensor ref, int64_t count, cudaStream_t stream) {
   FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   const harness::CompareResult r = harness::compare(out, ref, 1, count, harness::CompareOptions{});
-  CheckLine line{impl, output, wgrad};
+  CheckLine line{impl.name, output, wgrad};
+  line.tol = impl.check_tol;
   line.rel_err = r.rel_l2;
   line.max_abs_err = r.max_abs_err;
   line.calc_diff = r.calc_diff;
   line.nonfinite = r.nonfinite_out;
   line.nonfinite_ref = r.nonfinite_ref;
-  line.pass = line.nonfinite == 0 && line.nonfinite_ref == 0 && line.rel_err <= kRelErrTol;
+  line.pass = line.nonfinite == 0 && line.nonfinite_ref == 0 && line.rel_err <= line.tol;
   return line;
 }
 
@@ -54,8 +55,8 @@ std::vector<CheckLine> check_case(const LayerConfig& config, const LayerConfig& 
     out.poison(stream);
     workspace.poison(stream);
     run_forward(config, impls[i], in, out, workspace, num_tokens, stream);
-    check_expert_ids(config, impls[i].impl, workspace.get(), stream);
-    lines.push_back(compare_output(name, "y", "-", bf16_tensor(out.y_TH.get()), bf16_tensor(ref.y_TH.get()), y_elems,
+    check_expert_ids(impl_config(config, impls[i]), impls[i].impl, workspace.get(), stream);
+    lines.push_back(compare_output(impls[i], "y", "-", bf16_tensor(out.y_TH.get()), bf16_tensor(ref.y_TH.get()), y_elems,
                                    stream));
     if (!impls[i].has_backward) continue;
     for (WeightGradDtype dtype : {WeightGradDtype::kFloat32, WeightGradDtype::kBFloat16}) {
@@ -68,13 +69,13 @@ std::vector<CheckLine> check_case(const LayerConfig& config, const LayerConfig& 
       const harness::DeviceTensor dw2{out.dw2_EHI.get(), dw13.dtype};
       // dx and d_topk_weights do not depend on the weight-gradient dtype: checked once.
       if (dtype == WeightGradDtype::kFloat32) {
-        lines.push_back(compare_output(name, "dx", "-", bf16_tensor(out.dx_TH.get()), bf16_tensor(ref.dx_TH.get()),
+        lines.push_back(compare_output(impls[i], "dx", "-", bf16_tensor(out.dx_TH.get()), bf16_tensor(ref.dx_TH.get()),
                                        y_elems, stream));
-        lines.push_back(compare_output(name, "d_topk_weights", "-", fp32_tensor(out.d_topk_w_TK.get()),
+        lines.push_back(compare_output(impls[i], "d_topk_weights", "-", fp32_tensor(out.d_topk_w_TK.get()),
                                        fp32_tensor(ref.d_topk_w_TK.get()), topk_elems, stream));
       }
-      lines.push_back(compare_output(name, "dw13", wgrad, dw13, fp32_tensor(ref.dw13_EFH.get()), w13_elems, stream));
-      lines.push_back(compare_output(name, "dw2", wgrad, dw2, fp32_tensor(ref.dw2_EHI.get()), w2_elems, stream));
+      lines.push_back(compare_output(impls[i], "dw13", wgrad, dw13, fp32_tensor(ref.dw13_EFH.get()), w13_elems, stream));
+      lines.push_back(compare_output(impls[i], "dw2", wgrad, dw2, fp32_tensor(ref.dw2_EHI.get()), w2_elems, stream));
     }
   }
   return lines;

@@ -24,6 +24,7 @@ int flops_per_row_in_hi(Pass pass);
 struct CheckLine {
   std::string impl, output, wgrad;  // wgrad "-" for outputs that do not depend on it
   double rel_err = 0, max_abs_err = 0, calc_diff = 0;
+  double tol = 0;  // the implementation's rel_err bound (BenchImpl::check_tol)
   uint64_t nonfinite = 0, nonfinite_ref = 0;
   bool pass = false;
 };

@@ -148,9 +148,15 @@ void LayerOutputs::poison(cudaStream_t stream) const {
   for (const DeviceBuffer* buffer : {&y_TH, &dx_TH, &d_topk_w_TK, &dw13_EFH, &dw2_EHI}) buffer->poison(stream);
 }
 
-DeviceBuffer allocate_workspace(const LayerConfig& config, Impl impl) {
+LayerConfig impl_config(const LayerConfig& config, const BenchImpl& impl) {
+  LayerConfig c = config;
+  c.precision = impl.precision;
+  return c;
+}
+
+DeviceBuffer allocate_workspace(const LayerConfig& config, const BenchImpl& impl) {
   // At least one aligned block, so a zero-byte workspace is still a valid pointer.
-  return DeviceBuffer(std::max<size_t>(workspace_bytes(config, impl), 256));
+  return DeviceBuffer(std::max<size_t>(workspace_bytes(impl_config(config, impl), impl.impl), 256));
 }
 
 namespace {
@@ -172,6 +178,7 @@ Args layer_args(const BenchImpl& impl, const LayerInputs& in, const LayerOutputs
   // As a training loop runs: no per-call sync; the correctness check calls check_expert_ids().
   args.sync_check_expert_ids = false;
   args.saved_z = out.saved_z(impl);  // the backward's: written by the forward of these inputs just before
+  args.fp8_weights = in.fp8_weights.get();  // read at FP8 only
   return args;
 }
 
@@ -181,7 +188,7 @@ void run_forward(const LayerConfig& config, const BenchImpl& impl, const LayerIn
                  const DeviceBuffer& workspace, int64_t num_tokens, cudaStream_t stream) {
   ForwardArgs args = layer_args<ForwardArgs>(impl, in, out, workspace, num_tokens, stream);
   args.y = out.y_TH.get();
-  forward(config, impl.impl, args);
+  forward(impl_config(config, impl), impl.impl, args);
 }
 
 void run_backward(const LayerConfig& config, const BenchImpl& impl, const LayerInputs& in, const LayerOutputs& out,
@@ -195,7 +202,7 @@ void run_backward(const LayerConfig& config, const BenchImpl& impl, const LayerI
   args.dw2 = out.dw2_EHI.get();
   args.weight_grad_dtype = weight_grad_dtype;
   args.accumulate_weight_grads = false;
-  backward(config, impl.impl, args);
+  backward(impl_config(config, impl), impl.impl, args);
 }
 
 const char* wgrad_name(WeightGradDtype dtype) { return dtype == WeightGradDtype::kFloat32 ? "fp32" : "bf16"; }
@@ -226,12 +233,20 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
 
   std::fprintf(stderr, "[bench] %s: generating inputs for up to T=%lld ...\n", preset.short_name,
                static_cast<long long>(config.max_tokens));
-  const LayerInputs inputs = make_inputs(config, params.seed, stream);
+  LayerInputs inputs = make_inputs(config, params.seed, stream);
+  if (std::any_of(params.impls.begin(), params.impls.end(),
+                  [](const BenchImpl& impl) { return impl.precision == Precision::kFp8Blockwise; })) {
+    LayerConfig fp8 = config;
+    fp8.precision = Precision::kFp8Blockwise;
+    inputs.fp8_weights = DeviceBuffer(fp8_weights_bytes(fp8));
+    quantize_weights_fp8(fp8, inputs.w13_EFH.get(), inputs.w2_EHI.get(), inputs.fp8_weights.get(),
+                         inputs.fp8_weights.bytes(), stream);
+  }
   const bool any_saves_z =
       std::any_of(params.impls.begin(), params.impls.end(), [](const BenchImpl& impl) { return impl.save_z; });
   const LayerOutputs outputs(config, any_saves_z);
   std::vector<DeviceBuffer> workspaces;
-  for (const BenchImpl& impl : params.impls) workspaces.push_back(allocate_workspace(config, impl.impl));
+  for (const BenchImpl& impl : params.impls) workspaces.push_back(allocate_workspace(config, impl));
 
   // The reference and its outputs exist only while some token count is checked; its config
   // is sized for the largest checked T so a skipped large T does not inflate its workspace.
@@ -245,7 +260,7 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
   DeviceBuffer reference_workspace;
   std::unique_ptr<LayerOutputs> reference_outputs;
   if (reference_config.max_tokens > 0) {
-    reference_workspace = allocate_workspace(reference_config, Impl::kReferenceFp32);
+    reference_workspace = allocate_workspace(reference_config, kReferenceImpl);
     reference_outputs = std::make_unique<LayerOutputs>(reference_config, false);
   }
 

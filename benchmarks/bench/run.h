@@ -19,6 +19,7 @@ struct LayerInputs {
   DeviceBuffer x_TH, dy_TH;             // [max T, H] bf16; a call with T tokens uses the first T rows
   DeviceBuffer w13_EFH, w2_EHI;         // bf16
   DeviceBuffer topk_idx_TK, topk_w_TK;  // [max T, K]; rewritten per token count
+  DeviceBuffer fp8_weights;             // quantize_weights_fp8 of w13, w2 (when an FP8 impl runs)
 };
 
 // Every output of forward and backward; the weight gradients are sized for fp32 and hold bf16
@@ -32,7 +33,10 @@ struct LayerOutputs {
   void poison(cudaStream_t stream) const;
 };
 
-DeviceBuffer allocate_workspace(const LayerConfig& config, Impl impl);
+// The config an implementation runs with: the layer at the implementation's precision.
+LayerConfig impl_config(const LayerConfig& config, const BenchImpl& impl);
+
+DeviceBuffer allocate_workspace(const LayerConfig& config, const BenchImpl& impl);
 
 // As a training loop calls them: no per-call sync (sync_check_expert_ids off).
 void run_forward(const LayerConfig& config, const BenchImpl& impl, const LayerInputs& in, const LayerOutputs& out,

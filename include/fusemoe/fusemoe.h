@@ -47,6 +47,19 @@ const char* impl_name(Impl impl);
 
 enum class WeightGradDtype { kFloat32, kBFloat16 };
 
+// Operand precision of the layer's GEMMs (docs/design.md, "Blockwise FP8"; numerics.md).
+enum class Precision {
+  kBf16,  // bf16 operands, fp32 accumulation (every Impl)
+  // Impl::kFused only, intermediate % 128 == 0: E4M3 GEMM operands with DeepSeek-V3's blockwise
+  // scales (1 x 128 for x, h, dy and dz, 128 x 128 for the weights), fp32 accumulation promoted
+  // per 128-wide K-block; the combines, the router gradient and the weight gradients (from bf16
+  // operands) in fp32; outputs and gradients in the dtypes of the bf16 path. Every call takes the
+  // FP8 weights from quantize_weights_fp8 (ForwardArgs / BackwardArgs::fp8_weights).
+  kFp8Blockwise,
+};
+
+const char* precision_name(Precision precision);
+
 // Description of one layer. Limits (checked by validate_config):
 //   hidden % 128 == 0, intermediate % 64 == 0 (the fused kernels' tile shapes need them),
 //   1 <= num_experts <= kMaxExperts, 1 <= top_k <= min(num_experts, kMaxTopK),
@@ -62,17 +75,43 @@ struct LayerConfig {
   // (inclusive: g <= c, -c <= u <= c), as torch.clamp does.
   bool use_swiglu_clamp = false;
   float swiglu_clamp = 0.0f;  // c > 0, finite, when use_swiglu_clamp
+  Precision precision = Precision::kBf16;
 };
 
 constexpr int64_t kMaxExperts = 1024;  // routing keeps one counter per expert in shared memory
 constexpr int64_t kMaxTopK = 32;       // a token's slots fit one warp in the combine kernels
 
+// The FP8 copies of the expert weights (Precision::kFp8Blockwise), as arrays inside one buffer of
+// fp8_weights_bytes(config) bytes that quantize_weights_fp8 writes; fp8_weights_view() finds them.
+// Each 128 x 128 block of a weight has one fp32 scale (amax / 448); a weight's per-expert
+// transpose (read K-major by the backward's dgrads, where the bf16 path reads the weight N-major)
+// consists of the transposed blocks and shares their scales.
+struct Fp8Weights {
+  const void* w13 = nullptr;          // [E, 2I, H] E4M3
+  const void* w13_t = nullptr;        // [E, H, 2I] E4M3: w13_t[e] = w13[e]^T
+  const float* w13_scales = nullptr;  // [E, 2I/128, H/128]
+  const void* w2 = nullptr;           // [E, H, I] E4M3
+  const void* w2_t = nullptr;         // [E, I, H] E4M3: w2_t[e] = w2[e]^T
+  const float* w2_scales = nullptr;   // [E, H/128, I/128]
+};
+
+// Bytes of the FP8 weight buffer of a config (2 bytes per bf16 weight element, plus the scales).
+size_t fp8_weights_bytes(const LayerConfig& config);
+// The arrays inside a buffer of fp8_weights_bytes(config) bytes.
+Fp8Weights fp8_weights_view(const LayerConfig& config, const void* buffer);
+// Quantizes w13 [E, 2I, H] and w2 [E, H, I] (bf16, device) into `buffer` (device, 256-byte aligned,
+// at least fp8_weights_bytes(config) bytes) on `stream`, without synchronising. Deterministic: the
+// same weights give the same bytes. Callers run it once per weight update (an optimizer step),
+// not once per call.
+void quantize_weights_fp8(const LayerConfig& config, const void* w13, const void* w2, void* buffer,
+                          size_t buffer_bytes, cudaStream_t stream);
+
 struct ForwardArgs {
   const void* x = nullptr;              // [T, H] bf16
   const int32_t* topk_idx = nullptr;    // [T, K]
   const float* topk_weights = nullptr;  // [T, K]
-  const void* w13 = nullptr;            // [E, 2I, H] bf16
-  const void* w2 = nullptr;             // [E, H, I] bf16
+  const void* w13 = nullptr;            // [E, 2I, H] bf16 (not read, and may be null, in FP8)
+  const void* w2 = nullptr;             // [E, H, I] bf16 (not read, and may be null, in FP8)
   void* y = nullptr;                    // [T, H] bf16 (output)
   int64_t num_tokens = 0;               // T, 0 <= T <= max_tokens
   void* workspace = nullptr;            // workspace_bytes(config, impl[, use]) bytes, 256-byte aligned
@@ -91,6 +130,8 @@ struct ForwardArgs {
   // also stores the pre-activations z = [g | u] of every routed row, for a backward that then
   // skips recomputing them (BackwardArgs::saved_z).
   void* saved_z = nullptr;
+  // Precision::kFp8Blockwise: the quantize_weights_fp8 buffer of w13 and w2 (required).
+  const void* fp8_weights = nullptr;
 };
 
 struct BackwardArgs {
@@ -122,6 +163,9 @@ struct BackwardArgs {
   // FLOPs per routed row). Its layout is internal (rows in the routing's expert order): pass it
   // only from a forward to the backward of the same inputs.
   const void* saved_z = nullptr;
+  // Precision::kFp8Blockwise: the quantize_weights_fp8 buffer of w13 and w2 (required; w13 and w2
+  // themselves are then not read).
+  const void* fp8_weights = nullptr;
 };
 
 // Throws fusemoe::Error naming the first field that breaks a limit above.

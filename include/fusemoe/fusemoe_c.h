@@ -20,8 +20,9 @@ extern "C" {
 #define FUSEMOE_C_API __attribute__((visibility("default")))
 
 /* Raised whenever a function's signature, a struct or a meaning changes; bindings refuse other
- * versions. 5: one struct per call instead of positional arguments, the SwiGLU clamp. */
-#define FUSEMOE_C_ABI_VERSION 5
+ * versions. 5: one struct per call instead of positional arguments, the SwiGLU clamp.
+ * 6: blockwise FP8 (FusemoeCLayer.precision, the args' fp8_weights, the FP8 weight buffer). */
+#define FUSEMOE_C_ABI_VERSION 6
 
 typedef enum {
   FUSEMOE_C_OK = 0,
@@ -33,6 +34,12 @@ typedef enum {
 /* Values of FusemoeCBackwardArgs.weight_grad_dtype (fusemoe::WeightGradDtype). */
 #define FUSEMOE_C_WEIGHT_GRAD_FLOAT32 0
 #define FUSEMOE_C_WEIGHT_GRAD_BFLOAT16 1
+
+/* Values of FusemoeCLayer.precision (fusemoe::Precision). FP8_BLOCKWISE: impl "fused" only,
+ * intermediate % 128 == 0; every call reads the FP8 weight buffer (fusemoe_c_quantize_weights_fp8)
+ * at fp8_weights instead of w13 and w2. */
+#define FUSEMOE_C_PRECISION_BF16 0
+#define FUSEMOE_C_PRECISION_FP8_BLOCKWISE 1
 
 /* Values of `use` in fusemoe_c_workspace_bytes_for (fusemoe::WorkspaceUse). */
 #define FUSEMOE_C_WORKSPACE_FORWARD 0
@@ -51,6 +58,7 @@ typedef struct FusemoeCLayer {
   int64_t max_tokens;        /* largest T a call passes; sizes the workspace */
   int32_t use_swiglu_clamp;  /* != 0: g <- min(g, c), u <- clamp(u, -c, c) before silu(g) * u */
   float swiglu_clamp;        /* c: finite and > 0 when use_swiglu_clamp */
+  int32_t precision;         /* FUSEMOE_C_PRECISION_* */
 } FusemoeCLayer;
 
 /* y = MoE(x): fusemoe::ForwardArgs. */
@@ -59,8 +67,9 @@ typedef struct FusemoeCForwardArgs {
   const void* x;                   /* [T, H] bf16 */
   const int32_t* topk_idx;         /* [T, K] */
   const float* topk_weights;       /* [T, K] */
-  const void* w13;                 /* [E, 2I, H] bf16 */
-  const void* w2;                  /* [E, H, I] bf16 */
+  const void* w13;                 /* [E, 2I, H] bf16 (not read, and may be NULL, at FP8) */
+  const void* w2;                  /* [E, H, I] bf16 (not read, and may be NULL, at FP8) */
+  const void* fp8_weights;         /* FP8: the quantized weight buffer (required); else NULL */
   void* y;                         /* [T, H] bf16 (output) */
   int64_t num_tokens;              /* T */
   void* workspace;
@@ -85,6 +94,7 @@ typedef struct FusemoeCBackwardArgs {
   const float* topk_weights;
   const void* w13;
   const void* w2;
+  const void* fp8_weights;           /* as in FusemoeCForwardArgs */
   const void* dy;                    /* [T, H] bf16 */
   void* dx;                          /* [T, H] bf16 (output) */
   float* d_topk_weights;             /* [T, K] fp32 (output) */
@@ -98,6 +108,17 @@ typedef struct FusemoeCBackwardArgs {
   const void* saved_z;               /* NULL, or the forward's saved_z of these same inputs */
   void* stream;
 } FusemoeCBackwardArgs;
+
+/* Blockwise FP8: quantizes the bf16 weights into the FP8 weight buffer (fusemoe::
+ * quantize_weights_fp8), once per weight update; asynchronous on stream. */
+typedef struct FusemoeCFp8QuantizeArgs {
+  uint32_t struct_size;   /* sizeof(FusemoeCFp8QuantizeArgs) */
+  const void* w13;        /* [E, 2I, H] bf16 */
+  const void* w2;         /* [E, H, I] bf16 */
+  void* buffer;           /* fusemoe_c_fp8_weights_bytes() bytes, device, 256-byte aligned (output) */
+  uint64_t buffer_bytes;
+  void* stream;           /* cudaStream_t */
+} FusemoeCFp8QuantizeArgs;
 
 FUSEMOE_C_API int32_t fusemoe_c_abi_version(void);
 
@@ -119,6 +140,13 @@ FUSEMOE_C_API int32_t fusemoe_c_workspace_bytes_for(const FusemoeCLayer* layer, 
 /* Bytes of a saved_z buffer for the layer (impl_code is not used). */
 FUSEMOE_C_API int32_t fusemoe_c_saved_z_bytes(const FusemoeCLayer* layer, uint64_t* bytes);
 
+/* Bytes of the FP8 weight buffer of the layer (impl_code and precision are not used). */
+FUSEMOE_C_API int32_t fusemoe_c_fp8_weights_bytes(const FusemoeCLayer* layer, uint64_t* bytes);
+
+/* See fusemoe::quantize_weights_fp8 (impl_code and precision are not used). */
+FUSEMOE_C_API int32_t fusemoe_c_quantize_weights_fp8(const FusemoeCLayer* layer,
+                                                     const FusemoeCFp8QuantizeArgs* args);
+
 /* See fusemoe::forward and fusemoe::backward. */
 FUSEMOE_C_API int32_t fusemoe_c_forward(const FusemoeCLayer* layer,
                                         const FusemoeCForwardArgs* args);
@@ -131,7 +159,8 @@ FUSEMOE_C_API int32_t fusemoe_c_check_expert_id_report(const int32_t* report, in
                                                        int64_t top_k);
 
 /* The layout of the structs above as this library was compiled, so a binding can check its own
- * declarations ("FusemoeCLayer", "FusemoeCForwardArgs", "FusemoeCBackwardArgs"):
+ * declarations ("FusemoeCLayer", "FusemoeCForwardArgs", "FusemoeCBackwardArgs",
+ * "FusemoeCFp8QuantizeArgs"):
  * fusemoe_c_struct_layout gives sizeof and the number of fields; fusemoe_c_struct_field gives
  * field `field_index` (declaration order): its name (static storage), offsetof and sizeof. */
 FUSEMOE_C_API int32_t fusemoe_c_struct_layout(const char* struct_name, uint64_t* struct_size,

@@ -5,20 +5,22 @@ beside this file (the copy `pip install .` bundles), or at build/libfusemoe_c.so
 repository this package sits in (python/fusemoe/ -> ../../build, for `pip install -e python`
 or python/ on PYTHONPATH). It is loaded on first use, so `import fusemoe` works without it.
 Every C function returns a status; a non-zero one becomes FusemoeError carrying
-fusemoe_c_last_error(). Calls pass one struct each (FusemoeCLayer, built once per layer and
-implementation by layer(); FusemoeCForwardArgs / FusemoeCBackwardArgs, filled per call), whose
-struct_size lets the library refuse a binding written for another layout.
+fusemoe_c_last_error(). Calls pass one struct each (FusemoeCLayer, built once per layer,
+implementation and precision by layer(); FusemoeCForwardArgs / FusemoeCBackwardArgs /
+FusemoeCFp8QuantizeArgs, filled per call), whose struct_size lets the library refuse a binding
+written for another layout.
 """
 import ctypes
 import functools
 import os
 import threading
 
-ABI_VERSION = 5  # FUSEMOE_C_ABI_VERSION this binding is written for
+ABI_VERSION = 6  # FUSEMOE_C_ABI_VERSION this binding is written for
 WEIGHT_GRAD_FLOAT32 = 0
 WEIGHT_GRAD_BFLOAT16 = 1
 EXPERT_ID_REPORT_INTS = 3  # fusemoe::kExpertIdReportInts
 WORKSPACE_USES = {"forward": 0, "backward": 1, "backward_saved_z": 2}  # FUSEMOE_C_WORKSPACE_*
+PRECISIONS = {"bf16": 0, "fp8": 1}  # FUSEMOE_C_PRECISION_BF16, FUSEMOE_C_PRECISION_FP8_BLOCKWISE
 LIBRARY_NAME = "libfusemoe_c.so"
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -38,7 +40,8 @@ class Layer(ctypes.Structure):
     """FusemoeCLayer. Build it with layer(): that resolves the implementation and caches it."""
     _fields_ = [("struct_size", _u32), ("impl_code", _i32), ("hidden", _i64),
                 ("intermediate", _i64), ("num_experts", _i64), ("top_k", _i64),
-                ("max_tokens", _i64), ("use_swiglu_clamp", _i32), ("swiglu_clamp", ctypes.c_float)]
+                ("max_tokens", _i64), ("use_swiglu_clamp", _i32), ("swiglu_clamp", ctypes.c_float),
+                ("precision", _i32)]
 
     def workspace_bytes(self, use=None):
         """Bytes of workspace: use None (what every call accepts) or one of WORKSPACE_USES
@@ -53,25 +56,32 @@ class Layer(ctypes.Structure):
 class ForwardArgs(ctypes.Structure):
     """FusemoeCForwardArgs: pointers are ints (data_ptr()) or None."""
     _fields_ = [("struct_size", _u32), ("x", _ptr), ("topk_idx", _ptr), ("topk_weights", _ptr),
-                ("w13", _ptr), ("w2", _ptr), ("y", _ptr), ("num_tokens", _i64),
-                ("workspace", _ptr), ("workspace_bytes", _u64), ("expert_id_report", _ptr),
-                ("saved_z", _ptr), ("stream", _ptr)]
+                ("w13", _ptr), ("w2", _ptr), ("fp8_weights", _ptr), ("y", _ptr),
+                ("num_tokens", _i64), ("workspace", _ptr), ("workspace_bytes", _u64),
+                ("expert_id_report", _ptr), ("saved_z", _ptr), ("stream", _ptr)]
 
 
 class BackwardArgs(ctypes.Structure):
     """FusemoeCBackwardArgs: pointers are ints (data_ptr()) or None."""
     _fields_ = [("struct_size", _u32), ("weight_grad_dtype", _i32), ("x", _ptr),
                 ("topk_idx", _ptr), ("topk_weights", _ptr), ("w13", _ptr), ("w2", _ptr),
-                ("dy", _ptr), ("dx", _ptr), ("d_topk_weights", _ptr), ("dw13", _ptr),
-                ("dw2", _ptr), ("accumulate_weight_grads", _i32), ("num_tokens", _i64),
-                ("workspace", _ptr), ("workspace_bytes", _u64), ("expert_id_report", _ptr),
-                ("saved_z", _ptr), ("stream", _ptr)]
+                ("fp8_weights", _ptr), ("dy", _ptr), ("dx", _ptr), ("d_topk_weights", _ptr),
+                ("dw13", _ptr), ("dw2", _ptr), ("accumulate_weight_grads", _i32),
+                ("num_tokens", _i64), ("workspace", _ptr), ("workspace_bytes", _u64),
+                ("expert_id_report", _ptr), ("saved_z", _ptr), ("stream", _ptr)]
+
+
+class Fp8QuantizeArgs(ctypes.Structure):
+    """FusemoeCFp8QuantizeArgs: pointers are ints (data_ptr())."""
+    _fields_ = [("struct_size", _u32), ("w13", _ptr), ("w2", _ptr), ("buffer", _ptr),
+                ("buffer_bytes", _u64), ("stream", _ptr)]
 
 
 STRUCTS = {"FusemoeCLayer": Layer, "FusemoeCForwardArgs": ForwardArgs,
-           "FusemoeCBackwardArgs": BackwardArgs}
+           "FusemoeCBackwardArgs": BackwardArgs, "FusemoeCFp8QuantizeArgs": Fp8QuantizeArgs}
 _FORWARD_SIZE = ctypes.sizeof(ForwardArgs)
 _BACKWARD_SIZE = ctypes.sizeof(BackwardArgs)
+_FP8_QUANTIZE_SIZE = ctypes.sizeof(Fp8QuantizeArgs)
 
 _LAYER_P, _OUT_U64 = ctypes.POINTER(Layer), ctypes.POINTER(_u64)
 _SIGNATURES = {
@@ -81,6 +91,8 @@ _SIGNATURES = {
     "fusemoe_c_workspace_bytes": ([_LAYER_P, _OUT_U64], _i32),
     "fusemoe_c_workspace_bytes_for": ([_LAYER_P, _i32, _OUT_U64], _i32),
     "fusemoe_c_saved_z_bytes": ([_LAYER_P, _OUT_U64], _i32),
+    "fusemoe_c_fp8_weights_bytes": ([_LAYER_P, _OUT_U64], _i32),
+    "fusemoe_c_quantize_weights_fp8": ([_LAYER_P, ctypes.POINTER(Fp8QuantizeArgs)], _i32),
     "fusemoe_c_forward": ([_LAYER_P, ctypes.POINTER(ForwardArgs)], _i32),
     "fusemoe_c_backward": ([_LAYER_P, ctypes.POINTER(BackwardArgs)], _i32),
     # report (host-readable), num_experts, top_k
@@ -168,13 +180,18 @@ def impl_code(name):
 
 
 @functools.lru_cache(maxsize=256)
-def layer(hidden, intermediate, num_experts, top_k, max_tokens, impl, swiglu_clamp=None):
-    """The FusemoeCLayer of a layer and implementation, built once and cached (the op calls this
-    with max_tokens = T, so a training loop reuses a handful). swiglu_clamp: None (off) or c.
-    Values are checked by the library when a call uses the struct, not here."""
+def layer(hidden, intermediate, num_experts, top_k, max_tokens, impl, swiglu_clamp=None,
+          precision="bf16"):
+    """The FusemoeCLayer of a layer, implementation and precision (PRECISIONS), built once and
+    cached (the op calls this with max_tokens = T, so a training loop reuses a handful).
+    swiglu_clamp: None (off) or c. Values are checked by the library when a call uses the struct,
+    not here."""
+    if precision not in PRECISIONS:
+        raise FusemoeError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     clamp_on = swiglu_clamp is not None
     built = Layer(ctypes.sizeof(Layer), impl_code(impl), hidden, intermediate, num_experts, top_k,
-                  max_tokens, int(clamp_on), float(swiglu_clamp) if clamp_on else 0.0)
+                  max_tokens, int(clamp_on), float(swiglu_clamp) if clamp_on else 0.0,
+                  PRECISIONS[precision])
     built.impl = impl
     return built
 
@@ -206,21 +223,38 @@ def saved_z_bytes(layer_):
 
 
 def forward(layer_, x, topk_idx, topk_weights, w13, w2, y, num_tokens, workspace,
-            workspace_bytes_, expert_id_report, saved_z, stream):
+            workspace_bytes_, expert_id_report, saved_z, stream, fp8_weights=None):
     """Pointers are ints (data_ptr(); expert_id_report and saved_z may be None); stream is a
-    cudaStream_t as an int."""
-    args = ForwardArgs(_FORWARD_SIZE, x, topk_idx, topk_weights, w13, w2, y, num_tokens,
-                       workspace, workspace_bytes_, expert_id_report, saved_z, stream)
+    cudaStream_t as an int. A layer of precision "fp8" takes fp8_weights (the buffer of
+    quantize_weights_fp8) and w13 = w2 = None."""
+    args = ForwardArgs(_FORWARD_SIZE, x, topk_idx, topk_weights, w13, w2, fp8_weights, y,
+                       num_tokens, workspace, workspace_bytes_, expert_id_report, saved_z, stream)
     _check(_lib.fusemoe_c_forward(layer_, args))
 
 
 def backward(layer_, x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights, dw13, dw2,
              weight_grad_dtype, accumulate, num_tokens, workspace, workspace_bytes_,
-             expert_id_report, saved_z, stream):
+             expert_id_report, saved_z, stream, fp8_weights=None):
     args = BackwardArgs(_BACKWARD_SIZE, weight_grad_dtype, x, topk_idx, topk_weights, w13, w2,
-                        dy, dx, d_topk_weights, dw13, dw2, 1 if accumulate else 0, num_tokens,
-                        workspace, workspace_bytes_, expert_id_report, saved_z, stream)
+                        fp8_weights, dy, dx, d_topk_weights, dw13, dw2, 1 if accumulate else 0,
+                        num_tokens, workspace, workspace_bytes_, expert_id_report, saved_z,
+                        stream)
     _check(_lib.fusemoe_c_backward(layer_, args))
+
+
+def fp8_weights_bytes(layer_):
+    """Bytes of the FP8 weight buffer of a Layer's shape."""
+    lib = load()
+    out = _u64()
+    _check(lib.fusemoe_c_fp8_weights_bytes(ctypes.byref(layer_), ctypes.byref(out)))
+    return out.value
+
+
+def quantize_weights_fp8(layer_, w13, w2, buffer, buffer_bytes, stream):
+    """Quantizes bf16 w13/w2 into the FP8 weight buffer (pointers as ints), on stream."""
+    lib = load()
+    args = Fp8QuantizeArgs(_FP8_QUANTIZE_SIZE, w13, w2, buffer, buffer_bytes, stream)
+    _check(lib.fusemoe_c_quantize_weights_fp8(ctypes.byref(layer_), args))
 
 
 def check_expert_id_report(report, num_experts, top_k):

@@ -103,7 +103,7 @@ def _activation_reasons(module):
     return [], swiglu_clamp
 
 
-def _shape_reasons(module, impl):
+def _shape_reasons(module, impl, precision):
     """Reasons the weights are not [E, 2I, H] / [E, H, I] (read in the module's own layout, so a
     transposed module's H and I are its real ones) or the library refuses the layer's shape."""
     w13, w2 = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
@@ -125,7 +125,8 @@ def _shape_reasons(module, impl):
         return []  # the library's limits are checked by its first call instead
     top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", 1)
     try:  # the library's own validation of the layer (LayerConfig), nothing copied here
-        _capi.saved_z_bytes(_capi.layer(hidden, intermediate, num_experts, top_k, 0, impl))
+        _capi.saved_z_bytes(_capi.layer(hidden, intermediate, num_experts, top_k, 0, impl, None,
+                                        precision))
     except _capi.FusemoeError as e:
         message = str(e).split(": ", 1)[-1].rsplit(" [", 1)[0]  # drop file:line and [status]
         return [f"the library refuses H={hidden}, I={intermediate}, E={num_experts}, "
@@ -133,7 +134,7 @@ def _shape_reasons(module, impl):
     return []
 
 
-def _decide(name, module, impl):
+def _decide(name, module, impl, precision):
     decision = ExpertsDecision(name, type(module).__name__, False, [])
     if isinstance(module, MoEExperts):
         decision.reasons.append("already a fusemoe.MoEExperts")
@@ -146,37 +147,40 @@ def _decide(name, module, impl):
             decision.reasons.append(reason)
     activation_reasons, decision.swiglu_clamp = _activation_reasons(module)
     decision.reasons += activation_reasons
-    decision.reasons += _shape_reasons(module, impl)
+    decision.reasons += _shape_reasons(module, impl, precision)
     decision.swap = not decision.reasons
     if not decision.swap:
         decision.swiglu_clamp = None
     return decision
 
 
-def plan_hf_experts(model, impl=DEFAULT_IMPL):
+def plan_hf_experts(model, impl=DEFAULT_IMPL, precision="bf16"):
     """What patch_hf_experts would do, changing nothing: a PatchReport."""
-    return PatchReport([_decide(name, module, impl) for name, module in model.named_modules()
+    return PatchReport([_decide(name, module, impl, precision)
+                        for name, module in model.named_modules()
                         if name and _is_experts_candidate(module)])
 
 
-def _swap(model, decision, impl, grad_in_place, recompute_z):
+def _swap(model, decision, impl, grad_in_place, recompute_z, precision):
     experts = model.get_submodule(decision.name)
     parent_name, _, child_name = decision.name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child_name,
             MoEExperts.from_experts(experts, impl=impl, grad_in_place=grad_in_place,
-                                    recompute_z=recompute_z, swiglu_clamp=decision.swiglu_clamp))
+                                    recompute_z=recompute_z, swiglu_clamp=decision.swiglu_clamp,
+                                    precision=precision))
 
 
 def patch_hf_experts(model, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False,
-                     strict=True):
+                     strict=True, precision="bf16"):
     """Swaps every transformers experts module that computes fusemoe's math (see the module
     docstring) for a fusemoe.MoEExperts sharing its Parameter objects (an optimizer or state
     dict that holds them keeps working), leaves the others alone, and returns the PatchReport
     (report.replaced, report.left with the reasons; print(report) lists both).
     strict=True raises ValueError, listing every reason, when no module is swapped.
-    grad_in_place, recompute_z: see fusemoe.MoEExperts."""
-    report = plan_hf_experts(model, impl)
+    grad_in_place, recompute_z, precision: see fusemoe.MoEExperts (a layer the library refuses at
+    that precision, e.g. fp8 with I % 128 != 0, is left with the library's reason)."""
+    report = plan_hf_experts(model, impl, precision)
     if strict and not report.replaced:
         detail = ("\n" + str(report)) if report.decisions else (
             " (no experts module found: transformers >= 5 experts classes hold 3-D gate_up_proj "
@@ -184,14 +188,15 @@ def patch_hf_experts(model, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=
         raise ValueError(f"fusemoe.patch_hf_experts: no experts module swapped{detail}")
     for decision in report.decisions:
         if decision.swap:
-            _swap(model, decision, impl, grad_in_place, recompute_z)
+            _swap(model, decision, impl, grad_in_place, recompute_z, precision)
     return report
 
 
-def replace_qwen3_moe_experts(model, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False):
+def replace_qwen3_moe_experts(model, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False,
+                              precision="bf16"):
     """patch_hf_experts for Qwen3MoeExperts modules only, and strict about them: raises
     ValueError if there is none or one cannot be swapped. Returns the names replaced."""
-    decisions = [d for d in plan_hf_experts(model, impl).decisions
+    decisions = [d for d in plan_hf_experts(model, impl, precision).decisions
                  if d.class_name == "Qwen3MoeExperts"]
     if not decisions:
         raise ValueError("fusemoe.replace_qwen3_moe_experts: the model has no Qwen3MoeExperts "
@@ -200,5 +205,5 @@ def replace_qwen3_moe_experts(model, impl=DEFAULT_IMPL, grad_in_place=False, rec
     if refused:
         raise ValueError("fusemoe.replace_qwen3_moe_experts: " + "; ".join(refused))
     for decision in decisions:
-        _swap(model, decision, impl, grad_in_place, recompute_z)
+        _swap(model, decision, impl, grad_in_place, recompute_z, precision)
     return [d.name for d in decisions]

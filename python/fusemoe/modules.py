@@ -27,14 +27,20 @@ class MoEExperts(nn.Module):
 
     def __init__(self, num_experts, hidden_dim, intermediate_dim, impl=DEFAULT_IMPL, device=None,
                  dtype=torch.bfloat16, init_std=0.02, grad_in_place=False, recompute_z=False,
-                 swiglu_clamp=None):
+                 swiglu_clamp=None, precision="bf16"):
         """grad_in_place: the backward adds the weight gradients straight into .grad (see
         fusemoe.moe_experts; eager mode, bf16 parameters, no gradient hooks on them).
         recompute_z: recompute the pre-activations in the backward instead of saving them in the
         forward (impl "fused": less activation memory, one more GEMM; see fusemoe.moe_experts).
-        swiglu_clamp: None, or c: g <- min(g, c), u <- clamp(u, -c, c) (DeepSeek-V4's limit)."""
+        swiglu_clamp: None, or c: g <- min(g, c), u <- clamp(u, -c, c) (DeepSeek-V4's limit).
+        precision: "bf16", or "fp8" (blockwise FP8 GEMMs, impl "fused", intermediate_dim a multiple
+        of 128; the FP8 copy of the weights is rebuilt once per weight update: fusemoe.fp8)."""
         super().__init__()
         _check_impl_name(impl)
+        if precision not in ("bf16", "fp8"):
+            raise ValueError(f"fusemoe: precision must be \"bf16\" or \"fp8\", got {precision!r}")
+        self.precision = precision
+        self._fp8_cache = None  # fusemoe.fp8.Fp8WeightCache, made on first use
         self.grad_in_place = bool(grad_in_place)
         self.recompute_z = bool(recompute_z)
         self.swiglu_clamp = None if swiglu_clamp is None else float(swiglu_clamp)
@@ -56,13 +62,13 @@ class MoEExperts(nn.Module):
 
     @classmethod
     def from_experts(cls, experts, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False,
-                     swiglu_clamp=None):
+                     swiglu_clamp=None, precision="bf16"):
         """A MoEExperts over the very Parameter objects of `experts` (no copy): an optimizer or a
         state dict that holds them keeps working."""
         num_experts, two_intermediate, hidden_dim = experts.gate_up_proj.shape
         module = cls(num_experts, hidden_dim, two_intermediate // 2, impl=impl, device="meta",
                      grad_in_place=grad_in_place, recompute_z=recompute_z,
-                     swiglu_clamp=swiglu_clamp)
+                     swiglu_clamp=swiglu_clamp, precision=precision)
         module.gate_up_proj = experts.gate_up_proj
         module.down_proj = experts.down_proj
         return module
@@ -77,9 +83,20 @@ class MoEExperts(nn.Module):
         x_TH = hidden_states.reshape(-1, self.hidden_dim).to(torch.bfloat16).contiguous()
         topk_idx_TK = top_k_index.reshape(-1, top_k).to(torch.int32).contiguous()
         topk_weights_TK = top_k_weights.reshape(-1, top_k).to(torch.float32).contiguous()
+        fp8_weights = None
+        if self.precision == "fp8":
+            from .fp8 import Fp8WeightCache, traced
+            if not traced(self.gate_up_proj):
+                if self._fp8_cache is None:
+                    self._fp8_cache = Fp8WeightCache()
+                # Versions of the Parameters themselves (an fp32 master's bf16 copy is new each
+                # call).
+                fp8_weights = self._fp8_cache.get(self.gate_up_proj, self.down_proj, w13_EFH,
+                                                  w2_EHI)
         y_TH = moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=self.impl,
                            grad_in_place=self.grad_in_place, recompute_z=self.recompute_z,
-                           swiglu_clamp=self.swiglu_clamp)
+                           swiglu_clamp=self.swiglu_clamp, precision=self.precision,
+                           fp8_weights=fp8_weights)
         y = y_TH.to(hidden_states.dtype)
         # A view only where the caller's shape needs one (FSDP2 warns about views it returns).
         return y if y.shape == hidden_states.shape else y.reshape(hidden_states.shape)
@@ -89,4 +106,5 @@ class MoEExperts(nn.Module):
                 f"intermediate_dim={self.intermediate_dim}, impl={self.impl!r}" +
                 (", grad_in_place=True" if self.grad_in_place else "") +
                 (", recompute_z=True" if self.recompute_z else "") +
-                (f", swiglu_clamp={self.swiglu_clamp}" if self.swiglu_clamp is not None else ""))
+                (f", swiglu_clamp={self.swiglu_clamp}" if self.swiglu_clamp is not None else "") +
+                (f", precision={self.precision!r}" if self.precision != "bf16" else ""))

@@ -366,7 +366,8 @@ moe_experts_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAULT_IMPL,
-                grad_in_place=False, recompute_z=False, swiglu_clamp=None):
+                grad_in_place=False, recompute_z=False, swiglu_clamp=None, precision="bf16",
+                fp8_weights=None):
     """The experts block as a differentiable function (strict inputs: see the module docstring;
     fusemoe.MoEExperts converts dtypes and layouts for you).
 
@@ -384,8 +385,17 @@ def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAUL
 
     swiglu_clamp: None, or c > 0 (DeepSeek-V4 / gpt-oss style): g <- min(g, c) and
     u <- clamp(u, -c, c) before silu(g) * u; gradients pass where the bounds are not active
-    (inclusive), as torch.clamp's do."""
+    (inclusive), as torch.clamp's do.
+
+    precision="fp8": blockwise FP8 GEMMs (impl "fused"; fusemoe.fp8). fp8_weights: the buffer of
+    fusemoe.fp8.quantize_weights_fp8(w13, w2), or None for one cached on w13 per weight version."""
     _check_swiglu_clamp(swiglu_clamp)
+    if precision != "bf16":
+        if precision != "fp8":
+            _fail(f"precision must be \"bf16\" or \"fp8\", got {precision!r}")
+        from .fp8 import moe_experts_fp8
+        return moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                               grad_in_place, recompute_z, fp8_weights, swiglu_clamp)
     save_z = (impl == "fused" and not recompute_z and torch.is_grad_enabled()
               and any(isinstance(t, Tensor) and t.requires_grad
                       for t in (x_TH, topk_weights_TK, w13_EFH, w2_EHI)))

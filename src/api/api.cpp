@@ -11,6 +11,7 @@
 #include "kernels/routing.h"
 #include "pipelines/fused_forward.h"
 #include "pipelines/fused_backward.h"
+#include "pipelines/fused_fp8.h"
 #include "pipelines/unfused.h"
 
 namespace fusemoe {
@@ -26,6 +27,13 @@ bool aligned(const void* p, uintptr_t alignment) {
 void check_impl(Impl impl) {
   FUSEMOE_CHECK(impl == Impl::kUnfused || impl == Impl::kReferenceFp32 || impl == Impl::kFused,
                 "impl: unknown implementation " << static_cast<int>(impl));
+}
+
+// Precision::kFp8Blockwise runs on the fused kernels only.
+void check_impl_precision(const LayerConfig& config, Impl impl) {
+  FUSEMOE_CHECK(config.precision == Precision::kBf16 || impl == Impl::kFused,
+                "precision " << precision_name(config.precision) << " is supported by Impl::kFused only (got "
+                             << impl_name(impl) << ")");
 }
 
 // Null check for tensors that must exist, plus their alignment.
@@ -139,6 +147,14 @@ void check_num_tokens(const LayerConfig& config, int64_t num_tokens) {
 
 }  // namespace
 
+const char* precision_name(Precision precision) {
+  switch (precision) {
+    case Precision::kBf16: return "bf16";
+    case Precision::kFp8Blockwise: return "fp8_blockwise";
+  }
+  return "unknown";
+}
+
 const char* impl_name(Impl impl) {
   switch (impl) {
     case Impl::kUnfused: return "unfused";
@@ -190,6 +206,11 @@ void validate_config(const LayerConfig& c) {
                   "swiglu_clamp must be finite and > 0 when use_swiglu_clamp is set, got "
                       << c.swiglu_clamp);
   }
+  FUSEMOE_CHECK(c.precision == Precision::kBf16 || c.precision == Precision::kFp8Blockwise,
+                "precision: unknown value " << static_cast<int>(c.precision) << " (0 bf16, 1 fp8_blockwise)");
+  // FP8: every K and N of the GEMMs a whole number of 128-blocks (1 x 128 scales of h along I).
+  FUSEMOE_CHECK(c.precision != Precision::kFp8Blockwise || c.intermediate % 128 == 0,
+                "precision fp8_blockwise needs intermediate (I) to be a multiple of 128, got " << c.intermediate);
 }
 
 size_t workspace_bytes(const LayerConfig& config, Impl impl, WorkspaceUse use) {
@@ -199,8 +220,16 @@ size_t workspace_bytes(const LayerConfig& config, Impl impl, WorkspaceUse use) {
                     use == WorkspaceUse::kBackwardSavedZ,
                 "use: unknown WorkspaceUse value " << static_cast<int>(use)
                                                     << " (0 forward, 1 backward, 2 backward with saved_z)");
+  check_impl_precision(config, impl);
   if (impl != Impl::kFused) return unfused_workspace_bytes(config, impl);
   // Both directions carve the routing plan at the start of the workspace.
+  if (config.precision == Precision::kFp8Blockwise) {
+    switch (use) {
+      case WorkspaceUse::kForward: return fused_fp8_forward_workspace_bytes(config);
+      case WorkspaceUse::kBackward: return fused_fp8_backward_workspace_bytes(config, /*z_saved=*/false);
+      case WorkspaceUse::kBackwardSavedZ: return fused_fp8_backward_workspace_bytes(config, /*z_saved=*/true);
+    }
+  }
   switch (use) {
     case WorkspaceUse::kForward: return fused_workspace_bytes(config);
     case WorkspaceUse::kBackward: return fused_backward_workspace_bytes(config, /*z_saved=*/false);
@@ -246,12 +275,73 @@ void throw_if_expert_id_report(const int32_t report[kExpertIdReportInts], int64_
   check_bad_id_record(report, num_experts, top_k);
 }
 
+namespace {
+
+// The fp8_weights buffer of an FP8 call (host checks), or null for bf16 (which never reads it).
+void check_fp8_weights_arg(const LayerConfig& config, const void* fp8_weights) {
+  if (config.precision == Precision::kBf16) return;
+  FUSEMOE_CHECK(fp8_weights != nullptr, "fp8_weights must not be null at precision "
+                                            << precision_name(config.precision)
+                                            << " (the buffer that quantize_weights_fp8 wrote)");
+  FUSEMOE_CHECK(aligned(fp8_weights, kWorkspaceAlignment),
+                "fp8_weights must be " << kWorkspaceAlignment << "-byte aligned, got " << fp8_weights);
+}
+
+// The bf16 weights: required for bf16, not read (so optional) for FP8.
+void check_bf16_weights_arg(const LayerConfig& config, const void* w13, const void* w2) {
+  if (config.precision != Precision::kBf16 && w13 == nullptr && w2 == nullptr) return;
+  check_tensor(w13, "w13", kTmaAlignment);
+  check_tensor(w2, "w2", kTmaAlignment);
+}
+
+void check_weight_device_pointers(const LayerConfig& config, const void* w13, const void* w2,
+                                  const void* fp8_weights) {
+  if (w13 != nullptr) check_device_pointer(w13, "w13");
+  if (w2 != nullptr) check_device_pointer(w2, "w2");
+  if (config.precision != Precision::kBf16) check_device_pointer(fp8_weights, "fp8_weights");
+}
+
+}  // namespace
+
+size_t fp8_weights_bytes(const LayerConfig& config) {
+  validate_config(config);
+  FUSEMOE_CHECK(config.intermediate % 128 == 0,
+                "FP8 weights need intermediate (I) to be a multiple of 128, got " << config.intermediate);
+  return fp8_weights_buffer_bytes(config);
+}
+
+Fp8Weights fp8_weights_view(const LayerConfig& config, const void* buffer) {
+  fp8_weights_bytes(config);  // validates
+  FUSEMOE_CHECK(buffer != nullptr, "fp8 weight buffer must not be null");
+  FUSEMOE_CHECK(aligned(buffer, kWorkspaceAlignment),
+                "fp8 weight buffer must be " << kWorkspaceAlignment << "-byte aligned, got " << buffer);
+  return fp8_weights_in(config, buffer);
+}
+
+void quantize_weights_fp8(const LayerConfig& config, const void* w13, const void* w2, void* buffer,
+                          size_t buffer_bytes, cudaStream_t stream) {
+  const size_t needed = fp8_weights_bytes(config);
+  check_tensor(w13, "w13", kTmaAlignment);
+  check_tensor(w2, "w2", kTmaAlignment);
+  FUSEMOE_CHECK(buffer != nullptr, "fp8 weight buffer must not be null (need " << needed << " bytes)");
+  FUSEMOE_CHECK(aligned(buffer, kWorkspaceAlignment),
+                "fp8 weight buffer must be " << kWorkspaceAlignment << "-byte aligned, got " << buffer);
+  FUSEMOE_CHECK(buffer_bytes >= needed,
+                "fp8 weight buffer: " << buffer_bytes << " bytes given, " << needed << " needed");
+  check_device();
+  check_device_pointer(w13, "w13");
+  check_device_pointer(w2, "w2");
+  check_device_pointer(buffer, "fp8 weight buffer");
+  quantize_fp8_weights(config, w13, w2, buffer, stream);
+}
+
 void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
   validate_config(config);
   check_impl(impl);
+  check_impl_precision(config, impl);
   check_num_tokens(config, a.num_tokens);
-  check_tensor(a.w13, "w13", kTmaAlignment);
-  check_tensor(a.w2, "w2", kTmaAlignment);
+  check_bf16_weights_arg(config, a.w13, a.w2);
+  check_fp8_weights_arg(config, a.fp8_weights);
   if (a.num_tokens > 0) {
     check_tensor(a.x, "x", kTmaAlignment);
     check_tensor(a.topk_idx, "topk_idx", 4);
@@ -261,10 +351,8 @@ void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
   check_saved_z(impl, a.saved_z);
   check_workspace(config, impl, WorkspaceUse::kForward, a.workspace, a.workspace_bytes);
   check_device();
-  for (auto [p, name] : {std::pair<const void*, const char*>{a.w13, "w13"}, {a.w2, "w2"},
-                         {a.workspace, "workspace"}}) {
-    check_device_pointer(p, name);
-  }
+  check_weight_device_pointers(config, a.w13, a.w2, a.fp8_weights);
+  check_device_pointer(a.workspace, "workspace");
   if (a.num_tokens > 0) {
     for (auto [p, name] : {std::pair<const void*, const char*>{a.x, "x"}, {a.topk_idx, "topk_idx"},
                            {a.topk_weights, "topk_weights"}, {a.y, "y"}}) {
@@ -273,7 +361,7 @@ void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
   }
   check_optional_pointers(a.expert_id_report, a.saved_z);
   if (impl == Impl::kFused) {
-    fused_forward(config, a);
+    config.precision == Precision::kFp8Blockwise ? fused_fp8_forward(config, a) : fused_forward(config, a);
     finish_fused_call(config, a.sync_check_expert_ids, a.expert_id_report, a.workspace, a.stream);
     return;
   }
@@ -283,12 +371,13 @@ void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
 void backward(const LayerConfig& config, Impl impl, const BackwardArgs& a) {
   validate_config(config);
   check_impl(impl);
+  check_impl_precision(config, impl);
   check_num_tokens(config, a.num_tokens);
   FUSEMOE_CHECK(a.weight_grad_dtype == WeightGradDtype::kFloat32 ||
                     a.weight_grad_dtype == WeightGradDtype::kBFloat16,
                 "weight_grad_dtype: unknown value " << static_cast<int>(a.weight_grad_dtype));
-  check_tensor(a.w13, "w13", kTmaAlignment);
-  check_tensor(a.w2, "w2", kTmaAlignment);
+  check_bf16_weights_arg(config, a.w13, a.w2);
+  check_fp8_weights_arg(config, a.fp8_weights);
   check_tensor(a.dw13, "dw13", kTmaAlignment);
   check_tensor(a.dw2, "dw2", kTmaAlignment);
   if (a.num_tokens > 0) {
@@ -303,8 +392,9 @@ void backward(const LayerConfig& config, Impl impl, const BackwardArgs& a) {
   check_workspace(config, impl, a.saved_z != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward,
                   a.workspace, a.workspace_bytes);
   check_device();
-  for (auto [p, name] : {std::pair<const void*, const char*>{a.w13, "w13"}, {a.w2, "w2"},
-                         {a.dw13, "dw13"}, {a.dw2, "dw2"}, {a.workspace, "workspace"}}) {
+  check_weight_device_pointers(config, a.w13, a.w2, a.fp8_weights);
+  for (auto [p, name] : {std::pair<const void*, const char*>{a.dw13, "dw13"}, {a.dw2, "dw2"},
+                         {a.workspace, "workspace"}}) {
     check_device_pointer(p, name);
   }
   if (a.num_tokens > 0) {
@@ -316,7 +406,7 @@ void backward(const LayerConfig& config, Impl impl, const BackwardArgs& a) {
   }
   check_optional_pointers(a.expert_id_report, a.saved_z);
   if (impl == Impl::kFused) {
-    fused_backward(config, a);
+    config.precision == Precision::kFp8Blockwise ? fused_fp8_backward(config, a) : fused_backward(config, a);
     finish_fused_call(config, a.sync_check_expert_ids, a.expert_id_report, a.workspace, a.stream);
     return;
   }

@@ -94,6 +94,14 @@ fusemoe::LayerConfig config_of(const FusemoeCLayer& l) {
   config.max_tokens = l.max_tokens;
   config.use_swiglu_clamp = l.use_swiglu_clamp != 0;
   config.swiglu_clamp = l.swiglu_clamp;
+  config.precision = static_cast<fusemoe::Precision>(l.precision);
+  return config;
+}
+
+// The FP8 weight buffer's config: the layer's shape at FP8, whatever its precision field says.
+fusemoe::LayerConfig fp8_config_of(const FusemoeCLayer& l) {
+  fusemoe::LayerConfig config = config_of(l);
+  config.precision = fusemoe::Precision::kFp8Blockwise;
   return config;
 }
 
@@ -107,6 +115,9 @@ static_assert(static_cast<int>(fusemoe::WeightGradDtype::kFloat32) == FUSEMOE_C_
                   static_cast<int>(fusemoe::WeightGradDtype::kBFloat16) ==
                       FUSEMOE_C_WEIGHT_GRAD_BFLOAT16,
               "C codes of the weight-gradient dtypes");
+static_assert(static_cast<int>(fusemoe::Precision::kBf16) == FUSEMOE_C_PRECISION_BF16 &&
+                  static_cast<int>(fusemoe::Precision::kFp8Blockwise) == FUSEMOE_C_PRECISION_FP8_BLOCKWISE,
+              "C codes of the precisions");
 
 // ---- struct layout tables (fusemoe_c_struct_layout / fusemoe_c_struct_field) ----
 
@@ -125,7 +136,7 @@ constexpr FieldLayout kLayerFields[] = {
     FUSEMOE_C_FIELD(FusemoeCLayer, hidden),       FUSEMOE_C_FIELD(FusemoeCLayer, intermediate),
     FUSEMOE_C_FIELD(FusemoeCLayer, num_experts),  FUSEMOE_C_FIELD(FusemoeCLayer, top_k),
     FUSEMOE_C_FIELD(FusemoeCLayer, max_tokens),   FUSEMOE_C_FIELD(FusemoeCLayer, use_swiglu_clamp),
-    FUSEMOE_C_FIELD(FusemoeCLayer, swiglu_clamp),
+    FUSEMOE_C_FIELD(FusemoeCLayer, swiglu_clamp), FUSEMOE_C_FIELD(FusemoeCLayer, precision),
 };
 constexpr FieldLayout kForwardFields[] = {
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, struct_size),
@@ -134,6 +145,7 @@ constexpr FieldLayout kForwardFields[] = {
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, topk_weights),
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, w13),
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, w2),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, fp8_weights),
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, y),
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, num_tokens),
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, workspace),
@@ -150,6 +162,7 @@ constexpr FieldLayout kBackwardFields[] = {
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, topk_weights),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, w13),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, w2),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, fp8_weights),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, dy),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, dx),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, d_topk_weights),
@@ -162,6 +175,14 @@ constexpr FieldLayout kBackwardFields[] = {
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, expert_id_report),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, saved_z),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, stream),
+};
+constexpr FieldLayout kFp8QuantizeFields[] = {
+    FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, struct_size),
+    FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, w13),
+    FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, w2),
+    FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, buffer),
+    FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, buffer_bytes),
+    FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, stream),
 };
 #undef FUSEMOE_C_FIELD
 
@@ -181,6 +202,7 @@ const StructLayout kStructs[] = {
     struct_layout("FusemoeCLayer", sizeof(FusemoeCLayer), kLayerFields),
     struct_layout("FusemoeCForwardArgs", sizeof(FusemoeCForwardArgs), kForwardFields),
     struct_layout("FusemoeCBackwardArgs", sizeof(FusemoeCBackwardArgs), kBackwardFields),
+    struct_layout("FusemoeCFp8QuantizeArgs", sizeof(FusemoeCFp8QuantizeArgs), kFp8QuantizeFields),
 };
 
 const StructLayout& find_struct(const char* name) {
@@ -190,7 +212,7 @@ const StructLayout& find_struct(const char* name) {
   }
   FUSEMOE_CHECK(false, "struct_name: unknown struct \"" << name
                                                         << "\" (FusemoeCLayer, FusemoeCForwardArgs, "
-                                                           "FusemoeCBackwardArgs)");
+                                                           "FusemoeCBackwardArgs, FusemoeCFp8QuantizeArgs)");
   return kStructs[0];  // not reached
 }
 
@@ -242,6 +264,23 @@ int32_t fusemoe_c_saved_z_bytes(const FusemoeCLayer* layer, uint64_t* bytes) {
   });
 }
 
+int32_t fusemoe_c_fp8_weights_bytes(const FusemoeCLayer* layer, uint64_t* bytes) {
+  return guarded([&] {
+    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
+    FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
+    *bytes = fusemoe::fp8_weights_bytes(fp8_config_of(l));
+  });
+}
+
+int32_t fusemoe_c_quantize_weights_fp8(const FusemoeCLayer* layer, const FusemoeCFp8QuantizeArgs* args) {
+  return guarded([&] {
+    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
+    const FusemoeCFp8QuantizeArgs& a = checked_struct(args, "args", "FusemoeCFp8QuantizeArgs");
+    fusemoe::quantize_weights_fp8(fp8_config_of(l), a.w13, a.w2, a.buffer, a.buffer_bytes,
+                                  static_cast<cudaStream_t>(a.stream));
+  });
+}
+
 int32_t fusemoe_c_forward(const FusemoeCLayer* layer, const FusemoeCForwardArgs* args) {
   return guarded([&] {
     const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
@@ -253,6 +292,7 @@ int32_t fusemoe_c_forward(const FusemoeCLayer* layer, const FusemoeCForwardArgs*
     f.topk_weights = a.topk_weights;
     f.w13 = a.w13;
     f.w2 = a.w2;
+    f.fp8_weights = a.fp8_weights;
     f.y = a.y;
     f.num_tokens = a.num_tokens;
     f.workspace = a.workspace;
@@ -275,6 +315,7 @@ int32_t fusemoe_c_backward(const FusemoeCLayer* layer, const FusemoeCBackwardArg
     b.topk_weights = a.topk_weights;
     b.w13 = a.w13;
     b.w2 = a.w2;
+    b.fp8_weights = a.fp8_weights;
     b.dy = a.dy;
     b.dx = a.dx;
     b.d_topk_weights = a.d_topk_weights;

@@ -37,7 +37,7 @@ std::atomic<uint64_t>& timeout_ns() {
 }
 
 #ifdef FUSEMOE_FAULT_INJECTION
-std::atomic<int32_t> g_faults[8] = {};  // by WaitKernel
+std::atomic<int32_t> g_faults[kNumWaitKernels] = {};  // by WaitKernel
 #endif
 
 const char* kernel_name(int32_t kernel) {
@@ -49,6 +49,11 @@ const char* kernel_name(int32_t kernel) {
     case WaitKernel::kDgradScatter: return "dgrad-of-x GEMM";
     case WaitKernel::kWeightGrad: return "weight-gradient GEMM";
     case WaitKernel::kEpExchange: return "expert-parallel exchange";
+    case WaitKernel::kFp8GateUp: return "FP8 gate/up GEMM";
+    case WaitKernel::kFp8Down: return "FP8 down GEMM";
+    case WaitKernel::kFp8RecomputeZ: return "FP8 z-recompute GEMM";
+    case WaitKernel::kFp8DgradSwiglu: return "FP8 dgrad + SwiGLU GEMM";
+    case WaitKernel::kFp8DgradScatter: return "FP8 dgrad-of-x GEMM";
   }
   return "unknown kernel";
 }

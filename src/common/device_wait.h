@@ -9,7 +9,8 @@
 
 namespace fusemoe {
 
-// Which kernel waited (the sm90 GEMM instances and the expert-parallel protocol).
+// Which kernel waited (the sm90 GEMM instances, BF16 and blockwise FP8, and the expert-parallel
+// protocol).
 enum class WaitKernel : int32_t {
   kGateUp = 1,
   kDown,
@@ -18,7 +19,13 @@ enum class WaitKernel : int32_t {
   kDgradScatter,
   kWeightGrad,
   kEpExchange,  // expert parallelism: the cross-rank signals of ep_forward / ep_backward
+  kFp8GateUp,
+  kFp8Down,
+  kFp8RecomputeZ,
+  kFp8DgradSwiglu,
+  kFp8DgradScatter,
 };
+constexpr int kNumWaitKernels = static_cast<int>(WaitKernel::kFp8DgradScatter) + 1;  // values 1.. plus unused 0
 
 enum class WaitRole : int32_t { kProducer = 1, kConsumer, kExchange };
 

@@ -43,6 +43,21 @@ __device__ __forceinline__ void bounded_wait(uint64_t* bar, uint32_t parity, con
                         wait_site(static_cast<WaitKernel>(bound.kernel), role, object, stage), expected);
 }
 
+// Test build, WaitFault::kStageFull: the producer announces 16 TMA bytes more than it loads, so
+// the consumers' full wait times out.
+__device__ __forceinline__ uint32_t announced_stage_bytes(uint32_t bytes, const WaitBound& bound) {
+  if constexpr (kFaultInjection) {
+    if (bound.fault == static_cast<int32_t>(WaitFault::kStageFull)) bytes += 16;
+  }
+  return bytes;
+}
+
+// Test build, WaitFault::kStageEmpty: the consumers never release a stage, so the producer's
+// empty wait times out.
+__device__ __forceinline__ bool releases_withheld(const WaitBound& bound) {
+  return kFaultInjection && bound.fault == static_cast<int32_t>(WaitFault::kStageEmpty);
+}
+
 template <int kStages>
 struct StageRing {
   uint64_t* full;   // [kStages]

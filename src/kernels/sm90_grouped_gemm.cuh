@@ -35,6 +35,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "device/sm90_block_scaled.cuh"
 #include "device/sm90_epilogues.cuh"
 #include "device/sm90_layout.cuh"
 #include "device/sm90_operands.cuh"
@@ -57,6 +58,9 @@ struct GroupedGemm {
   static constexpr int kStageBytes = kTileABytes + kTileBBytes;
   static constexpr int kStages = (kSmemDataBytes - Epilogue::kStagingBytes) / kStageBytes;
   static constexpr int kAccRegs = kBlockN / 2;
+  // Blockwise FP8 (sm90_block_scaled.cuh): its own producer/consumer loops and a scale record per stage.
+  static constexpr bool kBlockScaled = IsBlockScaled<A>::value;
+  static constexpr int kScaleRingBytes = kBlockScaled ? kStages * kStageScalesBytes : 0;
   using Mma = Wgmma<kBlockN, A::kMnMajor ? 1 : 0, B::kMnMajor ? 1 : 0>;
   using LayoutA = OperandLayout<A::kMnMajor>;
   using LayoutB = OperandLayout<B::kMnMajor>;
@@ -69,7 +73,7 @@ struct GroupedGemm {
                 "a reduction over rows reads both operands as transposed pool boxes");
 
   static constexpr size_t smem_bytes(int num_experts) {
-    return kSmemAlign + static_cast<size_t>(kStages) * kStageBytes + Epilogue::kStagingBytes +
+    return kSmemAlign + static_cast<size_t>(kStages) * kStageBytes + Epilogue::kStagingBytes + kScaleRingBytes +
            2 * kStages * sizeof(uint64_t) + 2 * (static_cast<size_t>(num_experts) + 1) * sizeof(int32_t);
   }
 };
@@ -123,10 +127,7 @@ __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm
     const Tile tile = sched.tile(t);
     typename A::ThreadRows rows{};
     if constexpr (A::kGathered) rows = A::rows_of(p.a, tile, tile.num_k_blocks, thread);
-    uint32_t stage_bytes = A::kTmaBytes + B::bytes(tile, b_shape);
-    if constexpr (kFaultInjection) {
-      if (p.shape.wait.fault == static_cast<int32_t>(WaitFault::kStageFull)) stage_bytes += 16;
-    }
+    const uint32_t stage_bytes = announced_stage_bytes(A::kTmaBytes + B::bytes(tile, b_shape), p.shape.wait);
     for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
       const int stage = cursor.stage;
       bounded_wait(&ring.empty[stage], cursor.phase ^ 1, p.shape.wait, WaitRole::kProducer, WaitObject::kStageEmpty,
@@ -155,12 +156,6 @@ __device__ __forceinline__ void zero_box_rows(uint8_t* box, int valid_rows, int 
   for (int i = valid_rows * kVecsPerRow + tid; i < kMnBoxRows * kVecsPerRow; i += kThreadsPerWarpgroup) {
     *reinterpret_cast<uint4*>(box + i * 16) = make_uint4(0u, 0u, 0u, 0u);
   }
-}
-
-// Test build: the consumers never release a stage, so the producer's empty wait times out.
-template <class Gemm>
-__device__ __forceinline__ bool releases_withheld(const GemmParams<Gemm>& p) {
-  return kFaultInjection && p.shape.wait.fault == static_cast<int32_t>(WaitFault::kStageEmpty);
 }
 
 template <class Gemm>
@@ -209,13 +204,14 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
       wgmma_commit_group();
       // Keep this K-block's MMAs in flight; the previous block's have finished reading.
       wgmma_wait_group<1>();
-      if (kb > 0 && me.lane == 0 && !releases_withheld(p)) mbarrier_arrive(&ring.empty[prev_stage]);
+      if (kb > 0 && me.lane == 0 && !releases_withheld(p.shape.wait)) mbarrier_arrive(&ring.empty[prev_stage]);
       prev_stage = stage;
       cursor.advance();
     }
     wgmma_wait_group<0>();
     fence_accumulators(acc);
-    if ((!Gemm::Scheduler::kReducesOverRows || tile.num_k_blocks > 0) && me.lane == 0 && !releases_withheld(p)) {
+    if ((!Gemm::Scheduler::kReducesOverRows || tile.num_k_blocks > 0) && me.lane == 0 &&
+        !releases_withheld(p.shape.wait)) {
       mbarrier_arrive(&ring.empty[prev_stage]);
     }
 
@@ -236,8 +232,9 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
   uint8_t* tiles_a = smem;                                          // [kStages][128 x 64] bf16
   uint8_t* tiles_b = tiles_a + kStages * kTileABytes;               // [kStages][kBlockN x 64] bf16
   uint8_t* staging = tiles_b + kStages * Gemm::kTileBBytes;         // epilogue staging, if any
-  const StageRing<kStages> ring{reinterpret_cast<uint64_t*>(staging + Gemm::Epilogue::kStagingBytes),
-                                reinterpret_cast<uint64_t*>(staging + Gemm::Epilogue::kStagingBytes) + kStages};
+  StageScales* stage_scales = reinterpret_cast<StageScales*>(staging + Gemm::Epilogue::kStagingBytes);  // FP8
+  uint8_t* barriers = staging + Gemm::Epilogue::kStagingBytes + Gemm::kScaleRingBytes;
+  const StageRing<kStages> ring{reinterpret_cast<uint64_t*>(barriers), reinterpret_cast<uint64_t*>(barriers) + kStages};
   int32_t* table = reinterpret_cast<int32_t*>(ring.empty + kStages);  // [2][E + 1]
 
   const int warpgroup = threadIdx.x / kThreadsPerWarpgroup;
@@ -252,14 +249,24 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
 
   if (warpgroup == 0) {
     setmaxnreg_dec<kProducerRegs>();
-    if (Gemm::A::kGathered || threadIdx.x == 0) produce<Gemm>(p, sched, ring, tiles_a, tiles_b, threadIdx.x);
+    if (Gemm::A::kGathered || threadIdx.x == 0) {
+      if constexpr (Gemm::kBlockScaled) {
+        produce_block_scaled<Gemm>(p, sched, ring, tiles_a, tiles_b, stage_scales, threadIdx.x);
+      } else {
+        produce<Gemm>(p, sched, ring, tiles_a, tiles_b, threadIdx.x);
+      }
+    }
   } else {
     setmaxnreg_inc<kConsumerRegs>();
     const int warp_in_wg = (threadIdx.x / 32) % kWarpsPerWarpgroup;
     const int lane = threadIdx.x % 32;
     const ConsumerThread me{warpgroup - 1, warp_in_wg, lane, static_cast<int>(threadIdx.x % kThreadsPerWarpgroup),
                             warp_in_wg * 16 + lane / 4};
-    consume<Gemm>(p, sched, ring, tiles_a, tiles_b, staging, me);
+    if constexpr (Gemm::kBlockScaled) {
+      consume_block_scaled<Gemm>(p, sched, ring, tiles_a, tiles_b, stage_scales, staging, me);
+    } else {
+      consume<Gemm>(p, sched, ring, tiles_a, tiles_b, staging, me);
+    }
   }
 }
 

@@ -64,21 +64,29 @@ void raise_smem_limit_once(const void* kernel, size_t limit_bytes, int device,
 
 namespace {
 
-// 2-D row-major map with 128-byte-swizzled boxes of [box_outer rows, 128 bytes].
-CUtensorMap make_tensor_map_2d(const void* base, CUtensorMapDataType type, uint32_t element_bytes,
-                               uint64_t inner, uint64_t outer, uint32_t box_outer, const char* name) {
+// 2-D row-major map with boxes of [box_outer rows, box_inner elements].
+CUtensorMap encode_2d(const void* base, CUtensorMapDataType type, uint32_t element_bytes, uint64_t inner,
+                      uint64_t outer, uint32_t box_inner, uint32_t box_outer, CUtensorMapSwizzle swizzle,
+                      const char* name) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {inner, outer};
   const cuuint64_t strides[1] = {inner * element_bytes};
-  const cuuint32_t box[2] = {kSwizzleBytes / element_bytes, box_outer};
+  const cuuint32_t box[2] = {box_inner, box_outer};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult status = tensor_map_encoder()(
       &map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   FUSEMOE_CHECK(status == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed for " << name << " (CUresult "
                                                                             << status << ")");
   return map;
+}
+
+// 2-D row-major map with 128-byte-swizzled boxes of [box_outer rows, 128 bytes].
+CUtensorMap make_tensor_map_2d(const void* base, CUtensorMapDataType type, uint32_t element_bytes,
+                               uint64_t inner, uint64_t outer, uint32_t box_outer, const char* name) {
+  return encode_2d(base, type, element_bytes, inner, outer, kSwizzleBytes / element_bytes, box_outer,
+                   CU_TENSOR_MAP_SWIZZLE_128B, name);
 }
 
 }  // namespace
@@ -93,6 +101,17 @@ CUtensorMap make_store_tensor_map(const void* base, bool fp32, uint64_t inner, u
                                   uint32_t box_outer, const char* name) {
   return fp32 ? make_tensor_map_2d(base, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, inner, outer, box_outer, name)
               : make_tensor_map_2d(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, inner, outer, box_outer, name);
+}
+
+CUtensorMap make_tensor_map_fp8(const void* base, uint64_t inner, uint64_t outer, uint32_t box_outer,
+                                const char* name) {
+  return make_tensor_map_2d(base, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, inner, outer, box_outer, name);
+}
+
+CUtensorMap make_scale_tensor_map(const float* base, uint64_t rows_pad, uint64_t num_blocks, const char* name) {
+  constexpr uint32_t kRowsPerBox = 128;  // a row tile
+  return encode_2d(base, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, rows_pad, num_blocks, kRowsPerBox, 1,
+                   CU_TENSOR_MAP_SWIZZLE_NONE, name);
 }
 
 }  // namespace fusemoe::sm90

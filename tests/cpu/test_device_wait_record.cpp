@@ -2,6 +2,7 @@
 // kernel writes it: kernel, block, thread, role, barrier, stage, parity, expectation, time.
 #include <gtest/gtest.h>
 
+#include <set>
 #include <string>
 
 #include "common/device_wait.h"
@@ -25,6 +26,22 @@ TEST(DeviceWaitRecord, NamesKernelRoleAndBarrier) {
       << text;
   r.site = wait_site(WaitKernel::kGateUp, WaitRole::kConsumer, WaitObject::kStageFull, 0);
   EXPECT_NE(describe_device_wait(r).find("gate/up GEMM block 17"), std::string::npos);
+}
+
+// Every kernel that bounds its waits has a name of its own (the FP8 instances included).
+TEST(DeviceWaitRecord, EveryKernelIsNamed) {
+  DeviceWaitRecord r{};
+  r.state = 1;
+  std::set<std::string> names;
+  for (int k = 1; k < kNumWaitKernels; ++k) {
+    r.site = wait_site(static_cast<WaitKernel>(k), WaitRole::kConsumer, WaitObject::kStageFull, 0);
+    const std::string text = describe_device_wait(r);
+    EXPECT_EQ(text.find("unknown kernel"), std::string::npos) << "kernel " << k << ": " << text;
+    names.insert(text.substr(0, text.find(" block ")));
+  }
+  EXPECT_EQ(names.size(), static_cast<size_t>(kNumWaitKernels - 1));
+  r.site = wait_site(WaitKernel::kFp8DgradSwiglu, WaitRole::kProducer, WaitObject::kStageEmpty, 1);
+  EXPECT_NE(describe_device_wait(r).find("FP8 dgrad + SwiGLU GEMM block 0"), std::string::npos);
 }
 
 TEST(DeviceWaitRecord, TimeoutIsValidated) {

@@ -145,6 +145,9 @@ struct RunOptions {
   const std::vector<float>* dw2_init = nullptr;
   int32_t* expert_id_report = nullptr;  // passed to both calls
   bool save_z = false;  // Impl::kFused: the forward saves z, the backward reads it
+  // kFp8Blockwise (Impl::kFused): the weights are quantized through the API first and the calls
+  // get the FP8 buffer with null bf16 weights (an FP8 call must not read them).
+  Precision precision = Precision::kBf16;
 };
 
 inline LayerConfig config_of(const Dims& d, int64_t max_tokens) {
@@ -194,13 +197,24 @@ struct DeviceInputs {
   }
 };
 
+// The FP8 weight buffer of w13 and w2 (poisoned first), quantized through the API.
+inline DeviceBuffer quantized_weights(const LayerConfig& config, const DeviceBuffer& w13, const DeviceBuffer& w2) {
+  DeviceBuffer buffer(fp8_weights_bytes(config));
+  buffer.poison();
+  quantize_weights_fp8(config, w13.get(), w2.get(), buffer.get(), buffer.bytes(), nullptr);
+  return buffer;
+}
+
 // Runs forward then backward of `impl` through the public API with every output and the
 // workspace poisoned first. max_tokens may exceed T (the workspace is sized for it).
 inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions& opt = {},
                               int64_t max_tokens = -1) {
   const Dims& d = p.d;
-  const LayerConfig config = config_of(d, max_tokens < 0 ? std::max<int64_t>(d.T, 1) : max_tokens);
+  LayerConfig config = config_of(d, max_tokens < 0 ? std::max<int64_t>(d.T, 1) : max_tokens);
+  config.precision = opt.precision;
+  const bool fp8 = opt.precision != Precision::kBf16;
   const DeviceInputs in(p);
+  const DeviceBuffer fp8_weights = fp8 ? quantized_weights(config, in.w13, in.w2) : DeviceBuffer();
   DeviceBuffer y(d.T * d.H * 2), dx(d.T * d.H * 2), dtw(d.T * d.K * 4);
   const size_t grad_elem = opt.grad_dtype == WeightGradDtype::kBFloat16 ? 2 : 4;
   DeviceBuffer dw13(d.E * 2 * d.I * d.H * grad_elem), dw2(d.E * d.H * d.I * grad_elem);
@@ -229,6 +243,10 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   fa.y = y.get();
   fa.expert_id_report = opt.expert_id_report;
   fa.saved_z = opt.save_z ? saved_z.get() : nullptr;
+  if (fp8) {
+    fa.w13 = fa.w2 = nullptr;
+    fa.fp8_weights = fp8_weights.get();
+  }
   forward(config, impl, fa);
   BackwardArgs ba = in.args<BackwardArgs>(d.T, bwd_workspace);
   ba.dx = dx.get();
@@ -239,6 +257,10 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   ba.accumulate_weight_grads = opt.accumulate;
   ba.expert_id_report = opt.expert_id_report;
   ba.saved_z = opt.save_z ? saved_z.get() : nullptr;
+  if (fp8) {
+    ba.w13 = ba.w2 = nullptr;
+    ba.fp8_weights = fp8_weights.get();
+  }
   backward(config, impl, ba);
   TEST_CUDA(cudaDeviceSynchronize());
   LayerOutputs out;

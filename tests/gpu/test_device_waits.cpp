@@ -18,14 +18,17 @@ namespace {
 
 // Runs a small fused forward + backward with `fault` injected into `kernel`; prints the error
 // and exits 3 if the call fails as it must, 0 if it (wrongly) completes.
-[[noreturn]] void run_with_fault(WaitKernel kernel, WaitFault fault, bool recompute_z) {
+[[noreturn]] void run_with_fault(WaitKernel kernel, WaitFault fault, bool recompute_z, Precision precision) {
   set_device_wait_timeout(0.5);
   inject_wait_fault(kernel, fault);
   // Every instance runs more K-blocks per tile than its ring has stages (H = 2I = 1024; ~250
-  // rows per expert for the weight gradients), so a withheld release is waited for.
+  // rows per expert for the weight gradients), so a withheld release is waited for. At FP8
+  // (K-blocks of 128, 6 stages) that holds for all but the down GEMM (I/128 = 4 K-blocks), whose
+  // releases are therefore not a case below.
   const HostProblem p = make_problem(Dims{1000, 1024, 512, 8, 2}, Routing::kUniform, 7);
   RunOptions opt;
   opt.save_z = !recompute_z;
+  opt.precision = precision;
   try {
     run_layer(Impl::kFused, p, opt);
   } catch (const Error& e) {
@@ -40,6 +43,7 @@ struct FaultCase {
   WaitFault fault;
   bool recompute_z;
   const char* expected;  // regex the error must match
+  Precision precision = Precision::kBf16;
 };
 
 class DeviceWaits : public ::testing::TestWithParam<FaultCase> {};
@@ -47,11 +51,19 @@ class DeviceWaits : public ::testing::TestWithParam<FaultCase> {};
 TEST_P(DeviceWaits, TimeOutWithADescription) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   const FaultCase c = GetParam();
-  EXPECT_EXIT(run_with_fault(c.kernel, c.fault, c.recompute_z), ::testing::ExitedWithCode(3), c.expected);
+  EXPECT_EXIT(run_with_fault(c.kernel, c.fault, c.recompute_z, c.precision), ::testing::ExitedWithCode(3),
+              c.expected);
 }
 
 constexpr const char* kFull = "\\(consumer\\) waited 0\\.[5-9][0-9]* s for ring stage [0-9]+ to be filled";
 constexpr const char* kEmpty = "\\(producer\\) waited 0\\.[5-9][0-9]* s for ring stage [0-9]+ to be released";
+// The FP8 instances' waits name their kernel as such.
+constexpr const char* kFp8Full =
+    "FP8 .* GEMM block [0-9]+ thread [0-9]+ \\(consumer\\) waited 0\\.[5-9][0-9]* s for ring stage [0-9]+ to be filled";
+constexpr const char* kFp8Empty =
+    "FP8 .* GEMM block [0-9]+ thread [0-9]+ \\(producer\\) waited 0\\.[5-9][0-9]* s for ring stage [0-9]+ to be "
+    "released";
+constexpr Precision kFp8 = Precision::kFp8Blockwise;
 
 INSTANTIATE_TEST_SUITE_P(
     Fused, DeviceWaits,
@@ -62,7 +74,14 @@ INSTANTIATE_TEST_SUITE_P(
                       FaultCase{WaitKernel::kDgradSwiglu, WaitFault::kStageFull, false, kFull},
                       FaultCase{WaitKernel::kDgradScatter, WaitFault::kStageEmpty, false, kEmpty},
                       FaultCase{WaitKernel::kWeightGrad, WaitFault::kStageFull, false, kFull},
-                      FaultCase{WaitKernel::kWeightGrad, WaitFault::kStageEmpty, false, kEmpty}),
+                      FaultCase{WaitKernel::kWeightGrad, WaitFault::kStageEmpty, false, kEmpty},
+                      // The block-scaled FP8 loops (sm90_block_scaled.cuh) honour the same hook.
+                      FaultCase{WaitKernel::kFp8GateUp, WaitFault::kStageFull, false, kFp8Full, kFp8},
+                      FaultCase{WaitKernel::kFp8GateUp, WaitFault::kStageEmpty, false, kFp8Empty, kFp8},
+                      FaultCase{WaitKernel::kFp8Down, WaitFault::kStageFull, false, kFp8Full, kFp8},
+                      FaultCase{WaitKernel::kFp8RecomputeZ, WaitFault::kStageEmpty, true, kFp8Empty, kFp8},
+                      FaultCase{WaitKernel::kFp8DgradSwiglu, WaitFault::kStageFull, false, kFp8Full, kFp8},
+                      FaultCase{WaitKernel::kFp8DgradScatter, WaitFault::kStageEmpty, false, kFp8Empty, kFp8}),
     [](const ::testing::TestParamInfo<FaultCase>& info) {
       return std::to_string(static_cast<int>(info.param.kernel)) +
              (info.param.fault == WaitFault::kStageFull ? "_full" : "_empty");

@@ -98,6 +98,29 @@ def test_saved_z_arguments_are_checked(problem):
             torch.ops.fusemoe.moe_experts_backward(dy, x, idx, w, w13, w2, "unfused", z)
 
 
+def test_fp8_op_under_fake_tensors():
+    """precision="fp8" traces through its ops' fake kernels (weight buffer, forward with the
+    clamp, backward) and names what FP8 does not support."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    p = make_problem(37, 128, 128, 6, 2, device="cpu")
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in op_args(p)]
+        leaves = [fake[0].requires_grad_(), fake[3].requires_grad_()]
+        y = fusemoe.moe_experts(*fake, impl="fused", precision="fp8", swiglu_clamp=0.5)
+        assert y.shape == p["x_TH"].shape and y.dtype == torch.bfloat16
+        dx, dw13 = torch.autograd.grad(y.float().sum(), leaves)
+        assert dx.shape == fake[0].shape and dw13.shape == fake[3].shape
+        with pytest.raises(ValueError, match="impl=\"fused\""):
+            fusemoe.moe_experts(*fake, impl="unfused", precision="fp8")
+        with pytest.raises(ValueError, match="precision must be"):
+            fusemoe.moe_experts(*fake, precision="fp16")
+    narrow = make_problem(37, 128, 64, 6, 2, device="cpu")  # I = 64: not a multiple of 128
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in op_args(narrow)]
+        with pytest.raises(ValueError, match="multiples of 128"):
+            fusemoe.moe_experts(*fake, precision="fp8")
+
+
 # ---- library loading and the C ABI ----
 
 def test_missing_library_error(monkeypatch, tmp_path):
@@ -205,16 +228,19 @@ def test_struct_layout_query_errors():
         _capi.library_struct_layout("FusemoeCNope")
     lib = _capi.load()
     out = [ctypes.c_char_p(), ctypes.c_uint64(), ctypes.c_uint64()]
-    status = lib.fusemoe_c_struct_field(b"FusemoeCLayer", 9, *[ctypes.byref(o) for o in out])
-    assert status == 1 and b"field_index: 9 is outside [0, 9)" in lib.fusemoe_c_last_error()
+    status = lib.fusemoe_c_struct_field(b"FusemoeCLayer", 10, *[ctypes.byref(o) for o in out])
+    assert status == 1 and b"field_index: 10 is outside [0, 10)" in lib.fusemoe_c_last_error()
 
 
 def layer_struct(**changes):
     fields = dict(struct_size=ctypes.sizeof(_capi.Layer), impl_code=_capi.impl_code("fused"),
                   hidden=256, intermediate=128, num_experts=8, top_k=2, max_tokens=64,
-                  use_swiglu_clamp=0, swiglu_clamp=0.0)
+                  use_swiglu_clamp=0, swiglu_clamp=0.0, precision=_capi.PRECISIONS["bf16"])
     fields.update(changes)
     return _capi.Layer(**fields)
+
+
+FP8 = _capi.PRECISIONS["fp8"]
 
 
 FAKE_DEVICE_ADDRESS = 1 << 20  # aligned, never dereferenced: the checks below fail earlier
@@ -240,6 +266,13 @@ def backward_args(**changes):
     return _capi.BackwardArgs(**fields)
 
 
+def fp8_quantize_args(**changes):
+    fields = dict(struct_size=ctypes.sizeof(_capi.Fp8QuantizeArgs), w13=FAKE_DEVICE_ADDRESS,
+                  w2=FAKE_DEVICE_ADDRESS, buffer=FAKE_DEVICE_ADDRESS, buffer_bytes=1 << 40)
+    fields.update(changes)
+    return _capi.Fp8QuantizeArgs(**fields)
+
+
 def c_error(fn, *args):
     """The status and message of one C call (no GPU needed: each fails before the device)."""
     lib = _capi.load()
@@ -250,9 +283,9 @@ def c_error(fn, *args):
 @pytest.mark.parametrize("call, message", [
     (lambda: ("fusemoe_c_workspace_bytes", None, ctypes.byref(ctypes.c_uint64())),
      r"layer \(FusemoeCLayer\*\) must not be null"),
-    (lambda: ("fusemoe_c_workspace_bytes", layer_struct(struct_size=48),
+    (lambda: ("fusemoe_c_workspace_bytes", layer_struct(struct_size=56),
               ctypes.byref(ctypes.c_uint64())),
-     r"FusemoeCLayer.struct_size: 48, but this library \(C ABI 5\) has sizeof\(FusemoeCLayer\) = 56"),
+     r"FusemoeCLayer.struct_size: 56, but this library \(C ABI 6\) has sizeof\(FusemoeCLayer\) = 64"),
     (lambda: ("fusemoe_c_workspace_bytes", layer_struct(impl_code=99),
               ctypes.byref(ctypes.c_uint64())),
      r"impl_code: 99 is not a code from fusemoe_c_impl_code"),
@@ -272,8 +305,8 @@ def c_error(fn, *args):
      r"use: unknown WorkspaceUse value 9"),
     (lambda: ("fusemoe_c_forward", layer_struct(), None),
      r"args \(FusemoeCForwardArgs\*\) must not be null"),
-    (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(struct_size=96)),
-     r"FusemoeCForwardArgs.struct_size: 96, but .* has sizeof\(FusemoeCForwardArgs\) = 104"),
+    (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(struct_size=104)),
+     r"FusemoeCForwardArgs.struct_size: 104, but .* has sizeof\(FusemoeCForwardArgs\) = 112"),
     (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(x=None)), r": x must not be null"),
     (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(num_tokens=65)),
      r"num_tokens must be in \[0, max_tokens=64\], got 65"),
@@ -289,6 +322,33 @@ def c_error(fn, *args):
      r": dy must not be null"),
     (lambda: ("fusemoe_c_backward", layer_struct(), backward_args(d_topk_weights=None)),
      r": d_topk_weights must not be null"),
+    # Blockwise FP8 (C ABI 6): the layer's precision, the args' fp8_weights, the weight buffer.
+    (lambda: ("fusemoe_c_workspace_bytes", layer_struct(precision=7),
+              ctypes.byref(ctypes.c_uint64())),
+     r"precision: unknown value 7"),
+    (lambda: ("fusemoe_c_workspace_bytes", layer_struct(precision=FP8, intermediate=192),
+              ctypes.byref(ctypes.c_uint64())),
+     r"precision fp8_blockwise needs intermediate \(I\) to be a multiple of 128, got 192"),
+    (lambda: ("fusemoe_c_workspace_bytes",
+              layer_struct(precision=FP8, impl_code=_capi.impl_code("unfused")),
+              ctypes.byref(ctypes.c_uint64())),
+     r"precision fp8_blockwise is supported by Impl::kFused only"),
+    (lambda: ("fusemoe_c_forward", layer_struct(precision=FP8), forward_args()),
+     r"fp8_weights must not be null at precision fp8_blockwise"),
+    (lambda: ("fusemoe_c_backward", layer_struct(precision=FP8),
+              backward_args(fp8_weights=FAKE_DEVICE_ADDRESS + 16)),
+     r"fp8_weights must be 256-byte aligned"),
+    (lambda: ("fusemoe_c_fp8_weights_bytes", layer_struct(intermediate=192),
+              ctypes.byref(ctypes.c_uint64())),
+     r"intermediate \(I\) to be a multiple of 128, got 192"),
+    (lambda: ("fusemoe_c_quantize_weights_fp8", layer_struct(), None),
+     r"args \(FusemoeCFp8QuantizeArgs\*\) must not be null"),
+    (lambda: ("fusemoe_c_quantize_weights_fp8", layer_struct(), fp8_quantize_args(struct_size=40)),
+     r"FusemoeCFp8QuantizeArgs.struct_size: 40, but .* has sizeof\(FusemoeCFp8QuantizeArgs\) = 48"),
+    (lambda: ("fusemoe_c_quantize_weights_fp8", layer_struct(), fp8_quantize_args(w2=None)),
+     r"w2 must not be null"),
+    (lambda: ("fusemoe_c_quantize_weights_fp8", layer_struct(), fp8_quantize_args(buffer_bytes=1000)),
+     r"fp8 weight buffer: 1000 bytes given, \d+ needed"),
 ])
 def test_c_errors_name_the_field(call, message):
     import re
@@ -302,8 +362,8 @@ def test_c_errors_name_the_field(call, message):
 def test_abi_version_mismatch_is_refused(monkeypatch):
     require_library()
     monkeypatch.setattr(_capi, "_lib", None)
-    monkeypatch.setattr(_capi, "ABI_VERSION", 4)
-    with pytest.raises(fusemoe.FusemoeError, match="has C ABI version 5, this package needs 4"):
+    monkeypatch.setattr(_capi, "ABI_VERSION", 5)
+    with pytest.raises(fusemoe.FusemoeError, match="has C ABI version 6, this package needs 5"):
         _capi.load()
 
 
@@ -316,6 +376,23 @@ def test_layer_struct_is_built_once():
     assert (clamped.use_swiglu_clamp, clamped.swiglu_clamp) == (1, 7.0)
     assert (a.use_swiglu_clamp, a.swiglu_clamp) == (0, 0.0)
     assert a.workspace_bytes("forward") == a.workspace_bytes("forward") > 0
+    fp8 = _capi.layer(256, 128, 8, 2, 64, "fused", None, "fp8")
+    assert fp8 is not a and (a.precision, fp8.precision) == (0, FP8)
+    assert fp8.workspace_bytes("forward") != a.workspace_bytes("forward")
+    with pytest.raises(fusemoe.FusemoeError, match="precision must be one of"):
+        _capi.layer(256, 128, 8, 2, 64, "fused", None, "fp16")
+
+
+def test_fp8_weight_buffer_size_agrees_with_the_package():
+    """fusemoe.fp8 checks an FP8 weight buffer's size with its own formula: it must be the
+    library's, for shapes of one and several scale blocks per dimension."""
+    require_library()
+    import fusemoe.fp8
+    for hidden, intermediate, num_experts in ((128, 128, 1), (256, 128, 8), (2048, 768, 128),
+                                              (4096, 1536, 4)):
+        layer = _capi.layer(hidden, intermediate, num_experts, 1, 0, "fused", None, "fp8")
+        assert _capi.fp8_weights_bytes(layer) == fusemoe.fp8.fp8_weights_bytes(
+            num_experts, hidden, intermediate), (hidden, intermediate, num_experts)
 
 
 # ---- the reference itself: closed-form backward against autograd ----

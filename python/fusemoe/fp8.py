@@ -1,0 +1,314 @@
+"""Blockwise FP8 for fusemoe's PyTorch op (precision="fp8"; the C++ Precision::kFp8Blockwise, impl
+"fused" only, intermediate a multiple of 128). docs/design.md, "Blockwise FP8"; docs/numerics.md.
+
+The GEMMs run on E4M3 operands (x, h, dy, dz scaled per 1 x 128 block, the weights per 128 x 128),
+accumulate in fp32 and return what the bf16 op returns, in the same dtypes; the weight gradients
+are computed from bf16 operands. The master weights stay the caller's bf16 (or fp32) parameters:
+their FP8 copy (both weights, their per-expert transposes and the block scales, one uint8 buffer)
+comes from fusemoe::quantize_weights_fp8 and is kept by Fp8WeightCache until a weight changes
+(tensor._version: an optimizer step, load_state_dict, any in-place update), so it is built once per
+optimizer step, not once per micro-batch.
+
+Ops: fusemoe::quantize_weights_fp8, fusemoe::moe_experts_fp8_forward / _backward /
+_backward_into (the bf16 ops' signatures plus the FP8 weight buffer, which gets no gradient). The
+C calls take a FusemoeCLayer of precision "fp8" and the buffer in the args' fp8_weights (C ABI 6).
+Expert parallelism (fusemoe::ep_*) is bf16 only.
+Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, K top-k.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _capi
+from .ops import (_check_cuda, _check_impl, _check_inputs, _check_save_z, _check_saved_z,
+                  _check_swiglu_clamp, _check_tensor, _check_weight_grads, _empty_saved_z,
+                  _expert_id_report, _fail, _workspace)
+
+_BLOCK = 128       # E4M3 scale block: 1 x 128 for activations, 128 x 128 for weights
+_ALIGNMENT = 256   # each array of the weight buffer starts 256-byte aligned
+
+
+def _align(num_bytes):
+    return (num_bytes + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
+
+
+def fp8_weights_bytes(num_experts, hidden, intermediate):
+    """Bytes of the FP8 weight buffer (fusemoe::fp8_weights_bytes): w13, w13^T, their scales, w2,
+    w2^T, their scales."""
+    w13 = num_experts * 2 * intermediate * hidden
+    w2 = num_experts * hidden * intermediate
+    s13 = num_experts * (2 * intermediate // _BLOCK) * (hidden // _BLOCK) * 4
+    s2 = num_experts * (hidden // _BLOCK) * (intermediate // _BLOCK) * 4
+    return 2 * _align(w13) + _align(s13) + 2 * _align(w2) + _align(s2)
+
+
+def _check_fp8_shapes(w13_EFH, w2_EHI):
+    num_experts, two_intermediate, hidden = w13_EFH.shape
+    if hidden % _BLOCK or (two_intermediate // 2) % _BLOCK:
+        _fail(f"precision=\"fp8\" needs hidden and intermediate to be multiples of {_BLOCK}, got "
+              f"H={hidden}, I={two_intermediate // 2}")
+    return num_experts, hidden, two_intermediate // 2
+
+
+def _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI):
+    num_experts, hidden, intermediate = _check_fp8_shapes(w13_EFH, w2_EHI)
+    expected = fp8_weights_bytes(num_experts, hidden, intermediate)
+    if (not isinstance(fp8_weights, Tensor) or fp8_weights.dtype != torch.uint8
+            or fp8_weights.dim() != 1 or fp8_weights.numel() != expected
+            or not fp8_weights.is_contiguous() or fp8_weights.device != w13_EFH.device):
+        _fail(f"fp8_weights must be the buffer fusemoe.fp8.quantize_weights_fp8(w13, w2) returned: "
+              f"contiguous uint8 [{expected}] on {w13_EFH.device}, got "
+              f"{getattr(fp8_weights, 'dtype', type(fp8_weights).__name__)} "
+              f"{tuple(getattr(fp8_weights, 'shape', ()))}")
+
+
+# ------------------------------------------------------------------------------ weight buffer
+
+@torch.library.custom_op("fusemoe::quantize_weights_fp8", mutates_args=())
+def quantize_weights_fp8(w13_EFH: Tensor, w2_EHI: Tensor) -> Tensor:
+    """The FP8 weight buffer of bf16 w13 [E, 2I, H] and w2 [E, H, I] (uint8, fp8_weights_bytes)."""
+    _check_tensor(w13_EFH, "w13 (gate_up_proj)", 3, torch.bfloat16)
+    _check_tensor(w2_EHI, "w2 (down_proj)", 3, torch.bfloat16)
+    num_experts, hidden, intermediate = _check_fp8_shapes(w13_EFH, w2_EHI)
+    _check_cuda(w13_EFH)
+    # The buffer depends on the weights' shape only (top_k, max_tokens: any valid values).
+    layer = _capi.layer(hidden, intermediate, num_experts, 1, 0, "fused", None, "fp8")
+    num_bytes = _capi.fp8_weights_bytes(layer)
+    if num_bytes != fp8_weights_bytes(num_experts, hidden, intermediate):
+        raise _capi.FusemoeError(f"fusemoe: the library's FP8 weight buffer has {num_bytes} bytes, "
+                                 "this package expects "
+                                 f"{fp8_weights_bytes(num_experts, hidden, intermediate)}")
+    buffer = torch.empty(num_bytes, dtype=torch.uint8, device=w13_EFH.device)
+    with torch.cuda.device(w13_EFH.device):
+        _capi.quantize_weights_fp8(layer, w13_EFH.data_ptr(), w2_EHI.data_ptr(), buffer.data_ptr(),
+                                   num_bytes, torch.cuda.current_stream(w13_EFH.device).cuda_stream)
+    return buffer
+
+
+@quantize_weights_fp8.register_fake
+def _quantize_weights_fp8_fake(w13_EFH, w2_EHI):
+    num_experts, hidden, intermediate = _check_fp8_shapes(w13_EFH, w2_EHI)
+    return w13_EFH.new_empty(fp8_weights_bytes(num_experts, hidden, intermediate),
+                             dtype=torch.uint8)
+
+
+class Fp8WeightCache:
+    """The FP8 buffer of one pair of weight tensors, rebuilt only when either changes: a new tensor
+    object or storage, or an in-place update (tensor._version). quantizations counts the rebuilds."""
+
+    def __init__(self):
+        self._key = None
+        self._buffer = None
+        self.quantizations = 0
+
+    def get(self, w13_source, w2_source, w13_EFH=None, w2_EHI=None):
+        """w13_source, w2_source: the tensors whose versions decide (e.g. fp32 Parameters);
+        w13_EFH, w2_EHI: their bf16 values if not the sources themselves."""
+        key = (id(w13_source), id(w2_source), w13_source.data_ptr(), w2_source.data_ptr(),
+               w13_source._version, w2_source._version, tuple(w13_source.shape),
+               tuple(w2_source.shape), w13_source.dtype, w13_source.device)
+        if self._buffer is None or key != self._key:
+            with torch.no_grad():
+                w13 = w13_EFH if w13_EFH is not None else w13_source
+                w2 = w2_EHI if w2_EHI is not None else w2_source
+                self._buffer = quantize_weights_fp8(w13.detach().to(torch.bfloat16).contiguous(),
+                                                    w2.detach().to(torch.bfloat16).contiguous())
+            self._key = key
+            self.quantizations += 1
+        return self._buffer
+
+
+def traced(t):
+    """True under torch.compile or for a fake tensor: no storage or version to key a cache on."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return torch.compiler.is_compiling() or isinstance(t, FakeTensor)
+
+
+def cached_fp8_weights(w13_EFH, w2_EHI):
+    """The FP8 buffer of w13/w2 from a cache kept on the w13 tensor itself (so it lives as long as
+    the weights). Traced (torch.compile, fake tensors) the buffer is rebuilt on every call (the
+    version check is not traced)."""
+    if traced(w13_EFH):
+        return quantize_weights_fp8(w13_EFH.detach(), w2_EHI.detach())
+    cache = getattr(w13_EFH, "_fusemoe_fp8_cache", None)
+    if cache is None:
+        cache = Fp8WeightCache()
+        w13_EFH._fusemoe_fp8_cache = cache
+    return cache.get(w13_EFH, w2_EHI)
+
+
+# ---------------------------------------------------------------------------------------- ops
+
+@torch.library.custom_op("fusemoe::moe_experts_fp8_forward", mutates_args=())
+def moe_experts_fp8_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
+                            w13_EFH: Tensor, w2_EHI: Tensor, fp8_weights: Tensor, impl: str,
+                            grad_in_place: bool = False, save_z: bool = False,
+                            swiglu_clamp: Optional[float] = None) -> tuple[Tensor, Tensor]:
+    """fusemoe::moe_experts_forward on the FP8 weights (w13/w2 give the shapes and receive the
+    gradients; their values are not read: the library gets null pointers for them)."""
+    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
+    _check_cuda(x_TH)
+    _check_save_z(save_z, impl)
+    _check_swiglu_clamp(swiglu_clamp)
+    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
+    layer = _capi.layer(*dims, impl, swiglu_clamp, "fp8")
+    y_TH = torch.empty_like(x_TH)
+    z_SF = _empty_saved_z(x_TH, dims, save_z)
+    with torch.cuda.device(x_TH.device):
+        report = _expert_id_report(x_TH.device, dims[2], dims[3])
+        workspace, num_bytes = _workspace(layer, x_TH.device, "forward")
+        _capi.forward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(), topk_weights_TK.data_ptr(),
+                      None, None, y_TH.data_ptr(), dims[-1], workspace.data_ptr(), num_bytes,
+                      report, z_SF.data_ptr() if save_z and z_SF.numel() else None,
+                      torch.cuda.current_stream(x_TH.device).cuda_stream,
+                      fp8_weights=fp8_weights.data_ptr())
+    return y_TH, z_SF
+
+
+@moe_experts_fp8_forward.register_fake
+def _moe_experts_fp8_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights,
+                                  impl, grad_in_place=False, save_z=False, swiglu_clamp=None):
+    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
+    _check_impl(impl)
+    _check_save_z(save_z, impl)
+    _check_swiglu_clamp(swiglu_clamp)
+    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
+    return torch.empty_like(x_TH), _empty_saved_z(x_TH, dims, save_z)
+
+
+def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights,
+                     dw13_EFH, dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp):
+    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+    _check_cuda(x_TH)
+    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
+    grad_dtype = _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
+    saved_z_SF = _check_saved_z(saved_z_SF, dims, x_TH, impl)
+    _check_swiglu_clamp(swiglu_clamp)
+    layer = _capi.layer(*dims, impl, swiglu_clamp, "fp8")
+    dx_TH = torch.empty_like(x_TH)
+    d_topk_weights_TK = torch.empty_like(topk_weights_TK)
+    with torch.cuda.device(x_TH.device):
+        report = _expert_id_report(x_TH.device, dims[2], dims[3])
+        use = "backward" if saved_z_SF is None else "backward_saved_z"
+        workspace, num_bytes = _workspace(layer, x_TH.device, use)
+        _capi.backward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(), topk_weights_TK.data_ptr(),
+                       None, None, dy_TH.data_ptr(), dx_TH.data_ptr(),
+                       d_topk_weights_TK.data_ptr(), dw13_EFH.data_ptr(), dw2_EHI.data_ptr(),
+                       grad_dtype, accumulate, dims[-1], workspace.data_ptr(), num_bytes, report,
+                       saved_z_SF.data_ptr() if saved_z_SF is not None else None,
+                       torch.cuda.current_stream(x_TH.device).cuda_stream,
+                       fp8_weights=fp8_weights.data_ptr())
+    return dx_TH, d_topk_weights_TK
+
+
+@torch.library.custom_op("fusemoe::moe_experts_fp8_backward", mutates_args=())
+def moe_experts_fp8_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
+                             topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
+                             fp8_weights: Tensor, impl: str, saved_z_SF: Optional[Tensor] = None,
+                             swiglu_clamp: Optional[float] = None
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d_topk_weights, dw13, dw2) as fusemoe::moe_experts_backward, at FP8."""
+    dw13_EFH = torch.empty_like(w13_EFH)
+    dw2_EHI = torch.empty_like(w2_EHI)
+    dx_TH, d_topk_weights_TK = _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH,
+                                                w2_EHI, fp8_weights, dw13_EFH, dw2_EHI, False,
+                                                impl, saved_z_SF, swiglu_clamp)
+    return dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI
+
+
+@moe_experts_fp8_backward.register_fake
+def _moe_experts_fp8_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
+                                   fp8_weights, impl, saved_z_SF=None, swiglu_clamp=None):
+    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+    _check_impl(impl)
+    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
+    _check_saved_z(saved_z_SF, dims, x_TH, impl)
+    _check_swiglu_clamp(swiglu_clamp)
+    return (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK), torch.empty_like(w13_EFH),
+            torch.empty_like(w2_EHI))
+
+
+@torch.library.custom_op("fusemoe::moe_experts_fp8_backward_into",
+                         mutates_args=("dw13_EFH", "dw2_EHI"))
+def moe_experts_fp8_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
+                                  topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
+                                  fp8_weights: Tensor, dw13_EFH: Tensor, dw2_EHI: Tensor,
+                                  accumulate: bool, impl: str,
+                                  saved_z_SF: Optional[Tensor] = None,
+                                  swiglu_clamp: Optional[float] = None) -> tuple[Tensor, Tensor]:
+    """fusemoe::moe_experts_backward_into at FP8."""
+    return _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
+                            fp8_weights, dw13_EFH, dw2_EHI, accumulate, impl, saved_z_SF,
+                            swiglu_clamp)
+
+
+@moe_experts_fp8_backward_into.register_fake
+def _moe_experts_fp8_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
+                                        fp8_weights, dw13_EFH, dw2_EHI, accumulate, impl,
+                                        saved_z_SF=None, swiglu_clamp=None):
+    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+    _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
+    _check_impl(impl)
+    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
+    _check_saved_z(saved_z_SF, dims, x_TH, impl)
+    _check_swiglu_clamp(swiglu_clamp)
+    return torch.empty_like(x_TH), torch.empty_like(topk_weights_TK)
+
+
+def _setup_context(ctx, inputs, output):
+    (x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, impl, grad_in_place,
+     save_z, swiglu_clamp) = inputs
+    z_SF = output[1]
+    ctx.mark_non_differentiable(z_SF)
+    ctx.save_for_backward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, z_SF)
+    ctx.impl = impl
+    ctx.swiglu_clamp = swiglu_clamp
+    ctx.params = ((w13_EFH, w2_EHI) if grad_in_place and w13_EFH.is_leaf and w2_EHI.is_leaf and
+                  w13_EFH.requires_grad and w2_EHI.requires_grad else None)
+
+
+def _backward(ctx, dy_TH, _dz_unused):
+    x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, z_SF = ctx.saved_tensors
+    saved_z_SF = z_SF if z_SF.numel() else None
+    dy_TH = dy_TH.contiguous()
+    if ctx.params is not None:
+        if torch.compiler.is_compiling():
+            raise RuntimeError("fusemoe: grad_in_place=True cannot be traced by torch.compile")
+        w13_param, w2_param = ctx.params
+        fresh = w13_param.grad is None and w2_param.grad is None
+        if fresh:
+            grads = torch.empty_like(w13_param), torch.empty_like(w2_param)
+        else:
+            for param in (w13_param, w2_param):
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            grads = w13_param.grad, w2_param.grad
+        dx_TH, d_topk_weights_TK = moe_experts_fp8_backward_into(
+            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, *grads,
+            not fresh, ctx.impl, saved_z_SF, ctx.swiglu_clamp)
+        if fresh:
+            w13_param.grad, w2_param.grad = grads
+        return dx_TH, None, d_topk_weights_TK, None, None, None, None, None, None, None
+    dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI = moe_experts_fp8_backward(
+        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, ctx.impl,
+        saved_z_SF, ctx.swiglu_clamp)
+    return dx_TH, None, d_topk_weights_TK, dw13_EFH, dw2_EHI, None, None, None, None, None
+
+
+moe_experts_fp8_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl="fused",
+                    grad_in_place=False, recompute_z=False, fp8_weights=None, swiglu_clamp=None):
+    """fusemoe.moe_experts at precision="fp8". fp8_weights: the buffer of quantize_weights_fp8(w13,
+    w2), or None for the one cached on w13 (rebuilt when w13 or w2 change)."""
+    if impl != "fused":
+        _fail(f"precision=\"fp8\" needs impl=\"fused\" (got {impl!r})")
+    if fp8_weights is None:
+        fp8_weights = cached_fp8_weights(w13_EFH, w2_EHI)
+    save_z = (not recompute_z and torch.is_grad_enabled()
+              and any(isinstance(t, Tensor) and t.requires_grad
+                      for t in (x_TH, topk_weights_TK, w13_EFH, w2_EHI)))
+    return moe_experts_fp8_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
+                                   fp8_weights, impl, grad_in_place, save_z, swiglu_clamp)[0]

@@ -1,0 +1,293 @@
+// Blockwise-scaled FP8 operands of the sm90 grouped GEMM (src/kernels/sm90_grouped_gemm.cuh):
+// the E4M3 operand policies, the per-stage scale record, and the producer and consumer loops of
+// a block-scaled instance (the kernel runs them instead of produce/consume when A says
+// kBlockScaled). docs/design.md#blockwise-fp8-issue-16-precisionkfp8blockwise.
+//
+//   out[r, n] = sum_kb (sum_{k in kb} qa[r, k] qb[n, k]) * scale_a[r, kb] * scale_b[n / 128, kb]
+//
+// A K-block is 128 E4M3 = one 128-byte swizzle row, so stages have the BF16 layout (A [128 rows]
+// [128 k] 16 KB, B [128 rows][128 k] 16 KB; sm90_layout.cuh) and four wgmma m64n128k32 per stage.
+// Promotion: each K-block's MMAs accumulate into a fresh fp32 tmp; the warpgroup waits for them,
+// frees the stage, then acc += tmp * (scale_a[row] * scale_b) (fp32 FMAs). The other consumer
+// warpgroup's MMAs run meanwhile. acc + tmp = 128 registers per thread at N = 128 (the only width:
+// 256 would need 256 registers).
+//   A policies (each K-block brings its 128 row scales into the stage's StageScales::a)
+//     Fp8PoolRowsA              K-major E4M3 pool rows by TMA; scales by TMA from a block-major
+//                               scale pool [K/128][rows_pad] (one [1][128] fp32 box)
+//     Fp8GatheredTokenRowsA     token rows gathered by index (as GatheredTokenRowsA) plus one
+//                               4-byte cp.async per row from the token-major scales [T, K/128]
+//   B policies (K-major E4M3 weights; scales by a 4-byte cp.async of the producer thread)
+//     Fp8WeightsB               [128 rows][128 k] of one expert's weight
+//     Fp8GateUpWeightsB         a tile is one 128-column block of h in two passes: pass p loads
+//                               gate rows [128 n + 64 p, +64) and the up rows I below them
+// The scales of B ride in A's Args (GemmParams has one argument slot per operand source, and B's
+// is its tensor map).
+#pragma once
+
+#include <cuda.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "device/sm90_epilogues.cuh"
+#include "device/sm90_fp8_ptx.cuh"
+#include "device/sm90_layout.cuh"
+#include "device/sm90_operands.cuh"
+#include "device/sm90_pipeline.cuh"
+#include "device/sm90_ptx.cuh"
+#include "device/sm90_schedulers.cuh"
+
+namespace fusemoe::sm90 {
+
+constexpr int kFp8BlockK = 128;  // E4M3 per K-block: one swizzle row, one scale block
+static_assert(kFp8BlockK == kSwizzleRowBytes, "an FP8 K-block is one 128-byte swizzle row");
+static_assert(kFp8BlockK * 1 == kBlockK * 2, "FP8 and BF16 stages have the same bytes");
+
+// Scales of one stage. 640 bytes keep every record's A scales 128-byte aligned (a TMA box target).
+struct StageScales {
+  float a[kBlockM];  // tile row r's scale for this K-block
+  float b[2];        // B: columns [0, kBlockN/2) and [kBlockN/2, kBlockN); b[0] only if B::kNumBScales == 1
+  float unused[30];
+};
+constexpr int kStageScalesBytes = 640;
+static_assert(sizeof(StageScales) == kStageScalesBytes && kStageScalesBytes % 128 == 0, "scale record size");
+
+// Whether an A policy brings block scales (BF16 policies have no kBlockScaled member).
+template <class A, class = void>
+struct IsBlockScaled : std::false_type {};
+template <class A>
+struct IsBlockScaled<A, std::void_t<decltype(A::kBlockScaled)>> : std::bool_constant<A::kBlockScaled> {};
+
+// Where a weight's 128 x 128 block scales are: block (n, kb) of expert e's B operand at
+// ptr[e * expert_stride + n * n_stride + kb * k_stride] (transposed copies swap the strides of
+// the stored [E, rows/128, cols/128] scales); second: the up block's offset from the gate block.
+struct WeightScales {
+  const float* ptr;
+  int32_t expert_stride;
+  int32_t n_stride;
+  int32_t k_stride;
+  int32_t second;
+};
+
+// ------------------------------------------------------------------------------------- A
+
+struct Fp8PoolRowsA {
+  static constexpr bool kGathered = false, kMnMajor = false, kBlockScaled = true;
+  static constexpr uint32_t kTmaBytes = kTileABytes + kBlockM * sizeof(float);
+  struct Args {
+    CUtensorMap map;        // pool [R_max, K] E4M3, boxes [128 rows][128 k]
+    CUtensorMap scale_map;  // scales [K/128, rows_pad] fp32, boxes [1][128 rows]
+    WeightScales b_scales;
+  };
+  struct ThreadRows {};
+  __device__ static void load(const Args& a, uint64_t* full, uint8_t* dst, float* scales, const Tile& tile,
+                              int32_t kb) {
+    tma_load_2d(&a.map, full, dst, kb * kFp8BlockK, tile.row_begin);
+    tma_load_2d(&a.scale_map, full, scales, tile.row_begin, kb);  // rows past rows_pad read as 0
+  }
+};
+
+// Gathers E4M3 x rows exactly as GatheredTokenRowsA gathers bf16 ones (a row of H E4M3 is H / 16
+// chunks, K/128 * 8 as for bf16 at K/64); producer thread p also copies the scale of tile row p
+// (one 4-byte cp.async per thread and stage), x_scales[token, kb].
+struct Fp8GatheredTokenRowsA {
+  static constexpr bool kGathered = true, kMnMajor = false, kBlockScaled = true;
+  static constexpr uint32_t kTmaBytes = 0;
+  using Rows = GatheredTokenRowsA;
+  static_assert(kThreadsPerWarpgroup == kBlockM, "producer thread p copies the scale of tile row p");
+  struct Args {
+    Rows::Args rows;         // x [T, H] E4M3 (as bytes), row_slot, top_k
+    const float* x_scales;   // [T, H/128]
+    WeightScales b_scales;
+  };
+  static constexpr uint32_t kNoRow = 0xFFFFFFFFu;
+  struct ThreadRows {
+    Rows::ThreadRows rows;
+    uint32_t scale_src;  // token of tile row `thread` times H/128, or kNoRow past the expert's end
+  };
+  __device__ static ThreadRows rows_of(const Args& a, const Tile& tile, int32_t num_k_blocks, int thread) {
+    ThreadRows r;
+    r.rows = Rows::rows_of(a.rows, tile, num_k_blocks, thread);
+    const int32_t row = tile.row_begin + thread;
+    r.scale_src = row < tile.row_end ? static_cast<uint32_t>(__ldg(a.rows.row_slot + row) / a.rows.top_k) *
+                                           static_cast<uint32_t>(num_k_blocks)
+                                     : kNoRow;
+    return r;
+  }
+  __device__ static void gather(const Args& a, const ThreadRows& r, uint32_t tile_a, uint32_t scales_a, int32_t kb,
+                                int thread) {
+    Rows::gather(a.rows, r.rows, tile_a, kb, thread);
+    if (r.scale_src != kNoRow) cp_async_4(scales_a + thread * sizeof(float), a.x_scales + r.scale_src + kb);
+  }
+};
+
+// ------------------------------------------------------------------------------------- B
+
+struct Fp8WeightsB {
+  static constexpr int kBlockN = 128, kTileCols = 128, kPasses = 1, kNumBScales = 1;
+  static constexpr bool kMnMajor = false;
+  static constexpr uint32_t kBoxRows = kBlockN;
+  __device__ static uint32_t bytes(const Tile&, const BShape&) { return kBlockN * kSwizzleRowBytes; }
+  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int /*pass*/,
+                              int32_t kb, const BShape& s) {
+    tma_load_2d(map, full, dst, kb * kFp8BlockK, tile.expert * s.b_rows_per_expert + tile.n_tile * kTileCols);
+  }
+  // One 128 x 128 block covers the whole tile.
+  __device__ static void load_scales(const WeightScales& w, uint32_t dst, const Tile& tile, int32_t kb) {
+    cp_async_4(dst, w.ptr + tile.expert * w.expert_stride + tile.n_tile * w.n_stride + kb * w.k_stride);
+  }
+};
+
+template <int kPasses_>
+struct Fp8GateUpWeightsB {
+  static constexpr int kBlockN = 128, kPasses = kPasses_, kNumBScales = 2;
+  static constexpr int kTileCols = kBlockN / 2 * kPasses;  // h columns per tile: one 128-block of h
+  static constexpr bool kMnMajor = false;
+  static constexpr uint32_t kBoxRows = kBlockN / 2;
+  static_assert(kTileCols == kFp8BlockK, "a gate/up tile is exactly one 1 x 128 block of h");
+  __device__ static uint32_t bytes(const Tile&, const BShape&) { return kBlockN * kSwizzleRowBytes; }
+  // Rows [gate n0 + 64 p .. +64 | up the same, I below], read as one [128, 128 k] K-major operand:
+  // accumulator columns c (gate) and c + 64 (up) hold h column 64 p + c of the tile.
+  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int pass,
+                              int32_t kb, const BShape& s) {
+    const int32_t k = kb * kFp8BlockK;
+    const int32_t gate_row = tile.expert * s.b_rows_per_expert + tile.n_tile * kTileCols + pass * (kBlockN / 2);
+    tma_load_2d(map, full, dst, k, gate_row);
+    tma_load_2d(map, full, dst + kBlockN / 2 * kSwizzleRowBytes, k, gate_row + s.n_valid);
+  }
+  // Gate rows of the tile lie in gate block n_tile, up rows in block I/128 + n_tile (w.second).
+  __device__ static void load_scales(const WeightScales& w, uint32_t dst, const Tile& tile, int32_t kb) {
+    const float* src = w.ptr + tile.expert * w.expert_stride + tile.n_tile * w.n_stride + kb * w.k_stride;
+    cp_async_4(dst, src);
+    cp_async_4(dst + sizeof(float), src + w.second);
+  }
+};
+
+// ------------------------------------------------------------------------------------ loops
+
+template <class Gemm>
+struct GemmParams;
+
+// Fills the ring for every (tile, pass, k-block) as produce() does, and each stage's scales.
+// Thread 0 copies the B scales with a cp.async whose own arrival it adds to the stage's full
+// barrier before posting the TMA byte count (so the phase cannot complete without them). Every
+// wait is bounded and the test build's faults apply as in produce()/consume().
+template <class Gemm>
+__device__ __forceinline__ void produce_block_scaled(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
+                                                     const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a,
+                                                     uint8_t* tiles_b, StageScales* scales, int thread) {
+  using A = typename Gemm::A;
+  using B = typename Gemm::B;
+  const BShape b_shape{p.shape.n_valid, p.shape.b_rows_per_expert};
+  RingCursor<Gemm::kStages> cursor;
+  const int32_t num_tiles = sched.num_tiles();
+  for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const Tile tile = sched.tile(t);
+    typename A::ThreadRows rows{};
+    if constexpr (A::kGathered) rows = A::rows_of(p.a, tile, tile.num_k_blocks, thread);
+    const uint32_t stage_bytes = announced_stage_bytes(A::kTmaBytes + B::bytes(tile, b_shape), p.shape.wait);
+    for (int pass = 0; pass < B::kPasses; ++pass) {
+      for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
+        const int stage = cursor.stage;
+        bounded_wait(&ring.empty[stage], cursor.phase ^ 1, p.shape.wait, WaitRole::kProducer, WaitObject::kStageEmpty,
+                     stage, kNumConsumers * kWarpsPerWarpgroup);
+        if (thread == 0) {
+          B::load_scales(p.a.b_scales, smem_addr(scales[stage].b), tile, kb);
+          cp_async_mbarrier_arrive(&ring.full[stage]);
+          mbarrier_arrive_expect_tx(&ring.full[stage], stage_bytes);
+          if constexpr (!A::kGathered) {
+            A::load(p.a, &ring.full[stage], tiles_a + stage * kTileABytes, scales[stage].a, tile, kb);
+          }
+          B::load(&p.map_b, &ring.full[stage], tiles_b + stage * Gemm::kTileBBytes, tile, pass, kb, b_shape);
+        }
+        if constexpr (A::kGathered) {
+          A::gather(p.a, rows, smem_addr(tiles_a + stage * kTileABytes), smem_addr(scales[stage].a), kb, thread);
+          cp_async_mbarrier_arrive_noinc(&ring.full[stage]);
+        }
+        cursor.advance();
+      }
+    }
+  }
+  cp_async_wait_all();  // no copy outlives its thread
+}
+
+// The consumer loop with promotion. A two-pass tile (Fp8GateUpWeightsB<2>) hands its first
+// pass's accumulators to Epilogue::store_first_pass before the second pass reuses them.
+template <class Gemm>
+__device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
+                                                     const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a,
+                                                     uint8_t* tiles_b, const StageScales* scales, uint8_t* staging,
+                                                     const ConsumerThread& me) {
+  using Epilogue = typename Gemm::Epilogue;
+  using Mma = WgmmaE4m3<Gemm::kBlockN>;
+  constexpr int kAcc = Gemm::kAccRegs;
+  constexpr int kHalfChunks = Gemm::kBlockN / 16;  // n8 chunks per B-scale half
+  static_assert(Mma::kAccRegs == kAcc && kFp8BlockK / Mma::kK == 4, "four k32 MMAs per stage");
+  const EpilogueShape out_shape{p.shape.n_valid, p.shape.m_valid};
+  const int a_row = me.consumer * kWgmmaM + me.row_in_wg;  // this thread's rows: a_row, a_row + 8
+  RingCursor<Gemm::kStages> cursor;
+  float acc[kAcc], tmp[kAcc];
+
+  // acc[64 rows, 128] = sum over the tile's K-blocks of promoted A[rows, kb] * B[kb, 128].
+  auto main_loop = [&](int32_t num_k_blocks) {
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+    for (int32_t kb = 0; kb < num_k_blocks; ++kb) {
+      const int stage = cursor.stage;
+      bounded_wait(&ring.full[stage], cursor.phase, p.shape.wait, WaitRole::kConsumer, WaitObject::kStageFull, stage,
+                   Gemm::A::kTmaBytes + Gemm::kTileBBytes);
+      if constexpr (Gemm::A::kGathered) fence_proxy_async_shared();  // cp.async rows -> wgmma reads
+      // Scales first: the stage is released as soon as the MMAs have read it.
+      const uint32_t stage_scales = smem_addr(scales + stage);
+      const float sa0 = ld_shared_f32(stage_scales + a_row * sizeof(float));
+      const float sa1 = ld_shared_f32(stage_scales + (a_row + 8) * sizeof(float));
+      const float sb0 = ld_shared_f32(stage_scales + offsetof(StageScales, b));
+      const float sb1 = ld_shared_f32(stage_scales + offsetof(StageScales, b) + (Gemm::B::kNumBScales - 1) * sizeof(float));
+      uint8_t* tile_a = tiles_a + stage * kTileABytes;
+      const uint64_t desc_a = make_desc_sw128(tile_a + me.consumer * kWgmmaM * kSwizzleRowBytes,
+                                              Gemm::LayoutA::kLbo, Gemm::LayoutA::kSbo);
+      const uint64_t desc_b = make_desc_sw128(tiles_b + stage * Gemm::kTileBBytes, Gemm::LayoutB::kLbo,
+                                              Gemm::LayoutB::kSbo);
+      wgmma_fence();  // tmp was read by the previous promotion
+#pragma unroll
+      for (int k = 0; k < kFp8BlockK / Mma::kK; ++k) {
+        Mma::mma(tmp, desc_a + k * Gemm::LayoutA::kDescStepK16, desc_b + k * Gemm::LayoutB::kDescStepK16,
+                 k > 0 ? 1u : 0u);
+      }
+      wgmma_commit_group();
+      wgmma_wait_group<0>();
+      fence_accumulators(tmp);
+      if (me.lane == 0 && !releases_withheld(p.shape.wait)) mbarrier_arrive(&ring.empty[stage]);
+      const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
+#pragma unroll
+      for (int j = 0; j < kAcc / 4; ++j) {
+        const bool second = j >= kHalfChunks;
+        const float r0 = second ? s01 : s00, r1 = second ? s11 : s10;
+        acc[4 * j + 0] = fmaf(tmp[4 * j + 0], r0, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(tmp[4 * j + 1], r0, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(tmp[4 * j + 2], r1, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(tmp[4 * j + 3], r1, acc[4 * j + 3]);
+      }
+      cursor.advance();
+    }
+  };
+
+  const int32_t num_tiles = sched.num_tiles();
+  for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const Tile tile = sched.tile(t);
+    const AccRows rows(tile, me);
+    typename Epilogue::Inputs inputs = Epilogue::prepare(p.epilogue, out_shape, tile, rows, me);
+    main_loop(tile.num_k_blocks);
+    if constexpr (Gemm::B::kPasses == 2) {
+      Epilogue::store_first_pass(p.epilogue, out_shape, tile, rows, inputs, acc, staging, me);
+      main_loop(tile.num_k_blocks);
+    } else {
+      static_assert(Gemm::B::kPasses == 1, "one or two passes");
+    }
+    Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc, staging, me);
+  }
+  Epilogue::finish(me);
+}
+
+}  // namespace fusemoe::sm90

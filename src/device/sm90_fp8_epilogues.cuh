@@ -1,0 +1,310 @@
+// Epilogues of the block-scaled FP8 instances (sm90_block_scaled.cuh) that quantize what they
+// produce, in 1 x 128 blocks along the next GEMM's K (recipe: fp8_quantize.cuh). Interface as in
+// sm90_epilogues.cuh, plus store_first_pass() for a two-pass tile. Tiles are 128 accumulator
+// columns wide; a quad of lanes (q = lane % 4) holds all 128 columns of a row, so a row's amax
+// is the max over the quad (two xor shuffles, run by every lane, stores predicated afterwards).
+//
+//   SwiGLUFp8Epilogue<kClamp, kStoreZ>   the gate/up tile of one 128-column block of h in two
+//                                         passes (64 gate + 64 up accumulators each): h = bf16(
+//                                         silu(g) u) -> E4M3 h [R, I] + scales [I/128][rows_pad];
+//                                         pass 0's bf16 h waits in a per-thread shared-memory
+//                                         area; z = [g | u] (before the clamp) as bf16 when kStoreZ
+//   DgradSwiGLUFp8Epilogue<kClamp>        the BF16 dgrad SwiGLU epilogue (dz, w h, <h, a> partials)
+//                                         at width 128, whose columns are exactly one block of dg
+//                                         and one of du: also dz in E4M3 [R, 2I] + scales
+//                                         [2I/128][rows_pad], quantized from the bf16 dz
+// Block-major scale pools: the scale of row r, block kb at scales[kb * rows_pad + r]; the next
+// GEMM loads a tile's 128 row scales as one TMA box.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "device/fp8_quantize.cuh"
+#include "device/sm90_epilogues.cuh"
+#include "device/sm90_fragment.cuh"
+#include "device/sm90_layout.cuh"
+
+namespace fusemoe::sm90 {
+
+// Max over the quad of lanes that shares a row; every lane ends with the same value.
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
+}
+
+// Max |.| of the bf16 pair in a word.
+__device__ __forceinline__ float amax_bf16x2(uint32_t word) {
+  const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&word));
+  return fmaxf(fabsf(f.x), fabsf(f.y));
+}
+
+// Quantizes and stores 4 n8 chunks of one row: words[p] = bf16 pair of columns 8 (4a + p) + 2q,
+// +1 of this lane, for the group a the caller picked; after the quad transpose lane q holds chunk
+// 4a + q whole and writes its 8 E4M3 bytes at row_ptr + 8 (4a + q) (row_ptr: the group's column 0).
+__device__ __forceinline__ void store_fp8_group(const uint32_t (&words)[4], uint8_t* row_ptr, float inv, bool valid,
+                                                int q) {
+  uint32_t w[4] = {words[0], words[1], words[2], words[3]};
+  quad_transpose(w, q);
+  float v[8];
+  unpack_bf16x8(make_uint4(w[0], w[1], w[2], w[3]), v);
+  if (valid) *reinterpret_cast<uint2*>(row_ptr + 8 * q) = quantize_e4m3x8(v, inv);
+}
+
+// ------------------------------------------------------------------------------------ SwiGLU
+
+template <bool kClamp, bool kStoreZ>
+struct SwiGLUFp8Epilogue {
+  static constexpr int kBlockN = 128;              // accumulator columns per pass
+  static constexpr int kPassChunks = kBlockN / 16; // n8 chunks of h per row and pass: 8
+  static constexpr int kParkedWords = 2 * kPassChunks;  // pass 0's bf16 h of both rows: 16 words
+  static constexpr int kStagingBytes = kNumConsumers * kThreadsPerWarpgroup * kParkedWords * 4;  // 16 KB
+  struct Args {
+    uint8_t* h;              // [R_max, I] E4M3
+    float* h_scales;         // [I/128, rows_pad]
+    int32_t rows_pad;
+    __nv_bfloat16* z;        // [R_max, 2I] [g | u] before the clamp (kStoreZ)
+    float clamp;             // kClamp
+  };
+  struct Inputs {
+    float amax[2];  // pass 0's partial row amax of this lane
+  };
+  __device__ static void prefetch(const Args&) {}
+  __device__ static Inputs prepare(const Args&, const EpilogueShape&, const Tile&, const AccRows&,
+                                   const ConsumerThread&) {
+    return {{0.0f, 0.0f}};
+  }
+
+  // h of one pass: words[h][j] = bf16 pair of h columns 64 pass + 8 j + 2q, +1 of row half h;
+  // amax[h] grows by their magnitudes. Also stores z of the pass's columns (kStoreZ).
+  template <int kRegs>
+  __device__ static void pass_h(const Args& args, int32_t I, const Tile& tile, const AccRows& rows, int pass,
+                                const float (&acc)[kRegs], const ConsumerThread& me,
+                                uint32_t (&words)[2][kPassChunks], float (&amax)[2]) {
+    static_assert(8 * kPassChunks == kRegs, "gate and up halves fill the accumulators");
+    const int col0 = tile.n_tile * 2 * kPassChunks * 8 + pass * kPassChunks * 8 + 2 * (me.lane % 4);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (kStoreZ) {
+        __nv_bfloat16* z_row = args.z + static_cast<int64_t>(rows.row[h]) * 2 * I;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          uint32_t zw[kPassChunks];
+#pragma unroll
+          for (int j = 0; j < kPassChunks; ++j) {
+            const int reg = 4 * (j + half * kPassChunks) + 2 * h;
+            zw[j] = pack_bf16x2(acc[reg], acc[reg + 1]);
+          }
+          store_row_fragment<kPassChunks>(zw, z_row + half * I, rows.valid[h], col0, I, me.lane);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kPassChunks; ++j) {
+        const int gate = 4 * j + 2 * h, up = gate + 4 * kPassChunks;
+        float g0 = acc[gate], g1 = acc[gate + 1], u0 = acc[up], u1 = acc[up + 1];
+        if constexpr (kClamp) {
+          g0 = fminf(g0, args.clamp);
+          g1 = fminf(g1, args.clamp);
+          u0 = fminf(fmaxf(u0, -args.clamp), args.clamp);
+          u1 = fminf(fmaxf(u1, -args.clamp), args.clamp);
+        }
+        words[h][j] = pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
+        amax[h] = fmaxf(amax[h], amax_bf16x2(words[h][j]));
+      }
+    }
+  }
+
+  // Word w of consumer thread t at staging + 4 (w * 256 + t): consecutive threads, consecutive banks.
+  __device__ static uint32_t* parked(uint8_t* staging, const ConsumerThread& me, int w) {
+    return reinterpret_cast<uint32_t*>(staging) + w * kNumConsumers * kThreadsPerWarpgroup +
+           me.consumer * kThreadsPerWarpgroup + me.tid_in_wg;
+  }
+
+  template <int kRegs>
+  __device__ static void store_first_pass(const Args& args, const EpilogueShape& s, const Tile& tile,
+                                          const AccRows& rows, Inputs& in, const float (&acc)[kRegs], uint8_t* staging,
+                                          const ConsumerThread& me) {
+    uint32_t words[2][kPassChunks];
+    pass_h(args, s.n_valid, tile, rows, 0, acc, me, words, in.amax);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int j = 0; j < kPassChunks; ++j) *parked(staging, me, h * kPassChunks + j) = words[h][j];
+    }
+  }
+
+  template <int kRegs>
+  __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
+                               Inputs& in, const float (&acc)[kRegs], uint8_t* staging, const ConsumerThread& me) {
+    const int32_t I = s.n_valid;
+    const int q = me.lane % 4;
+    uint32_t words[2][kPassChunks];
+    float amax[2] = {in.amax[0], in.amax[1]};
+    pass_h(args, I, tile, rows, 1, acc, me, words, amax);
+    const int64_t block_col = static_cast<int64_t>(tile.n_tile) * kFp8Block;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const Fp8Scale scale = fp8_block_scale(quad_max(amax[h]));
+      uint8_t* row_ptr = args.h + static_cast<int64_t>(rows.row[h]) * I + block_col;
+#pragma unroll
+      for (int pass = 0; pass < 2; ++pass) {
+#pragma unroll
+        for (int a = 0; a < kPassChunks / 4; ++a) {
+          uint32_t group[4];
+#pragma unroll
+          for (int p = 0; p < 4; ++p) {
+            group[p] = pass == 0 ? *parked(staging, me, h * kPassChunks + 4 * a + p) : words[h][4 * a + p];
+          }
+          store_fp8_group(group, row_ptr + pass * kPassChunks * 8 + 32 * a, scale.inv, rows.valid[h], q);
+        }
+      }
+      if (rows.valid[h] && q == 0) {
+        args.h_scales[static_cast<int64_t>(tile.n_tile) * args.rows_pad + rows.row[h]] = scale.scale;
+      }
+    }
+  }
+  __device__ static void finish(const ConsumerThread&) {}
+};
+
+// ---------------------------------------------------------------------------- dgrad SwiGLU
+
+template <bool kClamp, int kZAhead>
+struct DgradSwiGLUFp8Epilogue {
+  static constexpr int kBlockN = 128;
+  static constexpr int kStagingBytes = 0;
+  static constexpr int kGroups = kBlockN / 32;  // groups of 4 n8 chunks: 4
+  static constexpr int kZChunks = 2 * kGroups;  // chunk c: row half c / kGroups, group c % kGroups
+  static_assert(kZAhead >= 1 && kZAhead <= kZChunks, "z chunks in flight");
+  struct Args {
+    const int32_t* row_slot;    // [R_max]
+    const float* topk_weights;  // [T*K]
+    const __nv_bfloat16* z;     // [R_max, 2I]
+    __nv_bfloat16* dz;          // [R_max, 2I] bf16 (the weight gradient's operand)
+    __nv_bfloat16* wh;          // [R_max, I]
+    float* router_partials;     // [R_max, num_n_tiles]
+    int32_t num_n_tiles;        // I / 128
+    float clamp;                // kClamp
+    uint8_t* dz_fp8;            // [R_max, 2I] E4M3 (dgrad of x's operand)
+    float* dz_scales;           // [2I/128, rows_pad]
+    int32_t rows_pad;
+  };
+  struct Inputs {
+    float weight[2];
+    uint4 z_gate[kZAhead], z_up[kZAhead];
+  };
+  __device__ static void prefetch(const Args&) {}
+
+  // As DgradSwiGLUEpilogue::load_z_chunk: unconditional loads (an invalid row reads z's first chunk).
+  __device__ static void load_z_chunk(const Args& args, int32_t I, const AccRows& rows, int32_t n0, int q, int c,
+                                      uint4& gate, uint4& up) {
+    const int h = c / kGroups, a = c % kGroups;
+    const int64_t col = n0 + 8 * (4 * a + q);
+    const __nv_bfloat16* g = rows.valid[h] ? args.z + static_cast<int64_t>(rows.row[h]) * 2 * I + col : args.z;
+    gate = __ldg(reinterpret_cast<const uint4*>(g));
+    up = __ldg(reinterpret_cast<const uint4*>(rows.valid[h] ? g + I : args.z));
+  }
+
+  __device__ static Inputs prepare(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
+                                   const ConsumerThread& me) {
+    Inputs in;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      in.weight[h] = rows.valid[h] ? __ldg(args.topk_weights + __ldg(args.row_slot + rows.row[h])) : 0.0f;
+    }
+#pragma unroll
+    for (int c = 0; c < kZAhead; ++c) {
+      load_z_chunk(args, s.n_valid, rows, tile.n_tile * kBlockN, me.lane % 4, c, in.z_gate[c], in.z_up[c]);
+    }
+    return in;
+  }
+
+  template <int kRegs>
+  __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
+                               Inputs& in, const float (&acc)[kRegs], uint8_t*, const ConsumerThread& me) {
+    const int32_t I = s.n_valid;
+    const int32_t n0 = tile.n_tile * kBlockN;
+    const int q = me.lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t r = rows.row[h];
+      const bool valid = rows.valid[h];
+      const float w = in.weight[h];
+      float dot = 0.0f;  // <h, a> over this lane's columns of the tile, fixed order
+      float amax_g = 0.0f, amax_u = 0.0f;
+      uint32_t dg_bits[kGroups][4], du_bits[kGroups][4];
+#pragma unroll
+      for (int a = 0; a < kGroups; ++a) {
+        float av[8];
+        gather_chunk_fp32(acc, a, h, q, av);
+        const int col = n0 + 8 * (4 * a + q);
+        float g[8], u[8];
+        const int c = h * kGroups + a;
+        unpack_bf16x8(in.z_gate[c % kZAhead], g);
+        unpack_bf16x8(in.z_up[c % kZAhead], u);
+        if (c + kZAhead < kZChunks) {
+          load_z_chunk(args, I, rows, n0, q, c + kZAhead, in.z_gate[c % kZAhead], in.z_up[c % kZAhead]);
+        }
+        uint32_t wh_bits[4];
+#pragma unroll
+        for (int i = 0; i < 8; i += 2) {
+          float dg[2], du[2], wh[2];
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            float gi = g[i + b], ui = u[i + b];
+            float g_pass = 1.0f, u_pass = 1.0f;  // clamp masks: gradient only where unclamped
+            if constexpr (kClamp) {
+              g_pass = gi <= args.clamp ? 1.0f : 0.0f;
+              u_pass = (ui >= -args.clamp && ui <= args.clamp) ? 1.0f : 0.0f;
+              gi = fminf(gi, args.clamp);
+              ui = fminf(fmaxf(ui, -args.clamp), args.clamp);
+            }
+            const float sg = __fdividef(1.0f, 1.0f + __expf(-gi));  // as the BF16 epilogue
+            const float si = gi * sg;
+            const float hv = round_bf16(si * ui);
+            const float ai = av[i + b];
+            dot = fmaf(hv, ai, dot);
+            const float dh = w * ai;
+            dg[b] = dh * ui * sg * (1.0f + gi * (1.0f - sg)) * g_pass;
+            du[b] = dh * si * u_pass;
+            wh[b] = w * hv;
+          }
+          dg_bits[a][i / 2] = pack_bf16x2(dg[0], dg[1]);
+          du_bits[a][i / 2] = pack_bf16x2(du[0], du[1]);
+          wh_bits[i / 2] = pack_bf16x2(wh[0], wh[1]);
+          amax_g = fmaxf(amax_g, amax_bf16x2(dg_bits[a][i / 2]));
+          amax_u = fmaxf(amax_u, amax_bf16x2(du_bits[a][i / 2]));
+        }
+        if (valid) {
+          *reinterpret_cast<uint4*>(args.dz + r * 2 * I + col) =
+              make_uint4(dg_bits[a][0], dg_bits[a][1], dg_bits[a][2], dg_bits[a][3]);
+          *reinterpret_cast<uint4*>(args.dz + r * 2 * I + I + col) =
+              make_uint4(du_bits[a][0], du_bits[a][1], du_bits[a][2], du_bits[a][3]);
+          *reinterpret_cast<uint4*>(args.wh + r * I + col) = make_uint4(wh_bits[0], wh_bits[1], wh_bits[2], wh_bits[3]);
+        }
+      }
+      // Quad reductions in a fixed butterfly order: every lane ends with the same bits.
+      dot += __shfl_xor_sync(0xFFFFFFFFu, dot, 1);
+      dot += __shfl_xor_sync(0xFFFFFFFFu, dot, 2);
+      if (valid && q == 0) args.router_partials[r * args.num_n_tiles + tile.n_tile] = dot;
+      const Fp8Scale sg = fp8_block_scale(quad_max(amax_g)), su = fp8_block_scale(quad_max(amax_u));
+      // Lane q holds chunks 4a + q of this row (gather_chunk_fp32's transpose): whole 8-column runs.
+#pragma unroll
+      for (int a = 0; a < kGroups; ++a) {
+        const int64_t col = n0 + 8 * (4 * a + q);
+        float v[8];
+        unpack_bf16x8(make_uint4(dg_bits[a][0], dg_bits[a][1], dg_bits[a][2], dg_bits[a][3]), v);
+        if (valid) *reinterpret_cast<uint2*>(args.dz_fp8 + r * 2 * I + col) = quantize_e4m3x8(v, sg.inv);
+        unpack_bf16x8(make_uint4(du_bits[a][0], du_bits[a][1], du_bits[a][2], du_bits[a][3]), v);
+        if (valid) *reinterpret_cast<uint2*>(args.dz_fp8 + r * 2 * I + I + col) = quantize_e4m3x8(v, su.inv);
+      }
+      if (valid && q == 0) {
+        args.dz_scales[static_cast<int64_t>(tile.n_tile) * args.rows_pad + r] = sg.scale;
+        args.dz_scales[static_cast<int64_t>(I / kFp8Block + tile.n_tile) * args.rows_pad + r] = su.scale;
+      }
+    }
+  }
+  __device__ static void finish(const ConsumerThread&) {}
+};
+
+}  // namespace fusemoe::sm90

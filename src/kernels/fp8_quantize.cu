@@ -1,0 +1,172 @@
+// Quantization kernels of the blockwise FP8 path (declarations and layouts in fp8_quantize.h; the
+// recipe in src/device/fp8_quantize.cuh). Both are memory-bound copies with a max-reduction per
+// block: rows use 16 lanes per 1 x 128 block (16 bytes of bf16 each), weights one CTA per
+// 128 x 128 block (a shared-memory tile turns the quantized block around for the transposed copy).
+#include "kernels/fp8_quantize.h"
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+
+#include "device/fp8_quantize.cuh"
+#include "fusemoe/error.h"
+
+namespace fusemoe {
+namespace {
+
+using sm90::kFp8Block;
+
+constexpr int kThreads = 256;
+constexpr int kLanesPerRowBlock = kFp8Block / 8;  // 16 lanes x 8 bf16
+constexpr int64_t kMaxGrid = 65535LL * 16;
+
+__device__ __forceinline__ void unpack8(const uint4& raw, float (&v)[8]) {
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(p[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+// One warp handles two (row, block) items per step, one per half-warp; the half-warps of a warp
+// stay together (an item past the end computes on zeros and stores nothing) so the shuffles see
+// all 32 lanes.
+__global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, const int32_t* __restrict__ row_slot,
+                                         const int32_t* __restrict__ num_rows_device, int64_t max_rows, int64_t top_k,
+                                         int64_t hidden, __nv_bfloat16* __restrict__ dst_bf16,
+                                         uint8_t* __restrict__ dst_fp8, float* __restrict__ scales,
+                                         Fp8ScaleLayout layout) {
+  const int64_t rows = num_rows_device ? static_cast<int64_t>(*num_rows_device) : max_rows;
+  const int64_t blocks_per_row = hidden / kFp8Block;
+  const int64_t items = rows * blocks_per_row;
+  const int lane = threadIdx.x % 32;
+  const int half = lane / kLanesPerRowBlock, sub = lane % kLanesPerRowBlock;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  for (int64_t pair = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; 2 * pair < items;
+       pair += warps) {
+    const int64_t item = 2 * pair + half;
+    const bool valid = item < items;
+    const int64_t row = valid ? item / blocks_per_row : 0;
+    const int64_t block = valid ? item - row * blocks_per_row : 0;
+    const int64_t col = block * kFp8Block + sub * 8;
+    float v[8] = {};
+    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+    if (valid) {
+      const int64_t src_row = row_slot ? __ldg(row_slot + row) / top_k : row;
+      raw = *reinterpret_cast<const uint4*>(src + src_row * hidden + col);
+      unpack8(raw, v);
+    }
+    float amax = sm90::amax8(v);
+#pragma unroll
+    for (int offset = kLanesPerRowBlock / 2; offset > 0; offset /= 2) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+    }
+    if (!valid) continue;
+    const sm90::Fp8Scale s = sm90::fp8_block_scale(amax);
+    *reinterpret_cast<uint2*>(dst_fp8 + row * hidden + col) = sm90::quantize_e4m3x8(v, s.inv);
+    if (dst_bf16) *reinterpret_cast<uint4*>(dst_bf16 + row * hidden + col) = raw;
+    if (sub == 0) scales[row * layout.row_stride + block * layout.block_stride] = s.scale;
+  }
+}
+
+// One CTA per 128 x 128 block (e, block row, block column). Thread t reads 16-byte chunk t % 16 of
+// rows t / 16 + 16 i (i < 8).
+constexpr int kTileRowPad = 16;  // bytes: staggers the transposed column reads over the banks
+
+__global__ void __launch_bounds__(kThreads) quantize_weights_fp8_kernel(const __nv_bfloat16* __restrict__ w,
+                                                                        int64_t rows, int64_t cols,
+                                                                        uint8_t* __restrict__ q,
+                                                                        uint8_t* __restrict__ q_t,
+                                                                        float* __restrict__ scales) {
+  constexpr int kRowsPerPass = kThreads / kLanesPerRowBlock;  // 16
+  constexpr int kPasses = kFp8Block / kRowsPerPass;           // 8
+  __shared__ __align__(16) uint8_t tile[kFp8Block][kFp8Block + kTileRowPad];
+  __shared__ float warp_amax[kThreads / 32];
+  const int64_t block_rows = rows / kFp8Block, block_cols = cols / kFp8Block;
+  const int64_t id = blockIdx.x;
+  const int64_t e = id / (block_rows * block_cols);
+  const int64_t rem = id - e * block_rows * block_cols;
+  const int64_t br = rem / block_cols, bc = rem - br * block_cols;
+  const int64_t matrix = e * rows * cols;
+  const int chunk = threadIdx.x % kLanesPerRowBlock, r0 = threadIdx.x / kLanesPerRowBlock;
+
+  uint4 raw[kPasses];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int64_t r = br * kFp8Block + r0 + kRowsPerPass * i;
+    raw[i] = *reinterpret_cast<const uint4*>(w + matrix + r * cols + bc * kFp8Block + chunk * 8);
+    float v[8];
+    unpack8(raw[i], v);
+    amax = fmaxf(amax, sm90::amax8(v));
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kThreads / 32; ++i) amax = fmaxf(amax, warp_amax[i]);
+  const sm90::Fp8Scale s = sm90::fp8_block_scale(amax);
+  if (threadIdx.x == 0) scales[e * block_rows * block_cols + br * block_cols + bc] = s.scale;
+
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int r = r0 + kRowsPerPass * i;
+    float v[8];
+    unpack8(raw[i], v);
+    const uint2 bytes = sm90::quantize_e4m3x8(v, s.inv);
+    *reinterpret_cast<uint2*>(q + matrix + (br * kFp8Block + r) * cols + bc * kFp8Block + chunk * 8) = bytes;
+    *reinterpret_cast<uint2*>(&tile[r][chunk * 8]) = bytes;
+  }
+  if (q_t == nullptr) return;
+  __syncthreads();
+  // Transposed block: output row c (column c of the block) holds the block's rows in order; thread
+  // t writes 16-byte chunks 4 (t % 2) + k (k < 4) of output row t / 2.
+  const int c = threadIdx.x / 2;
+  const int64_t out_row = bc * kFp8Block + c;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int rr = 16 * (4 * (threadIdx.x % 2) + k);
+    uint32_t words[4];
+#pragma unroll
+    for (int wd = 0; wd < 4; ++wd) {
+      words[wd] = static_cast<uint32_t>(tile[rr + 4 * wd][c]) | (static_cast<uint32_t>(tile[rr + 4 * wd + 1][c]) << 8) |
+                  (static_cast<uint32_t>(tile[rr + 4 * wd + 2][c]) << 16) |
+                  (static_cast<uint32_t>(tile[rr + 4 * wd + 3][c]) << 24);
+    }
+    *reinterpret_cast<uint4*>(q_t + matrix + out_row * rows + br * kFp8Block + rr) =
+        make_uint4(words[0], words[1], words[2], words[3]);
+  }
+}
+
+}  // namespace
+
+void launch_quantize_rows_fp8(const void* src_bf16, const int32_t* row_slot, const int32_t* num_rows_device,
+                              int64_t max_rows, int64_t top_k, int64_t hidden, void* dst_bf16_RH, void* fp8_RH,
+                              float* scales, Fp8ScaleLayout layout, cudaStream_t stream) {
+  FUSEMOE_CHECK(hidden > 0 && hidden % kFp8Block == 0, "internal error: FP8 rows need hidden % 128 == 0");
+  FUSEMOE_CHECK(row_slot == nullptr || top_k >= 1, "internal error: a gather needs top_k >= 1");
+  if (max_rows == 0) return;
+  const int64_t warps = (max_rows * (hidden / kFp8Block) + 1) / 2;
+  const int64_t grid = std::max<int64_t>(1, std::min(kMaxGrid, (warps * 32 + kThreads - 1) / kThreads));
+  quantize_rows_fp8_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(src_bf16), row_slot, num_rows_device, max_rows, top_k, hidden,
+      static_cast<__nv_bfloat16*>(dst_bf16_RH), static_cast<uint8_t*>(fp8_RH), scales, layout);
+  FUSEMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_quantize_weights_fp8(const void* w_bf16, int64_t num_experts, int64_t rows, int64_t cols, void* q,
+                                 void* q_t, float* scales, cudaStream_t stream) {
+  FUSEMOE_CHECK(rows > 0 && cols > 0 && rows % kFp8Block == 0 && cols % kFp8Block == 0 && num_experts >= 1,
+                "internal error: FP8 weights need [E >= 1, rows, cols] with rows and cols multiples of 128");
+  const int64_t blocks = num_experts * (rows / kFp8Block) * (cols / kFp8Block);
+  FUSEMOE_CHECK(blocks < (int64_t{1} << 31), "internal error: too many 128 x 128 weight blocks for one grid");
+  quantize_weights_fp8_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(w_bf16), rows, cols, static_cast<uint8_t*>(q), static_cast<uint8_t*>(q_t),
+      scales);
+  FUSEMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace fusemoe

@@ -1,0 +1,193 @@
+// The block-scaled FP8 instances of the sm90 grouped GEMM (sm90_fp8_gemms.h): 128 x 128 tiles,
+// 6 stages of 32 KB (gate/up: 16 KB of the stage budget park pass 0's h). Weight scales are the
+// [E, rows/128, cols/128] arrays of Fp8Weights; a transposed copy reads them with swapped strides.
+#include <cuda_bf16.h>
+
+#include "device/sm90_fp8_epilogues.cuh"
+#include "launchers/sm90_fp8_gemms.h"
+#include "launchers/sm90_launch_gemm.cuh"
+
+namespace fusemoe {
+namespace {
+
+using sm90::GemmParams;
+using sm90::GroupedGemm;
+using sm90::RowDestination;
+
+// z chunks of the dgrad epilogue in flight during the main loop: all 8 of the thread's two rows, as
+// the BF16 dgrad at width 128. acc + tmp (128) + z (64) fit the consumers' 232 registers without
+// spilling (ptxas, CUDA 13: up to R226 in the consumer branch).
+constexpr int kDgradZAhead = 8;
+
+template <bool kClamp, bool kStoreZ>
+using GateUpGemm = GroupedGemm<sm90::Fp8GatheredTokenRowsA, sm90::Fp8GateUpWeightsB<2>, sm90::RowTileScheduler,
+                               sm90::SwiGLUFp8Epilogue<kClamp, kStoreZ>>;
+using DownGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB, sm90::RowTileScheduler,
+                             sm90::RowStoreEpilogue<128, true, RowDestination::kSlotRow>>;
+using RecomputeZGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB, sm90::RowTileScheduler,
+                                   sm90::RowStoreEpilogue<128, false, RowDestination::kSortedRow>>;
+template <bool kClamp>
+using DgradSwigluGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB, sm90::RowTileScheduler,
+                                    sm90::DgradSwiGLUFp8Epilogue<kClamp, kDgradZAhead>>;
+using DgradScatterGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB, sm90::RowTileScheduler,
+                                     sm90::RowStoreEpilogue<128, false, RowDestination::kSlotRow>>;
+
+static_assert(GateUpGemm<false, false>::kStages == 6 && DownGemm::kStages == 6, "FP8 ring depth");
+
+// A row-tile GEMM over K (a multiple of 128) with N output columns.
+sm90::GemmShape fp8_rows_shape(const Sm90Rows& rows, int64_t k, int64_t n, int64_t b_rows_per_expert) {
+  sm90::GemmShape s{};
+  s.expert_offsets = rows.expert_offsets;
+  s.num_experts = static_cast<int32_t>(rows.num_experts);
+  s.num_k_blocks = static_cast<int32_t>(k / sm90::kFp8BlockK);
+  s.n_valid = static_cast<int32_t>(n);
+  s.b_rows_per_expert = static_cast<int32_t>(b_rows_per_expert);
+  return s;
+}
+
+// Scales of a weight stored as [E, rows/128, cols/128], read as the B operand [N = rows, K = cols]
+// (transposed = false) or through its transpose [N = cols, K = rows] (transposed = true).
+sm90::WeightScales weight_scales(const float* scales, int64_t E_rows, int64_t E_cols, bool transposed,
+                                 int64_t second = 0) {
+  const int32_t row_blocks = static_cast<int32_t>(E_rows / 128), col_blocks = static_cast<int32_t>(E_cols / 128);
+  sm90::WeightScales w{};
+  w.ptr = scales;
+  w.expert_stride = row_blocks * col_blocks;
+  w.n_stride = transposed ? 1 : col_blocks;
+  w.k_stride = transposed ? col_blocks : 1;
+  w.second = static_cast<int32_t>(second);
+  return w;
+}
+
+// The A operand of a pool: E4M3 rows [R_max, K] and their block-major scales [K/128, rows_pad].
+sm90::Fp8PoolRowsA::Args pool_a(const Sm90Rows& rows, const void* pool, const float* scales, int64_t k,
+                                const sm90::WeightScales& b_scales, const char* name) {
+  sm90::Fp8PoolRowsA::Args a{};
+  a.map = sm90::make_tensor_map_fp8(pool, k, rows.max_rows, sm90::kBlockM, name);
+  a.scale_map = sm90::make_scale_tensor_map(scales, sm90_fp8_rows_pad(rows.max_rows), k / 128, name);
+  a.b_scales = b_scales;
+  return a;
+}
+
+void assert_fp8_rows(const Sm90Rows& rows) {
+  sm90::assert_rows(rows);
+  FUSEMOE_ASSERT(rows.intermediate % 128 == 0);
+}
+
+template <bool kClamp, bool kStoreZ>
+void launch_gate_up(const Sm90Fp8GateUpParams& p) {
+  using Gemm = GateUpGemm<kClamp, kStoreZ>;
+  const Sm90Rows& rows = p.rows;
+  const int64_t H = rows.hidden, I = rows.intermediate;
+  GemmParams<Gemm> params{};
+  params.map_b = sm90::make_tensor_map_fp8(p.weights.w13, H, rows.num_experts * 2 * I, Gemm::B::kBoxRows, "w13_fp8");
+  params.a.rows = {static_cast<const __nv_bfloat16*>(p.x_fp8), p.row_slot, static_cast<int32_t>(p.top_k)};
+  params.a.x_scales = p.x_scales;
+  // Gate block n_tile and the up block I/128 below it.
+  params.a.b_scales = weight_scales(p.weights.w13_scales, 2 * I, H, false, (I / 128) * (H / 128));
+  params.epilogue.h = static_cast<uint8_t*>(p.h_fp8);
+  params.epilogue.h_scales = p.h_scales;
+  params.epilogue.rows_pad = static_cast<int32_t>(sm90_fp8_rows_pad(rows.max_rows));
+  params.epilogue.z = static_cast<__nv_bfloat16*>(p.z);
+  params.epilogue.clamp = p.swiglu_clamp;
+  params.shape = fp8_rows_shape(rows, H, I, 2 * I);
+  sm90::launch_grouped_gemm(params, rows, WaitKernel::kFp8GateUp);
+}
+
+template <class Gemm>
+void launch_row_store(WaitKernel kernel_name, const Sm90Rows& rows, const void* a_pool, const float* a_scales,
+                      int64_t k, const void* b, int64_t b_rows_per_expert, const sm90::WeightScales& b_scales,
+                      int64_t n, const typename Gemm::Epilogue::Args& epilogue, const char* a_name,
+                      const char* b_name) {
+  GemmParams<Gemm> params{};
+  params.map_b = sm90::make_tensor_map_fp8(b, k, rows.num_experts * b_rows_per_expert, Gemm::B::kBoxRows, b_name);
+  params.a = pool_a(rows, a_pool, a_scales, k, b_scales, a_name);
+  params.epilogue = epilogue;
+  params.shape = fp8_rows_shape(rows, k, n, b_rows_per_expert);
+  sm90::launch_grouped_gemm(params, rows, kernel_name);
+}
+
+template <bool kClamp>
+void launch_dgrad_swiglu(const Sm90Fp8DgradSwigluParams& p) {
+  using Gemm = DgradSwigluGemm<kClamp>;
+  const Sm90Rows& rows = p.rows;
+  const int64_t H = rows.hidden, I = rows.intermediate;
+  typename Gemm::Epilogue::Args epilogue{};
+  epilogue.row_slot = p.row_slot;
+  epilogue.topk_weights = p.topk_weights;
+  epilogue.z = static_cast<const __nv_bfloat16*>(p.z);
+  epilogue.dz = static_cast<__nv_bfloat16*>(p.dz);
+  epilogue.wh = static_cast<__nv_bfloat16*>(p.wh);
+  epilogue.router_partials = p.router_partials;
+  epilogue.num_n_tiles = static_cast<int32_t>(sm90_fp8_dgrad_num_n_tiles(I));
+  epilogue.clamp = p.swiglu_clamp;
+  epilogue.dz_fp8 = static_cast<uint8_t*>(p.dz_fp8);
+  epilogue.dz_scales = p.dz_scales;
+  epilogue.rows_pad = static_cast<int32_t>(sm90_fp8_rows_pad(rows.max_rows));
+  // a = dy W2_e: B = W2_e^T [I, H] (K = H), i.e. w2_t; its (n = i, kb = h) block is w2's (h, i).
+  launch_row_store<Gemm>(WaitKernel::kFp8DgradSwiglu, rows, p.dys_fp8, p.dys_scales, H, p.weights.w2_t, I,
+                         weight_scales(p.weights.w2_scales, H, I, true), I, epilogue, "dys_fp8", "w2_t_fp8");
+}
+
+}  // namespace
+
+void launch_sm90_fp8_gate_up_swiglu(const Sm90Fp8GateUpParams& p) {
+  assert_fp8_rows(p.rows);
+  if (p.rows.max_rows == 0) return;
+  FUSEMOE_ASSERT(p.x_fp8 && p.x_scales && p.row_slot && p.weights.w13 && p.weights.w13_scales && p.h_fp8 &&
+                 p.h_scales && p.top_k >= 1);
+  FUSEMOE_ASSERT(!p.use_swiglu_clamp || p.swiglu_clamp > 0.0f);
+  const bool store_z = p.z != nullptr;
+  if (p.use_swiglu_clamp) {
+    store_z ? launch_gate_up<true, true>(p) : launch_gate_up<true, false>(p);
+  } else {
+    store_z ? launch_gate_up<false, true>(p) : launch_gate_up<false, false>(p);
+  }
+}
+
+void launch_sm90_fp8_down_weighted(const Sm90Fp8DownParams& p) {
+  const Sm90Rows& rows = p.rows;
+  assert_fp8_rows(rows);
+  if (rows.max_rows == 0) return;
+  FUSEMOE_ASSERT(p.h_fp8 && p.h_scales && p.weights.w2 && p.weights.w2_scales && p.row_slot && p.topk_weights &&
+                 p.ys);
+  const int64_t H = rows.hidden, I = rows.intermediate;
+  launch_row_store<DownGemm>(WaitKernel::kFp8Down, rows, p.h_fp8, p.h_scales, I, p.weights.w2, H,
+                             weight_scales(p.weights.w2_scales, H, I, false), H,
+                             {static_cast<__nv_bfloat16*>(p.ys), p.row_slot, p.topk_weights}, "h_fp8", "w2_fp8");
+}
+
+void launch_sm90_fp8_recompute_z(const Sm90Fp8RecomputeZParams& p) {
+  const Sm90Rows& rows = p.rows;
+  assert_fp8_rows(rows);
+  if (rows.max_rows == 0) return;
+  FUSEMOE_ASSERT(p.xs_fp8 && p.xs_scales && p.weights.w13 && p.weights.w13_scales && p.z);
+  const int64_t H = rows.hidden, I = rows.intermediate;
+  launch_row_store<RecomputeZGemm>(WaitKernel::kFp8RecomputeZ, rows, p.xs_fp8, p.xs_scales, H, p.weights.w13, 2 * I,
+                                   weight_scales(p.weights.w13_scales, 2 * I, H, false), 2 * I,
+                                   {static_cast<__nv_bfloat16*>(p.z), nullptr, nullptr}, "xs_fp8", "w13_fp8");
+}
+
+void launch_sm90_fp8_dgrad_swiglu(const Sm90Fp8DgradSwigluParams& p) {
+  assert_fp8_rows(p.rows);
+  if (p.rows.max_rows == 0) return;
+  FUSEMOE_ASSERT(p.dys_fp8 && p.dys_scales && p.weights.w2_t && p.weights.w2_scales && p.z && p.row_slot &&
+                 p.topk_weights && p.dz && p.wh && p.router_partials && p.dz_fp8 && p.dz_scales);
+  FUSEMOE_ASSERT(!p.use_swiglu_clamp || p.swiglu_clamp > 0.0f);
+  p.use_swiglu_clamp ? launch_dgrad_swiglu<true>(p) : launch_dgrad_swiglu<false>(p);
+}
+
+void launch_sm90_fp8_dgrad_scatter(const Sm90Fp8DgradScatterParams& p) {
+  const Sm90Rows& rows = p.rows;
+  assert_fp8_rows(rows);
+  if (rows.max_rows == 0) return;
+  FUSEMOE_ASSERT(p.dz_fp8 && p.dz_scales && p.weights.w13_t && p.weights.w13_scales && p.row_slot && p.dx_slots);
+  const int64_t H = rows.hidden, I = rows.intermediate;
+  // dxs = dz W13_e: B = W13_e^T [H, 2I] (K = 2I), i.e. w13_t; its (n = h, kb = f) block is w13's (f, h).
+  launch_row_store<DgradScatterGemm>(WaitKernel::kFp8DgradScatter, rows, p.dz_fp8, p.dz_scales, 2 * I,
+                                     p.weights.w13_t, H, weight_scales(p.weights.w13_scales, 2 * I, H, true), H,
+                                     {static_cast<__nv_bfloat16*>(p.dx_slots), p.row_slot, nullptr}, "dz_fp8",
+                                     "w13_t_fp8");
+}
+
+}  // namespace fusemoe

@@ -1,0 +1,95 @@
+// Host launchers of the block-scaled FP8 instances of the sm90 grouped GEMM
+// (src/device/sm90_block_scaled.cuh; docs/design.md#blockwise-fp8-issue-16-precisionkfp8blockwise).
+// Same rows problem and conventions as sm90_grouped_gemm.h; every FP8 tile is 128 columns wide and
+// every K a multiple of 128 (H % 128 == 0 and I % 128 == 0, checked by src/api).
+//
+//   gate/up + SwiGLU  z_r = dq(x_fp8[s / K]) dq(W13_e)^T, h_r = bf16(silu(g) u) -> h_fp8 + scales
+//                     (1 x 128 along I); optionally bf16 z (before the clamp)
+//   down + weight     ys[s] = bf16(w * dq(h_fp8_r) dq(W2_e)^T)
+//   recompute z       z_r = bf16(dq(xs_fp8_r) dq(W13_e)^T)
+//   dgrad + SwiGLU    a = dq(dys_fp8_r) dq(W2_e) (read as W2_e^T, K-major); as the BF16 dgrad
+//                     epilogue, plus dz_fp8 + scales (1 x 128 along 2I, from the bf16 dz)
+//   dgrad of x        dx_slots[s] = bf16(dq(dz_fp8_r) dq(W13_e)) (read as W13_e^T)
+// dq: E4M3 code times its block's scale; products accumulate in fp32 per 128-wide K-block and are
+// promoted with scale_a * scale_b. Activation scale pools are block-major [K/128, rows_pad]
+// (rows_pad = sm90_fp8_rows_pad(R_max)); x's are token-major [T, H/128].
+#pragma once
+
+#include <cstdint>
+
+#include "fusemoe/fusemoe.h"
+#include "launchers/sm90_grouped_gemm.h"
+
+namespace fusemoe {
+
+// Row stride of the block-major scale pools: R_max rounded up to 4 (16-byte TMA strides).
+inline int64_t sm90_fp8_rows_pad(int64_t max_rows) { return (max_rows + 3) / 4 * 4; }
+
+struct Sm90Fp8GateUpParams {
+  Sm90Rows rows;
+  const void* x_fp8 = nullptr;         // [T, H] E4M3
+  const float* x_scales = nullptr;     // [T, H/128]
+  const int32_t* row_slot = nullptr;   // [R_max]
+  int64_t top_k = 0;
+  Fp8Weights weights;                  // w13, w13_scales
+  void* h_fp8 = nullptr;               // [R_max, I] E4M3 (output)
+  float* h_scales = nullptr;           // [I/128, rows_pad] (output)
+  void* z = nullptr;                   // optional [R_max, 2I] bf16 (output)
+  bool use_swiglu_clamp = false;
+  float swiglu_clamp = 0.0f;
+};
+
+struct Sm90Fp8DownParams {
+  Sm90Rows rows;
+  const void* h_fp8 = nullptr;          // [R_max, I]
+  const float* h_scales = nullptr;      // [I/128, rows_pad]
+  Fp8Weights weights;                   // w2, w2_scales
+  const int32_t* row_slot = nullptr;
+  const float* topk_weights = nullptr;  // [S]
+  void* ys = nullptr;                   // [S, H] bf16 (output)
+};
+
+struct Sm90Fp8RecomputeZParams {
+  Sm90Rows rows;
+  const void* xs_fp8 = nullptr;       // [R_max, H]
+  const float* xs_scales = nullptr;   // [H/128, rows_pad]
+  Fp8Weights weights;                 // w13, w13_scales
+  void* z = nullptr;                  // [R_max, 2I] bf16 (output)
+};
+
+struct Sm90Fp8DgradSwigluParams {
+  Sm90Rows rows;
+  const void* dys_fp8 = nullptr;        // [R_max, H]
+  const float* dys_scales = nullptr;    // [H/128, rows_pad]
+  Fp8Weights weights;                   // w2_t, w2_scales
+  const void* z = nullptr;              // [R_max, 2I] bf16
+  const int32_t* row_slot = nullptr;
+  const float* topk_weights = nullptr;
+  void* dz = nullptr;                   // [R_max, 2I] bf16 (output)
+  void* wh = nullptr;                   // [R_max, I] bf16 (output)
+  float* router_partials = nullptr;     // [R_max, I/128] fp32 (output)
+  void* dz_fp8 = nullptr;               // [R_max, 2I] E4M3 (output)
+  float* dz_scales = nullptr;           // [2I/128, rows_pad] (output)
+  bool use_swiglu_clamp = false;
+  float swiglu_clamp = 0.0f;
+};
+
+struct Sm90Fp8DgradScatterParams {
+  Sm90Rows rows;
+  const void* dz_fp8 = nullptr;       // [R_max, 2I]
+  const float* dz_scales = nullptr;   // [2I/128, rows_pad]
+  Fp8Weights weights;                 // w13_t, w13_scales
+  const int32_t* row_slot = nullptr;
+  void* dx_slots = nullptr;           // [S, H] bf16 (output)
+};
+
+// Router partials per row of the FP8 dgrad (tile width 128): I / 128.
+inline int64_t sm90_fp8_dgrad_num_n_tiles(int64_t intermediate) { return intermediate / 128; }
+
+void launch_sm90_fp8_gate_up_swiglu(const Sm90Fp8GateUpParams& params);
+void launch_sm90_fp8_down_weighted(const Sm90Fp8DownParams& params);
+void launch_sm90_fp8_recompute_z(const Sm90Fp8RecomputeZParams& params);
+void launch_sm90_fp8_dgrad_swiglu(const Sm90Fp8DgradSwigluParams& params);
+void launch_sm90_fp8_dgrad_scatter(const Sm90Fp8DgradScatterParams& params);
+
+}  // namespace fusemoe

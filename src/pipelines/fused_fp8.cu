@@ -1,0 +1,265 @@
+// The fused pipelines at Precision::kFp8Blockwise (Impl::kFused): the BF16 pipelines'
+// (fused_forward.cu, fused_backward.cu) steps with E4M3 GEMM operands; every step on the device,
+// no host synchronisation (CUDA-graph capturable). Stream order:
+//   forward   1. routing
+//             2. x quantized once per token: x_fp8 [T, H] + x_scales [T, H/128]
+//             3. gate/up + SwiGLU (gathers x_fp8 rows), h quantized in the epilogue -> h_fp8 +
+//                scales (and bf16 z when saved)
+//             4. down + weight -> bf16 slot rows ys      5. combine (fp32, slot order)
+//   backward  1. routing
+//             2. dy gathered and quantized per routed row -> dys (bf16) + dys_fp8 + scales;
+//                x gathered -> xs (bf16) and, when z is recomputed, xs_fp8 + scales
+//             3. recompute z (FP8 GEMM, the forward's operands: bitwise the saved z) unless saved
+//             4. dgrad + SwiGLU on W2^T, dz quantized in the epilogue -> dz (bf16), dz_fp8 +
+//                scales, wh, router partials       5. router reduce
+//             6. dgrad of x on W13^T -> bf16 slot rows       7. combine
+//             8. weight gradients from the bf16 pools (the BF16 path's kernels)
+// Scale pools are block-major [K/128, rows_pad] with rows_pad = sm90_fp8_rows_pad(T*K) of the
+// call (sized for max_tokens*K).
+#include "pipelines/fused_fp8.h"
+
+#include "common/workspace_carver.h"
+#include "kernels/fp8_quantize.h"
+#include "kernels/moe_elementwise.h"
+#include "launchers/sm90_fp8_gemms.h"
+#include "launchers/sm90_grouped_gemm.h"
+
+namespace fusemoe {
+namespace {
+
+// FP8 weight buffer: the six arrays, each 256-byte aligned.
+struct Fp8WeightsLayout {
+  Fp8Weights w;
+  size_t total_bytes = 0;
+  Fp8WeightsLayout(const LayerConfig& c, const void* base) {
+    const int64_t E = c.num_experts, H = c.hidden, I = c.intermediate;
+    WorkspaceCarver carver(const_cast<void*>(base), 0);
+    w.w13 = carver.take(E * 2 * I * H);
+    w.w13_t = carver.take(E * 2 * I * H);
+    w.w13_scales = carver.take<float>(E * (2 * I / 128) * (H / 128) * sizeof(float));
+    w.w2 = carver.take(E * H * I);
+    w.w2_t = carver.take(E * H * I);
+    w.w2_scales = carver.take<float>(E * (H / 128) * (I / 128) * sizeof(float));
+    total_bytes = carver.bytes();
+  }
+};
+
+struct Fp8ForwardWorkspace {
+  RoutingPlan plan;
+  void* x_fp8_TH = nullptr;       // E4M3
+  float* x_scales = nullptr;      // [T, H/128]
+  void* h_fp8_RI = nullptr;       // E4M3
+  float* h_scales = nullptr;      // [I/128, rows_pad]
+  void* ys_SH = nullptr;          // bf16
+  size_t total_bytes = 0;
+
+  Fp8ForwardWorkspace(const LayerConfig& c, void* base) {
+    const int64_t rows = c.max_tokens * c.top_k, rows_pad = sm90_fp8_rows_pad(rows);
+    if (base) carve_routing_plan(static_cast<char*>(base), c.max_tokens, c.top_k, c.num_experts, &plan);
+    WorkspaceCarver carver(base, routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
+    x_fp8_TH = carver.take(c.max_tokens * c.hidden);
+    x_scales = carver.take<float>(c.max_tokens * (c.hidden / 128) * sizeof(float));
+    h_fp8_RI = carver.take(rows * c.intermediate);
+    h_scales = carver.take<float>((c.intermediate / 128) * rows_pad * sizeof(float));
+    ys_SH = carver.take(rows * c.hidden * 2);
+    total_bytes = carver.bytes();
+  }
+};
+
+struct Fp8BackwardWorkspace {
+  RoutingPlan plan;
+  void* xs_RH = nullptr;             // bf16 gathered x (dW13)
+  void* dys_RH = nullptr;            // bf16 gathered dy (dW2)
+  void* dz_RF = nullptr;             // bf16 (dW13)
+  void* wh_RI = nullptr;             // bf16 (dW2)
+  void* dx_slots_SH = nullptr;       // bf16
+  float* router_partials = nullptr;  // [R, I/128]
+  void* dys_fp8_RH = nullptr;        // E4M3 (dgrad + SwiGLU)
+  float* dys_scales = nullptr;       // [H/128, rows_pad]
+  void* dz_fp8_RF = nullptr;         // E4M3 (dgrad of x)
+  float* dz_scales = nullptr;        // [2I/128, rows_pad]
+  // Only when z is recomputed (last, so a backward given saved z needs less):
+  void* z_RF = nullptr;              // bf16
+  void* xs_fp8_RH = nullptr;         // E4M3
+  float* xs_scales = nullptr;        // [H/128, rows_pad]
+  size_t total_bytes = 0;
+
+  Fp8BackwardWorkspace(const LayerConfig& c, void* base, bool z_saved) {
+    const int64_t rows = c.max_tokens * c.top_k, rows_pad = sm90_fp8_rows_pad(rows);
+    const int64_t H = c.hidden, I = c.intermediate;
+    if (base) carve_routing_plan(static_cast<char*>(base), c.max_tokens, c.top_k, c.num_experts, &plan);
+    WorkspaceCarver carver(base, routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
+    xs_RH = carver.take(rows * H * 2);
+    dys_RH = carver.take(rows * H * 2);
+    dz_RF = carver.take(rows * 2 * I * 2);
+    wh_RI = carver.take(rows * I * 2);
+    dx_slots_SH = carver.take(rows * H * 2);
+    router_partials = carver.take<float>(rows * sm90_fp8_dgrad_num_n_tiles(I) * sizeof(float));
+    dys_fp8_RH = carver.take(rows * H);
+    dys_scales = carver.take<float>((H / 128) * rows_pad * sizeof(float));
+    dz_fp8_RF = carver.take(rows * 2 * I);
+    dz_scales = carver.take<float>((2 * I / 128) * rows_pad * sizeof(float));
+    if (!z_saved) {
+      z_RF = carver.take(rows * 2 * I * 2);
+      xs_fp8_RH = carver.take(rows * H);
+      xs_scales = carver.take<float>((H / 128) * rows_pad * sizeof(float));
+    }
+    total_bytes = carver.bytes();
+  }
+};
+
+Sm90Rows rows_problem(const LayerConfig& c, const RoutingPlan& plan, int64_t num_slots, cudaStream_t stream) {
+  Sm90Rows rows;
+  rows.expert_offsets = plan.expert_offsets;
+  rows.max_rows = num_slots;
+  rows.hidden = c.hidden;
+  rows.intermediate = c.intermediate;
+  rows.num_experts = c.num_experts;
+  rows.stream = stream;
+  return rows;
+}
+
+}  // namespace
+
+size_t fp8_weights_buffer_bytes(const LayerConfig& config) { return Fp8WeightsLayout(config, nullptr).total_bytes; }
+
+Fp8Weights fp8_weights_in(const LayerConfig& config, const void* buffer) { return Fp8WeightsLayout(config, buffer).w; }
+
+void quantize_fp8_weights(const LayerConfig& c, const void* w13, const void* w2, void* buffer, cudaStream_t stream) {
+  const Fp8Weights w = fp8_weights_in(c, buffer);
+  launch_quantize_weights_fp8(w13, c.num_experts, 2 * c.intermediate, c.hidden, const_cast<void*>(w.w13),
+                              const_cast<void*>(w.w13_t), const_cast<float*>(w.w13_scales), stream);
+  launch_quantize_weights_fp8(w2, c.num_experts, c.hidden, c.intermediate, const_cast<void*>(w.w2),
+                              const_cast<void*>(w.w2_t), const_cast<float*>(w.w2_scales), stream);
+}
+
+size_t fused_fp8_forward_workspace_bytes(const LayerConfig& config) {
+  return Fp8ForwardWorkspace(config, nullptr).total_bytes;
+}
+
+size_t fused_fp8_backward_workspace_bytes(const LayerConfig& config, bool z_saved) {
+  return Fp8BackwardWorkspace(config, nullptr, z_saved).total_bytes;
+}
+
+void fused_fp8_forward(const LayerConfig& c, const ForwardArgs& args) {
+  const Fp8ForwardWorkspace ws(c, args.workspace);
+  const Fp8Weights weights = fp8_weights_in(c, args.fp8_weights);
+  const int64_t num_slots = args.num_tokens * c.top_k;  // upper bound of the rows in use
+  launch_routing(args.topk_idx, args.num_tokens, c.top_k, c.num_experts, ws.plan, args.expert_id_report,
+                 args.stream);
+  if (num_slots == 0) return;
+  const int64_t H = c.hidden;
+  launch_quantize_rows_fp8(args.x, nullptr, nullptr, args.num_tokens, 1, H, nullptr, ws.x_fp8_TH, ws.x_scales,
+                           Fp8ScaleLayout{H / 128, 1}, args.stream);
+
+  const Sm90Rows rows = rows_problem(c, ws.plan, num_slots, args.stream);
+  Sm90Fp8GateUpParams gate_up;
+  gate_up.rows = rows;
+  gate_up.x_fp8 = ws.x_fp8_TH;
+  gate_up.x_scales = ws.x_scales;
+  gate_up.row_slot = ws.plan.row_slot;
+  gate_up.top_k = c.top_k;
+  gate_up.weights = weights;
+  gate_up.h_fp8 = ws.h_fp8_RI;
+  gate_up.h_scales = ws.h_scales;
+  gate_up.z = args.saved_z;  // null: the backward recomputes z
+  gate_up.use_swiglu_clamp = c.use_swiglu_clamp;
+  gate_up.swiglu_clamp = c.swiglu_clamp;
+  launch_sm90_fp8_gate_up_swiglu(gate_up);
+
+  Sm90Fp8DownParams down;
+  down.rows = rows;
+  down.h_fp8 = ws.h_fp8_RI;
+  down.h_scales = ws.h_scales;
+  down.weights = weights;
+  down.row_slot = ws.plan.row_slot;
+  down.topk_weights = args.topk_weights;
+  down.ys = ws.ys_SH;
+  launch_sm90_fp8_down_weighted(down);
+
+  launch_combine_slots(ws.ys_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.y, args.stream);
+}
+
+void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
+  const Fp8BackwardWorkspace ws(c, args.workspace, args.saved_z != nullptr);
+  const Fp8Weights weights = fp8_weights_in(c, args.fp8_weights);
+  const int64_t H = c.hidden, I = c.intermediate, E = c.num_experts;
+  const int64_t num_slots = args.num_tokens * c.top_k;
+  const int64_t rows_pad = sm90_fp8_rows_pad(num_slots);
+  cudaStream_t stream = args.stream;
+  launch_routing(args.topk_idx, args.num_tokens, c.top_k, E, ws.plan, args.expert_id_report, stream);
+  const Sm90Rows rows = rows_problem(c, ws.plan, num_slots, stream);
+
+  if (num_slots > 0) {
+    const int32_t* num_rows_device = ws.plan.expert_offsets + E;
+    launch_quantize_rows_fp8(args.dy, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, ws.dys_RH,
+                             ws.dys_fp8_RH, ws.dys_scales, Fp8ScaleLayout{1, rows_pad}, stream);
+    const void* z_RF = args.saved_z;
+    if (z_RF == nullptr) {
+      launch_quantize_rows_fp8(args.x, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, ws.xs_RH,
+                               ws.xs_fp8_RH, ws.xs_scales, Fp8ScaleLayout{1, rows_pad}, stream);
+      Sm90Fp8RecomputeZParams z;
+      z.rows = rows;
+      z.xs_fp8 = ws.xs_fp8_RH;
+      z.xs_scales = ws.xs_scales;
+      z.weights = weights;
+      z.z = ws.z_RF;
+      launch_sm90_fp8_recompute_z(z);
+      z_RF = ws.z_RF;
+    } else {
+      launch_gather_rows_device_count(args.x, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, ws.xs_RH,
+                                      stream);
+    }
+
+    Sm90Fp8DgradSwigluParams d1;
+    d1.rows = rows;
+    d1.dys_fp8 = ws.dys_fp8_RH;
+    d1.dys_scales = ws.dys_scales;
+    d1.weights = weights;
+    d1.z = z_RF;
+    d1.row_slot = ws.plan.row_slot;
+    d1.topk_weights = args.topk_weights;
+    d1.dz = ws.dz_RF;
+    d1.wh = ws.wh_RI;
+    d1.router_partials = ws.router_partials;
+    d1.dz_fp8 = ws.dz_fp8_RF;
+    d1.dz_scales = ws.dz_scales;
+    d1.use_swiglu_clamp = c.use_swiglu_clamp;
+    d1.swiglu_clamp = c.swiglu_clamp;
+    launch_sm90_fp8_dgrad_swiglu(d1);
+    launch_router_grad_reduce(ws.router_partials, sm90_fp8_dgrad_num_n_tiles(I), ws.plan.slot_row, num_slots,
+                              args.d_topk_weights, stream);
+
+    Sm90Fp8DgradScatterParams d2;
+    d2.rows = rows;
+    d2.dz_fp8 = ws.dz_fp8_RF;
+    d2.dz_scales = ws.dz_scales;
+    d2.weights = weights;
+    d2.row_slot = ws.plan.row_slot;
+    d2.dx_slots = ws.dx_slots_SH;
+    launch_sm90_fp8_dgrad_scatter(d2);
+    launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream);
+  }
+
+  // Weight gradients from the bf16 pools, as the BF16 path (no rows: zeroed, or untouched).
+  Sm90WeightGradParams w2g;
+  w2g.rows = rows;
+  w2g.act_m = ws.dys_RH;
+  w2g.act_n = ws.wh_RI;
+  w2g.grad = args.dw2;
+  w2g.m = H;
+  w2g.n = I;
+  w2g.bf16_grad = args.weight_grad_dtype == WeightGradDtype::kBFloat16;
+  w2g.accumulate = args.accumulate_weight_grads;
+  launch_sm90_weight_grad(w2g);
+
+  Sm90WeightGradParams w13g = w2g;
+  w13g.act_m = ws.dz_RF;
+  w13g.act_n = ws.xs_RH;
+  w13g.grad = args.dw13;
+  w13g.m = 2 * I;
+  w13g.n = H;
+  launch_sm90_weight_grad(w13g);
+}
+
+}  // namespace fusemoe

@@ -1,0 +1,211 @@
+// Precision::kFp8Blockwise at the API, checked without a GPU: config limits, the implementations
+// that accept it, per-call workspace sizes, the FP8 weight buffer's layout, argument checks that
+// name what is wrong; and the FP8 emulation reference's sanity (its error against the fp64
+// reference is that of E4M3 quantization: well above bf16's, well below 1).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+
+#include "expect_error.h"
+#include "fusemoe/expert_parallel.h"
+#include "fusemoe/fusemoe.h"
+#include "reference/bf16_host.h"
+#include "reference/fp8_emulation.h"
+
+namespace fusemoe {
+namespace {
+
+LayerConfig fp8_config() {
+  LayerConfig c;
+  c.hidden = 256;
+  c.intermediate = 128;
+  c.num_experts = 8;
+  c.top_k = 2;
+  c.max_tokens = 64;
+  c.precision = Precision::kFp8Blockwise;
+  return c;
+}
+
+TEST(Fp8Api, ConfigLimits) {
+  EXPECT_NO_THROW(validate_config(fp8_config()));
+  EXPECT_STREQ(precision_name(Precision::kFp8Blockwise), "fp8_blockwise");
+  LayerConfig c = fp8_config();
+  c.intermediate = 192;  // fine for bf16, not for FP8's 1 x 128 blocks of h
+  expect_error_mentioning([&] { validate_config(c); }, "multiple of 128");
+  c.precision = Precision::kBf16;
+  EXPECT_NO_THROW(validate_config(c));
+  c.precision = static_cast<Precision>(9);
+  expect_error_mentioning([&] { validate_config(c); }, "precision");
+  for (Impl impl : {Impl::kUnfused, Impl::kReferenceFp32}) {
+    expect_error_mentioning([&] { (void)workspace_bytes(fp8_config(), impl); }, "Impl::kFused only");
+  }
+}
+
+// Expert parallelism runs the BF16 instances only: an FP8 layer is rejected, naming the field.
+TEST(Fp8Api, ExpertParallelRejectsFp8) {
+  EpConfig ep;
+  ep.layer = fp8_config();
+  ep.world_size = 2;
+  expect_error_mentioning([&] { validate_ep_config(ep); }, "layer.precision must be bf16");
+  expect_error_mentioning([&] { (void)ep_symmetric_bytes(ep); }, "layer.precision must be bf16");
+  ep.layer.precision = Precision::kBf16;
+  EXPECT_NO_THROW(validate_ep_config(ep));
+}
+
+TEST(Fp8Api, WorkspacePerCall) {
+  LayerConfig c = fp8_config();
+  c.max_tokens = 1000;
+  const size_t fwd = workspace_bytes(c, Impl::kFused, WorkspaceUse::kForward);
+  const size_t bwd = workspace_bytes(c, Impl::kFused, WorkspaceUse::kBackward);
+  const size_t bwd_z = workspace_bytes(c, Impl::kFused, WorkspaceUse::kBackwardSavedZ);
+  EXPECT_EQ(workspace_bytes(c, Impl::kFused), std::max({fwd, bwd, bwd_z}));
+  EXPECT_LT(fwd, bwd_z);
+  // Differences from the bf16 fused workspaces, region by region (256-byte aligned each).
+  auto a = [](int64_t bytes) { return static_cast<size_t>((bytes + 255) / 256 * 256); };
+  const int64_t T = c.max_tokens, R = T * c.top_k, P = (R + 3) / 4 * 4, H = c.hidden, I = c.intermediate;
+  LayerConfig bf16 = c;
+  bf16.precision = Precision::kBf16;
+  // Forward: x once per token in E4M3 with token-major scales; h in E4M3 with block-major scales
+  // instead of bf16.
+  EXPECT_EQ(fwd + a(R * I * 2), workspace_bytes(bf16, Impl::kFused, WorkspaceUse::kForward) + a(T * H) +
+                                    a(T * (H / 128) * 4) + a(R * I) + a((I / 128) * P * 4));
+  // Backward with saved z: dy and dz also in E4M3 with their scales.
+  EXPECT_EQ(bwd_z, workspace_bytes(bf16, Impl::kFused, WorkspaceUse::kBackwardSavedZ) + a(R * H) +
+                       a((H / 128) * P * 4) + a(R * 2 * I) + a((2 * I / 128) * P * 4));
+  // Recomputing z also needs z and the x pool in E4M3 with its scales.
+  EXPECT_EQ(bwd - bwd_z, a(R * 2 * I * 2) + a(R * H) + a((H / 128) * P * 4));
+}
+
+TEST(Fp8Api, WeightBufferLayout) {
+  const LayerConfig c = fp8_config();
+  const int64_t E = c.num_experts, H = c.hidden, I = c.intermediate;
+  const size_t bytes = fp8_weights_bytes(c);
+  // Two E4M3 copies of each weight (2 bytes per bf16 element) plus one fp32 per 128 x 128 block.
+  EXPECT_GE(bytes, static_cast<size_t>(2 * (E * 2 * I * H + E * H * I) + 4 * (E * 2 * (I / 128) * (H / 128) * 2)));
+  EXPECT_LE(bytes, static_cast<size_t>(2 * (E * 2 * I * H + E * H * I) + 4 * (E * 3 * (I / 128) * (H / 128)) + 6 * 256));
+  alignas(256) static uint8_t fake[256];
+  const Fp8Weights w = fp8_weights_view(c, fake);
+  auto off = [&](const void* p) { return static_cast<const uint8_t*>(p) - fake; };
+  EXPECT_EQ(off(w.w13), 0);
+  EXPECT_EQ(off(w.w13_t), E * 2 * I * H);
+  EXPECT_EQ(off(w.w13_scales), 2 * E * 2 * I * H);
+  for (const void* p : {w.w13, w.w13_t, static_cast<const void*>(w.w13_scales), w.w2, w.w2_t,
+                        static_cast<const void*>(w.w2_scales)}) {
+    EXPECT_EQ(off(p) % 256, 0);
+    EXPECT_LT(static_cast<size_t>(off(p)), bytes);
+  }
+  expect_error_mentioning([&] { (void)fp8_weights_view(c, fake + 16); }, "256-byte aligned");
+  LayerConfig odd = c;
+  odd.intermediate = 64;
+  expect_error_mentioning([&] { (void)fp8_weights_bytes(odd); }, "multiple of 128");
+  expect_error_mentioning(
+      [&] { quantize_weights_fp8(c, reinterpret_cast<const void*>(0x1000), nullptr, fake, bytes, nullptr); }, "w2");
+  expect_error_mentioning([&] {
+    quantize_weights_fp8(c, reinterpret_cast<const void*>(0x1000), reinterpret_cast<const void*>(0x2000), fake,
+                         bytes - 1, nullptr);
+  }, "needed");
+}
+
+ForwardArgs plausible_fp8_forward_args(const LayerConfig& c) {
+  ForwardArgs a;
+  a.x = reinterpret_cast<const void*>(0x10000);
+  a.topk_idx = reinterpret_cast<const int32_t*>(0x20000);
+  a.topk_weights = reinterpret_cast<const float*>(0x30000);
+  a.y = reinterpret_cast<void*>(0x60000);
+  a.num_tokens = 8;
+  a.workspace = reinterpret_cast<void*>(0x70000);
+  a.workspace_bytes = workspace_bytes(c, Impl::kFused);
+  a.fp8_weights = reinterpret_cast<const void*>(0x80000);
+  return a;
+}
+
+TEST(Fp8Api, ArgumentsNamed) {
+  const LayerConfig c = fp8_config();
+  ForwardArgs fa = plausible_fp8_forward_args(c);
+  fa.fp8_weights = nullptr;
+  expect_error_mentioning([&] { forward(c, Impl::kFused, fa); }, "fp8_weights must not be null");
+  fa.fp8_weights = reinterpret_cast<const void*>(0x80010);
+  expect_error_mentioning([&] { forward(c, Impl::kFused, fa); }, "fp8_weights must be 256-byte aligned");
+  fa = plausible_fp8_forward_args(c);
+  expect_error_mentioning([&] { forward(c, Impl::kUnfused, fa); }, "Impl::kFused only");
+  fa.w13 = reinterpret_cast<const void*>(0x40000);  // one bf16 weight without the other
+  expect_error_mentioning([&] { forward(c, Impl::kFused, fa); }, "w2 must not be null");
+  BackwardArgs ba;
+  ba.x = fa.x;
+  ba.topk_idx = fa.topk_idx;
+  ba.topk_weights = fa.topk_weights;
+  ba.dy = reinterpret_cast<const void*>(0x90000);
+  ba.dx = reinterpret_cast<void*>(0xa0000);
+  ba.d_topk_weights = reinterpret_cast<float*>(0xb0000);
+  ba.dw13 = reinterpret_cast<void*>(0xc0000);
+  ba.dw2 = reinterpret_cast<void*>(0xd0000);
+  ba.num_tokens = 8;
+  ba.workspace = reinterpret_cast<void*>(0xe0000);
+  ba.workspace_bytes = workspace_bytes(c, Impl::kFused);
+  expect_error_mentioning([&] { backward(c, Impl::kFused, ba); }, "fp8_weights must not be null");
+  ba.fp8_weights = reinterpret_cast<const void*>(0x80000);
+  ba.workspace_bytes = workspace_bytes(c, Impl::kFused, WorkspaceUse::kBackward) - 1;
+  expect_error_mentioning([&] { backward(c, Impl::kFused, ba); }, "needed for impl fused (backward)");
+}
+
+// The emulation of a small layer: finite, its error against fp64 that of E4M3 (a few percent), and
+// T = 0 gives empty outputs and zero weight gradients.
+TEST(Fp8Emulation, ErrorIsThatOfE4m3) {
+  reference::Problem p;
+  p.num_tokens = 40;
+  p.hidden = 256;
+  p.intermediate = 128;
+  p.num_experts = 4;
+  p.top_k = 2;
+  std::mt19937_64 rng(7);
+  auto fill = [&](std::vector<double>& v, size_t n, double stddev) {
+    std::normal_distribution<float> d(0.0f, static_cast<float>(stddev));
+    v.resize(n);
+    for (auto& x : v) x = host::round_to_bf16(d(rng));
+  };
+  fill(p.x_TH, p.num_tokens * p.hidden, 1.0);
+  fill(p.w13_EFH, p.num_experts * 2 * p.intermediate * p.hidden, 1.0 / 16);
+  fill(p.w2_EHI, p.num_experts * p.hidden * p.intermediate, 1.0 / std::sqrt(128.0));
+  for (int64_t t = 0; t < p.num_tokens; ++t) {
+    p.topk_idx_TK.push_back(static_cast<int32_t>(t % 4));
+    p.topk_idx_TK.push_back(t % 5 == 0 ? -1 : static_cast<int32_t>((t + 1) % 4));
+    p.topk_w_TK.push_back(0.6);
+    p.topk_w_TK.push_back(0.4);
+  }
+  std::vector<double> dy;
+  fill(dy, p.num_tokens * p.hidden, 1.0);
+  const reference::Fp8Emulation emu = reference::fp8_emulated_layer(p, dy);
+  const std::vector<double> y = reference::forward(p);
+  const reference::Gradients g = reference::backward(p, dy);
+  auto rel = [](const std::vector<double>& a, const std::vector<double>& b) {
+    double d2 = 0, b2 = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      d2 += (a[i] - b[i]) * (a[i] - b[i]);
+      b2 += b[i] * b[i];
+    }
+    return std::sqrt(d2 / b2);
+  };
+  for (const auto& [name, e] : {std::pair<const char*, double>{"y", rel(emu.y_TH, y)},
+                                {"dx", rel(emu.grads.dx_TH, g.dx_TH)},
+                                {"d_topk_w", rel(emu.grads.d_topk_w_TK, g.d_topk_w_TK)},
+                                {"dw13", rel(emu.grads.dw13_EFH, g.dw13_EFH)},
+                                {"dw2", rel(emu.grads.dw2_EHI, g.dw2_EHI)}}) {
+    std::printf("  emulation %-9s rel_l2 vs fp64 %.3e\n", name, e);
+    EXPECT_TRUE(e >= 3e-3 && e <= 1e-1) << name << ": " << e;
+  }
+  EXPECT_EQ(emu.grads.d_topk_w_TK[1], 0.0);  // token 0, slot 1 is masked
+  p.num_tokens = 0;
+  p.x_TH.clear();
+  p.topk_idx_TK.clear();
+  p.topk_w_TK.clear();
+  const reference::Fp8Emulation empty = reference::fp8_emulated_layer(p, {});
+  EXPECT_TRUE(empty.y_TH.empty() && empty.grads.dx_TH.empty());
+  EXPECT_TRUE(std::all_of(empty.grads.dw13_EFH.begin(), empty.grads.dw13_EFH.end(), [](double v) { return v == 0; }));
+}
+
+}  // namespace
+}  // namespace fusemoe

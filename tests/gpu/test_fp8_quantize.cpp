@@ -1,0 +1,142 @@
+// GPU tests of the FP8 quantization kernels (src/kernels/fp8_quantize.h) against the host recipe
+// (reference/fp8_host.h), bit for bit: E4M3 codes, scales, the transposed weight copies, the
+// gathered rows' bf16 copies and both scale layouts. Edge blocks: all zeros, one huge value among
+// small ones, denormals only, a NaN element. Outputs are poisoned (0xFF) first; rows past the
+// device-side row count must keep the poison.
+#include <cstring>
+#include <string>
+
+#include "gpu/gpu_test_util.h"
+#include "kernels/fp8_quantize.h"
+#include "reference/fp8_host.h"
+
+namespace fusemoe::test {
+namespace {
+
+// Compares E4M3 codes; a NaN code (S.1111.111) matches any NaN code (the sign of a NaN is not
+// specified by the recipe). Reports the first few mismatches with their index.
+void expect_codes_equal(const std::string& what, const std::vector<uint8_t>& got, const std::vector<uint8_t>& want) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  int64_t bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const bool nan_pair = (got[i] & 0x7F) == 0x7F && (want[i] & 0x7F) == 0x7F;
+    if (got[i] != want[i] && !nan_pair && bad++ < 8) {
+      ADD_FAILURE() << what << "[" << i << "]: got 0x" << std::hex << int(got[i]) << ", want 0x" << int(want[i]);
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " codes differ";
+}
+
+void expect_floats_bitwise(const std::string& what, const std::vector<float>& got, const std::vector<float>& want) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  int64_t bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0 && bad++ < 8) {
+      ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << ", want " << want[i];
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " values differ";
+}
+
+// x [T, H] with edge blocks planted in the first rows.
+std::vector<uint16_t> rows_with_edge_blocks(int64_t T, int64_t H, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint16_t> x = random_bf16(T * H, 1.0, rng);
+  for (int64_t c = 0; c < 128; ++c) x[0 * H + c] = host::float_to_bf16_bits(0.0f);               // zeros
+  for (int64_t c = 0; c < 128; ++c) x[1 * H + 128 + c] = host::float_to_bf16_bits(1e-3f * (c % 7));
+  x[1 * H + 128 + 33] = host::float_to_bf16_bits(3.0e38f);                                      // one huge
+  for (int64_t c = 0; c < 128; ++c) x[2 * H + c] = host::float_to_bf16_bits(1e-39f * (c % 3));  // denormals
+  x[3 * H + 200] = 0x7FC0;                                                                       // NaN
+  return x;
+}
+
+TEST(Fp8Quantize, TokenRowsMatchHostRecipe) {
+  const int64_t T = 77, H = 384, blocks = H / 128;
+  const std::vector<uint16_t> x = rows_with_edge_blocks(T, H, 11);
+  DeviceBuffer x_dev = DeviceBuffer::from(x), q_dev(T * H), s_dev(T * blocks * 4);
+  q_dev.poison();
+  s_dev.poison();
+  launch_quantize_rows_fp8(x_dev.get(), nullptr, nullptr, T, 1, H, nullptr, q_dev.get(),
+                           static_cast<float*>(s_dev.get()), Fp8ScaleLayout{blocks, 1}, nullptr);
+  TEST_CUDA(cudaDeviceSynchronize());
+  std::vector<uint8_t> q_want(T * H);
+  std::vector<float> s_want(T * blocks), row(H);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t c = 0; c < H; ++c) row[c] = host::bf16_bits_to_float(x[t * H + c]);
+    host::fp8_quantize_row(row.data(), H, q_want.data() + t * H, s_want.data() + t * blocks);
+  }
+  expect_codes_equal("x_fp8", q_dev.to_host<uint8_t>(), q_want);
+  const std::vector<float> s_got = s_dev.to_host<float>();
+  expect_floats_bitwise("x_scales", s_got, s_want);
+  for (float s : s_got) EXPECT_TRUE(std::isfinite(s) && s > 0.0f) << "scale " << s;
+}
+
+// The backward's pools: rows gathered by row_slot / K, bf16 copies beside the FP8 rows, scales
+// block-major [H/128, R_pad]; the row count is read on the device, rows past it stay untouched.
+TEST(Fp8Quantize, GatheredRowsMatchHostRecipe) {
+  const int64_t T = 50, H = 256, K = 3, max_rows = T * K, blocks = H / 128;
+  const int64_t rows_pad = (max_rows + 3) / 4 * 4;
+  const std::vector<uint16_t> x = rows_with_edge_blocks(T, H, 12);
+  std::vector<int32_t> row_slot(max_rows);
+  std::mt19937_64 rng(13);
+  for (auto& s : row_slot) s = static_cast<int32_t>(rng() % (T * K));
+  const int32_t num_rows = 101;
+  DeviceBuffer x_dev = DeviceBuffer::from(x), slot_dev = DeviceBuffer::from(row_slot),
+               count_dev = DeviceBuffer::from(std::vector<int32_t>{num_rows});
+  DeviceBuffer bf16_dev(max_rows * H * 2), q_dev(max_rows * H), s_dev(blocks * rows_pad * 4);
+  for (DeviceBuffer* b : {&bf16_dev, &q_dev, &s_dev}) b->poison();
+  launch_quantize_rows_fp8(x_dev.get(), static_cast<const int32_t*>(slot_dev.get()),
+                           static_cast<const int32_t*>(count_dev.get()), max_rows, K, H, bf16_dev.get(), q_dev.get(),
+                           static_cast<float*>(s_dev.get()), Fp8ScaleLayout{1, rows_pad}, nullptr);
+  TEST_CUDA(cudaDeviceSynchronize());
+  std::vector<uint8_t> q_want(max_rows * H, 0xFF);
+  std::vector<uint16_t> bf16_want(max_rows * H, 0xFFFF);
+  std::vector<float> s_want(blocks * rows_pad), row(H), s_row(blocks);
+  std::memset(s_want.data(), 0xFF, s_want.size() * sizeof(float));
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t t = row_slot[r] / K;
+    for (int64_t c = 0; c < H; ++c) {
+      row[c] = host::bf16_bits_to_float(x[t * H + c]);
+      bf16_want[r * H + c] = x[t * H + c];
+    }
+    host::fp8_quantize_row(row.data(), H, q_want.data() + r * H, s_row.data());
+    for (int64_t b = 0; b < blocks; ++b) s_want[b * rows_pad + r] = s_row[b];
+  }
+  expect_codes_equal("xs_fp8", q_dev.to_host<uint8_t>(), q_want);
+  EXPECT_TRUE(bf16_dev.to_host<uint16_t>() == bf16_want) << "bf16 copies differ (or rows past the count written)";
+  expect_floats_bitwise("xs_scales", s_dev.to_host<float>(), s_want);
+}
+
+// Both weight shapes' block grids, the transposed copy, and edge blocks inside a weight.
+TEST(Fp8Quantize, WeightsAndTransposesMatchHostRecipe) {
+  const int64_t E = 3, R = 256, C = 384;
+  std::mt19937_64 rng(14);
+  std::vector<uint16_t> w = random_bf16(E * R * C, 0.05, rng);
+  for (int64_t r = 0; r < 128; ++r) {
+    for (int64_t c = 128; c < 256; ++c) w[(1 * R + r) * C + c] = 0;  // expert 1, block (0, 1): zeros
+  }
+  w[(2 * R + 200) * C + 300] = host::float_to_bf16_bits(-2.5e38f);   // expert 2, block (1, 2): one huge
+  DeviceBuffer w_dev = DeviceBuffer::from(w), q_dev(E * R * C), qt_dev(E * R * C), s_dev(E * (R / 128) * (C / 128) * 4);
+  for (DeviceBuffer* b : {&q_dev, &qt_dev, &s_dev}) b->poison();
+  launch_quantize_weights_fp8(w_dev.get(), E, R, C, q_dev.get(), qt_dev.get(), static_cast<float*>(s_dev.get()),
+                              nullptr);
+  TEST_CUDA(cudaDeviceSynchronize());
+  std::vector<float> wf(R * C);
+  std::vector<uint8_t> q_want(E * R * C), qt_want(E * R * C);
+  std::vector<float> s_want(E * (R / 128) * (C / 128));
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t i = 0; i < R * C; ++i) wf[i] = host::bf16_bits_to_float(w[e * R * C + i]);
+    host::fp8_quantize_matrix(wf.data(), R, C, q_want.data() + e * R * C, s_want.data() + e * (R / 128) * (C / 128));
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t c = 0; c < C; ++c) qt_want[e * R * C + c * R + r] = q_want[e * R * C + r * C + c];
+    }
+  }
+  expect_codes_equal("w_fp8", q_dev.to_host<uint8_t>(), q_want);
+  expect_codes_equal("w_fp8_t", qt_dev.to_host<uint8_t>(), qt_want);
+  const std::vector<float> s_got = s_dev.to_host<float>();
+  expect_floats_bitwise("w_scales", s_got, s_want);
+  for (float s : s_got) EXPECT_TRUE(std::isfinite(s) && s > 0.0f) << "scale " << s;
+}
+
+}  // namespace
+}  // namespace fusemoe::test

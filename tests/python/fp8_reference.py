@@ -1,0 +1,85 @@
+"""FP8 emulation reference in PyTorch (issue 16): the blockwise recipe of precision="fp8"
+(docs/numerics.md, "Blockwise FP8"), then fp32 math, with the bf16 roundings where the kernels
+materialise bf16 values. Mirrors reference/fp8_emulation.cpp (the C++ suite's, fp64 between).
+
+    scale = max(amax, 1e-30) / 448 per block (1 x 128 activations, 128 x 128 weights),
+    q = e4m3(v * 448 / amax), dequantized q * scale.
+Forward: z = dq(x) dq(W13)^T, h = bf16(silu(g) u), o = dq(h) dq(W2)^T, y = bf16(sum_j bf16(w o)).
+Backward (straight-through): a = dq(dy) dq(W2), h from bf16 z, d_topk_w = <h, a>,
+dz = bf16(SwiGLU'(w a)), dx = bf16(sum_j bf16(dq(dz) dq(W13))), dW2 = dy^T bf16(w h), dW13 = dz^T x.
+Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, K top-k, N rows of
+one expert.
+"""
+import torch
+import torch.nn.functional as F
+
+E4M3_MAX = 448.0
+MIN_AMAX = 1e-30
+BLOCK = 128
+
+
+def _quantize_blocks(blocks, dims):
+    """Dequantized E4M3 values of `blocks` with one scale per block (max over dims)."""
+    amax = blocks.abs().amax(dim=dims, keepdim=True).clamp_min(MIN_AMAX)
+    scale, inv = amax / E4M3_MAX, E4M3_MAX / amax
+    q = (blocks * inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return q * scale
+
+
+def quantize_rows(v_NC):
+    """1 x 128 blocks along the last dimension of an fp32 [N, C] tensor."""
+    n, c = v_NC.shape
+    return _quantize_blocks(v_NC.reshape(n, c // BLOCK, BLOCK), (-1,)).reshape(n, c)
+
+
+def quantize_matrix(w_RC):
+    """128 x 128 blocks of an fp32 [R, C] matrix."""
+    r, c = w_RC.shape
+    blocks = w_RC.reshape(r // BLOCK, BLOCK, c // BLOCK, BLOCK)
+    return _quantize_blocks(blocks, (1, 3)).reshape(r, c)
+
+
+def _bf16(t):
+    return t.to(torch.bfloat16).float()
+
+
+def moe_experts_fp8_emulated(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH):
+    """y and every gradient (dict: y, dx, d_topk_weights, dw13, dw2) of the FP8 recipe, fp32."""
+    x_TH, dy_TH = x_TH.float(), dy_TH.float()
+    num_tokens, hidden = x_TH.shape
+    num_experts, two_intermediate, _ = w13_EFH.shape
+    intermediate = two_intermediate // 2
+    xq_TH, dyq_TH = quantize_rows(x_TH), quantize_rows(dy_TH)
+    y_TH = torch.zeros_like(x_TH)
+    dx_TH = torch.zeros_like(x_TH)
+    d_topk_weights_TK = torch.zeros(topk_idx_TK.shape, dtype=torch.float32, device=x_TH.device)
+    dw13_EFH = torch.zeros(w13_EFH.shape, dtype=torch.float32, device=x_TH.device)
+    dw2_EHI = torch.zeros(w2_EHI.shape, dtype=torch.float32, device=x_TH.device)
+    for e in range(num_experts):
+        token_N, slot_N = (topk_idx_TK == e).nonzero(as_tuple=True)
+        if token_N.numel() == 0:
+            continue
+        w13q_FH = quantize_matrix(w13_EFH[e].float())
+        w2q_HI = quantize_matrix(w2_EHI[e].float())
+        w_N = topk_weights_TK[token_N, slot_N].float()[:, None]
+        # forward
+        z_NF = xq_TH[token_N] @ w13q_FH.t()
+        h_NI = _bf16(F.silu(z_NF[:, :intermediate]) * z_NF[:, intermediate:])
+        o_NH = quantize_rows(h_NI) @ w2q_HI.t()
+        y_TH.index_add_(0, token_N, _bf16(o_NH * w_N))
+        # backward, from the bf16 z the forward saves
+        zb_NF = _bf16(z_NF)
+        g_NI, u_NI = zb_NF[:, :intermediate], zb_NF[:, intermediate:]
+        a_NI = dyq_TH[token_N] @ w2q_HI
+        sig_NI = torch.sigmoid(g_NI)
+        silu_NI = g_NI * sig_NI
+        hb_NI = _bf16(silu_NI * u_NI)
+        d_topk_weights_TK[token_N, slot_N] = (hb_NI * a_NI).sum(dim=1)
+        dh_NI = w_N * a_NI
+        dz_NF = _bf16(torch.cat([dh_NI * u_NI * sig_NI * (1 + g_NI * (1 - sig_NI)),
+                                 dh_NI * silu_NI], dim=1))
+        dx_TH.index_add_(0, token_N, _bf16(quantize_rows(dz_NF) @ w13q_FH))
+        dw2_EHI[e] = dy_TH[token_N].t() @ _bf16(w_N * hb_NI)
+        dw13_EFH[e] = dz_NF.t() @ x_TH[token_N]
+    return dict(y=_bf16(y_TH), dx=_bf16(dx_TH), d_topk_weights=d_topk_weights_TK, dw13=dw13_EFH,
+                dw2=dw2_EHI)
