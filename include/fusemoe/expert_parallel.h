@@ -23,7 +23,11 @@
 // case (all tokens of all ranks to one rank), so nothing is ever dropped; CUDA-graph capturable.
 //
 // Every rank must make the same calls in the same order (forward, backward, ...), with the same
-// EpConfig except the rank. Every cross-rank wait is bounded (set_device_wait_timeout, default
+// EpConfig except the rank. Ranks that share one process (tests, one-GPU runs) must keep every
+// operation of a rank on its own stream (never the legacy default stream: a blocking call there
+// can wait behind another rank's kernel that waits for this rank), give the streams their own
+// hardware queues (CUDA_DEVICE_MAX_CONNECTIONS=32) and load kernels eagerly
+// (CUDA_MODULE_LOADING=EAGER: a lazy load can synchronise the context the same way). Every cross-rank wait is bounded (set_device_wait_timeout, default
 // 30 s): a rank that never arrives makes the others fail with an error naming the rank, the
 // peer and what was waited for, instead of hanging.
 #pragma once
