@@ -15,7 +15,8 @@
 // and makes them reachable from every other rank. Each call gets the table of the R ranks'
 // symmetric workspaces as mapped in the calling process (peer_symmetric[rank] is its own):
 // CUDA IPC handles (cudaIpcGetMemHandle / cudaIpcOpenMemHandle), PyTorch symmetric memory, or
-// NCCL window registration give such pointers (docs/expert_parallel.md shows each route). The
+// NCCL window registration give such pointers (docs/expert_parallel.md shows each route and
+// which are tested). The
 // protocol: sources publish (token, slot) metadata to the owners; owners pull each token row
 // once per rank (however many of its experts live there), run the gate/up and down GEMMs, and
 // push every output row into the source's slot buffer; each source combines its slots in slot
