@@ -147,7 +147,7 @@ printf '%s\t%d\t%d\t%s\n' gpu_tests "$tests_rc" "$((SECONDS - start))" "$tests_n
 tail -n 15 "$OUTDIR/gpu_tests.log" | tee -a "$LOG"
 log "end gpu_tests: exit $tests_rc after $((SECONDS - start)) s ${tests_note}"
 
-# ---- 3b. Memory checker over the edge cases (bad ids, empty experts, T = 0/1/7/199; the GEMM
+# ---- 3b. Sanitizers: memcheck over the edge cases (bad ids, empty experts, T = 0/1/7/199; the GEMM
 # instances on odd expert sizes, a single row, no rows, T = 0, masked slots) ----
 # memcheck BINARY FILTER: appends to sanitizer.log; returns compute-sanitizer's exit code.
 memcheck() {
@@ -171,6 +171,19 @@ if command -v compute-sanitizer >/dev/null && [[ -x "$BUILD_DIR/fusemoe_gpu_test
   printf '%s\t%d\t%d\t%s\n' memcheck "$san_rc" "$((SECONDS - start))" "" >>"$PARTS/steps.tsv"
   tail -n 4 "$OUTDIR/sanitizer.log" | tee -a "$LOG"
   log "end memcheck: exit $san_rc after $((SECONDS - start)) s"
+  # The other three tools over the small fused forward and backward cases (racecheck is the slow
+  # one: shared-memory hazards are tracked per access).
+  for tool in racecheck synccheck initcheck; do
+    start=$SECONDS
+    echo "== compute-sanitizer $tool" >>"$OUTDIR/sanitizer.log"
+    timeout --kill-after=15 "${SANITIZER_TIMEOUT_S:-180}" compute-sanitizer --tool "$tool" --error-exitcode 1 \
+      "$BUILD_DIR/fusemoe_gpu_tests" \
+      --gtest_filter='Fused/FusedSmall.MatchesCpuReference/T199_*:Fused/FusedBackwardSmall.MatchesCpuReference/T199_*:Fused/FusedSmall.MatchesCpuReference/T7_*' \
+      >>"$OUTDIR/sanitizer.log" 2>&1
+    tool_rc=$?
+    printf '%s\t%d\t%d\t%s\n' "$tool" "$tool_rc" "$((SECONDS - start))" "" >>"$PARTS/steps.tsv"
+    log "end $tool: exit $tool_rc after $((SECONDS - start)) s"
+  done
 fi
 
 # ---- 4. Benchmarks: fusemoe and PyTorch, case by case ----

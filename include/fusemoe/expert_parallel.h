@@ -15,7 +15,8 @@
 // and makes them reachable from every other rank. Each call gets the table of the R ranks'
 // symmetric workspaces as mapped in the calling process (peer_symmetric[rank] is its own):
 // CUDA IPC handles (cudaIpcGetMemHandle / cudaIpcOpenMemHandle), PyTorch symmetric memory, or
-// NCCL window registration give such pointers (docs/expert_parallel.md shows each route). The
+// NCCL window registration give such pointers (docs/expert_parallel.md shows each route and
+// which are tested). The
 // protocol: sources publish (token, slot) metadata to the owners; owners pull each token row
 // once per rank (however many of its experts live there), run the gate/up and down GEMMs, and
 // push every output row into the source's slot buffer; each source combines its slots in slot
@@ -23,7 +24,11 @@
 // case (all tokens of all ranks to one rank), so nothing is ever dropped; CUDA-graph capturable.
 //
 // Every rank must make the same calls in the same order (forward, backward, ...), with the same
-// EpConfig except the rank. Every cross-rank wait is bounded (set_device_wait_timeout, default
+// EpConfig except the rank. Ranks that share one process (tests, one-GPU runs) must keep every
+// operation of a rank on its own stream (never the legacy default stream: a blocking call there
+// can wait behind another rank's kernel that waits for this rank), give the streams their own
+// hardware queues (CUDA_DEVICE_MAX_CONNECTIONS=32) and load kernels eagerly
+// (CUDA_MODULE_LOADING=EAGER: a lazy load can synchronise the context the same way). Every cross-rank wait is bounded (set_device_wait_timeout, default
 // 30 s): a rank that never arrives makes the others fail with an error naming the rank, the
 // peer and what was waited for, instead of hanging.
 #pragma once
@@ -57,20 +62,17 @@ size_t ep_workspace_bytes(const EpConfig& config);
 // them). Per rank.
 size_t ep_saved_state_bytes(const EpConfig& config);
 
-struct EpForwardArgs {
+// What every call of a rank passes, forward and backward alike.
+struct EpCall {
   const void* x = nullptr;              // [T, H] bf16, this rank's tokens
   const int32_t* topk_idx = nullptr;    // [T, K] GLOBAL expert ids, -1 masks a slot
   const float* topk_weights = nullptr;  // [T, K]
   const void* w13 = nullptr;            // [E/R, 2I, H] bf16: this rank's experts
   const void* w2 = nullptr;             // [E/R, H, I] bf16
-  void* y = nullptr;                    // [T, H] bf16 (output)
   int64_t num_tokens = 0;               // T of this rank, 0 <= T <= max_tokens (may differ by rank)
   void* const* peer_symmetric = nullptr;  // [R] host array: each rank's symmetric workspace
-  void* workspace = nullptr;            // ep_workspace_bytes(config, kForward), 256-byte aligned
+  void* workspace = nullptr;            // ep_workspace_bytes(config, use), 256-byte aligned
   size_t workspace_bytes = 0;
-  // Optional: ep_saved_state_bytes(config) bytes the backward of this call reads (saves the
-  // backward its routing exchange and the z recompute).
-  void* saved_state = nullptr;
   // As ForwardArgs (ids checked against the GLOBAL E). A synchronising check waits for this
   // rank's whole call, which needs the other ranks' calls: with one host thread driving several
   // ranks, pass a report (or false) instead.
@@ -80,14 +82,16 @@ struct EpForwardArgs {
   cudaStream_t stream = nullptr;
 };
 
+struct EpForwardArgs {
+  EpCall call;
+  void* y = nullptr;  // [T, H] bf16 (output)
+  // Optional: ep_saved_state_bytes(config) bytes the backward of the same inputs reads (saves it
+  // the z recompute).
+  void* saved_state = nullptr;
+};
+
 struct EpBackwardArgs {
-  // The forward's inputs (x, topk_idx, topk_weights, w13, w2, num_tokens) and:
-  const void* x = nullptr;
-  const int32_t* topk_idx = nullptr;
-  const float* topk_weights = nullptr;
-  const void* w13 = nullptr;
-  const void* w2 = nullptr;
-  int64_t num_tokens = 0;
+  EpCall call;                           // the forward's inputs
   const void* dy = nullptr;              // [T, H] bf16
   void* dx = nullptr;                    // [T, H] bf16 (output)
   float* d_topk_weights = nullptr;       // [T, K] fp32 (output; 0 for masked slots)
@@ -95,14 +99,7 @@ struct EpBackwardArgs {
   void* dw2 = nullptr;                   // [E/R, H, I]
   WeightGradDtype weight_grad_dtype = WeightGradDtype::kFloat32;
   bool accumulate_weight_grads = false;
-  void* const* peer_symmetric = nullptr;
-  void* workspace = nullptr;             // ep_workspace_bytes(config, kBackward or kBackwardSavedZ)
-  size_t workspace_bytes = 0;
   const void* saved_state = nullptr;     // the forward's EpForwardArgs::saved_state, or null
-  bool sync_check_expert_ids = true;
-  int32_t* expert_id_report = nullptr;
-  int num_sms = 0;
-  cudaStream_t stream = nullptr;
 };
 
 // Throws fusemoe::Error naming the first field that breaks a limit.

@@ -2,6 +2,7 @@
 // validate -> dispatch, as api.cpp does for the single-GPU layer. Every check is here; the
 // pipeline (src/pipelines/ep_layer.cu) and its launchers only assert.
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 
 #include "fusemoe/expert_parallel.h"
@@ -46,6 +47,36 @@ void check_common(const EpConfig& c, void* const* peer_symmetric, void* workspac
   FUSEMOE_CHECK(workspace_bytes >= needed,
                 "workspace_bytes: " << workspace_bytes << " bytes given, " << needed << " needed");
   FUSEMOE_CHECK(num_sms >= 0, "num_sms must be >= 0 (0: every SM), got " << num_sms);
+}
+
+struct TensorArg {
+  const void* pointer;
+  const char* name;
+  uintptr_t alignment;
+};
+
+void sync_check(const EpConfig& c, void* workspace, cudaStream_t stream);
+
+// The checks every call makes (config, peers, workspace, the tensors it always takes and those
+// it takes when it has tokens, the optional ones), then the call, then the expert-id check the
+// caller chose.
+template <class Run>
+void run_checked(const EpConfig& c, const EpCall& a, const void* saved_state, WorkspaceUse use,
+                 std::initializer_list<TensorArg> outputs, std::initializer_list<TensorArg> with_tokens, Run run) {
+  check_common(c, a.peer_symmetric, a.workspace, a.workspace_bytes, use, a.num_tokens, a.num_sms);
+  check_tensor(a.w13, "w13", 16);
+  check_tensor(a.w2, "w2", 16);
+  for (const TensorArg& t : outputs) check_tensor(t.pointer, t.name, t.alignment);
+  if (a.num_tokens > 0) {
+    check_tensor(a.x, "x", 16);
+    check_tensor(a.topk_idx, "topk_idx", 4);
+    check_tensor(a.topk_weights, "topk_weights", 4);
+    for (const TensorArg& t : with_tokens) check_tensor(t.pointer, t.name, t.alignment);
+  }
+  if (saved_state != nullptr) check_tensor(saved_state, "saved_state", 16);
+  if (a.expert_id_report != nullptr) check_tensor(a.expert_id_report, "expert_id_report", 4);
+  run();
+  if (a.sync_check_expert_ids && a.expert_id_report == nullptr) sync_check(c, a.workspace, a.stream);
 }
 
 void sync_check(const EpConfig& c, void* workspace, cudaStream_t stream) {
@@ -108,43 +139,17 @@ size_t ep_saved_state_bytes(const EpConfig& config) {
 }
 
 void ep_forward(const EpConfig& c, const EpForwardArgs& a) {
-  check_common(c, a.peer_symmetric, a.workspace, a.workspace_bytes, WorkspaceUse::kForward, a.num_tokens, a.num_sms);
-  check_tensor(a.w13, "w13", 16);
-  check_tensor(a.w2, "w2", 16);
-  if (a.num_tokens > 0) {
-    check_tensor(a.x, "x", 16);
-    check_tensor(a.topk_idx, "topk_idx", 4);
-    check_tensor(a.topk_weights, "topk_weights", 4);
-    check_tensor(a.y, "y", 16);
-  }
-  if (a.saved_state != nullptr) check_tensor(a.saved_state, "saved_state", 16);
-  if (a.expert_id_report != nullptr) check_tensor(a.expert_id_report, "expert_id_report", 4);
-  ep_layer_forward(c, a);
-  if (a.sync_check_expert_ids && a.expert_id_report == nullptr) sync_check(c, a.workspace, a.stream);
+  run_checked(c, a.call, a.saved_state, WorkspaceUse::kForward, {}, {{a.y, "y", 16}}, [&] { ep_layer_forward(c, a); });
 }
 
 void ep_backward(const EpConfig& c, const EpBackwardArgs& a) {
-  check_common(c, a.peer_symmetric, a.workspace, a.workspace_bytes,
-               a.saved_state != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward, a.num_tokens,
-               a.num_sms);
   FUSEMOE_CHECK(a.weight_grad_dtype == WeightGradDtype::kFloat32 || a.weight_grad_dtype == WeightGradDtype::kBFloat16,
                 "weight_grad_dtype: unknown value " << static_cast<int>(a.weight_grad_dtype));
-  check_tensor(a.w13, "w13", 16);
-  check_tensor(a.w2, "w2", 16);
-  check_tensor(a.dw13, "dw13", 16);
-  check_tensor(a.dw2, "dw2", 16);
-  if (a.num_tokens > 0) {
-    check_tensor(a.x, "x", 16);
-    check_tensor(a.topk_idx, "topk_idx", 4);
-    check_tensor(a.topk_weights, "topk_weights", 4);
-    check_tensor(a.dy, "dy", 16);
-    check_tensor(a.dx, "dx", 16);
-    check_tensor(a.d_topk_weights, "d_topk_weights", 4);
-  }
-  if (a.saved_state != nullptr) check_tensor(a.saved_state, "saved_state", 16);
-  if (a.expert_id_report != nullptr) check_tensor(a.expert_id_report, "expert_id_report", 4);
-  ep_layer_backward(c, a);
-  if (a.sync_check_expert_ids && a.expert_id_report == nullptr) sync_check(c, a.workspace, a.stream);
+  run_checked(c, a.call, a.saved_state,
+              a.saved_state != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward,
+              {{a.dw13, "dw13", 16}, {a.dw2, "dw2", 16}},
+              {{a.dy, "dy", 16}, {a.dx, "dx", 16}, {a.d_topk_weights, "d_topk_weights", 4}},
+              [&] { ep_layer_backward(c, a); });
 }
 
 }  // namespace fusemoe

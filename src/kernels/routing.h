@@ -32,10 +32,9 @@ struct RoutingPlan {
 // The counting sort works on chunks of kRoutingChunk consecutive slots, one block per chunk,
 // kRoutingThreads threads per block walking the chunk in rounds of kRoutingThreads slots.
 // 1024 slots per chunk: the count and place kernels' blocks each walk 4 rounds, and there are
-// enough of them to spread over the GPU at a few thousand tokens; with 4096 (16 rounds, 8 blocks
-// at 4096 tokens x top-8) routing took 35 us of the 0.71 ms Qwen3-30B-A3B forward at T=4096
-// (ncu, H200: place 20 us, count 9). The per-expert chunk prefix in routing_scan is a loop over
-// the chunks, 16 loads in flight per step.
+// enough of them to spread over the GPU at a few thousand tokens (4096-slot chunks left most SMs
+// idle: docs/experiments.md#routing-chunk). The per-expert chunk prefix in routing_scan is a loop
+// over the chunks, 16 loads in flight per step.
 constexpr int kRoutingThreads = 256;
 constexpr int kRoutingChunk = 1024;
 static_assert(kRoutingChunk % kRoutingThreads == 0, "a chunk is a whole number of rounds");

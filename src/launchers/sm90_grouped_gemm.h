@@ -47,6 +47,20 @@ struct Sm90PeerRows {
   void* slot_buffers[8] = {};          // each rank's [S, H] bf16 buffer as mapped in this process
 };
 
+// The rows problem of a layer call: experts and their offsets, capacity, the layer's H and I.
+inline Sm90Rows make_sm90_rows(const int32_t* expert_offsets, int64_t max_rows, int64_t num_experts,
+                               int64_t hidden, int64_t intermediate, int num_sms, cudaStream_t stream) {
+  Sm90Rows rows;
+  rows.expert_offsets = expert_offsets;
+  rows.max_rows = max_rows;
+  rows.hidden = hidden;
+  rows.intermediate = intermediate;
+  rows.num_experts = num_experts;
+  rows.num_sms = num_sms;
+  rows.stream = stream;
+  return rows;
+}
+
 struct Sm90GateUpParams {
   Sm90Rows rows;
   const void* x = nullptr;             // [T, H] bf16 token rows, gathered by the kernel

@@ -21,6 +21,7 @@
 #include "kernels/moe_elementwise.h"
 #include "kernels/routing.h"
 #include "launchers/sm90_grouped_gemm.h"
+#include "pipelines/backward_gemms.h"
 #include "pipelines/ep_workspace.h"
 
 namespace fusemoe {
@@ -37,15 +38,8 @@ EpPeers peers_of(const EpConfig& c, void* const* peer_symmetric) {
 
 // The rows problem of the owner's GEMMs: its local experts, capacity R * T * K rows.
 Sm90Rows owner_rows(const EpConfig& c, const EpPrivate& ws, int num_sms, cudaStream_t stream) {
-  Sm90Rows rows;
-  rows.expert_offsets = ws.owner.expert_offsets;
-  rows.max_rows = c.world_size * c.layer.max_tokens * c.layer.top_k;
-  rows.hidden = c.layer.hidden;
-  rows.intermediate = c.layer.intermediate;
-  rows.num_experts = c.layer.num_experts / c.world_size;
-  rows.num_sms = num_sms;
-  rows.stream = stream;
-  return rows;
+  return make_sm90_rows(ws.owner.expert_offsets, c.world_size * c.layer.max_tokens * c.layer.top_k,
+                        c.layer.num_experts / c.world_size, c.layer.hidden, c.layer.intermediate, num_sms, stream);
 }
 
 Sm90PeerRows peer_rows(const EpConfig& c, const EpPeers& peers, const EpSymmetric& own, const EpOwnerPlan& plan) {
@@ -61,16 +55,19 @@ Sm90PeerRows peer_rows(const EpConfig& c, const EpPeers& peers, const EpSymmetri
 // Steps 1-5: this rank's message out, every source's message in, the owner plan and the pulls.
 // The backward (with_dy) also stages and pulls dy. (Decided by the direction, never by the
 // pointer: a rank with no tokens passes no dy, and as an owner still pulls the others'.)
-void exchange(const EpConfig& c, const EpPeers& peers, const EpSymmetric& own, EpPrivate& ws, const void* x,
-              bool with_dy, const void* dy, const int32_t* topk_idx, const float* topk_weights, int64_t num_tokens,
-              int32_t* expert_id_report, cudaStream_t stream) {
+void exchange(const EpConfig& c, const EpPeers& peers, const EpSymmetric& own, EpPrivate& ws, const EpCall& call,
+              bool with_dy, const void* dy) {
+  const void* x = call.x;
+  const int32_t* topk_idx = call.topk_idx;
+  const int64_t num_tokens = call.num_tokens;
+  cudaStream_t stream = call.stream;
   const LayerConfig& l = c.layer;
   const int64_t R = c.world_size, El = l.num_experts / R;
   launch_ep_begin_call(own.epoch, stream);
-  launch_routing(topk_idx, num_tokens, l.top_k, l.num_experts, ws.plan, expert_id_report, stream);
+  launch_routing(topk_idx, num_tokens, l.top_k, l.num_experts, ws.plan, call.expert_id_report, stream);
   launch_ep_mark_destinations(topk_idx, num_tokens, l.top_k, l.num_experts, c.world_size, ws.dest_TR, stream);
   launch_routing(ws.dest_TR, num_tokens, R, R, ws.token_plan, nullptr, stream);
-  launch_ep_publish(peers, own, ws.plan, ws.token_plan, topk_idx, topk_weights, l.max_tokens, l.top_k,
+  launch_ep_publish(peers, own, ws.plan, ws.token_plan, topk_idx, call.topk_weights, l.max_tokens, l.top_k,
                     l.num_experts, stream);
   const size_t row_bytes = static_cast<size_t>(l.hidden) * 2;  // copies of 0 rows are skipped
   if (num_tokens > 0) {
@@ -101,19 +98,18 @@ RoutingPlan ep_routing_plan(const EpConfig& config, void* workspace) {
 
 void ep_layer_forward(const EpConfig& c, const EpForwardArgs& a) {
   const LayerConfig& l = c.layer;
-  const EpPeers peers = peers_of(c, a.peer_symmetric);
-  const EpSymmetric own(c, a.peer_symmetric[c.rank]);
-  EpPrivate ws(c, a.workspace, WorkspaceUse::kForward);
-  exchange(c, peers, own, ws, a.x, /*with_dy=*/false, nullptr, a.topk_idx, a.topk_weights, a.num_tokens,
-           a.expert_id_report, a.stream);
+  const EpPeers peers = peers_of(c, a.call.peer_symmetric);
+  const EpSymmetric own(c, a.call.peer_symmetric[c.rank]);
+  EpPrivate ws(c, a.call.workspace, WorkspaceUse::kForward);
+  exchange(c, peers, own, ws, a.call, /*with_dy=*/false, nullptr);
 
-  const Sm90Rows rows = owner_rows(c, ws, a.num_sms, a.stream);
+  const Sm90Rows rows = owner_rows(c, ws, a.call.num_sms, a.call.stream);
   Sm90GateUpParams gate_up;
   gate_up.rows = rows;
   gate_up.x = ws.x_pool;
   gate_up.row_slot = ws.owner.row_pool;  // token row = row_pool[r] / top_k with top_k 1
   gate_up.top_k = 1;
-  gate_up.w13 = a.w13;
+  gate_up.w13 = a.call.w13;
   gate_up.h = ws.h;
   gate_up.z = a.saved_state;
   gate_up.use_swiglu_clamp = l.use_swiglu_clamp;
@@ -124,88 +120,58 @@ void ep_layer_forward(const EpConfig& c, const EpForwardArgs& a) {
   Sm90DownParams down;
   down.rows = rows;
   down.h = ws.h;
-  down.w2 = a.w2;
+  down.w2 = a.call.w2;
   down.to_peers = &to_sources;
   launch_sm90_down_weighted(down);
-  launch_ep_signal(peers, own, /*to_owners=*/false, a.stream);
+  launch_ep_signal(peers, own, /*to_owners=*/false, a.call.stream);
 
-  launch_ep_wait(peers, own, /*from_sources=*/false, a.stream);
-  launch_combine_slots(own.slots, ws.plan.slot_row, a.num_tokens, l.top_k, l.hidden, a.y, a.stream);
+  launch_ep_wait(peers, own, /*from_sources=*/false, a.call.stream);
+  launch_combine_slots(own.slots, ws.plan.slot_row, a.call.num_tokens, l.top_k, l.hidden, a.y, a.call.stream);
 }
 
 void ep_layer_backward(const EpConfig& c, const EpBackwardArgs& a) {
   const LayerConfig& l = c.layer;
-  const int64_t H = l.hidden, I = l.intermediate, El = l.num_experts / c.world_size;
-  const EpPeers peers = peers_of(c, a.peer_symmetric);
-  const EpSymmetric own(c, a.peer_symmetric[c.rank]);
-  EpPrivate ws(c, a.workspace, a.saved_state != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward);
-  exchange(c, peers, own, ws, a.x, /*with_dy=*/true, a.dy, a.topk_idx, a.topk_weights, a.num_tokens,
-           a.expert_id_report, a.stream);
+  const int64_t H = l.hidden, El = l.num_experts / c.world_size;
+  const EpPeers peers = peers_of(c, a.call.peer_symmetric);
+  const EpSymmetric own(c, a.call.peer_symmetric[c.rank]);
+  EpPrivate ws(c, a.call.workspace, a.saved_state != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward);
+  exchange(c, peers, own, ws, a.call, /*with_dy=*/true, a.dy);
 
-  const Sm90Rows rows = owner_rows(c, ws, a.num_sms, a.stream);
+  const Sm90Rows rows = owner_rows(c, ws, a.call.num_sms, a.call.stream);
   const int32_t* num_rows_device = ws.owner.expert_offsets + El;
-  launch_gather_rows_device_count(ws.x_pool, ws.owner.row_pool, num_rows_device, rows.max_rows, 1, H, ws.xs, a.stream);
+  launch_gather_rows_device_count(ws.x_pool, ws.owner.row_pool, num_rows_device, rows.max_rows, 1, H, ws.xs,
+                                  a.call.stream);
   launch_gather_rows_device_count(ws.dy_pool, ws.owner.row_pool, num_rows_device, rows.max_rows, 1, H, ws.dys,
-                                  a.stream);
-  // z from the forward of the same call (the same plan, so the same row order) or recomputed.
-  const void* z = a.saved_state;
-  if (z == nullptr) {
-    Sm90RecomputeZParams rz;
-    rz.rows = rows;
-    rz.xs = ws.xs;
-    rz.w13 = a.w13;
-    rz.z = ws.z;
-    launch_sm90_recompute_z(rz);
-    z = ws.z;
-  }
-  Sm90DgradSwigluParams d1;
-  d1.rows = rows;
-  d1.dys = ws.dys;
-  d1.w2 = a.w2;
-  d1.z = z;
-  d1.row_slot = ws.owner.row_identity;   // weights by row: topk_weights[row_identity[r]] = row_weight[r]
-  d1.topk_weights = ws.owner.row_weight;
-  d1.dz = ws.dz;
-  d1.wh = ws.wh;
-  d1.router_partials = ws.partials;
-  d1.block_n = sm90_dgrad_block_n(H);
-  d1.use_swiglu_clamp = l.use_swiglu_clamp;
-  d1.swiglu_clamp = l.swiglu_clamp;
-  launch_sm90_dgrad_swiglu(d1);
-  launch_ep_push_router_grads(peers, own, ws.owner, El, ws.partials, sm90_dgrad_num_n_tiles(I, d1.block_n),
-                              rows.max_rows, a.stream);
+                                  a.call.stream);
+  BackwardRows b;
+  b.xs = ws.xs;
+  b.dys = ws.dys;
+  b.saved_z = a.saved_state;  // the forward of the same inputs: the same plan, so the same row order
+  b.z_scratch = ws.z;
+  b.dz = ws.dz;
+  b.wh = ws.wh;
+  b.router_partials = ws.partials;
+  b.weight_index = ws.owner.row_identity;  // weights by row: row_weight[row_identity[r]]
+  b.weights = ws.owner.row_weight;
+  const int64_t num_n_tiles = launch_backward_dgrad(rows, l, b, a.call.w13, a.call.w2);
+  launch_ep_push_router_grads(peers, own, ws.owner, El, ws.partials, num_n_tiles, rows.max_rows, a.call.stream);
 
   const Sm90PeerRows to_sources = peer_rows(c, peers, own, ws.owner);
   Sm90DgradScatterParams d2;
   d2.rows = rows;
   d2.dz = ws.dz;
-  d2.w13 = a.w13;
+  d2.w13 = a.call.w13;
   d2.to_peers = &to_sources;
   launch_sm90_dgrad_scatter(d2);
-  launch_ep_signal(peers, own, /*to_owners=*/false, a.stream);
+  launch_ep_signal(peers, own, /*to_owners=*/false, a.call.stream);
 
   // The weight gradients stay local; they run while the sources combine.
-  Sm90WeightGradParams w2g;
-  w2g.rows = rows;
-  w2g.act_m = ws.dys;
-  w2g.act_n = ws.wh;
-  w2g.grad = a.dw2;
-  w2g.m = H;
-  w2g.n = I;
-  w2g.bf16_grad = a.weight_grad_dtype == WeightGradDtype::kBFloat16;
-  w2g.accumulate = a.accumulate_weight_grads;
-  launch_sm90_weight_grad(w2g);
-  Sm90WeightGradParams w13g = w2g;
-  w13g.act_m = ws.dz;
-  w13g.act_n = ws.xs;
-  w13g.grad = a.dw13;
-  w13g.m = 2 * I;
-  w13g.n = H;
-  launch_sm90_weight_grad(w13g);
+  launch_backward_weight_grads(rows, b, a.dw13, a.dw2, a.weight_grad_dtype, a.accumulate_weight_grads);
 
-  launch_ep_wait(peers, own, /*from_sources=*/false, a.stream);
-  launch_combine_slots(own.slots, ws.plan.slot_row, a.num_tokens, l.top_k, H, a.dx, a.stream);
-  launch_ep_finish_router_grads(own, ws.plan.slot_row, a.num_tokens * l.top_k, a.d_topk_weights, a.stream);
+  launch_ep_wait(peers, own, /*from_sources=*/false, a.call.stream);
+  launch_combine_slots(own.slots, ws.plan.slot_row, a.call.num_tokens, l.top_k, H, a.dx, a.call.stream);
+  launch_ep_finish_router_grads(own, ws.plan.slot_row, a.call.num_tokens * l.top_k, a.d_topk_weights,
+                                a.call.stream);
 }
 
 }  // namespace fusemoe

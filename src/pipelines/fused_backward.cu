@@ -16,6 +16,7 @@
 
 #include "kernels/moe_elementwise.h"
 #include "launchers/sm90_grouped_gemm.h"
+#include "pipelines/backward_gemms.h"
 #include "common/workspace_carver.h"
 
 namespace fusemoe {
@@ -59,17 +60,20 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
   const int64_t H = c.hidden, I = c.intermediate, E = c.num_experts;
   const int64_t num_slots = args.num_tokens * c.top_k;  // upper bound of the rows in use
   cudaStream_t stream = args.stream;
-  const bool bf16_grads = args.weight_grad_dtype == WeightGradDtype::kBFloat16;
   launch_routing(args.topk_idx, args.num_tokens, c.top_k, E, ws.plan, args.expert_id_report,
                  stream);
 
-  Sm90Rows rows;
-  rows.expert_offsets = ws.plan.expert_offsets;
-  rows.max_rows = num_slots;
-  rows.hidden = H;
-  rows.intermediate = I;
-  rows.num_experts = E;
-  rows.stream = stream;
+  const Sm90Rows rows = make_sm90_rows(ws.plan.expert_offsets, num_slots, E, H, I, 0, stream);
+  BackwardRows b;
+  b.xs = ws.xs_RH;
+  b.dys = ws.dys_RH;
+  b.saved_z = args.saved_z;  // the forward's (the same routing: the same row order), or null
+  b.z_scratch = ws.z_RF;
+  b.dz = ws.dz_RF;
+  b.wh = ws.wh_RI;
+  b.router_partials = ws.router_partials;
+  b.weight_index = ws.plan.row_slot;  // a row's weight is its slot's
+  b.weights = args.topk_weights;
 
   if (num_slots > 0) {
     const int32_t* num_rows_device = ws.plan.expert_offsets + E;
@@ -77,37 +81,9 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
                                     ws.xs_RH, stream);
     launch_gather_rows_device_count(args.dy, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H,
                                     ws.dys_RH, stream);
-
-    // z from the forward (BackwardArgs::saved_z: same routing, so the same row order) or
-    // recomputed here.
-    const void* z_RF = args.saved_z;
-    if (z_RF == nullptr) {
-      Sm90RecomputeZParams z;
-      z.rows = rows;
-      z.xs = ws.xs_RH;
-      z.w13 = args.w13;
-      z.z = ws.z_RF;
-      launch_sm90_recompute_z(z);
-      z_RF = ws.z_RF;
-    }
-
-    Sm90DgradSwigluParams d1;
-    d1.rows = rows;
-    d1.dys = ws.dys_RH;
-    d1.w2 = args.w2;
-    d1.z = z_RF;
-    d1.row_slot = ws.plan.row_slot;
-    d1.topk_weights = args.topk_weights;
-    d1.dz = ws.dz_RF;
-    d1.wh = ws.wh_RI;
-    d1.router_partials = ws.router_partials;
-    d1.block_n = sm90_dgrad_block_n(H);
-    d1.use_swiglu_clamp = c.use_swiglu_clamp;
-    d1.swiglu_clamp = c.swiglu_clamp;
-    launch_sm90_dgrad_swiglu(d1);
-    launch_router_grad_reduce(ws.router_partials, sm90_dgrad_num_n_tiles(I, d1.block_n), ws.plan.slot_row,
-                              num_slots, args.d_topk_weights, stream);
-
+    const int64_t num_n_tiles = launch_backward_dgrad(rows, c, b, args.w13, args.w2);
+    launch_router_grad_reduce(ws.router_partials, num_n_tiles, ws.plan.slot_row, num_slots, args.d_topk_weights,
+                              stream);
     Sm90DgradScatterParams d2;
     d2.rows = rows;
     d2.dz = ws.dz_RF;
@@ -117,26 +93,8 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
     launch_sm90_dgrad_scatter(d2);
     launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream);
   }
-
-  // Weight gradients (no rows: zeroed, or untouched when accumulating).
-  Sm90WeightGradParams w2g;
-  w2g.rows = rows;
-  w2g.act_m = ws.dys_RH;
-  w2g.act_n = ws.wh_RI;
-  w2g.grad = args.dw2;
-  w2g.m = H;
-  w2g.n = I;
-  w2g.bf16_grad = bf16_grads;
-  w2g.accumulate = args.accumulate_weight_grads;
-  launch_sm90_weight_grad(w2g);
-
-  Sm90WeightGradParams w13g = w2g;
-  w13g.act_m = ws.dz_RF;
-  w13g.act_n = ws.xs_RH;
-  w13g.grad = args.dw13;
-  w13g.m = 2 * I;
-  w13g.n = H;
-  launch_sm90_weight_grad(w13g);
+  // No rows: zeroed, or untouched when accumulating.
+  launch_backward_weight_grads(rows, b, args.dw13, args.dw2, args.weight_grad_dtype, args.accumulate_weight_grads);
 }
 
 }  // namespace fusemoe

@@ -56,13 +56,8 @@ void fused_forward(const LayerConfig& c, const ForwardArgs& args) {
                  args.expert_id_report, args.stream);
   if (num_slots == 0) return;
 
-  Sm90Rows rows;
-  rows.expert_offsets = ws.plan.expert_offsets;
-  rows.max_rows = num_slots;
-  rows.hidden = c.hidden;
-  rows.intermediate = c.intermediate;
-  rows.num_experts = c.num_experts;
-  rows.stream = args.stream;
+  const Sm90Rows rows =
+      make_sm90_rows(ws.plan.expert_offsets, num_slots, c.num_experts, c.hidden, c.intermediate, 0, args.stream);
 
   Sm90GateUpParams gate_up;
   gate_up.rows = rows;

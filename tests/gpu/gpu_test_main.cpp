@@ -10,7 +10,14 @@
 
 #include "common/device.h"
 
+namespace fusemoe::test {
+// Defined by suites that run some of their cases in child processes of this binary (the EP
+// suite's CUDA IPC ranks): a child runs its part and exits inside it.
+int maybe_run_ep_ipc_child(int argc, char** argv) __attribute__((weak));
+}  // namespace fusemoe::test
+
 int main(int argc, char** argv) {
+  if (fusemoe::test::maybe_run_ep_ipc_child != nullptr) fusemoe::test::maybe_run_ep_ipc_child(argc, argv);
   // The expert-parallel suite runs several ranks' streams side by side in this process, their
   // kernels waiting on each other: give every stream its own hardware queue (the default 8 can
   // make two streams share one, and a waiting kernel then blocks the other stream's work).

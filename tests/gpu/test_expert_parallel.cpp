@@ -164,39 +164,30 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
             if (b->bytes()) TEST_CUDA(cudaMemsetAsync(b->get(), 0xFF, b->bytes(), k.stream));
           }
           EpForwardArgs fa;
-          fa.x = k.x.get();
-          fa.topk_idx = static_cast<const int32_t*>(k.idx.get());
-          fa.topk_weights = static_cast<const float*>(k.w.get());
-          fa.w13 = k.w13.get();
-          fa.w2 = k.w2.get();
+          EpCall& call_args = fa.call;
+          call_args.x = k.x.get();
+          call_args.topk_idx = static_cast<const int32_t*>(k.idx.get());
+          call_args.topk_weights = static_cast<const float*>(k.w.get());
+          call_args.w13 = k.w13.get();
+          call_args.w2 = k.w2.get();
+          call_args.num_tokens = c.tokens[r];
+          call_args.peer_symmetric = peers.data();
+          call_args.workspace = k.ws.get();
+          call_args.workspace_bytes = k.ws.bytes();
+          call_args.num_sms = num_sms / R;
+          call_args.stream = k.stream;
           fa.y = k.y.get();
-          fa.num_tokens = c.tokens[r];
-          fa.peer_symmetric = peers.data();
-          fa.workspace = k.ws.get();
-          fa.workspace_bytes = k.ws.bytes();
           fa.saved_state = c.save_z ? k.saved.get() : nullptr;
-          fa.num_sms = num_sms / R;
-          fa.stream = k.stream;
           ep_forward(rc, fa);
           EpBackwardArgs ba;
-          ba.x = fa.x;
-          ba.topk_idx = fa.topk_idx;
-          ba.topk_weights = fa.topk_weights;
-          ba.w13 = fa.w13;
-          ba.w2 = fa.w2;
-          ba.num_tokens = fa.num_tokens;
+          ba.call = call_args;
           ba.dy = k.dy.get();
           ba.dx = k.dx.get();
           ba.d_topk_weights = static_cast<float*>(k.dtw.get());
           ba.dw13 = k.dw13.get();
           ba.dw2 = k.dw2.get();
           ba.weight_grad_dtype = c.grad_dtype;
-          ba.peer_symmetric = peers.data();
-          ba.workspace = k.ws.get();
-          ba.workspace_bytes = k.ws.bytes();
           ba.saved_state = fa.saved_state;
-          ba.num_sms = fa.num_sms;
-          ba.stream = k.stream;
           ep_backward(rc, ba);
           RawOutputs o{download(k.y, (uint16_t*)nullptr), download(k.dx, (uint16_t*)nullptr),
                        download(k.dtw, (float*)nullptr), download(k.dw13, (uint8_t*)nullptr),
@@ -215,6 +206,24 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
   }
   for (int r = 0; r < R; ++r) cudaStreamDestroy(ranks[r].stream);  // a failed context keeps its error
   return out;
+}
+
+// The forward arguments of a rank driven alone (the tests of one call).
+EpForwardArgs single_rank_forward(const DeviceBuffer& x, const DeviceBuffer& idx, const DeviceBuffer& w,
+                                  const DeviceBuffer& w13, const DeviceBuffer& w2, const DeviceBuffer& y,
+                                  const DeviceBuffer& ws, int64_t num_tokens, void* const* peers) {
+  EpForwardArgs fa;
+  fa.call.x = x.get();
+  fa.call.topk_idx = static_cast<const int32_t*>(idx.get());
+  fa.call.topk_weights = static_cast<const float*>(w.get());
+  fa.call.w13 = w13.get();
+  fa.call.w2 = w2.get();
+  fa.call.num_tokens = num_tokens;
+  fa.call.peer_symmetric = peers;
+  fa.call.workspace = ws.get();
+  fa.call.workspace_bytes = ws.bytes();
+  fa.y = y.get();
+  return fa;
 }
 
 template <class T>
@@ -330,17 +339,7 @@ TEST(ExpertParallel, BadExpertIdsAreReported) {
                ws(ep_workspace_bytes(config)), sym(ep_symmetric_bytes(config));
   TEST_CUDA(cudaMemset(sym.get(), 0, sym.bytes()));
   void* peers[1] = {sym.get()};
-  EpForwardArgs fa;
-  fa.x = x.get();
-  fa.topk_idx = static_cast<const int32_t*>(idx.get());
-  fa.topk_weights = static_cast<const float*>(w.get());
-  fa.w13 = w13.get();
-  fa.w2 = w2.get();
-  fa.y = y.get();
-  fa.num_tokens = d.T;
-  fa.peer_symmetric = peers;
-  fa.workspace = ws.get();
-  fa.workspace_bytes = ws.bytes();
+  const EpForwardArgs fa = single_rank_forward(x, idx, w, w13, w2, y, ws, d.T, peers);
   try {
     ep_forward(config, fa);
     FAIL() << "a bad expert id must be reported";
@@ -369,17 +368,7 @@ TEST(ExpertParallelDeathTest, AMissingRankTimesOutWithADiagnostic) {
     TEST_CUDA(cudaMemset(sym0.get(), 0, sym0.bytes()));
     TEST_CUDA(cudaMemset(sym1.get(), 0, sym1.bytes()));
     void* peers[2] = {sym0.get(), sym1.get()};
-    EpForwardArgs fa;
-    fa.x = x.get();
-    fa.topk_idx = static_cast<const int32_t*>(idx.get());
-    fa.topk_weights = static_cast<const float*>(w.get());
-    fa.w13 = w13.get();
-    fa.w2 = w2.get();
-    fa.y = y.get();
-    fa.num_tokens = d.T;
-    fa.peer_symmetric = peers;
-    fa.workspace = ws.get();
-    fa.workspace_bytes = ws.bytes();
+    const EpForwardArgs fa = single_rank_forward(x, idx, w, w13, w2, y, ws, d.T, peers);
     try {
       ep_forward(config, fa);  // syncs for the id check: rank 1's message never comes
     } catch (const Error& e) {

@@ -1,0 +1,57 @@
+// The backward GEMM steps shared by the fused and the expert-parallel backward (backward_gemms.h).
+#include "pipelines/backward_gemms.h"
+
+namespace fusemoe {
+
+int64_t launch_backward_dgrad(const Sm90Rows& rows, const LayerConfig& c, const BackwardRows& b, const void* w13,
+                              const void* w2) {
+  // z from the forward (the same routing, so the same row order) or recomputed here.
+  const void* z = b.saved_z;
+  if (z == nullptr) {
+    Sm90RecomputeZParams rz;
+    rz.rows = rows;
+    rz.xs = b.xs;
+    rz.w13 = w13;
+    rz.z = b.z_scratch;
+    launch_sm90_recompute_z(rz);
+    z = b.z_scratch;
+  }
+  Sm90DgradSwigluParams d1;
+  d1.rows = rows;
+  d1.dys = b.dys;
+  d1.w2 = w2;
+  d1.z = z;
+  d1.row_slot = b.weight_index;
+  d1.topk_weights = b.weights;
+  d1.dz = b.dz;
+  d1.wh = b.wh;
+  d1.router_partials = b.router_partials;
+  d1.block_n = sm90_dgrad_block_n(rows.hidden);
+  d1.use_swiglu_clamp = c.use_swiglu_clamp;
+  d1.swiglu_clamp = c.swiglu_clamp;
+  launch_sm90_dgrad_swiglu(d1);
+  return sm90_dgrad_num_n_tiles(rows.intermediate, d1.block_n);
+}
+
+void launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, void* dw13, void* dw2,
+                                  WeightGradDtype dtype, bool accumulate) {
+  Sm90WeightGradParams w2g;
+  w2g.rows = rows;
+  w2g.act_m = b.dys;
+  w2g.act_n = b.wh;
+  w2g.grad = dw2;
+  w2g.m = rows.hidden;
+  w2g.n = rows.intermediate;
+  w2g.bf16_grad = dtype == WeightGradDtype::kBFloat16;
+  w2g.accumulate = accumulate;
+  launch_sm90_weight_grad(w2g);
+  Sm90WeightGradParams w13g = w2g;
+  w13g.act_m = b.dz;
+  w13g.act_n = b.xs;
+  w13g.grad = dw13;
+  w13g.m = 2 * rows.intermediate;
+  w13g.n = rows.hidden;
+  launch_sm90_weight_grad(w13g);
+}
+
+}  // namespace fusemoe

@@ -1,0 +1,33 @@
+// The GEMM steps the fused backward and the expert-parallel backward share, over a layer call's
+// expert-sorted rows (rows.max_rows capacity, the count on the device):
+//   z (unless saved) -> dgrad + SwiGLU (router partials per row and dgrad tile) -> weight grads
+// The callers differ in where routing weights come from, where the dx rows go and how the router
+// partials are reduced (the slot's own rank, or a source rank over NVLink).
+#pragma once
+
+#include "fusemoe/fusemoe.h"
+#include "launchers/sm90_grouped_gemm.h"
+
+namespace fusemoe {
+
+struct BackwardRows {
+  const void* xs;                // [R_max, H] bf16 x rows in expert order
+  const void* dys;               // [R_max, H] bf16 dy rows
+  const void* saved_z;           // [R_max, 2I] the forward's z, or null (recomputed into z_scratch)
+  void* z_scratch;               // [R_max, 2I] (unused with saved_z)
+  void* dz;                      // [R_max, 2I] (output)
+  void* wh;                      // [R_max, I] (output)
+  float* router_partials;        // [R_max, sm90_router_partials_per_row(I)] (output)
+  const int32_t* weight_index;   // [R_max] the row's index into weights
+  const float* weights;          // routing weights
+};
+
+// z (recomputed unless saved) and dgrad + SwiGLU; returns the router partials per row.
+int64_t launch_backward_dgrad(const Sm90Rows& rows, const LayerConfig& config, const BackwardRows& b, const void* w13,
+                              const void* w2);
+
+// dW2 = dys^T wh and dW13 = dz^T xs for every expert of rows (zeroed or untouched when empty).
+void launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, void* dw13, void* dw2,
+                                  WeightGradDtype dtype, bool accumulate);
+
+}  // namespace fusemoe

@@ -1,0 +1,193 @@
+// The expert-parallel layer across processes, its peer table built from CUDA IPC handles (the
+// route docs/expert_parallel.md shows a C++ caller): R child processes on the one GPU (the GPU
+// time-slices their contexts, so their kernels' waits on each other make progress), each rank
+// publishing its symmetric workspace's handle through a file, opening the others', running a
+// forward and a backward, and checking its own outputs bitwise against the single-GPU fused layer
+// on the concatenated batch (which every child computes itself from the same seed).
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fusemoe/expert_parallel.h"
+#include "gpu/gpu_test_util.h"
+
+extern char** environ;
+
+namespace fusemoe::test {
+namespace {
+
+constexpr Dims kIpcDims{0, 256, 128, 8, 4};
+constexpr int64_t kTokensPerRank = 96;
+
+bool wait_for_file(const std::string& path, double seconds) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < end) {
+    if (std::ifstream(path).good()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
+void write_file_atomically(const std::string& path, const void* bytes, size_t size) {
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp, std::ios::binary).write(static_cast<const char*>(bytes), static_cast<std::streamsize>(size));
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error("cannot rename " + tmp);
+}
+
+template <class T>
+std::vector<T> slice(const std::vector<T>& all, int64_t first, int64_t count, int64_t width) {
+  return std::vector<T>(all.begin() + first * width, all.begin() + (first + count) * width);
+}
+
+// One rank in its own process; returns the process exit code (0: outputs bitwise equal).
+int run_child(int rank, int world_size, const std::string& dir) {
+  Dims d = kIpcDims;
+  d.T = kTokensPerRank * world_size;
+  const HostProblem p = make_problem(d, Routing::kUniform, 77);
+  const int64_t El = d.E / world_size, T = kTokensPerRank, t0 = rank * kTokensPerRank;
+  EpConfig config;
+  config.layer = config_of(d, T);
+  config.world_size = world_size;
+  config.rank = rank;
+
+  // The symmetric workspace, zeroed once, and its handle for the others.
+  DeviceBuffer symmetric(ep_symmetric_bytes(config));
+  TEST_CUDA(cudaMemset(symmetric.get(), 0, symmetric.bytes()));
+  cudaIpcMemHandle_t handle;
+  TEST_CUDA(cudaIpcGetMemHandle(&handle, symmetric.get()));
+  write_file_atomically(dir + "/handle_" + std::to_string(rank), &handle, sizeof(handle));
+  std::vector<void*> peers(world_size, nullptr);
+  for (int r = 0; r < world_size; ++r) {
+    if (r == rank) {
+      peers[r] = symmetric.get();
+      continue;
+    }
+    const std::string path = dir + "/handle_" + std::to_string(r);
+    if (!wait_for_file(path, 60)) {
+      std::fprintf(stderr, "rank %d: no handle from rank %d\n", rank, r);
+      return 2;
+    }
+    cudaIpcMemHandle_t other;
+    std::ifstream(path, std::ios::binary).read(reinterpret_cast<char*>(&other), sizeof(other));
+    TEST_CUDA(cudaIpcOpenMemHandle(&peers[r], other, cudaIpcMemLazyEnablePeerAccess));
+  }
+
+  DeviceBuffer x = DeviceBuffer::from(slice(p.x_TH, t0, T, d.H)), idx = DeviceBuffer::from(slice(p.idx_TK, t0, T, d.K)),
+               w = DeviceBuffer::from(slice(p.w_TK, t0, T, d.K)), dy = DeviceBuffer::from(slice(p.dy_TH, t0, T, d.H)),
+               w13 = DeviceBuffer::from(slice(p.w13_EFH, rank * El, El, 2 * d.I * d.H)),
+               w2 = DeviceBuffer::from(slice(p.w2_EHI, rank * El, El, d.H * d.I)), y(T * d.H * 2), dx(T * d.H * 2),
+               dtw(T * d.K * 4), dw13(El * 2 * d.I * d.H * 4), dw2(El * d.H * d.I * 4),
+               ws(ep_workspace_bytes(config));
+  for (DeviceBuffer* b : {&y, &dx, &dtw, &dw13, &dw2, &ws}) b->poison();
+  EpForwardArgs fa;
+  fa.call.x = x.get();
+  fa.call.topk_idx = static_cast<const int32_t*>(idx.get());
+  fa.call.topk_weights = static_cast<const float*>(w.get());
+  fa.call.w13 = w13.get();
+  fa.call.w2 = w2.get();
+  fa.call.num_tokens = T;
+  fa.call.peer_symmetric = peers.data();
+  fa.call.workspace = ws.get();
+  fa.call.workspace_bytes = ws.bytes();
+  fa.y = y.get();
+  EpBackwardArgs ba;
+  ba.call = fa.call;
+  ba.dy = dy.get();
+  ba.dx = dx.get();
+  ba.d_topk_weights = static_cast<float*>(dtw.get());
+  ba.dw13 = dw13.get();
+  ba.dw2 = dw2.get();
+  try {
+    ep_forward(config, fa);
+    ep_backward(config, ba);
+    TEST_CUDA(cudaDeviceSynchronize());
+  } catch (const Error& e) {
+    std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
+    return 3;
+  }
+  // Nobody frees a workspace another rank may still read: every rank says it is done, then waits.
+  const char done = 1;
+  write_file_atomically(dir + "/done_" + std::to_string(rank), &done, 1);
+  for (int r = 0; r < world_size; ++r) {
+    if (!wait_for_file(dir + "/done_" + std::to_string(r), 60)) return 2;
+  }
+  for (int r = 0; r < world_size; ++r) {
+    if (r != rank) TEST_CUDA(cudaIpcCloseMemHandle(peers[r]));
+  }
+
+  // The single-GPU fused layer on the whole batch (fp32 weight gradients, recomputed z).
+  const LayerOutputs single = run_layer(Impl::kFused, p);
+  const auto y_bits = widen(y.to_host<uint16_t>()), dx_bits = widen(dx.to_host<uint16_t>());
+  const auto dtw_h = dtw.to_host<float>(), dw13_h = dw13.to_host<float>(), dw2_h = dw2.to_host<float>();
+  int failures = 0;
+  auto expect_equal = [&](const std::vector<double>& got, const std::vector<double>& want, const char* what) {
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (!(got[i] == want[i])) {  // NaN fails
+        std::fprintf(stderr, "rank %d %s: element %zu differs (%g vs %g)\n", rank, what, i, got[i], want[i]);
+        ++failures;
+        return;
+      }
+    }
+  };
+  expect_equal(y_bits, slice(single.y, t0, T, d.H), "y");
+  expect_equal(dx_bits, slice(single.dx, t0, T, d.H), "dx");
+  expect_equal(std::vector<double>(dtw_h.begin(), dtw_h.end()), slice(single.d_topk_w, t0, T, d.K), "d_topk_weights");
+  expect_equal(std::vector<double>(dw13_h.begin(), dw13_h.end()), slice(single.dw13, rank * El, El, 2 * d.I * d.H),
+               "dw13");
+  expect_equal(std::vector<double>(dw2_h.begin(), dw2_h.end()), slice(single.dw2, rank * El, El, d.H * d.I), "dw2");
+  return failures == 0 ? 0 : 1;
+}
+
+std::string g_self;  // this binary's path, for the children
+
+class EpIpc : public ::testing::TestWithParam<int> {};
+
+TEST_P(EpIpc, ProcessesOnOneGpuMatchTheSingleGpuLayer) {
+  const int world_size = GetParam();
+  char dir_template[] = "/tmp/fusemoe_ep_ipc.XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  std::vector<pid_t> children;
+  for (int r = 0; r < world_size; ++r) {
+    const std::string rank = std::to_string(r), size = std::to_string(world_size);
+    std::vector<char*> argv = {const_cast<char*>(g_self.c_str()), const_cast<char*>("--ep-ipc-child"),
+                               const_cast<char*>(rank.c_str()), const_cast<char*>(size.c_str()),
+                               const_cast<char*>(dir.c_str()), nullptr};
+    pid_t pid = 0;
+    ASSERT_EQ(posix_spawn(&pid, g_self.c_str(), nullptr, nullptr, argv.data(), environ), 0);
+    children.push_back(pid);
+  }
+  for (int r = 0; r < world_size; ++r) {
+    int status = 0;
+    ASSERT_EQ(waitpid(children[r], &status, 0), children[r]);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "rank " << r << " exited with " << (WIFEXITED(status) ? WEXITSTATUS(status) : -1)
+        << " (1: outputs differ, 2: a peer never came, 3: an error; its stderr says which)";
+  }
+  std::system(("rm -rf " + dir).c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, EpIpc, ::testing::Values(2, 4));
+
+}  // namespace
+
+// Called by the suite's main before anything else: a child rank runs and exits here.
+int maybe_run_ep_ipc_child(int argc, char** argv) {
+  g_self = argv[0];
+  if (argc == 5 && std::strcmp(argv[1], "--ep-ipc-child") == 0) {
+    std::exit(run_child(std::atoi(argv[2]), std::atoi(argv[3]), argv[4]));
+  }
+  return 0;
+}
+
+}  // namespace fusemoe::test
