@@ -23,6 +23,7 @@
 #include "kernels/moe_elementwise.h"
 #include "launchers/sm90_fp8_gemms.h"
 #include "launchers/sm90_grouped_gemm.h"
+#include "pipelines/backward_gemms.h"
 
 namespace fusemoe {
 namespace {
@@ -109,14 +110,7 @@ struct Fp8BackwardWorkspace {
 };
 
 Sm90Rows rows_problem(const LayerConfig& c, const RoutingPlan& plan, int64_t num_slots, cudaStream_t stream) {
-  Sm90Rows rows;
-  rows.expert_offsets = plan.expert_offsets;
-  rows.max_rows = num_slots;
-  rows.hidden = c.hidden;
-  rows.intermediate = c.intermediate;
-  rows.num_experts = c.num_experts;
-  rows.stream = stream;
-  return rows;
+  return make_sm90_rows(plan.expert_offsets, num_slots, c.num_experts, c.hidden, c.intermediate, 0, stream);
 }
 
 }  // namespace
@@ -241,25 +235,13 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
     launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream);
   }
 
-  // Weight gradients from the bf16 pools, as the BF16 path (no rows: zeroed, or untouched).
-  Sm90WeightGradParams w2g;
-  w2g.rows = rows;
-  w2g.act_m = ws.dys_RH;
-  w2g.act_n = ws.wh_RI;
-  w2g.grad = args.dw2;
-  w2g.m = H;
-  w2g.n = I;
-  w2g.bf16_grad = args.weight_grad_dtype == WeightGradDtype::kBFloat16;
-  w2g.accumulate = args.accumulate_weight_grads;
-  launch_sm90_weight_grad(w2g);
-
-  Sm90WeightGradParams w13g = w2g;
-  w13g.act_m = ws.dz_RF;
-  w13g.act_n = ws.xs_RH;
-  w13g.grad = args.dw13;
-  w13g.m = 2 * I;
-  w13g.n = H;
-  launch_sm90_weight_grad(w13g);
+  // Weight gradients from the bf16 pools with the BF16 path's step (no rows: zeroed, or untouched).
+  BackwardRows pools{};
+  pools.xs = ws.xs_RH;
+  pools.dys = ws.dys_RH;
+  pools.dz = ws.dz_RF;
+  pools.wh = ws.wh_RI;
+  launch_backward_weight_grads(rows, pools, args.dw13, args.dw2, args.weight_grad_dtype, args.accumulate_weight_grads);
 }
 
 }  // namespace fusemoe
