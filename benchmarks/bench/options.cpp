@@ -16,9 +16,9 @@ const char* const kUsage =
     "                      skewed: Zipf popularity p(e) ~ 1/(rank+1)^1.2 (default uniform);\n"
     "                      also one_expert, all_slots_one, few_experts, masked\n"
     "                      (tests/common/routing.h)\n"
-    "  --impl              implementations to time (default: all of them: unfused, fused,\n"
-    "                      fused_saved_z = fused with the forward saving z for the backward,\n"
-    "                      fused_fp8 and fused_fp8_saved_z = the same at blockwise FP8)\n"
+    "  --impl              implementations to time (default: unfused, fused, and fused_saved_z =\n"
+    "                      fused with the forward saving z for the backward; also fused_fp8 and\n"
+    "                      fused_fp8_saved_z = the same at blockwise FP8, by name only)\n"
     "  --iters, --warmup   timed runs (median reported) and untimed runs before (20, 5)\n"
     "  --json              write all figures and metadata to PATH\n"
     "  --seed              seed of the inputs and the routing (default 1234)\n"
@@ -108,7 +108,9 @@ bool parse_shared_flag(const Flag& flag, SharedOptions* options) {
 BenchParams parse_args(int argc, char** argv) {
   BenchParams params;
   params.tokens = {4096};
-  for (const BenchImpl& impl : kBenchImpls) params.impls.push_back(impl);
+  for (const BenchImpl& impl : kBenchImpls) {
+    if (impl.by_default) params.impls.push_back(impl);
+  }
   for_each_flag(argc, argv, [&](const Flag& flag) {
     if (parse_shared_flag(flag, &params)) return;
     if (flag.name == "--preset") {

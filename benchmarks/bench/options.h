@@ -46,10 +46,13 @@ struct BenchImpl {
   bool save_z;        // the forward saves z (ForwardArgs::saved_z), the backward reads it
   Precision precision = Precision::kBf16;
   double check_tol = kRelErrTol;
+  // In the default --impl list. FP8 is not until it has passed its GPU suites (docs/design.md,
+  // Blockwise FP8, status): a failing or trapping FP8 path would otherwise fail every round.
+  bool by_default = true;
 };
 
 // Implementations the benchmark can time (the fp32 reference is the oracle, never timed).
-// A new fusemoe::Impl is one line here; the default --impl list is all of them.
+// A new fusemoe::Impl is one line here; the default --impl list is those with by_default.
 constexpr BenchImpl kBenchImpls[] = {
     {"unfused", Impl::kUnfused, true, false},
     {"fused", Impl::kFused, true, false},
@@ -57,8 +60,8 @@ constexpr BenchImpl kBenchImpls[] = {
     {"fused_saved_z", Impl::kFused, true, true},
     // Blockwise FP8; the weights are quantized once before timing, as a training step does once
     // per optimizer step.
-    {"fused_fp8", Impl::kFused, true, false, Precision::kFp8Blockwise, kFp8RelErrTol},
-    {"fused_fp8_saved_z", Impl::kFused, true, true, Precision::kFp8Blockwise, kFp8RelErrTol},
+    {"fused_fp8", Impl::kFused, true, false, Precision::kFp8Blockwise, kFp8RelErrTol, false},
+    {"fused_fp8_saved_z", Impl::kFused, true, true, Precision::kFp8Blockwise, kFp8RelErrTol, false},
 };
 // The fp32 GPU oracle every implementation is checked against.
 constexpr BenchImpl kReferenceImpl = {"reference_fp32", Impl::kReferenceFp32, true, false};
