@@ -56,8 +56,8 @@ std::vector<CheckLine> check_case(const LayerConfig& config, const LayerConfig& 
     workspace.poison(stream);
     run_forward(config, impls[i], in, out, workspace, num_tokens, stream);
     check_expert_ids(impl_config(config, impls[i]), impls[i].impl, workspace.get(), stream);
-    lines.push_back(compare_output(impls[i], "y", "-", bf16_tensor(out.y_TH.get()), bf16_tensor(ref.y_TH.get()), y_elems,
-                                   stream));
+    lines.push_back(compare_output(impls[i], "y", "-", bf16_tensor(out.y_TH.get()), bf16_tensor(ref.y_TH.get()),
+                                   y_elems, stream));
     if (!impls[i].has_backward) continue;
     for (WeightGradDtype dtype : {WeightGradDtype::kFloat32, WeightGradDtype::kBFloat16}) {
       out.poison(stream);
@@ -74,7 +74,8 @@ std::vector<CheckLine> check_case(const LayerConfig& config, const LayerConfig& 
         lines.push_back(compare_output(impls[i], "d_topk_weights", "-", fp32_tensor(out.d_topk_w_TK.get()),
                                        fp32_tensor(ref.d_topk_w_TK.get()), topk_elems, stream));
       }
-      lines.push_back(compare_output(impls[i], "dw13", wgrad, dw13, fp32_tensor(ref.dw13_EFH.get()), w13_elems, stream));
+      lines.push_back(
+          compare_output(impls[i], "dw13", wgrad, dw13, fp32_tensor(ref.dw13_EFH.get()), w13_elems, stream));
       lines.push_back(compare_output(impls[i], "dw2", wgrad, dw2, fp32_tensor(ref.dw2_EHI.get()), w2_elems, stream));
     }
   }

@@ -95,9 +95,9 @@ void sync_check(const EpConfig& c, void* workspace, cudaStream_t stream) {
 void validate_ep_config(const EpConfig& c) {
   validate_config(c.layer);
   // The expert-parallel pipeline runs the BF16 GEMM instances only (docs/design.md, Blockwise FP8).
-  FUSEMOE_CHECK(c.layer.precision == Precision::kBf16, "layer.precision must be bf16 for expert parallelism (FP8 "
-                                                       "is single-GPU only), got "
-                                                           << precision_name(c.layer.precision));
+  FUSEMOE_CHECK(c.layer.precision == Precision::kBf16,
+                "layer.precision must be bf16 for expert parallelism (FP8 is single-GPU only), got "
+                    << precision_name(c.layer.precision));
   FUSEMOE_CHECK(c.world_size == 1 || c.world_size == 2 || c.world_size == 4 || c.world_size == 8,
                 "world_size must be 1, 2, 4 or 8, got " << c.world_size);
   FUSEMOE_CHECK(c.rank >= 0 && c.rank < c.world_size,

@@ -25,7 +25,8 @@ enum class WaitKernel : int32_t {
   kFp8DgradSwiglu,
   kFp8DgradScatter,
 };
-constexpr int kNumWaitKernels = static_cast<int>(WaitKernel::kFp8DgradScatter) + 1;  // values 1.. plus unused 0
+// Size of a table indexed by WaitKernel (the values start at 1; entry 0 is unused).
+constexpr int kNumWaitKernels = static_cast<int>(WaitKernel::kFp8DgradScatter) + 1;
 
 enum class WaitRole : int32_t { kProducer = 1, kConsumer, kExchange };
 
