@@ -12,8 +12,8 @@
 // warpgroup's MMAs run meanwhile. acc + tmp = 128 registers per thread at N = 128 (the only width:
 // 256 would need 256 registers).
 //   A policies (each K-block brings its 128 row scales into the stage's StageScales::a)
-//     Fp8PoolRowsA              K-major E4M3 pool rows by TMA; scales by TMA from a block-major
-//                               scale pool [K/128][rows_pad] (one [1][128] fp32 box)
+//     Fp8PoolRowsA              K-major E4M3 pool rows by TMA; their scales from a block-major
+//                               scale pool [K/128][rows_pad], one cp.async per producer thread
 //     Fp8GatheredTokenRowsA     token rows gathered by index (as GatheredTokenRowsA) plus one
 //                               4-byte cp.async per row from the token-major scales [T, K/128]
 //   B policies (K-major E4M3 weights; scales by a 4-byte cp.async of the producer thread)
@@ -72,21 +72,41 @@ struct WeightScales {
 
 // ------------------------------------------------------------------------------------- A
 
+// The rows by TMA; their 128 scales by the producer threads, one 4-byte cp.async each (a TMA box
+// of the fp32 scale pool, [1][128] without swizzle, trapped as an illegal instruction on the
+// H200: docs/experiments.md#fp8-first-run).
 struct Fp8PoolRowsA {
-  static constexpr bool kGathered = false, kMnMajor = false, kBlockScaled = true;
-  static constexpr uint32_t kTmaBytes = kTileABytes + kBlockM * sizeof(float);
+  static constexpr bool kGathered = false, kMnMajor = false, kBlockScaled = true, kScalesPerThread = true;
+  static constexpr uint32_t kTmaBytes = kTileABytes;
+  static_assert(kThreadsPerWarpgroup == kBlockM, "producer thread p copies the scale of tile row p");
   struct Args {
-    CUtensorMap map;        // pool [R_max, K] E4M3, boxes [128 rows][128 k]
-    CUtensorMap scale_map;  // scales [K/128, rows_pad] fp32, boxes [1][128 rows]
+    CUtensorMap map;      // pool [R_max, K] E4M3, boxes [128 rows][128 k]
+    const float* scales;  // [K/128, rows_pad] fp32, block-major
+    int32_t rows_pad;
     WeightScales b_scales;
   };
   struct ThreadRows {};
-  __device__ static void load(const Args& a, uint64_t* full, uint8_t* dst, float* scales, const Tile& tile,
-                              int32_t kb) {
+  __device__ static void load(const Args& a, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb) {
     tma_load_2d(&a.map, full, dst, kb * kFp8BlockK, tile.row_begin);
-    tma_load_2d(&a.scale_map, full, scales, tile.row_begin, kb);  // rows past rows_pad read as 0
+  }
+  // Thread p: the scale of tile row p for K-block kb (rows past the pool are left as they are:
+  // their accumulator rows are past the expert's end and never stored).
+  __device__ static void copy_scale(const Args& a, const Tile& tile, int32_t kb, uint32_t scales_a, int thread) {
+    const int32_t row = tile.row_begin + thread;
+    if (row < a.rows_pad) {
+      cp_async_4(scales_a + thread * sizeof(float), a.scales + static_cast<int64_t>(kb) * a.rows_pad + row);
+    }
   }
 };
+
+// Whether every producer thread takes part in filling a stage (gathered rows, or per-row scales
+// copied by the threads); otherwise thread 0 alone issues the stage's TMA loads.
+template <class A, class = void>
+struct ScalesPerThread : std::false_type {};
+template <class A>
+struct ScalesPerThread<A, std::void_t<decltype(A::kScalesPerThread)>> : std::bool_constant<A::kScalesPerThread> {};
+template <class A>
+constexpr bool kAllProducerThreads = A::kGathered || ScalesPerThread<A>::value;
 
 // Gathers E4M3 x rows exactly as GatheredTokenRowsA gathers bf16 ones (a row of H E4M3 is H / 16
 // chunks, K/128 * 8 as for bf16 at K/64); producer thread p also copies the scale of tile row p
@@ -196,13 +216,14 @@ __device__ __forceinline__ void produce_block_scaled(const GemmParams<Gemm>& p, 
           B::load_scales(p.a.b_scales, smem_addr(scales[stage].b), tile, kb);
           cp_async_mbarrier_arrive(&ring.full[stage]);
           mbarrier_arrive_expect_tx(&ring.full[stage], stage_bytes);
-          if constexpr (!A::kGathered) {
-            A::load(p.a, &ring.full[stage], tiles_a + stage * kTileABytes, scales[stage].a, tile, kb);
-          }
+          if constexpr (!A::kGathered) A::load(p.a, &ring.full[stage], tiles_a + stage * kTileABytes, tile, kb);
           B::load(&p.map_b, &ring.full[stage], tiles_b + stage * Gemm::kTileBBytes, tile, pass, kb, b_shape);
         }
         if constexpr (A::kGathered) {
           A::gather(p.a, rows, smem_addr(tiles_a + stage * kTileABytes), smem_addr(scales[stage].a), kb, thread);
+          cp_async_mbarrier_arrive_noinc(&ring.full[stage]);
+        } else if constexpr (ScalesPerThread<A>::value) {
+          A::copy_scale(p.a, tile, kb, smem_addr(scales[stage].a), thread);
           cp_async_mbarrier_arrive_noinc(&ring.full[stage]);
         }
         cursor.advance();

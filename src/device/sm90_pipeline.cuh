@@ -64,9 +64,9 @@ struct StageRing {
   uint64_t* empty;  // [kStages]
 
   // One thread, before the CTA's first __syncthreads.
-  __device__ __forceinline__ void init(bool gathered_a) const {
+  __device__ __forceinline__ void init(bool all_producer_threads) const {
     for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(&full[s], 1 + (gathered_a ? kThreadsPerWarpgroup : 0));
+      mbarrier_init(&full[s], 1 + (all_producer_threads ? kThreadsPerWarpgroup : 0));
       mbarrier_init(&empty[s], kNumConsumers * kWarpsPerWarpgroup);
     }
     fence_barrier_init();

@@ -242,14 +242,14 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
     if constexpr (!Gemm::A::kGathered) prefetch_tensor_map(&p.a.map);
     prefetch_tensor_map(&p.map_b);
     Gemm::Epilogue::prefetch(p.epilogue);
-    ring.init(Gemm::A::kGathered);
+    ring.init(kAllProducerThreads<typename Gemm::A>);
   }
   typename Gemm::Scheduler sched = make_scheduler<Gemm>(p.shape, table);
   build_expert_tile_table(p.shape.expert_offsets, sched.table);  // ends with __syncthreads()
 
   if (warpgroup == 0) {
     setmaxnreg_dec<kProducerRegs>();
-    if (Gemm::A::kGathered || threadIdx.x == 0) {
+    if (kAllProducerThreads<typename Gemm::A> || threadIdx.x == 0) {
       if constexpr (Gemm::kBlockScaled) {
         produce_block_scaled<Gemm>(p, sched, ring, tiles_a, tiles_b, stage_scales, threadIdx.x);
       } else {

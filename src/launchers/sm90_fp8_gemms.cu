@@ -64,7 +64,8 @@ sm90::Fp8PoolRowsA::Args pool_a(const Sm90Rows& rows, const void* pool, const fl
                                 const sm90::WeightScales& b_scales, const char* name) {
   sm90::Fp8PoolRowsA::Args a{};
   a.map = sm90::make_tensor_map_fp8(pool, k, rows.max_rows, sm90::kBlockM, name);
-  a.scale_map = sm90::make_scale_tensor_map(scales, sm90_fp8_rows_pad(rows.max_rows), k / 128, name);
+  a.scales = scales;
+  a.rows_pad = static_cast<int32_t>(sm90_fp8_rows_pad(rows.max_rows));
   a.b_scales = b_scales;
   return a;
 }

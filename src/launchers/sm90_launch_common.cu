@@ -108,10 +108,5 @@ CUtensorMap make_tensor_map_fp8(const void* base, uint64_t inner, uint64_t outer
   return make_tensor_map_2d(base, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, inner, outer, box_outer, name);
 }
 
-CUtensorMap make_scale_tensor_map(const float* base, uint64_t rows_pad, uint64_t num_blocks, const char* name) {
-  constexpr uint32_t kRowsPerBox = 128;  // a row tile
-  return encode_2d(base, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, rows_pad, num_blocks, kRowsPerBox, 1,
-                   CU_TENSOR_MAP_SWIZZLE_NONE, name);
-}
 
 }  // namespace fusemoe::sm90

@@ -56,9 +56,6 @@ CUtensorMap make_store_tensor_map(const void* base, bool fp32, uint64_t inner, u
 CUtensorMap make_tensor_map_fp8(const void* base, uint64_t inner, uint64_t outer, uint32_t box_outer,
                                 const char* name);
 
-// Block-major fp32 scales [num_blocks, rows_pad] (rows_pad % 4 == 0) read in boxes of 128 rows of
-// one block, unswizzled: a row tile's scales of one K-block. Rows past rows_pad read as zero.
-CUtensorMap make_scale_tensor_map(const float* base, uint64_t rows_pad, uint64_t num_blocks, const char* name);
 
 inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
