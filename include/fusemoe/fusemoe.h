@@ -190,6 +190,17 @@ size_t workspace_bytes(const LayerConfig& config, Impl impl, WorkspaceUse use);
 // (2·I·K·2 bytes per token: 24 KiB for Qwen3-30B-A3B, 48 KiB for Qwen3-235B-A22B).
 size_t saved_z_bytes(const LayerConfig& config);
 
+// The largest T (config.max_tokens is ignored) for which one forward + backward of this layer
+// needs at most free_bytes of device memory, counting exactly, for max_tokens = T:
+//   the workspace: one buffer serving both calls, the larger of workspace_bytes(.., kForward)
+//     and workspace_bytes(.., kBackwardSavedZ if save_z else kBackward);
+//   saved_z_bytes() when save_z (Impl::kFused only);
+//   x, y, dy, dx: 4 x T x H bf16;  topk_idx, topk_weights, d_topk_weights: 3 x T x K x 4 bytes.
+// Not counted: the weights and their gradients (they do not grow with T: take them off
+// free_bytes), allocator rounding and fragmentation, anything else the caller holds. Never more
+// than the largest max_tokens validate_config accepts; -1 when not even T = 0 fits. Host only.
+int64_t max_tokens_that_fit(const LayerConfig& config, Impl impl, size_t free_bytes, bool save_z);
+
 // Expert ids outside [-1, E) are never used to index memory: the routing step counts them,
 // treats them as masked, and the call then throws fusemoe::Error naming the first bad
 // (token, slot, value). The outputs of such a call are unspecified.

@@ -13,7 +13,9 @@ z (2I bf16 per routed row; recompute_z=True recomputes them in the backward inst
 backward returns fresh gradients (weights in their own dtype, d_topk_weights fp32) and autograd
 accumulates them, so gradient accumulation and activation checkpointing need nothing special
 (grad_in_place is the opt-in exception, see moe_experts). Calls run on
-torch.cuda.current_stream(); each call's workspace comes from torch's caching allocator.
+torch.cuda.current_stream(); each call's workspace comes from torch's caching allocator (when it
+cannot be had, FusemoeOutOfMemoryError, a FusemoeError and torch.OutOfMemoryError, names the bytes
+and nothing has been launched).
 
 Expert ids outside [-1, E) never index memory (the kernels mask them) and are reported without
 blocking the stream: every call passes the library a small report in pinned host memory (one
@@ -148,12 +150,26 @@ def _check_swiglu_clamp(swiglu_clamp):
         _fail(f"swiglu_clamp must be None or a number, got {swiglu_clamp!r}")
 
 
+class FusemoeOutOfMemoryError(_capi.FusemoeError, torch.OutOfMemoryError):
+    """A call's workspace could not be allocated. Also a torch.OutOfMemoryError, so code that
+    handles PyTorch's out-of-memory errors (e.g. by shrinking the batch) still does."""
+
+
 def _workspace(layer, device, use):
     """A workspace for one call of kind `use` (_capi.WORKSPACE_USES) of a _capi.Layer: each call
-    gets only what it needs (a backward given saved z needs no room for z)."""
+    gets only what it needs (a backward given saved z needs no room for z). When torch cannot
+    allocate it, nothing has been launched: FusemoeOutOfMemoryError names the bytes."""
     num_bytes = layer.workspace_bytes(use)
-    # The caching allocator returns 512-byte aligned blocks (the library needs 256).
-    return torch.empty(max(num_bytes, 1), dtype=torch.uint8, device=device), num_bytes
+    try:
+        # The caching allocator returns 512-byte aligned blocks (the library needs 256).
+        return torch.empty(max(num_bytes, 1), dtype=torch.uint8, device=device), num_bytes
+    except torch.OutOfMemoryError as e:
+        torch_says = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
+        raise FusemoeOutOfMemoryError(
+            f"fusemoe: cannot allocate the {use} workspace of {num_bytes} bytes "
+            f"({num_bytes / 2**30:.2f} GiB) on {device} for H={layer.hidden}, "
+            f"I={layer.intermediate}, E={layer.num_experts}, K={layer.top_k}, "
+            f"T={layer.max_tokens}; nothing was launched. PyTorch: {torch_says}") from e
 
 
 def _empty_saved_z(x_TH, dims, save_z):

@@ -267,6 +267,42 @@ size_t saved_z_bytes(const LayerConfig& config) {
   return static_cast<size_t>(config.max_tokens) * config.top_k * 2 * config.intermediate * 2;
 }
 
+int64_t max_tokens_that_fit(const LayerConfig& config, Impl impl, size_t free_bytes, bool save_z) {
+  check_impl(impl);
+  FUSEMOE_CHECK(!save_z || impl == Impl::kFused,
+                "save_z: saved z is supported by Impl::kFused only (got " << impl_name(impl) << ")");
+  LayerConfig c = config;
+  c.max_tokens = 0;
+  validate_config(c);  // names a bad field; every later T passes the same field checks
+  // Both conditions only get harder as T grows, so the T that fit form a prefix [0, answer].
+  auto fits = [&](int64_t tokens) {
+    c.max_tokens = tokens;
+    try {
+      validate_config(c);
+    } catch (const Error&) {
+      return false;  // past a token limit (rows or elements of 32-bit index arithmetic)
+    }
+    const WorkspaceUse backward_use = save_z ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward;
+    const size_t tensors = static_cast<size_t>(tokens) * (4 * c.hidden * 2 + 3 * c.top_k * 4);
+    const size_t needed = std::max(workspace_bytes(c, impl, WorkspaceUse::kForward),
+                                   workspace_bytes(c, impl, backward_use)) +
+                          (save_z ? saved_z_bytes(c) : 0) + tensors;
+    return needed <= free_bytes;
+  };
+  if (!fits(0)) return -1;
+  // Doubling ends: validate_config rejects T >= 2^31 / K.
+  int64_t fitting = 0, too_many = 1;
+  while (fits(too_many)) {
+    fitting = too_many;
+    too_many *= 2;
+  }
+  while (too_many - fitting > 1) {
+    const int64_t middle = fitting + (too_many - fitting) / 2;
+    (fits(middle) ? fitting : too_many) = middle;
+  }
+  return fitting;
+}
+
 void throw_if_expert_id_report(const int32_t report[kExpertIdReportInts], int64_t num_experts,
                                int64_t top_k) {
   FUSEMOE_CHECK(report != nullptr, "expert id report must not be null");

@@ -248,6 +248,68 @@ def test_bad_expert_ids_are_reported_without_a_sync(impl):
     fusemoe.check_expert_ids()
 
 
+@each_impl
+def test_workspace_out_of_memory_is_a_clear_error_and_leaves_no_state(impl):
+    """A call whose workspace torch's allocator cannot give (capped with
+    set_per_process_memory_fraction) raises FusemoeError, also a torch.OutOfMemoryError, naming
+    fusemoe, the call and the bytes, before launching anything. Forward and backward; then the
+    same calls give the bits they gave before, and bad ids are still reported."""
+    num_tokens, hidden, intermediate, num_experts, top_k = 4096, 256, 2048, 8, 8
+    p = make_problem(num_tokens, hidden, intermediate, num_experts, top_k, "cuda", seed=41)
+    layer = functools.partial(fusemoe.moe_experts, impl=impl)
+    expected = run_layer(layer, p, torch.bfloat16)
+    fusemoe.check_expert_ids()
+    c_layer = fusemoe._capi.layer(hidden, intermediate, num_experts, top_k, num_tokens, impl)
+
+    def starve(use):
+        """Caps the caching allocator at what it holds now plus half of the workspace of `use`
+        (more than the call's outputs, allocated first, need). Returns the workspace's bytes."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        num_bytes = c_layer.workspace_bytes(use)
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(
+            (torch.cuda.memory_reserved() + num_bytes // 2) / total)
+        return num_bytes
+
+    args = [p[k] for k in ("x_TH", "topk_idx_TK", "topk_weights_TK", "w13_EFH", "w2_EHI")]
+    try:
+        num_bytes = starve("forward")
+        with pytest.raises(fusemoe.FusemoeError,
+                           match=f"^fusemoe: cannot allocate the forward workspace of {num_bytes} "
+                                 "bytes") as raised:
+            layer(*args)
+        assert isinstance(raised.value, torch.OutOfMemoryError)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    del raised
+
+    leaves = [p[k].clone().requires_grad_()
+              for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
+    y = layer(leaves[0], p["topk_idx_TK"], *leaves[1:])
+    use = "backward_saved_z" if impl == "fused" else "backward"  # "fused" saves z by default
+    try:
+        num_bytes = starve(use)
+        with pytest.raises(fusemoe.FusemoeError,
+                           match=f"^fusemoe: cannot allocate the {use} workspace of {num_bytes} "
+                                 "bytes") as raised:
+            y.backward(p["dy_TH"])
+        assert isinstance(raised.value, torch.OutOfMemoryError)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    del raised, y, leaves
+
+    fusemoe.check_expert_ids()  # the failed calls left no report behind
+    got = run_layer(layer, p, torch.bfloat16)
+    for name in OUTPUTS:
+        assert torch.equal(got[name], expected[name]), name
+    bad_ids = p["topk_idx_TK"].clone()
+    bad_ids[3, 1] = num_experts
+    layer(args[0], bad_ids, *args[2:])
+    with pytest.raises(fusemoe.FusemoeError, match="first at token 3, slot 1, value 8"):
+        fusemoe.check_expert_ids()
+
+
 def test_errors_from_the_library_and_the_op():
     p = make_problem(16, 128, 64, 4, 2, "cuda")
     args = [p[k] for k in ("x_TH", "topk_idx_TK", "topk_weights_TK", "w13_EFH", "w2_EHI")]

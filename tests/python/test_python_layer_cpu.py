@@ -165,6 +165,27 @@ def test_workspace_per_call():
         _capi.workspace_bytes(fused, "sideways")
 
 
+def test_workspace_out_of_memory_names_fusemoe_and_the_bytes(monkeypatch):
+    """torch's out-of-memory error at a call's workspace becomes a FusemoeError naming the bytes,
+    still a torch.OutOfMemoryError (test_ops_gpu.py provokes a real one on the GPU)."""
+    from types import SimpleNamespace
+
+    from fusemoe import ops
+    layer = SimpleNamespace(hidden=2048, intermediate=768, num_experts=128, top_k=8,
+                            max_tokens=262144, workspace_bytes=lambda use: 3 << 30)
+
+    def refuse(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB.\nDetails")
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    with pytest.raises(fusemoe.FusemoeError, match=(
+            r"^fusemoe: cannot allocate the backward workspace of 3221225472 bytes \(3.00 GiB\) on "
+            r"cuda:0 for H=2048, I=768, E=128, K=8, T=262144; nothing was launched. "
+            r"PyTorch: CUDA out of memory. Tried to allocate 3.00 GiB.$")) as raised:
+        ops._workspace(layer, torch.device("cuda", 0), "backward")
+    assert isinstance(raised.value, torch.OutOfMemoryError)
+
+
 def test_expert_id_reports_are_raised_once_with_their_own_layer_shape(monkeypatch):
     """The op's asynchronous bad-id reports, driven by hand on host memory (the real ones are
     pinned and written by the GPU): one report per (device, E, K); any pending report of the
