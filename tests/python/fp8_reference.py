@@ -7,6 +7,8 @@ materialise bf16 values. Mirrors reference/fp8_emulation.cpp (the C++ suite's, f
 Forward: z = dq(x) dq(W13)^T, h = bf16(silu(g) u), o = dq(h) dq(W2)^T, y = bf16(sum_j bf16(w o)).
 Backward (straight-through): a = dq(dy) dq(W2), h from bf16 z, d_topk_w = <h, a>,
 dz = bf16(SwiGLU'(w a)), dx = bf16(sum_j bf16(dq(dz) dq(W13))), dW2 = dy^T bf16(w h), dW13 = dz^T x.
+With a SwiGLU clamp c, g <- min(g, c) and u <- clamp(u, -c, c) before h, and dg, du are zero where
+their bound is active (as moe_reference.py and the kernels' epilogues).
 Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, K top-k, N rows of
 one expert.
 """
@@ -43,7 +45,20 @@ def _bf16(t):
     return t.to(torch.bfloat16).float()
 
 
-def moe_experts_fp8_emulated(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH):
+def _clamped(z_NF, intermediate, swiglu_clamp):
+    """g, u (clamped when swiglu_clamp is set) and the masks where their gradient passes."""
+    g_NI, u_NI = z_NF[:, :intermediate], z_NF[:, intermediate:]
+    if swiglu_clamp is None:
+        ones_NI = torch.ones_like(g_NI)
+        return g_NI, u_NI, ones_NI, ones_NI
+    g_pass_NI = (g_NI <= swiglu_clamp).float()
+    u_pass_NI = ((u_NI >= -swiglu_clamp) & (u_NI <= swiglu_clamp)).float()
+    return (g_NI.clamp(max=swiglu_clamp), u_NI.clamp(min=-swiglu_clamp, max=swiglu_clamp),
+            g_pass_NI, u_pass_NI)
+
+
+def moe_experts_fp8_emulated(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH,
+                             swiglu_clamp=None):
     """y and every gradient (dict: y, dx, d_topk_weights, dw13, dw2) of the FP8 recipe, fp32."""
     x_TH, dy_TH = x_TH.float(), dy_TH.float()
     num_tokens, hidden = x_TH.shape
@@ -64,20 +79,21 @@ def moe_experts_fp8_emulated(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI
         w_N = topk_weights_TK[token_N, slot_N].float()[:, None]
         # forward
         z_NF = xq_TH[token_N] @ w13q_FH.t()
-        h_NI = _bf16(F.silu(z_NF[:, :intermediate]) * z_NF[:, intermediate:])
+        g_NI, u_NI, _, _ = _clamped(z_NF, intermediate, swiglu_clamp)
+        h_NI = _bf16(F.silu(g_NI) * u_NI)
         o_NH = quantize_rows(h_NI) @ w2q_HI.t()
         y_TH.index_add_(0, token_N, _bf16(o_NH * w_N))
         # backward, from the bf16 z the forward saves
         zb_NF = _bf16(z_NF)
-        g_NI, u_NI = zb_NF[:, :intermediate], zb_NF[:, intermediate:]
+        g_NI, u_NI, g_pass_NI, u_pass_NI = _clamped(zb_NF, intermediate, swiglu_clamp)
         a_NI = dyq_TH[token_N] @ w2q_HI
         sig_NI = torch.sigmoid(g_NI)
         silu_NI = g_NI * sig_NI
         hb_NI = _bf16(silu_NI * u_NI)
         d_topk_weights_TK[token_N, slot_N] = (hb_NI * a_NI).sum(dim=1)
         dh_NI = w_N * a_NI
-        dz_NF = _bf16(torch.cat([dh_NI * u_NI * sig_NI * (1 + g_NI * (1 - sig_NI)),
-                                 dh_NI * silu_NI], dim=1))
+        dz_NF = _bf16(torch.cat([dh_NI * u_NI * sig_NI * (1 + g_NI * (1 - sig_NI)) * g_pass_NI,
+                                 dh_NI * silu_NI * u_pass_NI], dim=1))
         dx_TH.index_add_(0, token_N, _bf16(quantize_rows(dz_NF) @ w13q_FH))
         dw2_EHI[e] = dy_TH[token_N].t() @ _bf16(w_N * hb_NI)
         dw13_EFH[e] = dz_NF.t() @ x_TH[token_N]

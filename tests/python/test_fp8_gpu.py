@@ -39,12 +39,13 @@ def run_layer(fn, p, dtype):
     return dict(zip(OUTPUTS, [y.detach()] + [leaf.grad for leaf in leaves]))
 
 
-def check_fp8(p, **options):
-    got = run_layer(functools.partial(fusemoe.moe_experts, precision="fp8", **options), p,
-                    torch.bfloat16)
+def check_fp8(p, swiglu_clamp=None, **options):
+    got = run_layer(functools.partial(fusemoe.moe_experts, precision="fp8",
+                                      swiglu_clamp=swiglu_clamp, **options), p, torch.bfloat16)
     emulation = moe_experts_fp8_emulated(p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"],
-                                         p["w13_EFH"], p["w2_EHI"], p["dy_TH"])
-    ref = run_layer(moe_experts_torch, p, torch.float32)
+                                         p["w13_EFH"], p["w2_EHI"], p["dy_TH"], swiglu_clamp)
+    ref = run_layer(functools.partial(moe_experts_torch, swiglu_clamp=swiglu_clamp), p,
+                    torch.float32)
     lines, failures = [], []
     for name in OUTPUTS:
         vs_emu, emu_err = rel_err(got[name], emulation[name]), rel_err(emulation[name], ref[name])
@@ -141,15 +142,12 @@ def test_fp8_unsupported_configurations_raise():
 
 def test_fp8_swiglu_clamp_reaches_the_kernels():
     """The clamp through the FP8 op (FusemoeCLayer's use_swiglu_clamp at precision fp8): at
-    c = 0.75 about a third of g and u are clamped: every output is within FP8's error (E4M3: ~6%)
-    of the clamped fp32 reference, and y is closer to it than to the unclamped one."""
+    c = 0.75 about a third of g and u are clamped. Every output within the emulation bounds of the
+    clamped recipe (a fixed 10% bound against fp32 does not hold for dx: FP8's error moves values
+    across the clamp bound, where the gradient switches on or off), and y closer to the clamped
+    fp32 reference than to the unclamped one."""
     p = make_problem(199, 256, 128, 8, 2, "cuda", seed=165)
-    got = run_layer(functools.partial(fusemoe.moe_experts, precision="fp8", swiglu_clamp=0.75), p,
-                    torch.bfloat16)
+    got = check_fp8(p, swiglu_clamp=0.75)
     clamped = run_layer(functools.partial(moe_experts_torch, swiglu_clamp=0.75), p, torch.float32)
     unclamped = run_layer(moe_experts_torch, p, torch.float32)
-    for name in OUTPUTS:
-        err = rel_err(got[name], clamped[name])
-        print(f"{name}: vs clamped fp32 {err:.3e}, vs unclamped {rel_err(got[name], unclamped[name]):.3e}")
-        assert err <= 1e-1, name
     assert rel_err(got["y"], clamped["y"]) < rel_err(got["y"], unclamped["y"])
