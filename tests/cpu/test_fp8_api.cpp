@@ -10,9 +10,11 @@
 #include <random>
 #include <string>
 
+#include "common/layer_config.h"
 #include "expect_error.h"
 #include "fusemoe/expert_parallel.h"
 #include "fusemoe/fusemoe.h"
+#include "plausible_args.h"
 #include "reference/bf16_host.h"
 #include "reference/fp8_emulation.h"
 
@@ -20,12 +22,7 @@ namespace fusemoe {
 namespace {
 
 LayerConfig fp8_config() {
-  LayerConfig c;
-  c.hidden = 256;
-  c.intermediate = 128;
-  c.num_experts = 8;
-  c.top_k = 2;
-  c.max_tokens = 64;
+  LayerConfig c = harness::layer_config(256, 128, 8, 2, 64);
   c.precision = Precision::kFp8Blockwise;
   return c;
 }
@@ -59,10 +56,8 @@ TEST(Fp8Api, ExpertParallelRejectsFp8) {
 TEST(Fp8Api, WorkspacePerCall) {
   LayerConfig c = fp8_config();
   c.max_tokens = 1000;
-  const size_t fwd = workspace_bytes(c, Impl::kFused, WorkspaceUse::kForward);
-  const size_t bwd = workspace_bytes(c, Impl::kFused, WorkspaceUse::kBackward);
-  const size_t bwd_z = workspace_bytes(c, Impl::kFused, WorkspaceUse::kBackwardSavedZ);
-  EXPECT_EQ(workspace_bytes(c, Impl::kFused), std::max({fwd, bwd, bwd_z}));
+  const FusedWorkspaces w = checked_fused_workspaces(c);
+  const size_t fwd = w.forward, bwd = w.backward, bwd_z = w.backward_saved_z;
   EXPECT_LT(fwd, bwd_z);
   // Differences from the bf16 fused workspaces, region by region (256-byte aligned each).
   auto a = [](int64_t bytes) { return static_cast<size_t>((bytes + 255) / 256 * 256); };
@@ -110,16 +105,11 @@ TEST(Fp8Api, WeightBufferLayout) {
   }, "needed");
 }
 
+// An FP8 call reads the weights from the FP8 buffer only: null bf16 weights.
 ForwardArgs plausible_fp8_forward_args(const LayerConfig& c) {
-  ForwardArgs a;
-  a.x = reinterpret_cast<const void*>(0x10000);
-  a.topk_idx = reinterpret_cast<const int32_t*>(0x20000);
-  a.topk_weights = reinterpret_cast<const float*>(0x30000);
-  a.y = reinterpret_cast<void*>(0x60000);
-  a.num_tokens = 8;
-  a.workspace = reinterpret_cast<void*>(0x70000);
-  a.workspace_bytes = workspace_bytes(c, Impl::kFused);
-  a.fp8_weights = reinterpret_cast<const void*>(0x80000);
+  ForwardArgs a = plausible_forward_args(c, Impl::kFused);
+  a.w13 = a.w2 = nullptr;
+  a.fp8_weights = reinterpret_cast<const void*>(kPlausibleFp8Weights);
   return a;
 }
 
@@ -128,26 +118,16 @@ TEST(Fp8Api, ArgumentsNamed) {
   ForwardArgs fa = plausible_fp8_forward_args(c);
   fa.fp8_weights = nullptr;
   expect_error_mentioning([&] { forward(c, Impl::kFused, fa); }, "fp8_weights must not be null");
-  fa.fp8_weights = reinterpret_cast<const void*>(0x80010);
+  fa.fp8_weights = reinterpret_cast<const void*>(kPlausibleFp8Weights + 16);
   expect_error_mentioning([&] { forward(c, Impl::kFused, fa); }, "fp8_weights must be 256-byte aligned");
   fa = plausible_fp8_forward_args(c);
   expect_error_mentioning([&] { forward(c, Impl::kUnfused, fa); }, "Impl::kFused only");
   fa.w13 = reinterpret_cast<const void*>(0x40000);  // one bf16 weight without the other
   expect_error_mentioning([&] { forward(c, Impl::kFused, fa); }, "w2 must not be null");
-  BackwardArgs ba;
-  ba.x = fa.x;
-  ba.topk_idx = fa.topk_idx;
-  ba.topk_weights = fa.topk_weights;
-  ba.dy = reinterpret_cast<const void*>(0x90000);
-  ba.dx = reinterpret_cast<void*>(0xa0000);
-  ba.d_topk_weights = reinterpret_cast<float*>(0xb0000);
-  ba.dw13 = reinterpret_cast<void*>(0xc0000);
-  ba.dw2 = reinterpret_cast<void*>(0xd0000);
-  ba.num_tokens = 8;
-  ba.workspace = reinterpret_cast<void*>(0xe0000);
-  ba.workspace_bytes = workspace_bytes(c, Impl::kFused);
+  BackwardArgs ba = plausible_backward_args(c, Impl::kFused);
+  ba.w13 = ba.w2 = nullptr;
   expect_error_mentioning([&] { backward(c, Impl::kFused, ba); }, "fp8_weights must not be null");
-  ba.fp8_weights = reinterpret_cast<const void*>(0x80000);
+  ba.fp8_weights = reinterpret_cast<const void*>(kPlausibleFp8Weights);
   ba.workspace_bytes = workspace_bytes(c, Impl::kFused, WorkspaceUse::kBackward) - 1;
   expect_error_mentioning([&] { backward(c, Impl::kFused, ba); }, "needed for impl fused (backward)");
 }
