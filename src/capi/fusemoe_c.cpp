@@ -105,6 +105,35 @@ fusemoe::LayerConfig fp8_config_of(const FusemoeCLayer& l) {
   return config;
 }
 
+// The fields the forward and backward args share (C and C++ spell them alike).
+template <typename Args, typename CArgs>
+Args call_args_of(const CArgs& a) {
+  Args args;
+  args.x = a.x;
+  args.topk_idx = a.topk_idx;
+  args.topk_weights = a.topk_weights;
+  args.w13 = a.w13;
+  args.w2 = a.w2;
+  args.fp8_weights = a.fp8_weights;
+  args.num_tokens = a.num_tokens;
+  args.workspace = a.workspace;
+  args.workspace_bytes = a.workspace_bytes;
+  args.expert_id_report = a.expert_id_report;
+  args.saved_z = a.saved_z;
+  args.stream = static_cast<cudaStream_t>(a.stream);
+  return args;
+}
+
+// A size query of a layer: checks the struct and the out-pointer, then *bytes = size(layer).
+template <typename Size>
+int32_t layer_bytes(const FusemoeCLayer* layer, uint64_t* bytes, Size&& size) {
+  return guarded([&] {
+    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
+    FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
+    *bytes = size(l);
+  });
+}
+
 // The C codes are the C++ enum values; the C++ API rejects any other value, naming the field.
 static_assert(static_cast<int>(fusemoe::WorkspaceUse::kForward) == FUSEMOE_C_WORKSPACE_FORWARD &&
                   static_cast<int>(fusemoe::WorkspaceUse::kBackward) == FUSEMOE_C_WORKSPACE_BACKWARD &&
@@ -240,36 +269,25 @@ int32_t fusemoe_c_impl_code(const char* name, int32_t* impl_code) {
 }
 
 int32_t fusemoe_c_workspace_bytes(const FusemoeCLayer* layer, uint64_t* bytes) {
-  return guarded([&] {
-    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
-    FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
-    *bytes = fusemoe::workspace_bytes(config_of(l), impl_from_code(l.impl_code));
+  return layer_bytes(layer, bytes, [](const FusemoeCLayer& l) {
+    return fusemoe::workspace_bytes(config_of(l), impl_from_code(l.impl_code));
   });
 }
 
 int32_t fusemoe_c_workspace_bytes_for(const FusemoeCLayer* layer, int32_t use, uint64_t* bytes) {
-  return guarded([&] {
-    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
-    FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
-    *bytes = fusemoe::workspace_bytes(config_of(l), impl_from_code(l.impl_code),
-                                      static_cast<fusemoe::WorkspaceUse>(use));
+  return layer_bytes(layer, bytes, [use](const FusemoeCLayer& l) {
+    return fusemoe::workspace_bytes(config_of(l), impl_from_code(l.impl_code),
+                                    static_cast<fusemoe::WorkspaceUse>(use));
   });
 }
 
 int32_t fusemoe_c_saved_z_bytes(const FusemoeCLayer* layer, uint64_t* bytes) {
-  return guarded([&] {
-    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
-    FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
-    *bytes = fusemoe::saved_z_bytes(config_of(l));
-  });
+  return layer_bytes(layer, bytes, [](const FusemoeCLayer& l) { return fusemoe::saved_z_bytes(config_of(l)); });
 }
 
 int32_t fusemoe_c_fp8_weights_bytes(const FusemoeCLayer* layer, uint64_t* bytes) {
-  return guarded([&] {
-    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
-    FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
-    *bytes = fusemoe::fp8_weights_bytes(fp8_config_of(l));
-  });
+  return layer_bytes(layer, bytes,
+                     [](const FusemoeCLayer& l) { return fusemoe::fp8_weights_bytes(fp8_config_of(l)); });
 }
 
 int32_t fusemoe_c_quantize_weights_fp8(const FusemoeCLayer* layer, const FusemoeCFp8QuantizeArgs* args) {
@@ -286,20 +304,8 @@ int32_t fusemoe_c_forward(const FusemoeCLayer* layer, const FusemoeCForwardArgs*
     const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
     const FusemoeCForwardArgs& a = checked_struct(args, "args", "FusemoeCForwardArgs");
     const Impl impl = impl_from_code(l.impl_code);
-    fusemoe::ForwardArgs f;
-    f.x = a.x;
-    f.topk_idx = a.topk_idx;
-    f.topk_weights = a.topk_weights;
-    f.w13 = a.w13;
-    f.w2 = a.w2;
-    f.fp8_weights = a.fp8_weights;
+    fusemoe::ForwardArgs f = call_args_of<fusemoe::ForwardArgs>(a);
     f.y = a.y;
-    f.num_tokens = a.num_tokens;
-    f.workspace = a.workspace;
-    f.workspace_bytes = a.workspace_bytes;
-    f.expert_id_report = a.expert_id_report;
-    f.saved_z = a.saved_z;
-    f.stream = static_cast<cudaStream_t>(a.stream);
     fusemoe::forward(config_of(l), impl, f);
   });
 }
@@ -309,13 +315,7 @@ int32_t fusemoe_c_backward(const FusemoeCLayer* layer, const FusemoeCBackwardArg
     const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
     const FusemoeCBackwardArgs& a = checked_struct(args, "args", "FusemoeCBackwardArgs");
     const Impl impl = impl_from_code(l.impl_code);
-    fusemoe::BackwardArgs b;
-    b.x = a.x;
-    b.topk_idx = a.topk_idx;
-    b.topk_weights = a.topk_weights;
-    b.w13 = a.w13;
-    b.w2 = a.w2;
-    b.fp8_weights = a.fp8_weights;
+    fusemoe::BackwardArgs b = call_args_of<fusemoe::BackwardArgs>(a);
     b.dy = a.dy;
     b.dx = a.dx;
     b.d_topk_weights = a.d_topk_weights;
@@ -323,12 +323,6 @@ int32_t fusemoe_c_backward(const FusemoeCLayer* layer, const FusemoeCBackwardArg
     b.dw2 = a.dw2;
     b.weight_grad_dtype = static_cast<fusemoe::WeightGradDtype>(a.weight_grad_dtype);
     b.accumulate_weight_grads = a.accumulate_weight_grads != 0;
-    b.num_tokens = a.num_tokens;
-    b.workspace = a.workspace;
-    b.workspace_bytes = a.workspace_bytes;
-    b.expert_id_report = a.expert_id_report;
-    b.saved_z = a.saved_z;
-    b.stream = static_cast<cudaStream_t>(a.stream);
     fusemoe::backward(config_of(l), impl, b);
   });
 }
