@@ -232,11 +232,7 @@ void forward_impl(const LayerConfig& c, const ForwardArgs& args) {
   UnfusedWorkspace<Pool> ws(c, args.workspace);
   const int64_t H = c.hidden, I = c.intermediate, E = c.num_experts;
   cudaStream_t stream = args.stream;
-  const RoutedRows<Pool> routed = route_and_gather_x(c, args, ws);
-  const std::vector<int32_t>& counts = routed.counts;
-  const int64_t num_rows = routed.num_rows;
-  const Pool* w13 = routed.w13;
-  const Pool* w2 = routed.w2;
+  const auto [counts, num_rows, w13, w2] = route_and_gather_x(c, args, ws);
 
   GemmBatch gate_up{{}, pool_type<Pool>(), pool_type<Pool>(), 0.0f};
   GemmBatch down{{}, pool_type<Pool>(), pool_type<Pool>(), 0.0f};
@@ -266,11 +262,7 @@ void backward_impl(const LayerConfig& c, const BackwardArgs& args) {
   const int64_t H = c.hidden, I = c.intermediate, E = c.num_experts;
   const bool bf16_grads = args.weight_grad_dtype == WeightGradDtype::kBFloat16;
   cudaStream_t stream = args.stream;
-  const RoutedRows<Pool> routed = route_and_gather_x(c, args, ws);
-  const std::vector<int32_t>& counts = routed.counts;
-  const int64_t num_rows = routed.num_rows;
-  const Pool* w13 = routed.w13;
-  const Pool* w2 = routed.w2;
+  const auto [counts, num_rows, w13, w2] = route_and_gather_x(c, args, ws);
   constexpr bool kReference = std::is_same<Pool, float>::value;
   launch_gather_rows(static_cast<const bf16*>(args.dy), ws.plan.row_slot, num_rows, c.top_k, H,
                      ws.o_or_dys_RH, stream);

@@ -272,14 +272,18 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
     upload(dw13, *opt.dw13_init);
     upload(dw2, *opt.dw2_init);
   }
+  // What both calls get from opt; an FP8 call gets the FP8 buffer and null bf16 weights.
+  auto set_options = [&](auto& a) {
+    a.expert_id_report = opt.expert_id_report;
+    a.saved_z = opt.save_z ? saved_z.get() : nullptr;
+    if (fp8) {
+      a.w13 = a.w2 = nullptr;
+      a.fp8_weights = fp8_weights.get();
+    }
+  };
   ForwardArgs fa = in.args<ForwardArgs>(d.T, workspace);
   fa.y = y.get();
-  fa.expert_id_report = opt.expert_id_report;
-  fa.saved_z = opt.save_z ? saved_z.get() : nullptr;
-  if (fp8) {
-    fa.w13 = fa.w2 = nullptr;
-    fa.fp8_weights = fp8_weights.get();
-  }
+  set_options(fa);
   forward(config, impl, fa);
   BackwardArgs ba = in.args<BackwardArgs>(d.T, bwd_workspace);
   ba.dx = dx.get();
@@ -288,12 +292,7 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   ba.dw2 = dw2.get();
   ba.weight_grad_dtype = opt.grad_dtype;
   ba.accumulate_weight_grads = opt.accumulate;
-  ba.expert_id_report = opt.expert_id_report;
-  ba.saved_z = opt.save_z ? saved_z.get() : nullptr;
-  if (fp8) {
-    ba.w13 = ba.w2 = nullptr;
-    ba.fp8_weights = fp8_weights.get();
-  }
+  set_options(ba);
   backward(config, impl, ba);
   TEST_CUDA(cudaDeviceSynchronize());
   LayerOutputs out;
