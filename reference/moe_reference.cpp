@@ -18,10 +18,6 @@
 namespace fusemoe::reference {
 namespace {
 
-using math::dot;
-using math::sigmoid;
-using math::slots_by_expert;
-
 void require(bool condition, const std::string& message) {
   if (!condition) throw std::invalid_argument("fusemoe::reference: " + message);
 }

@@ -1,5 +1,6 @@
 // The arithmetic both CPU references use (moe_reference.cpp, fp8_emulation.cpp), so their fp64
-// sums and their row order are the same by construction.
+// sums and their row order are the same by construction. Internal to the two: not part of
+// moe_reference.h.
 #pragma once
 
 #include <cmath>
@@ -8,7 +9,7 @@
 
 #include "reference/moe_reference.h"
 
-namespace fusemoe::reference::math {
+namespace fusemoe::reference {
 
 // sum_k a[k] b[k] in four interleaved partial sums (a fixed order): the compiler may not
 // reorder an fp64 sum itself, and one serial chain of adds made the forward 2.4x slower.
@@ -37,4 +38,4 @@ inline std::vector<std::vector<int64_t>> slots_by_expert(const Problem& p) {
   return slots;
 }
 
-}  // namespace fusemoe::reference::math
+}  // namespace fusemoe::reference

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from . import _capi
-from .ops import (_check_cuda, _check_impl, _check_inputs, _check_save_z, _check_saved_z,
-                  _check_swiglu_clamp, _check_tensor, _check_weight_grads, _empty_saved_z, _fail,
-                  _launch_backward, _launch_forward)
+from .ops import (_check_backward_fake, _check_cuda, _check_impl, _check_inputs, _check_save_z,
+                  _check_swiglu_clamp, _check_tensor, _empty_saved_z, _fail, _launch_backward,
+                  _launch_forward)
 
 _BLOCK = 128       # E4M3 scale block: 1 x 128 for activations, 128 x 128 for weights
 _ALIGNMENT = 256   # each array of the weight buffer starts 256-byte aligned
@@ -180,11 +180,8 @@ def moe_experts_fp8_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
 @moe_experts_fp8_backward.register_fake
 def _moe_experts_fp8_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                                    fp8_weights, impl, saved_z_SF=None, swiglu_clamp=None):
-    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
-    _check_impl(impl)
-    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
-    _check_saved_z(saved_z_SF, dims, x_TH, impl)
-    _check_swiglu_clamp(swiglu_clamp)
+    _check_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                         saved_z_SF, swiglu_clamp, fp8_weights=fp8_weights)
     return (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK), torch.empty_like(w13_EFH),
             torch.empty_like(w2_EHI))
 
@@ -206,12 +203,9 @@ def moe_experts_fp8_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tens
 def _moe_experts_fp8_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                                         fp8_weights, dw13_EFH, dw2_EHI, accumulate, impl,
                                         saved_z_SF=None, swiglu_clamp=None):
-    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
-    _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
-    _check_impl(impl)
-    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
-    _check_saved_z(saved_z_SF, dims, x_TH, impl)
-    _check_swiglu_clamp(swiglu_clamp)
+    _check_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                         saved_z_SF, swiglu_clamp, weight_grads=(dw13_EFH, dw2_EHI),
+                         fp8_weights=fp8_weights)
     return torch.empty_like(x_TH), torch.empty_like(topk_weights_TK)
 
 

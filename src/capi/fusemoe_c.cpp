@@ -124,6 +124,18 @@ Args call_args_of(const CArgs& a) {
   return args;
 }
 
+// A call's entry point: checks the layer and args structs and the implementation code, then
+// fn(config, impl, C args, C++ args with the fields both calls share filled).
+template <typename Args, typename CArgs, typename Fn>
+int32_t layer_call(const FusemoeCLayer* layer, const CArgs* args, const char* args_type, Fn&& fn) {
+  return guarded([&] {
+    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
+    const CArgs& a = checked_struct(args, "args", args_type);
+    const Impl impl = impl_from_code(l.impl_code);
+    fn(config_of(l), impl, a, call_args_of<Args>(a));
+  });
+}
+
 // A size query of a layer: checks the struct and the out-pointer, then *bytes = size(layer).
 template <typename Size>
 int32_t layer_bytes(const FusemoeCLayer* layer, uint64_t* bytes, Size&& size) {
@@ -300,31 +312,27 @@ int32_t fusemoe_c_quantize_weights_fp8(const FusemoeCLayer* layer, const Fusemoe
 }
 
 int32_t fusemoe_c_forward(const FusemoeCLayer* layer, const FusemoeCForwardArgs* args) {
-  return guarded([&] {
-    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
-    const FusemoeCForwardArgs& a = checked_struct(args, "args", "FusemoeCForwardArgs");
-    const Impl impl = impl_from_code(l.impl_code);
-    fusemoe::ForwardArgs f = call_args_of<fusemoe::ForwardArgs>(a);
-    f.y = a.y;
-    fusemoe::forward(config_of(l), impl, f);
-  });
+  return layer_call<fusemoe::ForwardArgs>(
+      layer, args, "FusemoeCForwardArgs",
+      [](const fusemoe::LayerConfig& config, Impl impl, const FusemoeCForwardArgs& a, fusemoe::ForwardArgs f) {
+        f.y = a.y;
+        fusemoe::forward(config, impl, f);
+      });
 }
 
 int32_t fusemoe_c_backward(const FusemoeCLayer* layer, const FusemoeCBackwardArgs* args) {
-  return guarded([&] {
-    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
-    const FusemoeCBackwardArgs& a = checked_struct(args, "args", "FusemoeCBackwardArgs");
-    const Impl impl = impl_from_code(l.impl_code);
-    fusemoe::BackwardArgs b = call_args_of<fusemoe::BackwardArgs>(a);
-    b.dy = a.dy;
-    b.dx = a.dx;
-    b.d_topk_weights = a.d_topk_weights;
-    b.dw13 = a.dw13;
-    b.dw2 = a.dw2;
-    b.weight_grad_dtype = static_cast<fusemoe::WeightGradDtype>(a.weight_grad_dtype);
-    b.accumulate_weight_grads = a.accumulate_weight_grads != 0;
-    fusemoe::backward(config_of(l), impl, b);
-  });
+  return layer_call<fusemoe::BackwardArgs>(
+      layer, args, "FusemoeCBackwardArgs",
+      [](const fusemoe::LayerConfig& config, Impl impl, const FusemoeCBackwardArgs& a, fusemoe::BackwardArgs b) {
+        b.dy = a.dy;
+        b.dx = a.dx;
+        b.d_topk_weights = a.d_topk_weights;
+        b.dw13 = a.dw13;
+        b.dw2 = a.dw2;
+        b.weight_grad_dtype = static_cast<fusemoe::WeightGradDtype>(a.weight_grad_dtype);
+        b.accumulate_weight_grads = a.accumulate_weight_grads != 0;
+        fusemoe::backward(config, impl, b);
+      });
 }
 
 int32_t fusemoe_c_check_expert_id_report(const int32_t* report, int64_t num_experts,

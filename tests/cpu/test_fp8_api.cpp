@@ -57,8 +57,7 @@ TEST(Fp8Api, WorkspacePerCall) {
   LayerConfig c = fp8_config();
   c.max_tokens = 1000;
   const FusedWorkspaces w = checked_fused_workspaces(c);
-  const size_t fwd = w.forward, bwd = w.backward, bwd_z = w.backward_saved_z;
-  EXPECT_LT(fwd, bwd_z);
+  EXPECT_LT(w.forward, w.backward_saved_z);
   // Differences from the bf16 fused workspaces, region by region (256-byte aligned each).
   auto a = [](int64_t bytes) { return static_cast<size_t>((bytes + 255) / 256 * 256); };
   const int64_t T = c.max_tokens, R = T * c.top_k, P = (R + 3) / 4 * 4, H = c.hidden, I = c.intermediate;
@@ -66,13 +65,13 @@ TEST(Fp8Api, WorkspacePerCall) {
   bf16.precision = Precision::kBf16;
   // Forward: x once per token in E4M3 with token-major scales; h in E4M3 with block-major scales
   // instead of bf16.
-  EXPECT_EQ(fwd + a(R * I * 2), workspace_bytes(bf16, Impl::kFused, WorkspaceUse::kForward) + a(T * H) +
+  EXPECT_EQ(w.forward + a(R * I * 2), workspace_bytes(bf16, Impl::kFused, WorkspaceUse::kForward) + a(T * H) +
                                     a(T * (H / 128) * 4) + a(R * I) + a((I / 128) * P * 4));
   // Backward with saved z: dy and dz also in E4M3 with their scales.
-  EXPECT_EQ(bwd_z, workspace_bytes(bf16, Impl::kFused, WorkspaceUse::kBackwardSavedZ) + a(R * H) +
+  EXPECT_EQ(w.backward_saved_z, workspace_bytes(bf16, Impl::kFused, WorkspaceUse::kBackwardSavedZ) + a(R * H) +
                        a((H / 128) * P * 4) + a(R * 2 * I) + a((2 * I / 128) * P * 4));
   // Recomputing z also needs z and the x pool in E4M3 with its scales.
-  EXPECT_EQ(bwd - bwd_z, a(R * 2 * I * 2) + a(R * H) + a((H / 128) * P * 4));
+  EXPECT_EQ(w.backward - w.backward_saved_z, a(R * 2 * I * 2) + a(R * H) + a((H / 128) * P * 4));
 }
 
 TEST(Fp8Api, WeightBufferLayout) {

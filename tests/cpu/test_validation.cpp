@@ -160,10 +160,9 @@ TEST(Validation, WorkspacePerCall) {
   LayerConfig c = good_config();
   c.max_tokens = 1000;
   const FusedWorkspaces w = checked_fused_workspaces(c);
-  const size_t fwd = w.forward, bwd = w.backward, bwd_z = w.backward_saved_z;
-  EXPECT_LT(fwd, bwd);
-  EXPECT_GE(bwd - bwd_z, saved_z_bytes(c));
-  EXPECT_LT(bwd - bwd_z, saved_z_bytes(c) + 256);
+  EXPECT_LT(w.forward, w.backward);
+  EXPECT_GE(w.backward - w.backward_saved_z, saved_z_bytes(c));
+  EXPECT_LT(w.backward - w.backward_saved_z, saved_z_bytes(c) + 256);
   for (Impl impl : {Impl::kUnfused, Impl::kReferenceFp32}) {
     for (WorkspaceUse use : {WorkspaceUse::kForward, WorkspaceUse::kBackward, WorkspaceUse::kBackwardSavedZ}) {
       EXPECT_EQ(workspace_bytes(c, impl, use), workspace_bytes(c, impl));
@@ -174,15 +173,15 @@ TEST(Validation, WorkspacePerCall) {
 
   // One byte short of a call's own need fails, naming the call.
   ForwardArgs fa = plausible_forward_args(c, Impl::kFused);
-  fa.workspace_bytes = fwd - 1;
+  fa.workspace_bytes = w.forward - 1;
   expect_error_mentioning([&] { forward(c, Impl::kFused, fa); }, "needed for impl fused (forward)");
   BackwardArgs ba = plausible_backward_args(c, Impl::kFused);
   ba.saved_z = reinterpret_cast<const void*>(0xc0000);
-  ba.workspace_bytes = bwd_z - 1;
+  ba.workspace_bytes = w.backward_saved_z - 1;
   expect_error_mentioning([&] { backward(c, Impl::kFused, ba); }, "needed for impl fused (backward with saved_z)");
   // Without saved z the backward needs the room for z: the saved-z size is too small.
   ba.saved_z = nullptr;
-  ba.workspace_bytes = bwd_z;
+  ba.workspace_bytes = w.backward_saved_z;
   expect_error_mentioning([&] { backward(c, Impl::kFused, ba); }, "needed for impl fused (backward)");
 }
 
