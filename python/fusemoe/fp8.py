@@ -22,8 +22,8 @@ from torch import Tensor
 
 from . import _capi
 from .ops import (_check_backward_fake, _check_cuda, _check_impl, _check_inputs, _check_save_z,
-                  _check_swiglu_clamp, _check_tensor, _empty_saved_z, _fail, _launch_backward,
-                  _launch_forward)
+                  _check_swiglu_clamp, _check_tensor, _empty_saved_z, _fail, _into_param_grads,
+                  _launch_backward, _launch_forward)
 
 _BLOCK = 128       # E4M3 scale block: 1 x 128 for activations, 128 x 128 for weights
 _ALIGNMENT = 256   # each array of the weight buffer starts 256-byte aligned
@@ -226,22 +226,10 @@ def _backward(ctx, dy_TH, _dz_unused):
     saved_z_SF = z_SF if z_SF.numel() else None
     dy_TH = dy_TH.contiguous()
     if ctx.params is not None:
-        if torch.compiler.is_compiling():
-            raise RuntimeError("fusemoe: grad_in_place=True cannot be traced by torch.compile")
-        w13_param, w2_param = ctx.params
-        fresh = w13_param.grad is None and w2_param.grad is None
-        if fresh:
-            grads = torch.empty_like(w13_param), torch.empty_like(w2_param)
-        else:
-            for param in (w13_param, w2_param):
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-            grads = w13_param.grad, w2_param.grad
-        dx_TH, d_topk_weights_TK = moe_experts_fp8_backward_into(
-            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, *grads,
-            not fresh, ctx.impl, saved_z_SF, ctx.swiglu_clamp)
-        if fresh:
-            w13_param.grad, w2_param.grad = grads
+        dx_TH, d_topk_weights_TK = _into_param_grads(
+            ctx, lambda dw13, dw2, accumulate: moe_experts_fp8_backward_into(
+                dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, dw13,
+                dw2, accumulate, ctx.impl, saved_z_SF, ctx.swiglu_clamp))
         return dx_TH, None, d_topk_weights_TK, None, None, None, None, None, None, None
     dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI = moe_experts_fp8_backward(
         dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, ctx.impl,

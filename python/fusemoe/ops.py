@@ -391,8 +391,17 @@ def _backward(ctx, dy_TH, _dz_unused):
 
 def _backward_into_grads(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                          saved_z_SF):
-    """grad_in_place: the kernels add the weight gradients to the Parameters' .grad (or write a
-    fresh .grad when both are None) and autograd gets None for them, so no separate add runs."""
+    dx_TH, d_topk_weights_TK = _into_param_grads(
+        ctx, lambda dw13, dw2, accumulate: moe_experts_backward_into(
+            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13, dw2, accumulate,
+            ctx.impl, saved_z_SF, ctx.swiglu_clamp))
+    return dx_TH, None, d_topk_weights_TK, None, None, None, None, None, None
+
+
+def _into_param_grads(ctx, backward_into):
+    """grad_in_place (the bf16 and FP8 ops): backward_into(dw13, dw2, accumulate) adds the weight
+    gradients to the Parameters' .grad (or writes a fresh .grad when both are None) and autograd
+    gets None for them, so no separate add runs. Returns (dx, d_topk_weights)."""
     if torch.compiler.is_compiling():
         raise RuntimeError("fusemoe: grad_in_place=True sets Parameter.grad inside the backward, "
                            "which a compiled backward cannot trace; use grad_in_place=False "
@@ -406,12 +415,10 @@ def _backward_into_grads(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
         grads = w13_param.grad, w2_param.grad
-    dx_TH, d_topk_weights_TK = moe_experts_backward_into(
-        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, *grads, not fresh, ctx.impl,
-        saved_z_SF, ctx.swiglu_clamp)
+    dx_TH, d_topk_weights_TK = backward_into(*grads, not fresh)
     if fresh:
         w13_param.grad, w2_param.grad = grads
-    return dx_TH, None, d_topk_weights_TK, None, None, None, None, None, None
+    return dx_TH, d_topk_weights_TK
 
 
 moe_experts_forward.register_autograd(_backward, setup_context=_setup_context)
