@@ -167,40 +167,35 @@ int main(int argc, char** argv) {
     DeviceBuffer y(T * l.hidden * 2), dx(T * l.hidden * 2), dtw(T * l.top_k * 4), dw13(b.w13.bytes()),
         dw2(b.w2.bytes()), ws(fusemoe::workspace_bytes(l, fusemoe::Impl::kFused)),
         saved_z(fusemoe::saved_z_bytes(l));
+    // The fields both calls share: the batch's inputs, the one workspace, no id sync.
+    auto with_inputs = [&](auto& a, cudaStream_t s) {
+      a.x = b.x.get();
+      a.topk_idx = static_cast<const int32_t*>(b.idx.get());
+      a.topk_weights = static_cast<const float*>(b.w.get());
+      a.w13 = b.w13.get();
+      a.w2 = b.w2.get();
+      a.num_tokens = T;
+      a.workspace = ws.get();
+      a.workspace_bytes = ws.bytes();
+      a.sync_check_expert_ids = false;
+      a.stream = s;
+    };
     auto single = [&](cudaStream_t s, bool backward) {
       fusemoe::ForwardArgs fa;
-      fa.x = b.x.get();
-      fa.topk_idx = static_cast<const int32_t*>(b.idx.get());
-      fa.topk_weights = static_cast<const float*>(b.w.get());
-      fa.w13 = b.w13.get();
-      fa.w2 = b.w2.get();
+      with_inputs(fa, s);
       fa.y = y.get();
-      fa.num_tokens = T;
-      fa.workspace = ws.get();
-      fa.workspace_bytes = ws.bytes();
       fa.saved_z = backward ? saved_z.get() : nullptr;
-      fa.sync_check_expert_ids = false;
-      fa.stream = s;
       fusemoe::forward(l, fusemoe::Impl::kFused, fa);
       if (!backward) return;
       fusemoe::BackwardArgs ba;
-      ba.x = fa.x;
-      ba.topk_idx = fa.topk_idx;
-      ba.topk_weights = fa.topk_weights;
-      ba.w13 = fa.w13;
-      ba.w2 = fa.w2;
+      with_inputs(ba, s);
       ba.dy = b.dy.get();
       ba.dx = dx.get();
       ba.d_topk_weights = static_cast<float*>(dtw.get());
       ba.dw13 = dw13.get();
       ba.dw2 = dw2.get();
       ba.weight_grad_dtype = fusemoe::WeightGradDtype::kBFloat16;
-      ba.num_tokens = T;
-      ba.workspace = ws.get();
-      ba.workspace_bytes = ws.bytes();
       ba.saved_z = saved_z.get();
-      ba.sync_check_expert_ids = false;
-      ba.stream = s;
       fusemoe::backward(l, fusemoe::Impl::kFused, ba);
     };
 

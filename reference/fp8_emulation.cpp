@@ -15,6 +15,7 @@
 
 #include "reference/bf16_host.h"
 #include "reference/fp8_host.h"
+#include "reference/reference_math.h"
 
 namespace fusemoe::reference {
 namespace {
@@ -53,24 +54,7 @@ void parallel_for(int64_t n, Fn&& fn) {
   for (auto& t : pool) t.join();
 }
 
-// sum_k a[k] b[k] in four interleaved partial sums (a fixed order; one serial chain is ~3x slower).
-double dot(const double* a, const double* b, int64_t n) {
-  double acc[4] = {0.0, 0.0, 0.0, 0.0};
-  int64_t k = 0;
-  for (; k + 4 <= n; k += 4) {
-    for (int lane = 0; lane < 4; ++lane) acc[lane] += a[k + lane] * b[k + lane];
-  }
-  for (; k < n; ++k) acc[0] += a[k] * b[k];
-  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
-}
-
 double bf16(double v) { return host::round_to_bf16(static_cast<float>(v)); }
-
-double sigmoid(double v) {
-  if (v >= 0.0) return 1.0 / (1.0 + std::exp(-v));
-  const double e = std::exp(v);
-  return e / (1.0 + e);
-}
 
 // The dequantized 128 x 128-block quantization of one expert's [rows, cols] weight (block rows in
 // parallel: each is quantized on its own).
@@ -102,12 +86,16 @@ void dequantized_row(const double* row, int64_t n, double* out) {
   }
 }
 
-std::vector<std::vector<int64_t>> slots_by_expert(const Problem& p) {
-  std::vector<std::vector<int64_t>> slots(static_cast<size_t>(p.num_experts));
-  for (int64_t s = 0; s < p.num_tokens * p.top_k; ++s) {
-    if (p.topk_idx_TK[s] >= 0) slots[p.topk_idx_TK[s]].push_back(s);
+// fn(e, rows, w13, w2) for each expert with routed rows (slots_by_expert), its weights as the
+// FP8 GEMMs read them: 128 x 128-block quantized and dequantized once.
+template <typename Fn>
+void for_each_routed_expert(const Problem& p, const std::vector<std::vector<int64_t>>& slots, Fn&& fn) {
+  const int64_t H = p.hidden, I = p.intermediate, F = 2 * I;
+  for (int64_t e = 0; e < p.num_experts; ++e) {
+    const std::vector<int64_t>& rows = slots[e];
+    if (rows.empty()) continue;
+    fn(e, rows, dequantized_weight(p.w13_EFH, e * F * H, F, H), dequantized_weight(p.w2_EHI, e * H * I, H, I));
   }
-  return slots;
 }
 
 // Dequantized 1 x 128 rows of a [T, H] tensor (x or dy), per token.
@@ -139,11 +127,8 @@ ForwardRows forward_rows(const Problem& p, const std::vector<std::vector<int64_t
   out.ys_SH.assign(static_cast<size_t>(T * K * H), 0.0);
   out.zb_SF.assign(static_cast<size_t>(T * K * F), 0.0);
   const std::vector<double> xdq_TH = dequantized_rows(p.x_TH, T, H);
-  for (int64_t e = 0; e < p.num_experts; ++e) {
-    const std::vector<int64_t>& rows = slots[e];
-    if (rows.empty()) continue;
-    const std::vector<double> w13 = dequantized_weight(p.w13_EFH, e * F * H, F, H);
-    const std::vector<double> w2 = dequantized_weight(p.w2_EHI, e * H * I, H, I);
+  for_each_routed_expert(p, slots, [&](int64_t, const std::vector<int64_t>& rows, const std::vector<double>& w13,
+                                       const std::vector<double>& w2) {
     parallel_for(static_cast<int64_t>(rows.size()), [&](int64_t i) {
       const int64_t s = rows[i], t = s / K;
       const double* x = xdq_TH.data() + t * H;
@@ -162,7 +147,7 @@ ForwardRows forward_rows(const Problem& p, const std::vector<std::vector<int64_t
       const double w = p.topk_w_TK[s];
       for (int64_t n = 0; n < H; ++n) out.ys_SH[s * H + n] = bf16(w * dot(w2.data() + n * I, hdq.data(), I));
     });
-  }
+  });
   return out;
 }
 
@@ -199,11 +184,8 @@ Gradients backward_rows(const Problem& p, const std::vector<double>& dy_TH,
   std::vector<double> dx_slots_SH(static_cast<size_t>(T * K * H), 0.0);
   std::vector<double> dz_SF(static_cast<size_t>(T * K * F), 0.0), wh_SI(static_cast<size_t>(T * K * I), 0.0);
 
-  for (int64_t e = 0; e < p.num_experts; ++e) {
-    const std::vector<int64_t>& rows = slots[e];
-    if (rows.empty()) continue;
-    const std::vector<double> w13 = dequantized_weight(p.w13_EFH, e * F * H, F, H);
-    const std::vector<double> w2 = dequantized_weight(p.w2_EHI, e * H * I, H, I);
+  for_each_routed_expert(p, slots, [&](int64_t e, const std::vector<int64_t>& rows, const std::vector<double>& w13,
+                                       const std::vector<double>& w2) {
     parallel_for(static_cast<int64_t>(rows.size()), [&](int64_t r) {
       const int64_t s = rows[r], t = s / K;
       const double w = p.topk_w_TK[s];
@@ -250,7 +232,7 @@ Gradients backward_rows(const Problem& p, const std::vector<double>& dy_TH,
         for (int64_t n = 0; n < H; ++n) dw13[f * H + n] += dzv * x[n];
       }
     });
-  }
+  });
   g.dx_TH = combine(p, dx_slots_SH);
   return g;
 }

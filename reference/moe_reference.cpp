@@ -13,6 +13,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "reference/reference_math.h"
+
 namespace fusemoe::reference {
 namespace {
 
@@ -62,33 +64,6 @@ void validate(const Problem& p) {
                        std::to_string(s % p.top_k) + "] = " + std::to_string(id) +
                        " is outside [-1, " + std::to_string(p.num_experts) + ")");
   }
-}
-
-// Flat slot indices s = t*K + j of each expert, ascending.
-std::vector<std::vector<int64_t>> slots_by_expert(const Problem& p) {
-  std::vector<std::vector<int64_t>> slots(static_cast<size_t>(p.num_experts));
-  for (int64_t s = 0; s < p.num_tokens * p.top_k; ++s) {
-    if (p.topk_idx_TK[s] >= 0) slots[p.topk_idx_TK[s]].push_back(s);
-  }
-  return slots;
-}
-
-// sum_k a[k] b[k] in four interleaved partial sums (a fixed order): the compiler may not
-// reorder an fp64 sum itself, and one serial chain of adds made the forward 2.4x slower.
-double dot(const double* a, const double* b, int64_t n) {
-  double acc[4] = {0.0, 0.0, 0.0, 0.0};
-  int64_t k = 0;
-  for (; k + 4 <= n; k += 4) {
-    for (int lane = 0; lane < 4; ++lane) acc[lane] += a[k + lane] * b[k + lane];
-  }
-  for (; k < n; ++k) acc[0] += a[k] * b[k];
-  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
-}
-
-double sigmoid(double v) {
-  if (v >= 0.0) return 1.0 / (1.0 + std::exp(-v));
-  const double e = std::exp(v);  // no overflow for large negative v
-  return e / (1.0 + e);
 }
 
 // One row's SwiGLU state after the (optional) clamp; pass_* is true where the gradient flows

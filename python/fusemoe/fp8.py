@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from . import _capi
-from .ops import (_check_cuda, _check_impl, _check_inputs, _check_save_z, _check_saved_z,
-                  _check_swiglu_clamp, _check_tensor, _check_weight_grads, _empty_saved_z,
-                  _expert_id_report, _fail, _workspace)
+from .ops import (_check_backward_fake, _check_cuda, _check_impl, _check_inputs, _check_save_z,
+                  _check_swiglu_clamp, _check_tensor, _empty_saved_z, _fail, _into_param_grads,
+                  _launch_backward, _launch_forward)
 
 _BLOCK = 128       # E4M3 scale block: 1 x 128 for activations, 128 x 128 for weights
 _ALIGNMENT = 256   # each array of the weight buffer starts 256-byte aligned
@@ -147,23 +147,8 @@ def moe_experts_fp8_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: 
                             swiglu_clamp: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """fusemoe::moe_experts_forward on the FP8 weights (w13/w2 give the shapes and receive the
     gradients; their values are not read: the library gets null pointers for them)."""
-    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
-    _check_cuda(x_TH)
-    _check_save_z(save_z, impl)
-    _check_swiglu_clamp(swiglu_clamp)
-    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
-    layer = _capi.layer(*dims, impl, swiglu_clamp, "fp8")
-    y_TH = torch.empty_like(x_TH)
-    z_SF = _empty_saved_z(x_TH, dims, save_z)
-    with torch.cuda.device(x_TH.device):
-        report = _expert_id_report(x_TH.device, dims[2], dims[3])
-        workspace, num_bytes = _workspace(layer, x_TH.device, "forward")
-        _capi.forward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(), topk_weights_TK.data_ptr(),
-                      None, None, y_TH.data_ptr(), dims[-1], workspace.data_ptr(), num_bytes,
-                      report, z_SF.data_ptr() if save_z and z_SF.numel() else None,
-                      torch.cuda.current_stream(x_TH.device).cuda_stream,
-                      fp8_weights=fp8_weights.data_ptr())
-    return y_TH, z_SF
+    return _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
+                           swiglu_clamp, fp8_weights)
 
 
 @moe_experts_fp8_forward.register_fake
@@ -177,31 +162,6 @@ def _moe_experts_fp8_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w
     return torch.empty_like(x_TH), _empty_saved_z(x_TH, dims, save_z)
 
 
-def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights,
-                     dw13_EFH, dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp):
-    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
-    _check_cuda(x_TH)
-    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
-    grad_dtype = _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
-    saved_z_SF = _check_saved_z(saved_z_SF, dims, x_TH, impl)
-    _check_swiglu_clamp(swiglu_clamp)
-    layer = _capi.layer(*dims, impl, swiglu_clamp, "fp8")
-    dx_TH = torch.empty_like(x_TH)
-    d_topk_weights_TK = torch.empty_like(topk_weights_TK)
-    with torch.cuda.device(x_TH.device):
-        report = _expert_id_report(x_TH.device, dims[2], dims[3])
-        use = "backward" if saved_z_SF is None else "backward_saved_z"
-        workspace, num_bytes = _workspace(layer, x_TH.device, use)
-        _capi.backward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(), topk_weights_TK.data_ptr(),
-                       None, None, dy_TH.data_ptr(), dx_TH.data_ptr(),
-                       d_topk_weights_TK.data_ptr(), dw13_EFH.data_ptr(), dw2_EHI.data_ptr(),
-                       grad_dtype, accumulate, dims[-1], workspace.data_ptr(), num_bytes, report,
-                       saved_z_SF.data_ptr() if saved_z_SF is not None else None,
-                       torch.cuda.current_stream(x_TH.device).cuda_stream,
-                       fp8_weights=fp8_weights.data_ptr())
-    return dx_TH, d_topk_weights_TK
-
-
 @torch.library.custom_op("fusemoe::moe_experts_fp8_backward", mutates_args=())
 def moe_experts_fp8_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                              topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
@@ -212,19 +172,16 @@ def moe_experts_fp8_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
     dw13_EFH = torch.empty_like(w13_EFH)
     dw2_EHI = torch.empty_like(w2_EHI)
     dx_TH, d_topk_weights_TK = _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH,
-                                                w2_EHI, fp8_weights, dw13_EFH, dw2_EHI, False,
-                                                impl, saved_z_SF, swiglu_clamp)
+                                                w2_EHI, dw13_EFH, dw2_EHI, False, impl,
+                                                saved_z_SF, swiglu_clamp, fp8_weights)
     return dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI
 
 
 @moe_experts_fp8_backward.register_fake
 def _moe_experts_fp8_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                                    fp8_weights, impl, saved_z_SF=None, swiglu_clamp=None):
-    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
-    _check_impl(impl)
-    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
-    _check_saved_z(saved_z_SF, dims, x_TH, impl)
-    _check_swiglu_clamp(swiglu_clamp)
+    _check_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                         saved_z_SF, swiglu_clamp, fp8_weights=fp8_weights)
     return (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK), torch.empty_like(w13_EFH),
             torch.empty_like(w2_EHI))
 
@@ -238,21 +195,17 @@ def moe_experts_fp8_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tens
                                   saved_z_SF: Optional[Tensor] = None,
                                   swiglu_clamp: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """fusemoe::moe_experts_backward_into at FP8."""
-    return _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
-                            fp8_weights, dw13_EFH, dw2_EHI, accumulate, impl, saved_z_SF,
-                            swiglu_clamp)
+    return _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13_EFH,
+                            dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp, fp8_weights)
 
 
 @moe_experts_fp8_backward_into.register_fake
 def _moe_experts_fp8_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                                         fp8_weights, dw13_EFH, dw2_EHI, accumulate, impl,
                                         saved_z_SF=None, swiglu_clamp=None):
-    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
-    _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
-    _check_impl(impl)
-    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
-    _check_saved_z(saved_z_SF, dims, x_TH, impl)
-    _check_swiglu_clamp(swiglu_clamp)
+    _check_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                         saved_z_SF, swiglu_clamp, weight_grads=(dw13_EFH, dw2_EHI),
+                         fp8_weights=fp8_weights)
     return torch.empty_like(x_TH), torch.empty_like(topk_weights_TK)
 
 
@@ -273,22 +226,10 @@ def _backward(ctx, dy_TH, _dz_unused):
     saved_z_SF = z_SF if z_SF.numel() else None
     dy_TH = dy_TH.contiguous()
     if ctx.params is not None:
-        if torch.compiler.is_compiling():
-            raise RuntimeError("fusemoe: grad_in_place=True cannot be traced by torch.compile")
-        w13_param, w2_param = ctx.params
-        fresh = w13_param.grad is None and w2_param.grad is None
-        if fresh:
-            grads = torch.empty_like(w13_param), torch.empty_like(w2_param)
-        else:
-            for param in (w13_param, w2_param):
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-            grads = w13_param.grad, w2_param.grad
-        dx_TH, d_topk_weights_TK = moe_experts_fp8_backward_into(
-            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, *grads,
-            not fresh, ctx.impl, saved_z_SF, ctx.swiglu_clamp)
-        if fresh:
-            w13_param.grad, w2_param.grad = grads
+        dx_TH, d_topk_weights_TK = _into_param_grads(
+            ctx, lambda dw13, dw2, accumulate: moe_experts_fp8_backward_into(
+                dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, dw13,
+                dw2, accumulate, ctx.impl, saved_z_SF, ctx.swiglu_clamp))
         return dx_TH, None, d_topk_weights_TK, None, None, None, None, None, None, None
     dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI = moe_experts_fp8_backward(
         dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, ctx.impl,

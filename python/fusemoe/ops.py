@@ -187,21 +187,45 @@ def moe_experts_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tens
                         swiglu_clamp: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """Returns (y, z): z is the saved pre-activations when save_z ("fused" only), else empty.
     grad_in_place, save_z and swiglu_clamp: see moe_experts()."""
+    return _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
+                           swiglu_clamp)
+
+
+def _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI):
+    from .fp8 import _check_fp8_weights  # imported here: fusemoe.fp8 imports this module
+    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
+
+
+def _weight_pointers(w13_EFH, w2_EHI, fp8_weights):
+    """(w13, w2, fp8_weights) pointers of a call: a call on the FP8 buffer gets null bf16
+    weights (their values are not read)."""
+    if fp8_weights is None:
+        return w13_EFH.data_ptr(), w2_EHI.data_ptr(), None
+    return None, None, fp8_weights.data_ptr()
+
+
+def _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
+                    swiglu_clamp, fp8_weights=None):
+    """The forward ops' call: on the bf16 weights, or on the FP8 weight buffer when given (a
+    layer of precision "fp8")."""
     dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
     _check_cuda(x_TH)
     _check_save_z(save_z, impl)
     _check_swiglu_clamp(swiglu_clamp)
-    layer = _capi.layer(*dims, impl, swiglu_clamp)
+    if fp8_weights is not None:
+        _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI)
+    layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16" if fp8_weights is None else "fp8")
+    w13, w2, fp8 = _weight_pointers(w13_EFH, w2_EHI, fp8_weights)
     y_TH = torch.empty_like(x_TH)
     z_SF = _empty_saved_z(x_TH, dims, save_z)
     with torch.cuda.device(x_TH.device):
         report = _expert_id_report(x_TH.device, dims[2], dims[3])
         workspace, num_bytes = _workspace(layer, x_TH.device, "forward")
         _capi.forward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
-                      topk_weights_TK.data_ptr(), w13_EFH.data_ptr(), w2_EHI.data_ptr(),
-                      y_TH.data_ptr(), dims[-1], workspace.data_ptr(), num_bytes, report,
+                      topk_weights_TK.data_ptr(), w13, w2, y_TH.data_ptr(), dims[-1],
+                      workspace.data_ptr(), num_bytes, report,
                       z_SF.data_ptr() if save_z and z_SF.numel() else None,
-                      torch.cuda.current_stream(x_TH.device).cuda_stream)
+                      torch.cuda.current_stream(x_TH.device).cuda_stream, fp8_weights=fp8)
     return y_TH, z_SF
 
 
@@ -252,13 +276,17 @@ def moe_experts_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
 
 
 def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13_EFH,
-                     dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp):
+                     dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp, fp8_weights=None):
+    """The backward ops' call, on the bf16 weights or the FP8 buffer as _launch_forward."""
     dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
     _check_cuda(x_TH)
+    if fp8_weights is not None:
+        _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI)
     grad_dtype = _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
     saved_z_SF = _check_saved_z(saved_z_SF, dims, x_TH, impl)
     _check_swiglu_clamp(swiglu_clamp)
-    layer = _capi.layer(*dims, impl, swiglu_clamp)
+    layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16" if fp8_weights is None else "fp8")
+    w13, w2, fp8 = _weight_pointers(w13_EFH, w2_EHI, fp8_weights)
     dx_TH = torch.empty_like(x_TH)
     d_topk_weights_TK = torch.empty_like(topk_weights_TK)
     with torch.cuda.device(x_TH.device):
@@ -266,22 +294,33 @@ def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
         use = "backward" if saved_z_SF is None else "backward_saved_z"
         workspace, num_bytes = _workspace(layer, x_TH.device, use)
         _capi.backward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
-                       topk_weights_TK.data_ptr(), w13_EFH.data_ptr(), w2_EHI.data_ptr(),
-                       dy_TH.data_ptr(), dx_TH.data_ptr(), d_topk_weights_TK.data_ptr(),
-                       dw13_EFH.data_ptr(), dw2_EHI.data_ptr(), grad_dtype, accumulate,
-                       dims[-1], workspace.data_ptr(), num_bytes, report,
+                       topk_weights_TK.data_ptr(), w13, w2, dy_TH.data_ptr(), dx_TH.data_ptr(),
+                       d_topk_weights_TK.data_ptr(), dw13_EFH.data_ptr(), dw2_EHI.data_ptr(),
+                       grad_dtype, accumulate, dims[-1], workspace.data_ptr(), num_bytes, report,
                        saved_z_SF.data_ptr() if saved_z_SF is not None else None,
-                       torch.cuda.current_stream(x_TH.device).cuda_stream)
+                       torch.cuda.current_stream(x_TH.device).cuda_stream, fp8_weights=fp8)
     return dx_TH, d_topk_weights_TK
+
+
+def _check_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                         saved_z_SF, swiglu_clamp, weight_grads=None, fp8_weights=None):
+    """What the backward ops' fake kernels check (of the launch's checks, those that need no
+    device): weight_grads (dw13, dw2) for the _into ops, fp8_weights for the FP8 ops."""
+    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+    if weight_grads is not None:
+        _check_weight_grads(*weight_grads, w13_EFH, w2_EHI)
+    _check_impl(impl)
+    if fp8_weights is not None:
+        _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI)
+    _check_saved_z(saved_z_SF, dims, x_TH, impl)
+    _check_swiglu_clamp(swiglu_clamp)
 
 
 @moe_experts_backward.register_fake
 def _moe_experts_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
                                saved_z_SF=None, swiglu_clamp=None):
-    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
-    _check_impl(impl)
-    _check_saved_z(saved_z_SF, dims, x_TH, impl)
-    _check_swiglu_clamp(swiglu_clamp)
+    _check_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                         saved_z_SF, swiglu_clamp)
     return (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK), torch.empty_like(w13_EFH),
             torch.empty_like(w2_EHI))
 
@@ -303,11 +342,8 @@ def moe_experts_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
 def _moe_experts_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                                     dw13_EFH, dw2_EHI, accumulate, impl, saved_z_SF=None,
                                     swiglu_clamp=None):
-    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
-    _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
-    _check_impl(impl)
-    _check_saved_z(saved_z_SF, dims, x_TH, impl)
-    _check_swiglu_clamp(swiglu_clamp)
+    _check_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                         saved_z_SF, swiglu_clamp, weight_grads=(dw13_EFH, dw2_EHI))
     return torch.empty_like(x_TH), torch.empty_like(topk_weights_TK)
 
 
@@ -355,8 +391,17 @@ def _backward(ctx, dy_TH, _dz_unused):
 
 def _backward_into_grads(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                          saved_z_SF):
-    """grad_in_place: the kernels add the weight gradients to the Parameters' .grad (or write a
-    fresh .grad when both are None) and autograd gets None for them, so no separate add runs."""
+    dx_TH, d_topk_weights_TK = _into_param_grads(
+        ctx, lambda dw13, dw2, accumulate: moe_experts_backward_into(
+            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13, dw2, accumulate,
+            ctx.impl, saved_z_SF, ctx.swiglu_clamp))
+    return dx_TH, None, d_topk_weights_TK, None, None, None, None, None, None
+
+
+def _into_param_grads(ctx, backward_into):
+    """grad_in_place (the bf16 and FP8 ops): backward_into(dw13, dw2, accumulate) adds the weight
+    gradients to the Parameters' .grad (or writes a fresh .grad when both are None) and autograd
+    gets None for them, so no separate add runs. Returns (dx, d_topk_weights)."""
     if torch.compiler.is_compiling():
         raise RuntimeError("fusemoe: grad_in_place=True sets Parameter.grad inside the backward, "
                            "which a compiled backward cannot trace; use grad_in_place=False "
@@ -370,12 +415,10 @@ def _backward_into_grads(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
         grads = w13_param.grad, w2_param.grad
-    dx_TH, d_topk_weights_TK = moe_experts_backward_into(
-        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, *grads, not fresh, ctx.impl,
-        saved_z_SF, ctx.swiglu_clamp)
+    dx_TH, d_topk_weights_TK = backward_into(*grads, not fresh)
     if fresh:
         w13_param.grad, w2_param.grad = grads
-    return dx_TH, None, d_topk_weights_TK, None, None, None, None, None, None
+    return dx_TH, d_topk_weights_TK
 
 
 moe_experts_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -105,6 +105,47 @@ fusemoe::LayerConfig fp8_config_of(const FusemoeCLayer& l) {
   return config;
 }
 
+// The fields the forward and backward args share (C and C++ spell them alike).
+template <typename Args, typename CArgs>
+Args call_args_of(const CArgs& a) {
+  Args args;
+  args.x = a.x;
+  args.topk_idx = a.topk_idx;
+  args.topk_weights = a.topk_weights;
+  args.w13 = a.w13;
+  args.w2 = a.w2;
+  args.fp8_weights = a.fp8_weights;
+  args.num_tokens = a.num_tokens;
+  args.workspace = a.workspace;
+  args.workspace_bytes = a.workspace_bytes;
+  args.expert_id_report = a.expert_id_report;
+  args.saved_z = a.saved_z;
+  args.stream = static_cast<cudaStream_t>(a.stream);
+  return args;
+}
+
+// A call's entry point: checks the layer and args structs and the implementation code, then
+// fn(config, impl, C args, C++ args with the fields both calls share filled).
+template <typename Args, typename CArgs, typename Fn>
+int32_t layer_call(const FusemoeCLayer* layer, const CArgs* args, const char* args_type, Fn&& fn) {
+  return guarded([&] {
+    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
+    const CArgs& a = checked_struct(args, "args", args_type);
+    const Impl impl = impl_from_code(l.impl_code);
+    fn(config_of(l), impl, a, call_args_of<Args>(a));
+  });
+}
+
+// A size query of a layer: checks the struct and the out-pointer, then *bytes = size(layer).
+template <typename Size>
+int32_t layer_bytes(const FusemoeCLayer* layer, uint64_t* bytes, Size&& size) {
+  return guarded([&] {
+    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
+    FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
+    *bytes = size(l);
+  });
+}
+
 // The C codes are the C++ enum values; the C++ API rejects any other value, naming the field.
 static_assert(static_cast<int>(fusemoe::WorkspaceUse::kForward) == FUSEMOE_C_WORKSPACE_FORWARD &&
                   static_cast<int>(fusemoe::WorkspaceUse::kBackward) == FUSEMOE_C_WORKSPACE_BACKWARD &&
@@ -240,36 +281,25 @@ int32_t fusemoe_c_impl_code(const char* name, int32_t* impl_code) {
 }
 
 int32_t fusemoe_c_workspace_bytes(const FusemoeCLayer* layer, uint64_t* bytes) {
-  return guarded([&] {
-    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
-    FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
-    *bytes = fusemoe::workspace_bytes(config_of(l), impl_from_code(l.impl_code));
+  return layer_bytes(layer, bytes, [](const FusemoeCLayer& l) {
+    return fusemoe::workspace_bytes(config_of(l), impl_from_code(l.impl_code));
   });
 }
 
 int32_t fusemoe_c_workspace_bytes_for(const FusemoeCLayer* layer, int32_t use, uint64_t* bytes) {
-  return guarded([&] {
-    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
-    FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
-    *bytes = fusemoe::workspace_bytes(config_of(l), impl_from_code(l.impl_code),
-                                      static_cast<fusemoe::WorkspaceUse>(use));
+  return layer_bytes(layer, bytes, [use](const FusemoeCLayer& l) {
+    return fusemoe::workspace_bytes(config_of(l), impl_from_code(l.impl_code),
+                                    static_cast<fusemoe::WorkspaceUse>(use));
   });
 }
 
 int32_t fusemoe_c_saved_z_bytes(const FusemoeCLayer* layer, uint64_t* bytes) {
-  return guarded([&] {
-    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
-    FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
-    *bytes = fusemoe::saved_z_bytes(config_of(l));
-  });
+  return layer_bytes(layer, bytes, [](const FusemoeCLayer& l) { return fusemoe::saved_z_bytes(config_of(l)); });
 }
 
 int32_t fusemoe_c_fp8_weights_bytes(const FusemoeCLayer* layer, uint64_t* bytes) {
-  return guarded([&] {
-    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
-    FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
-    *bytes = fusemoe::fp8_weights_bytes(fp8_config_of(l));
-  });
+  return layer_bytes(layer, bytes,
+                     [](const FusemoeCLayer& l) { return fusemoe::fp8_weights_bytes(fp8_config_of(l)); });
 }
 
 int32_t fusemoe_c_quantize_weights_fp8(const FusemoeCLayer* layer, const FusemoeCFp8QuantizeArgs* args) {
@@ -282,55 +312,27 @@ int32_t fusemoe_c_quantize_weights_fp8(const FusemoeCLayer* layer, const Fusemoe
 }
 
 int32_t fusemoe_c_forward(const FusemoeCLayer* layer, const FusemoeCForwardArgs* args) {
-  return guarded([&] {
-    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
-    const FusemoeCForwardArgs& a = checked_struct(args, "args", "FusemoeCForwardArgs");
-    const Impl impl = impl_from_code(l.impl_code);
-    fusemoe::ForwardArgs f;
-    f.x = a.x;
-    f.topk_idx = a.topk_idx;
-    f.topk_weights = a.topk_weights;
-    f.w13 = a.w13;
-    f.w2 = a.w2;
-    f.fp8_weights = a.fp8_weights;
-    f.y = a.y;
-    f.num_tokens = a.num_tokens;
-    f.workspace = a.workspace;
-    f.workspace_bytes = a.workspace_bytes;
-    f.expert_id_report = a.expert_id_report;
-    f.saved_z = a.saved_z;
-    f.stream = static_cast<cudaStream_t>(a.stream);
-    fusemoe::forward(config_of(l), impl, f);
-  });
+  return layer_call<fusemoe::ForwardArgs>(
+      layer, args, "FusemoeCForwardArgs",
+      [](const fusemoe::LayerConfig& config, Impl impl, const FusemoeCForwardArgs& a, fusemoe::ForwardArgs f) {
+        f.y = a.y;
+        fusemoe::forward(config, impl, f);
+      });
 }
 
 int32_t fusemoe_c_backward(const FusemoeCLayer* layer, const FusemoeCBackwardArgs* args) {
-  return guarded([&] {
-    const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
-    const FusemoeCBackwardArgs& a = checked_struct(args, "args", "FusemoeCBackwardArgs");
-    const Impl impl = impl_from_code(l.impl_code);
-    fusemoe::BackwardArgs b;
-    b.x = a.x;
-    b.topk_idx = a.topk_idx;
-    b.topk_weights = a.topk_weights;
-    b.w13 = a.w13;
-    b.w2 = a.w2;
-    b.fp8_weights = a.fp8_weights;
-    b.dy = a.dy;
-    b.dx = a.dx;
-    b.d_topk_weights = a.d_topk_weights;
-    b.dw13 = a.dw13;
-    b.dw2 = a.dw2;
-    b.weight_grad_dtype = static_cast<fusemoe::WeightGradDtype>(a.weight_grad_dtype);
-    b.accumulate_weight_grads = a.accumulate_weight_grads != 0;
-    b.num_tokens = a.num_tokens;
-    b.workspace = a.workspace;
-    b.workspace_bytes = a.workspace_bytes;
-    b.expert_id_report = a.expert_id_report;
-    b.saved_z = a.saved_z;
-    b.stream = static_cast<cudaStream_t>(a.stream);
-    fusemoe::backward(config_of(l), impl, b);
-  });
+  return layer_call<fusemoe::BackwardArgs>(
+      layer, args, "FusemoeCBackwardArgs",
+      [](const fusemoe::LayerConfig& config, Impl impl, const FusemoeCBackwardArgs& a, fusemoe::BackwardArgs b) {
+        b.dy = a.dy;
+        b.dx = a.dx;
+        b.d_topk_weights = a.d_topk_weights;
+        b.dw13 = a.dw13;
+        b.dw2 = a.dw2;
+        b.weight_grad_dtype = static_cast<fusemoe::WeightGradDtype>(a.weight_grad_dtype);
+        b.accumulate_weight_grads = a.accumulate_weight_grads != 0;
+        fusemoe::backward(config, impl, b);
+      });
 }
 
 int32_t fusemoe_c_check_expert_id_report(const int32_t* report, int64_t num_experts,

@@ -56,6 +56,18 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// fn(row, col) for each 8-element vector of num_rows rows of row_length elements (col: the
+// vector's first element), in a grid-stride loop: the thread layout of the vector kernels.
+template <typename Fn>
+__device__ __forceinline__ void for_each_vec8(int64_t num_rows, int64_t row_length, Fn&& fn) {
+  const int64_t vecs_per_row = row_length / kVec;
+  const int64_t total = num_rows * vecs_per_row;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    fn(i / vecs_per_row, (i % vecs_per_row) * kVec);
+  }
+}
+
 int grid_for(int64_t work_items) {
   return static_cast<int>(std::max<int64_t>(1, std::min(kMaxBlocks, (work_items + kThreads - 1) / kThreads)));
 }
@@ -65,13 +77,8 @@ template <typename Src, typename Dst>
 __global__ void gather_rows_kernel(const Src* __restrict__ src, const int32_t* __restrict__ row_slot,
                                    const int32_t* __restrict__ num_rows_device, int64_t num_rows,
                                    int64_t top_k, int64_t hidden, Dst* __restrict__ dst) {
-  const int64_t vecs_per_row = hidden / kVec;
   const int64_t rows = num_rows_device ? int64_t(*num_rows_device) : num_rows;
-  const int64_t total = rows * vecs_per_row;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = i / vecs_per_row;
-    const int64_t col = (i % vecs_per_row) * kVec;
+  for_each_vec8(rows, hidden, [&](int64_t row, int64_t col) {
     const int64_t token = row_slot[row] / top_k;
     if constexpr (std::is_same<Src, Dst>::value) {  // a plain 16-byte copy, no conversion
       *reinterpret_cast<uint4*>(dst + row * hidden + col) =
@@ -79,18 +86,13 @@ __global__ void gather_rows_kernel(const Src* __restrict__ src, const int32_t* _
     } else {
       store8(dst + row * hidden + col, load8(src + token * hidden + col));
     }
-  }
+  });
 }
 
 __global__ void combine_slots_kernel(const bf16* __restrict__ ys, const int32_t* __restrict__ slot_row,
                                      int64_t num_tokens, int64_t top_k, int64_t hidden,
                                      bf16* __restrict__ y) {
-  const int64_t vecs_per_row = hidden / kVec;
-  const int64_t total = num_tokens * vecs_per_row;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t token = i / vecs_per_row;
-    const int64_t col = (i % vecs_per_row) * kVec;
+  for_each_vec8(num_tokens, hidden, [&](int64_t token, int64_t col) {
     Vec8 acc{};
     for (int64_t j = 0; j < top_k; ++j) {  // fixed order: deterministic
       const int64_t slot = token * top_k + j;
@@ -100,19 +102,14 @@ __global__ void combine_slots_kernel(const bf16* __restrict__ ys, const int32_t*
       for (int k = 0; k < kVec; ++k) acc.v[k] += x.v[k];
     }
     store8(y + token * hidden + col, acc);
-  }
+  });
 }
 
 template <typename In, typename Out>
 __global__ void swiglu_forward_kernel(const In* __restrict__ z, int64_t num_rows,
                                       int64_t intermediate, SwigluClamp clamp,
                                       Out* __restrict__ h) {
-  const int64_t vecs_per_row = intermediate / kVec;
-  const int64_t total = num_rows * vecs_per_row;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = i / vecs_per_row;
-    const int64_t col = (i % vecs_per_row) * kVec;
+  for_each_vec8(num_rows, intermediate, [&](int64_t row, int64_t col) {
     const Vec8 g = load8(z + row * 2 * intermediate + col);
     const Vec8 u = load8(z + row * 2 * intermediate + intermediate + col);
     Vec8 out;
@@ -126,19 +123,14 @@ __global__ void swiglu_forward_kernel(const In* __restrict__ z, int64_t num_rows
       out.v[k] = gk * sigmoid(gk) * uk;
     }
     store8(h + row * intermediate + col, out);
-  }
+  });
 }
 
 template <typename In>
 __global__ void combine_forward_kernel(const In* __restrict__ o, const int32_t* __restrict__ slot_row,
                                        const float* __restrict__ topk_w, int64_t num_tokens,
                                        int64_t top_k, int64_t hidden, bf16* __restrict__ y) {
-  const int64_t vecs_per_row = hidden / kVec;
-  const int64_t total = num_tokens * vecs_per_row;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t token = i / vecs_per_row;
-    const int64_t col = (i % vecs_per_row) * kVec;
+  for_each_vec8(num_tokens, hidden, [&](int64_t token, int64_t col) {
     Vec8 acc{};
     for (int64_t j = 0; j < top_k; ++j) {  // fixed order: deterministic
       const int32_t row = slot_row[token * top_k + j];
@@ -149,7 +141,7 @@ __global__ void combine_forward_kernel(const In* __restrict__ o, const int32_t* 
       for (int k = 0; k < kVec; ++k) acc.v[k] += w * x.v[k];
     }
     store8(y + token * hidden + col, acc);
-  }
+  });
 }
 
 // One block per row (grid-stride): the router gradient is a dot product over the row.
@@ -204,12 +196,7 @@ __global__ void combine_backward_kernel(const In* __restrict__ dxs,
                                         const int32_t* __restrict__ slot_row, int64_t num_tokens,
                                         int64_t top_k, int64_t hidden, bf16* __restrict__ dx,
                                         float* __restrict__ d_topk_w) {
-  const int64_t vecs_per_row = hidden / kVec;
-  const int64_t total = num_tokens * vecs_per_row;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t token = i / vecs_per_row;
-    const int64_t col = (i % vecs_per_row) * kVec;
+  for_each_vec8(num_tokens, hidden, [&](int64_t token, int64_t col) {
     Vec8 acc{};
     for (int64_t j = 0; j < top_k; ++j) {
       const int32_t row = slot_row[token * top_k + j];
@@ -222,7 +209,7 @@ __global__ void combine_backward_kernel(const In* __restrict__ dxs,
       for (int k = 0; k < kVec; ++k) acc.v[k] += x.v[k];
     }
     store8(dx + token * hidden + col, acc);
-  }
+  });
 }
 
 __global__ void router_grad_reduce_kernel(const float* __restrict__ partials, int32_t num_n_tiles,

@@ -197,27 +197,42 @@ std::vector<int32_t> route_and_read_counts(const LayerConfig& c, const int32_t* 
   return counts;
 }
 
+// What both passes start from: the routing (per-expert counts, rows in use), the weights in the
+// pool type (widened into the workspace for the fp32 reference) and x gathered into xs.
+template <typename Pool>
+struct RoutedRows {
+  std::vector<int32_t> counts;
+  int64_t num_rows = 0;
+  const Pool* w13 = nullptr;
+  const Pool* w2 = nullptr;
+};
+
+template <typename Pool, typename Args>
+RoutedRows<Pool> route_and_gather_x(const LayerConfig& c, const Args& args, const UnfusedWorkspace<Pool>& ws) {
+  const int64_t H = c.hidden, I = c.intermediate, E = c.num_experts;
+  cudaStream_t stream = args.stream;
+  RoutedRows<Pool> r;
+  r.counts = route_and_read_counts(c, args.topk_idx, args.num_tokens, ws.plan, args.expert_id_report, stream);
+  for (int32_t n : r.counts) r.num_rows += n;
+  r.w13 = static_cast<const Pool*>(args.w13);
+  r.w2 = static_cast<const Pool*>(args.w2);
+  if (std::is_same<Pool, float>::value) {
+    launch_widen_bf16(args.w13, E * 2 * I * H, ws.w13_f32, stream);
+    launch_widen_bf16(args.w2, E * H * I, ws.w2_f32, stream);
+    r.w13 = reinterpret_cast<const Pool*>(ws.w13_f32);
+    r.w2 = reinterpret_cast<const Pool*>(ws.w2_f32);
+  }
+  launch_gather_rows(static_cast<const bf16*>(args.x), ws.plan.row_slot, r.num_rows, c.top_k, H, ws.xs_RH,
+                     stream);
+  return r;
+}
+
 template <typename Pool>
 void forward_impl(const LayerConfig& c, const ForwardArgs& args) {
   UnfusedWorkspace<Pool> ws(c, args.workspace);
   const int64_t H = c.hidden, I = c.intermediate, E = c.num_experts;
   cudaStream_t stream = args.stream;
-  const std::vector<int32_t> counts =
-      route_and_read_counts(c, args.topk_idx, args.num_tokens, ws.plan, args.expert_id_report,
-                            stream);
-  int64_t num_rows = 0;
-  for (int32_t n : counts) num_rows += n;
-
-  const Pool* w13 = static_cast<const Pool*>(args.w13);
-  const Pool* w2 = static_cast<const Pool*>(args.w2);
-  if (std::is_same<Pool, float>::value) {
-    launch_widen_bf16(args.w13, E * 2 * I * H, ws.w13_f32, stream);
-    launch_widen_bf16(args.w2, E * H * I, ws.w2_f32, stream);
-    w13 = reinterpret_cast<const Pool*>(ws.w13_f32);
-    w2 = reinterpret_cast<const Pool*>(ws.w2_f32);
-  }
-  launch_gather_rows(static_cast<const bf16*>(args.x), ws.plan.row_slot, num_rows, c.top_k, H,
-                     ws.xs_RH, stream);
+  const auto [counts, num_rows, w13, w2] = route_and_gather_x(c, args, ws);
 
   GemmBatch gate_up{{}, pool_type<Pool>(), pool_type<Pool>(), 0.0f};
   GemmBatch down{{}, pool_type<Pool>(), pool_type<Pool>(), 0.0f};
@@ -247,23 +262,8 @@ void backward_impl(const LayerConfig& c, const BackwardArgs& args) {
   const int64_t H = c.hidden, I = c.intermediate, E = c.num_experts;
   const bool bf16_grads = args.weight_grad_dtype == WeightGradDtype::kBFloat16;
   cudaStream_t stream = args.stream;
-  const std::vector<int32_t> counts =
-      route_and_read_counts(c, args.topk_idx, args.num_tokens, ws.plan, args.expert_id_report,
-                            stream);
-  int64_t num_rows = 0;
-  for (int32_t n : counts) num_rows += n;
-
-  const Pool* w13 = static_cast<const Pool*>(args.w13);
-  const Pool* w2 = static_cast<const Pool*>(args.w2);
+  const auto [counts, num_rows, w13, w2] = route_and_gather_x(c, args, ws);
   constexpr bool kReference = std::is_same<Pool, float>::value;
-  if (kReference) {
-    launch_widen_bf16(args.w13, E * 2 * I * H, ws.w13_f32, stream);
-    launch_widen_bf16(args.w2, E * H * I, ws.w2_f32, stream);
-    w13 = reinterpret_cast<const Pool*>(ws.w13_f32);
-    w2 = reinterpret_cast<const Pool*>(ws.w2_f32);
-  }
-  launch_gather_rows(static_cast<const bf16*>(args.x), ws.plan.row_slot, num_rows, c.top_k, H,
-                     ws.xs_RH, stream);
   launch_gather_rows(static_cast<const bf16*>(args.dy), ws.plan.row_slot, num_rows, c.top_k, H,
                      ws.o_or_dys_RH, stream);
   Pool* dys_RH = ws.o_or_dys_RH;

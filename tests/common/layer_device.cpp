@@ -111,6 +111,25 @@ void poison(void* p, size_t bytes, cudaStream_t stream) {
   if (bytes > 0) FUSEMOE_CUDA_CHECK(cudaMemsetAsync(p, 0xFF, bytes, stream));
 }
 
+// The fields ForwardArgs and BackwardArgs share: the inputs both read and how the call runs.
+template <typename Args>
+Args call_args(int64_t num_tokens, const LayerInputs& in, const LayerCall& call, size_t workspace_size) {
+  Args a;
+  a.x = in.x_TH;
+  a.topk_idx = in.idx_TK;
+  a.topk_weights = in.w_TK;
+  a.w13 = in.w13_EFH;
+  a.w2 = in.w2_EHI;
+  a.num_tokens = num_tokens;
+  a.workspace = call.workspace;
+  a.workspace_bytes = workspace_size;
+  a.stream = call.stream;
+  a.sync_check_expert_ids = call.sync_check_expert_ids;
+  a.expert_id_report = call.expert_id_report;
+  a.saved_z = call.saved_z;
+  return a;
+}
+
 }  // namespace
 
 void run_forward_call(const LayerConfig& config, int64_t num_tokens, const LayerInputs& in, const LayerOutputs& out,
@@ -119,20 +138,8 @@ void run_forward_call(const LayerConfig& config, int64_t num_tokens, const Layer
   poison(out.y_TH, out.bytes(kY, config, num_tokens), call.stream);
   if (call.saved_z != nullptr) poison(call.saved_z, saved_z_bytes(config), call.stream);
   poison(call.workspace, workspace, call.stream);
-  ForwardArgs a;
-  a.x = in.x_TH;
-  a.topk_idx = in.idx_TK;
-  a.topk_weights = in.w_TK;
-  a.w13 = in.w13_EFH;
-  a.w2 = in.w2_EHI;
+  ForwardArgs a = call_args<ForwardArgs>(num_tokens, in, call, workspace);
   a.y = out.y_TH;
-  a.num_tokens = num_tokens;
-  a.workspace = call.workspace;
-  a.workspace_bytes = workspace;
-  a.stream = call.stream;
-  a.sync_check_expert_ids = call.sync_check_expert_ids;
-  a.expert_id_report = call.expert_id_report;
-  a.saved_z = call.saved_z;
   forward(config, call.impl, a);
 }
 
@@ -145,12 +152,7 @@ void run_backward_call(const LayerConfig& config, int64_t num_tokens, const Laye
     poison(const_cast<void*>(out.pointer(o)), out.bytes(o, config, num_tokens), call.stream);
   }
   poison(call.workspace, workspace, call.stream);
-  BackwardArgs a;
-  a.x = in.x_TH;
-  a.topk_idx = in.idx_TK;
-  a.topk_weights = in.w_TK;
-  a.w13 = in.w13_EFH;
-  a.w2 = in.w2_EHI;
+  BackwardArgs a = call_args<BackwardArgs>(num_tokens, in, call, workspace);
   a.dy = in.dy_TH;
   a.dx = out.dx_TH;
   a.d_topk_weights = out.d_topk_w_TK;
@@ -158,13 +160,6 @@ void run_backward_call(const LayerConfig& config, int64_t num_tokens, const Laye
   a.dw2 = out.dw2_EHI;
   a.weight_grad_dtype = out.grad_dtype;
   a.accumulate_weight_grads = call.accumulate;
-  a.num_tokens = num_tokens;
-  a.workspace = call.workspace;
-  a.workspace_bytes = workspace;
-  a.stream = call.stream;
-  a.sync_check_expert_ids = call.sync_check_expert_ids;
-  a.expert_id_report = call.expert_id_report;
-  a.saved_z = call.saved_z;
   backward(config, call.impl, a);
 }
 

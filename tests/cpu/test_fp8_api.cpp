@@ -10,9 +10,11 @@
 #include <random>
 #include <string>
 
+#include "common/layer_config.h"
 #include "expect_error.h"
 #include "fusemoe/expert_parallel.h"
 #include "fusemoe/fusemoe.h"
+#include "plausible_args.h"
 #include "reference/bf16_host.h"
 #include "reference/fp8_emulation.h"
 
@@ -20,12 +22,7 @@ namespace fusemoe {
 namespace {
 
 LayerConfig fp8_config() {
-  LayerConfig c;
-  c.hidden = 256;
-  c.intermediate = 128;
-  c.num_experts = 8;
-  c.top_k = 2;
-  c.max_tokens = 64;
+  LayerConfig c = harness::layer_config(256, 128, 8, 2, 64);
   c.precision = Precision::kFp8Blockwise;
   return c;
 }
@@ -59,11 +56,8 @@ TEST(Fp8Api, ExpertParallelRejectsFp8) {
 TEST(Fp8Api, WorkspacePerCall) {
   LayerConfig c = fp8_config();
   c.max_tokens = 1000;
-  const size_t fwd = workspace_bytes(c, Impl::kFused, WorkspaceUse::kForward);
-  const size_t bwd = workspace_bytes(c, Impl::kFused, WorkspaceUse::kBackward);
-  const size_t bwd_z = workspace_bytes(c, Impl::kFused, WorkspaceUse::kBackwardSavedZ);
-  EXPECT_EQ(workspace_bytes(c, Impl::kFused), std::max({fwd, bwd, bwd_z}));
-  EXPECT_LT(fwd, bwd_z);
+  const FusedWorkspaces w = checked_fused_workspaces(c);
+  EXPECT_LT(w.forward, w.backward_saved_z);
   // Differences from the bf16 fused workspaces, region by region (256-byte aligned each).
   auto a = [](int64_t bytes) { return static_cast<size_t>((bytes + 255) / 256 * 256); };
   const int64_t T = c.max_tokens, R = T * c.top_k, P = (R + 3) / 4 * 4, H = c.hidden, I = c.intermediate;
@@ -71,13 +65,13 @@ TEST(Fp8Api, WorkspacePerCall) {
   bf16.precision = Precision::kBf16;
   // Forward: x once per token in E4M3 with token-major scales; h in E4M3 with block-major scales
   // instead of bf16.
-  EXPECT_EQ(fwd + a(R * I * 2), workspace_bytes(bf16, Impl::kFused, WorkspaceUse::kForward) + a(T * H) +
+  EXPECT_EQ(w.forward + a(R * I * 2), workspace_bytes(bf16, Impl::kFused, WorkspaceUse::kForward) + a(T * H) +
                                     a(T * (H / 128) * 4) + a(R * I) + a((I / 128) * P * 4));
   // Backward with saved z: dy and dz also in E4M3 with their scales.
-  EXPECT_EQ(bwd_z, workspace_bytes(bf16, Impl::kFused, WorkspaceUse::kBackwardSavedZ) + a(R * H) +
+  EXPECT_EQ(w.backward_saved_z, workspace_bytes(bf16, Impl::kFused, WorkspaceUse::kBackwardSavedZ) + a(R * H) +
                        a((H / 128) * P * 4) + a(R * 2 * I) + a((2 * I / 128) * P * 4));
   // Recomputing z also needs z and the x pool in E4M3 with its scales.
-  EXPECT_EQ(bwd - bwd_z, a(R * 2 * I * 2) + a(R * H) + a((H / 128) * P * 4));
+  EXPECT_EQ(w.backward - w.backward_saved_z, a(R * 2 * I * 2) + a(R * H) + a((H / 128) * P * 4));
 }
 
 TEST(Fp8Api, WeightBufferLayout) {
@@ -110,16 +104,11 @@ TEST(Fp8Api, WeightBufferLayout) {
   }, "needed");
 }
 
+// An FP8 call reads the weights from the FP8 buffer only: null bf16 weights.
 ForwardArgs plausible_fp8_forward_args(const LayerConfig& c) {
-  ForwardArgs a;
-  a.x = reinterpret_cast<const void*>(0x10000);
-  a.topk_idx = reinterpret_cast<const int32_t*>(0x20000);
-  a.topk_weights = reinterpret_cast<const float*>(0x30000);
-  a.y = reinterpret_cast<void*>(0x60000);
-  a.num_tokens = 8;
-  a.workspace = reinterpret_cast<void*>(0x70000);
-  a.workspace_bytes = workspace_bytes(c, Impl::kFused);
-  a.fp8_weights = reinterpret_cast<const void*>(0x80000);
+  ForwardArgs a = plausible_forward_args(c, Impl::kFused);
+  a.w13 = a.w2 = nullptr;
+  a.fp8_weights = reinterpret_cast<const void*>(kPlausibleFp8Weights);
   return a;
 }
 
@@ -128,26 +117,16 @@ TEST(Fp8Api, ArgumentsNamed) {
   ForwardArgs fa = plausible_fp8_forward_args(c);
   fa.fp8_weights = nullptr;
   expect_error_mentioning([&] { forward(c, Impl::kFused, fa); }, "fp8_weights must not be null");
-  fa.fp8_weights = reinterpret_cast<const void*>(0x80010);
+  fa.fp8_weights = reinterpret_cast<const void*>(kPlausibleFp8Weights + 16);
   expect_error_mentioning([&] { forward(c, Impl::kFused, fa); }, "fp8_weights must be 256-byte aligned");
   fa = plausible_fp8_forward_args(c);
   expect_error_mentioning([&] { forward(c, Impl::kUnfused, fa); }, "Impl::kFused only");
   fa.w13 = reinterpret_cast<const void*>(0x40000);  // one bf16 weight without the other
   expect_error_mentioning([&] { forward(c, Impl::kFused, fa); }, "w2 must not be null");
-  BackwardArgs ba;
-  ba.x = fa.x;
-  ba.topk_idx = fa.topk_idx;
-  ba.topk_weights = fa.topk_weights;
-  ba.dy = reinterpret_cast<const void*>(0x90000);
-  ba.dx = reinterpret_cast<void*>(0xa0000);
-  ba.d_topk_weights = reinterpret_cast<float*>(0xb0000);
-  ba.dw13 = reinterpret_cast<void*>(0xc0000);
-  ba.dw2 = reinterpret_cast<void*>(0xd0000);
-  ba.num_tokens = 8;
-  ba.workspace = reinterpret_cast<void*>(0xe0000);
-  ba.workspace_bytes = workspace_bytes(c, Impl::kFused);
+  BackwardArgs ba = plausible_backward_args(c, Impl::kFused);
+  ba.w13 = ba.w2 = nullptr;
   expect_error_mentioning([&] { backward(c, Impl::kFused, ba); }, "fp8_weights must not be null");
-  ba.fp8_weights = reinterpret_cast<const void*>(0x80000);
+  ba.fp8_weights = reinterpret_cast<const void*>(kPlausibleFp8Weights);
   ba.workspace_bytes = workspace_bytes(c, Impl::kFused, WorkspaceUse::kBackward) - 1;
   expect_error_mentioning([&] { backward(c, Impl::kFused, ba); }, "needed for impl fused (backward)");
 }

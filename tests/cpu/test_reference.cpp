@@ -64,6 +64,13 @@ double max_abs(const std::vector<double>& v) {
   return m;
 }
 
+// all_close with atol = rtol * max|expected|: for results equal to the expected ones up to the fp64
+// rounding of another summation order, which scales with the largest value, not each element.
+::testing::AssertionResult close_at_scale(const std::vector<double>& actual, const std::vector<double>& expected,
+                                          double rtol) {
+  return all_close(actual, expected, rtol, rtol * max_abs(expected));
+}
+
 // Exact equality up to the sign of zero (both outputs come from the same fp64 operations).
 ::testing::AssertionResult all_equal(const std::vector<double>& a, const std::vector<double>& b) {
   return all_close(a, b, 0.0, 0.0);
@@ -343,7 +350,7 @@ TEST(ReferenceForward, MatchesLayoutFormula) {
     }
   }
   ASSERT_TRUE(num_clamped > 0);
-  EXPECT_TRUE(all_close(forward(p), expected, 1e-13, 1e-13 * max_abs(expected)));
+  EXPECT_TRUE(close_at_scale(forward(p), expected, 1e-13));
 }
 
 // ---------------------------------------------------------------- finite differences
@@ -484,10 +491,10 @@ TEST(ReferenceInvariants, ExpertRelabellingLeavesOutputsUnchanged) {
   }
   const std::vector<double> dy = random_dy(p, rng);
   const std::vector<double> y = forward(p);
-  EXPECT_TRUE(all_close(forward(relabelled), y, 1e-14, 1e-14 * max_abs(y)));
+  EXPECT_TRUE(close_at_scale(forward(relabelled), y, 1e-14));
   const Gradients a = backward(p, dy), b = backward(relabelled, dy);
-  EXPECT_TRUE(all_close(b.dx_TH, a.dx_TH, 1e-14, 1e-14 * max_abs(a.dx_TH)));
-  EXPECT_TRUE(all_close(b.d_topk_w_TK, a.d_topk_w_TK, 1e-14, 1e-14 * max_abs(a.d_topk_w_TK)));
+  EXPECT_TRUE(close_at_scale(b.dx_TH, a.dx_TH, 1e-14));
+  EXPECT_TRUE(close_at_scale(b.d_topk_w_TK, a.d_topk_w_TK, 1e-14));
   std::vector<double> dw13_back(b.dw13_EFH.size()), dw2_back(b.dw2_EHI.size());
   for (int64_t e = 0; e < E; ++e) {
     std::copy_n(b.dw13_EFH.begin() + perm[e] * F_H, F_H, dw13_back.begin() + e * F_H);
@@ -513,11 +520,11 @@ TEST(ReferenceInvariants, RepeatedIdsAreIndependentSlots) {
   }
   const std::vector<double> dy = random_dy(twice, rng);
   const std::vector<double> y = forward(once);
-  EXPECT_TRUE(all_close(forward(twice), y, 1e-13, 1e-13 * max_abs(y)));
+  EXPECT_TRUE(close_at_scale(forward(twice), y, 1e-13));
   const Gradients a = backward(once, dy), b = backward(twice, dy);
-  EXPECT_TRUE(all_close(b.dx_TH, a.dx_TH, 1e-13, 1e-13 * max_abs(a.dx_TH)));
-  EXPECT_TRUE(all_close(b.dw13_EFH, a.dw13_EFH, 1e-13, 1e-13 * max_abs(a.dw13_EFH)));
-  EXPECT_TRUE(all_close(b.dw2_EHI, a.dw2_EHI, 1e-13, 1e-13 * max_abs(a.dw2_EHI)));
+  EXPECT_TRUE(close_at_scale(b.dx_TH, a.dx_TH, 1e-13));
+  EXPECT_TRUE(close_at_scale(b.dw13_EFH, a.dw13_EFH, 1e-13));
+  EXPECT_TRUE(close_at_scale(b.dw2_EHI, a.dw2_EHI, 1e-13));
   std::vector<double> d_w_first, d_w_second;
   for (int64_t t = 0; t < twice.num_tokens; ++t) {
     d_w_first.push_back(b.d_topk_w_TK[2 * t]);

@@ -10,6 +10,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/layer_config.h"
 #include "expect_error.h"
 #include "fusemoe/fusemoe.h"
 
@@ -20,17 +21,9 @@ constexpr size_t kGiB = size_t(1) << 30;
 // An H200's memory as nvidia-smi reports it (the 141 GB part): 143771 MiB.
 constexpr size_t kH200Bytes = size_t(143771) << 20;
 
-LayerConfig layer(int64_t hidden, int64_t intermediate, int64_t experts, int64_t top_k) {
-  LayerConfig c;
-  c.hidden = hidden;
-  c.intermediate = intermediate;
-  c.num_experts = experts;
-  c.top_k = top_k;
-  return c;
-}
-
-LayerConfig qwen3_30b() { return layer(2048, 768, 128, 8); }
-LayerConfig qwen3_235b() { return layer(4096, 1536, 128, 8); }
+using harness::layer_config;
+using harness::qwen3_235b_config;
+using harness::qwen3_30b_config;
 
 bool valid_at(LayerConfig c, int64_t tokens) {
   c.max_tokens = tokens;
@@ -77,8 +70,8 @@ struct Case {
 
 std::vector<Case> cases() {
   std::vector<Case> out;
-  for (const LayerConfig& c : {layer(256, 128, 8, 2), layer(384, 192, 1000, 32), layer(128, 64, 1, 1),
-                               qwen3_30b(), qwen3_235b()}) {
+  for (const LayerConfig& c : {layer_config(256, 128, 8, 2), layer_config(384, 192, 1000, 32),
+                               layer_config(128, 64, 1, 1), qwen3_30b_config(), qwen3_235b_config()}) {
     out.push_back({c, Impl::kFused, false});
     out.push_back({c, Impl::kFused, true});
     out.push_back({c, Impl::kUnfused, false});
@@ -114,7 +107,7 @@ TEST(TokenLimit, GrowsWithFreeBytes) {
 
 // Memory holds no more than the token limits allow: the answer is the largest valid T.
 TEST(TokenLimit, CappedByTheTokenLimits) {
-  const LayerConfig c = layer(128, 64, 32, 32);
+  const LayerConfig c = layer_config(128, 64, 32, 32);
   const int64_t tokens = max_tokens_that_fit(c, Impl::kFused, std::numeric_limits<size_t>::max(), false);
   EXPECT_EQ(tokens, std::numeric_limits<int32_t>::max() / 32);  // max_tokens * top_k < 2^31
   EXPECT_TRUE(valid_at(c, tokens));
@@ -122,11 +115,11 @@ TEST(TokenLimit, CappedByTheTokenLimits) {
 }
 
 TEST(TokenLimit, ArgumentsChecked) {
-  EXPECT_EQ(max_tokens_that_fit(qwen3_30b(), Impl::kFused, 0, false), -1);
-  expect_error_mentioning([] { (void)max_tokens_that_fit(qwen3_30b(), Impl::kUnfused, kGiB, true); }, "save_z");
-  expect_error_mentioning([] { (void)max_tokens_that_fit(layer(100, 128, 8, 2), Impl::kFused, kGiB, false); },
+  EXPECT_EQ(max_tokens_that_fit(qwen3_30b_config(), Impl::kFused, 0, false), -1);
+  expect_error_mentioning([] { (void)max_tokens_that_fit(qwen3_30b_config(), Impl::kUnfused, kGiB, true); }, "save_z");
+  expect_error_mentioning([] { (void)max_tokens_that_fit(layer_config(100, 128, 8, 2), Impl::kFused, kGiB, false); },
                           "hidden");
-  expect_error_mentioning([] { (void)max_tokens_that_fit(qwen3_30b(), static_cast<Impl>(7), kGiB, false); },
+  expect_error_mentioning([] { (void)max_tokens_that_fit(qwen3_30b_config(), static_cast<Impl>(7), kGiB, false); },
                           "impl");
 }
 
@@ -138,7 +131,7 @@ TEST(TokenLimit, QwenPresetsOnAnH200) {
     const char* name;
     LayerConfig config;
   };
-  for (const Preset& p : {Preset{"qwen3-30b-a3b", qwen3_30b()}, Preset{"qwen3-235b-a22b", qwen3_235b()}}) {
+  for (const Preset& p : {Preset{"qwen3-30b-a3b", qwen3_30b_config()}, Preset{"qwen3-235b-a22b", qwen3_235b_config()}}) {
     const LayerConfig& c = p.config;
     const size_t weights = static_cast<size_t>(c.num_experts) * 3 * c.intermediate * c.hidden;  // elements
     const size_t resident = weights * 2 + weights * 4;  // bf16 weights + fp32 gradients
@@ -152,7 +145,7 @@ TEST(TokenLimit, QwenPresetsOnAnH200) {
       expect_boundary(c, k.impl, k.save_z, free_bytes);
     }
   }
-  const LayerConfig c = qwen3_30b();
+  const LayerConfig c = qwen3_30b_config();
   const size_t resident = static_cast<size_t>(c.num_experts) * 3 * c.intermediate * c.hidden * 6;
   EXPECT_GE(max_tokens_that_fit(c, Impl::kFused, kH200Bytes - resident, true), 262144);
   EXPECT_GE(max_tokens_that_fit(c, Impl::kFused, kH200Bytes - resident, false), 262144);

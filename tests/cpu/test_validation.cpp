@@ -8,21 +8,15 @@
 #include <limits>
 #include <string>
 
+#include "common/layer_config.h"
 #include "expect_error.h"
+#include "plausible_args.h"
 #include "fusemoe/fusemoe.h"
 
 namespace fusemoe {
 namespace {
 
-LayerConfig good_config() {
-  LayerConfig c;
-  c.hidden = 256;
-  c.intermediate = 128;
-  c.num_experts = 8;
-  c.top_k = 2;
-  c.max_tokens = 64;
-  return c;
-}
+LayerConfig good_config() { return harness::layer_config(256, 128, 8, 2, 64); }
 
 TEST(Validation, GoodConfigPasses) { EXPECT_NO_THROW(validate_config(good_config())); }
 
@@ -98,21 +92,6 @@ TEST(Validation, ExpertIdReportIsReadOnTheHost) {
   expect_error_mentioning([&] { throw_if_expert_id_report(report, 0, 2); }, "num_experts");
 }
 
-// Fake but aligned device addresses: host checks reject the call before any pointer is used.
-ForwardArgs plausible_forward_args() {
-  ForwardArgs a;
-  a.x = reinterpret_cast<const void*>(0x10000);
-  a.topk_idx = reinterpret_cast<const int32_t*>(0x20000);
-  a.topk_weights = reinterpret_cast<const float*>(0x30000);
-  a.w13 = reinterpret_cast<const void*>(0x40000);
-  a.w2 = reinterpret_cast<const void*>(0x50000);
-  a.y = reinterpret_cast<void*>(0x60000);
-  a.num_tokens = 8;
-  a.workspace = reinterpret_cast<void*>(0x70000);
-  a.workspace_bytes = workspace_bytes(good_config(), Impl::kUnfused);
-  return a;
-}
-
 TEST(Validation, ForwardArgumentsNamed) {
   const LayerConfig c = good_config();
   struct Case {
@@ -136,11 +115,11 @@ TEST(Validation, ForwardArgumentsNamed) {
        "saved_z is supported by Impl::kFused only"},
   };
   for (const Case& tc : cases) {
-    ForwardArgs a = plausible_forward_args();
+    ForwardArgs a = plausible_forward_args(c, Impl::kUnfused);
     tc.mutate(a);
     expect_error_mentioning([&] { forward(c, Impl::kUnfused, a); }, tc.needle);
   }
-  ForwardArgs a = plausible_forward_args();
+  ForwardArgs a = plausible_forward_args(c, Impl::kUnfused);
   expect_error_mentioning([&] { forward(c, static_cast<Impl>(42), a); }, "impl");
   a.saved_z = reinterpret_cast<void*>(0x90008);
   expect_error_mentioning([&] { forward(c, Impl::kFused, a); }, "saved_z must be 16-byte aligned");
@@ -148,28 +127,9 @@ TEST(Validation, ForwardArgumentsNamed) {
   EXPECT_EQ(saved_z_bytes(c), static_cast<size_t>(c.max_tokens * c.top_k * 2 * c.intermediate * 2));
 }
 
-// As plausible_forward_args, for the backward.
-BackwardArgs plausible_backward_args() {
-  BackwardArgs a;
-  a.x = reinterpret_cast<const void*>(0x10000);
-  a.topk_idx = reinterpret_cast<const int32_t*>(0x20000);
-  a.topk_weights = reinterpret_cast<const float*>(0x30000);
-  a.w13 = reinterpret_cast<const void*>(0x40000);
-  a.w2 = reinterpret_cast<const void*>(0x50000);
-  a.dy = reinterpret_cast<const void*>(0x60000);
-  a.dx = reinterpret_cast<void*>(0x70000);
-  a.d_topk_weights = reinterpret_cast<float*>(0x80000);
-  a.dw13 = reinterpret_cast<void*>(0x90000);
-  a.dw2 = reinterpret_cast<void*>(0xa0000);
-  a.num_tokens = 8;
-  a.workspace = reinterpret_cast<void*>(0xb0000);
-  a.workspace_bytes = workspace_bytes(good_config(), Impl::kUnfused);
-  return a;
-}
-
 TEST(Validation, BackwardArgumentsNamed) {
   const LayerConfig c = good_config();
-  const BackwardArgs base = plausible_backward_args();
+  const BackwardArgs base = plausible_backward_args(c, Impl::kUnfused);
   struct Case {
     std::function<void(BackwardArgs&)> mutate;
     const char* needle;
@@ -199,13 +159,10 @@ TEST(Validation, BackwardArgumentsNamed) {
 TEST(Validation, WorkspacePerCall) {
   LayerConfig c = good_config();
   c.max_tokens = 1000;
-  const size_t fwd = workspace_bytes(c, Impl::kFused, WorkspaceUse::kForward);
-  const size_t bwd = workspace_bytes(c, Impl::kFused, WorkspaceUse::kBackward);
-  const size_t bwd_z = workspace_bytes(c, Impl::kFused, WorkspaceUse::kBackwardSavedZ);
-  EXPECT_EQ(workspace_bytes(c, Impl::kFused), std::max({fwd, bwd, bwd_z}));
-  EXPECT_LT(fwd, bwd);
-  EXPECT_GE(bwd - bwd_z, saved_z_bytes(c));
-  EXPECT_LT(bwd - bwd_z, saved_z_bytes(c) + 256);
+  const FusedWorkspaces w = checked_fused_workspaces(c);
+  EXPECT_LT(w.forward, w.backward);
+  EXPECT_GE(w.backward - w.backward_saved_z, saved_z_bytes(c));
+  EXPECT_LT(w.backward - w.backward_saved_z, saved_z_bytes(c) + 256);
   for (Impl impl : {Impl::kUnfused, Impl::kReferenceFp32}) {
     for (WorkspaceUse use : {WorkspaceUse::kForward, WorkspaceUse::kBackward, WorkspaceUse::kBackwardSavedZ}) {
       EXPECT_EQ(workspace_bytes(c, impl, use), workspace_bytes(c, impl));
@@ -215,16 +172,16 @@ TEST(Validation, WorkspacePerCall) {
                           "WorkspaceUse");
 
   // One byte short of a call's own need fails, naming the call.
-  ForwardArgs fa = plausible_forward_args();
-  fa.workspace_bytes = fwd - 1;
+  ForwardArgs fa = plausible_forward_args(c, Impl::kFused);
+  fa.workspace_bytes = w.forward - 1;
   expect_error_mentioning([&] { forward(c, Impl::kFused, fa); }, "needed for impl fused (forward)");
-  BackwardArgs ba = plausible_backward_args();
+  BackwardArgs ba = plausible_backward_args(c, Impl::kFused);
   ba.saved_z = reinterpret_cast<const void*>(0xc0000);
-  ba.workspace_bytes = bwd_z - 1;
+  ba.workspace_bytes = w.backward_saved_z - 1;
   expect_error_mentioning([&] { backward(c, Impl::kFused, ba); }, "needed for impl fused (backward with saved_z)");
   // Without saved z the backward needs the room for z: the saved-z size is too small.
   ba.saved_z = nullptr;
-  ba.workspace_bytes = bwd_z;
+  ba.workspace_bytes = w.backward_saved_z;
   expect_error_mentioning([&] { backward(c, Impl::kFused, ba); }, "needed for impl fused (backward)");
 }
 

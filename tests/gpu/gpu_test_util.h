@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common/device_buffer.h"
+#include "common/layer_config.h"
 #include "common/routing.h"
 #include "fusemoe/fusemoe.h"
 #include "reference/bf16_host.h"
@@ -40,6 +41,29 @@ struct Dims {
 // top-4) and the Qwen3-30B-A3B layer (all 128 experts).
 inline Dims medium_dims(int64_t tokens) { return Dims{tokens, 512, 256, 16, 4}; }
 inline Dims qwen3_30b_dims(int64_t tokens) { return Dims{tokens, 2048, 768, 128, 8}; }
+// Qwen3-235B-A22B's H and I; fewer than its 128 experts keep a host-side check's fp64 copies of
+// the weights and their gradients within memory.
+inline Dims qwen3_235b_dims(int64_t tokens, int64_t num_experts) {
+  return Dims{tokens, 4096, 1536, num_experts, 8};
+}
+
+// The default layer with the SwiGLU clamp at c = 1.25: on z ~ N(0, 1) it is active on ~11% of g
+// (g > c) and ~21% of u (|u| > c).
+inline Dims clamp_dims(int64_t tokens) {
+  Dims d;
+  d.T = tokens;
+  d.clamp = true;
+  d.clamp_limit = 1.25f;
+  return d;
+}
+
+// The default layer (E = 8) with top_k = k: 1 and 8 (= E) are the edge cases.
+inline Dims top_k_dims(int64_t tokens, int64_t k) {
+  Dims d;
+  d.T = tokens;
+  d.K = k;
+  return d;
+}
 
 using harness::DeviceBuffer;
 using harness::kAllRoutings;
@@ -138,6 +162,20 @@ struct LayerOutputs {
   std::vector<double> y, dx, d_topk_w, dw13, dw2;
 };
 
+// Every output of a equals b's (operator== of the widened values: a NaN never equals).
+inline bool same_outputs(const LayerOutputs& a, const LayerOutputs& b) {
+  return a.y == b.y && a.dx == b.dx && a.d_topk_w == b.d_topk_w && a.dw13 == b.dw13 && a.dw2 == b.dw2;
+}
+
+// As same_outputs, one expectation per output, each failure naming the output and `what`.
+inline void expect_same_outputs(const LayerOutputs& a, const LayerOutputs& b, const std::string& what) {
+  EXPECT_TRUE(a.y == b.y) << what << ": y differs";
+  EXPECT_TRUE(a.dx == b.dx) << what << ": dx differs";
+  EXPECT_TRUE(a.d_topk_w == b.d_topk_w) << what << ": d_topk_weights differ";
+  EXPECT_TRUE(a.dw13 == b.dw13) << what << ": dw13 differs";
+  EXPECT_TRUE(a.dw2 == b.dw2) << what << ": dw2 differs";
+}
+
 struct RunOptions {
   WeightGradDtype grad_dtype = WeightGradDtype::kFloat32;
   bool accumulate = false;
@@ -151,12 +189,7 @@ struct RunOptions {
 };
 
 inline LayerConfig config_of(const Dims& d, int64_t max_tokens) {
-  LayerConfig c;
-  c.hidden = d.H;
-  c.intermediate = d.I;
-  c.num_experts = d.E;
-  c.top_k = d.K;
-  c.max_tokens = max_tokens;
+  LayerConfig c = harness::layer_config(d.H, d.I, d.E, d.K, max_tokens);
   c.use_swiglu_clamp = d.clamp;
   c.swiglu_clamp = d.clamp_limit;
   return c;
@@ -239,14 +272,18 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
     upload(dw13, *opt.dw13_init);
     upload(dw2, *opt.dw2_init);
   }
+  // What both calls get from opt; an FP8 call gets the FP8 buffer and null bf16 weights.
+  auto set_options = [&](auto& a) {
+    a.expert_id_report = opt.expert_id_report;
+    a.saved_z = opt.save_z ? saved_z.get() : nullptr;
+    if (fp8) {
+      a.w13 = a.w2 = nullptr;
+      a.fp8_weights = fp8_weights.get();
+    }
+  };
   ForwardArgs fa = in.args<ForwardArgs>(d.T, workspace);
   fa.y = y.get();
-  fa.expert_id_report = opt.expert_id_report;
-  fa.saved_z = opt.save_z ? saved_z.get() : nullptr;
-  if (fp8) {
-    fa.w13 = fa.w2 = nullptr;
-    fa.fp8_weights = fp8_weights.get();
-  }
+  set_options(fa);
   forward(config, impl, fa);
   BackwardArgs ba = in.args<BackwardArgs>(d.T, bwd_workspace);
   ba.dx = dx.get();
@@ -255,12 +292,7 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   ba.dw2 = dw2.get();
   ba.weight_grad_dtype = opt.grad_dtype;
   ba.accumulate_weight_grads = opt.accumulate;
-  ba.expert_id_report = opt.expert_id_report;
-  ba.saved_z = opt.save_z ? saved_z.get() : nullptr;
-  if (fp8) {
-    ba.w13 = ba.w2 = nullptr;
-    ba.fp8_weights = fp8_weights.get();
-  }
+  set_options(ba);
   backward(config, impl, ba);
   TEST_CUDA(cudaDeviceSynchronize());
   LayerOutputs out;

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "fusemoe/expert_parallel.h"
-#include "gpu/gpu_test_util.h"
+#include "gpu/ep_test_util.h"
 
 extern char** environ;
 
@@ -42,11 +42,6 @@ void write_file_atomically(const std::string& path, const void* bytes, size_t si
   const std::string tmp = path + ".tmp";
   std::ofstream(tmp, std::ios::binary).write(static_cast<const char*>(bytes), static_cast<std::streamsize>(size));
   if (std::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error("cannot rename " + tmp);
-}
-
-template <class T>
-std::vector<T> slice(const std::vector<T>& all, int64_t first, int64_t count, int64_t width) {
-  return std::vector<T>(all.begin() + first * width, all.begin() + (first + count) * width);
 }
 
 // One rank in its own process; returns the process exit code (0: outputs bitwise equal).
@@ -82,27 +77,16 @@ int run_child(int rank, int world_size, const std::string& dir) {
     TEST_CUDA(cudaIpcOpenMemHandle(&peers[r], other, cudaIpcMemLazyEnablePeerAccess));
   }
 
-  DeviceBuffer x = DeviceBuffer::from(slice(p.x_TH, t0, T, d.H)), idx = DeviceBuffer::from(slice(p.idx_TK, t0, T, d.K)),
-               w = DeviceBuffer::from(slice(p.w_TK, t0, T, d.K)), dy = DeviceBuffer::from(slice(p.dy_TH, t0, T, d.H)),
-               w13 = DeviceBuffer::from(slice(p.w13_EFH, rank * El, El, 2 * d.I * d.H)),
-               w2 = DeviceBuffer::from(slice(p.w2_EHI, rank * El, El, d.H * d.I)), y(T * d.H * 2), dx(T * d.H * 2),
-               dtw(T * d.K * 4), dw13(El * 2 * d.I * d.H * 4), dw2(El * d.H * d.I * 4),
-               ws(ep_workspace_bytes(config));
+  const RankInputs in(p, t0, T, rank * El, El);
+  DeviceBuffer y(T * d.H * 2), dx(T * d.H * 2), dtw(T * d.K * 4), dw13(El * 2 * d.I * d.H * 4),
+      dw2(El * d.H * d.I * 4), ws(ep_workspace_bytes(config));
   for (DeviceBuffer* b : {&y, &dx, &dtw, &dw13, &dw2, &ws}) b->poison();
   EpForwardArgs fa;
-  fa.call.x = x.get();
-  fa.call.topk_idx = static_cast<const int32_t*>(idx.get());
-  fa.call.topk_weights = static_cast<const float*>(w.get());
-  fa.call.w13 = w13.get();
-  fa.call.w2 = w2.get();
-  fa.call.num_tokens = T;
-  fa.call.peer_symmetric = peers.data();
-  fa.call.workspace = ws.get();
-  fa.call.workspace_bytes = ws.bytes();
+  fa.call = in.call(T, peers.data(), ws);
   fa.y = y.get();
   EpBackwardArgs ba;
   ba.call = fa.call;
-  ba.dy = dy.get();
+  ba.dy = in.dy.get();
   ba.dx = dx.get();
   ba.d_topk_weights = static_cast<float*>(dtw.get());
   ba.dw13 = dw13.get();
@@ -139,12 +123,12 @@ int run_child(int rank, int world_size, const std::string& dir) {
       }
     }
   };
-  expect_equal(y_bits, slice(single.y, t0, T, d.H), "y");
-  expect_equal(dx_bits, slice(single.dx, t0, T, d.H), "dx");
-  expect_equal(std::vector<double>(dtw_h.begin(), dtw_h.end()), slice(single.d_topk_w, t0, T, d.K), "d_topk_weights");
-  expect_equal(std::vector<double>(dw13_h.begin(), dw13_h.end()), slice(single.dw13, rank * El, El, 2 * d.I * d.H),
+  expect_equal(y_bits, rows_of(single.y, t0, T, d.H), "y");
+  expect_equal(dx_bits, rows_of(single.dx, t0, T, d.H), "dx");
+  expect_equal(std::vector<double>(dtw_h.begin(), dtw_h.end()), rows_of(single.d_topk_w, t0, T, d.K), "d_topk_weights");
+  expect_equal(std::vector<double>(dw13_h.begin(), dw13_h.end()), rows_of(single.dw13, rank * El, El, 2 * d.I * d.H),
                "dw13");
-  expect_equal(std::vector<double>(dw2_h.begin(), dw2_h.end()), slice(single.dw2, rank * El, El, d.H * d.I), "dw2");
+  expect_equal(std::vector<double>(dw2_h.begin(), dw2_h.end()), rows_of(single.dw2, rank * El, El, d.H * d.I), "dw2");
   return failures == 0 ? 0 : 1;
 }
 

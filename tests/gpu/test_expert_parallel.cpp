@@ -18,7 +18,7 @@
 
 #include "common/device_wait.h"
 #include "fusemoe/expert_parallel.h"
-#include "gpu/gpu_test_util.h"
+#include "gpu/ep_test_util.h"
 
 namespace fusemoe::test {
 namespace {
@@ -29,12 +29,6 @@ struct RawOutputs {
   std::vector<float> d_topk_w;     // [T, K]
   std::vector<uint8_t> dw13, dw2;  // [E', 2I, H], [E', H, I] of the grad dtype
 };
-
-// Rows [first, first + count) of a [rows, width] host array.
-template <class T>
-std::vector<T> rows_of(const std::vector<T>& all, int64_t first, int64_t count, int64_t width) {
-  return std::vector<T>(all.begin() + first * width, all.begin() + (first + count) * width);
-}
 
 struct EpCase {
   int world_size;
@@ -98,7 +92,8 @@ RawOutputs run_single_gpu(const HostProblem& p, const EpCase& c) {
 
 // One rank's device state.
 struct Rank {
-  DeviceBuffer x, idx, w, dy, w13, w2, y, dx, dtw, dw13, dw2, ws, saved, symmetric;
+  RankInputs in;
+  DeviceBuffer y, dx, dtw, dw13, dw2, ws, saved, symmetric;
   cudaStream_t stream = nullptr;
 };
 
@@ -122,12 +117,7 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
     config.rank = r;
     Rank& k = ranks[r];
     const int64_t T = c.tokens[r], t0 = first_token[r];
-    k.x = DeviceBuffer::from(rows_of(p.x_TH, t0, T, d.H));
-    k.idx = DeviceBuffer::from(rows_of(p.idx_TK, t0, T, d.K));
-    k.w = DeviceBuffer::from(rows_of(p.w_TK, t0, T, d.K));
-    k.dy = DeviceBuffer::from(rows_of(p.dy_TH, t0, T, d.H));
-    k.w13 = DeviceBuffer::from(rows_of(p.w13_EFH, r * El, El, 2 * d.I * d.H));
-    k.w2 = DeviceBuffer::from(rows_of(p.w2_EHI, r * El, El, d.H * d.I));
+    k.in = RankInputs(p, t0, T, r * El, El);
     k.y = DeviceBuffer(T * d.H * 2);
     k.dx = DeviceBuffer(T * d.H * 2);
     k.dtw = DeviceBuffer(T * d.K * 4);
@@ -165,15 +155,7 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
           }
           EpForwardArgs fa;
           EpCall& call_args = fa.call;
-          call_args.x = k.x.get();
-          call_args.topk_idx = static_cast<const int32_t*>(k.idx.get());
-          call_args.topk_weights = static_cast<const float*>(k.w.get());
-          call_args.w13 = k.w13.get();
-          call_args.w2 = k.w2.get();
-          call_args.num_tokens = c.tokens[r];
-          call_args.peer_symmetric = peers.data();
-          call_args.workspace = k.ws.get();
-          call_args.workspace_bytes = k.ws.bytes();
+          call_args = k.in.call(c.tokens[r], peers.data(), k.ws);
           call_args.num_sms = num_sms / R;
           call_args.stream = k.stream;
           fa.y = k.y.get();
@@ -181,7 +163,7 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
           ep_forward(rc, fa);
           EpBackwardArgs ba;
           ba.call = call_args;
-          ba.dy = k.dy.get();
+          ba.dy = k.in.dy.get();
           ba.dx = k.dx.get();
           ba.d_topk_weights = static_cast<float*>(k.dtw.get());
           ba.dw13 = k.dw13.get();
@@ -206,24 +188,6 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
   }
   for (int r = 0; r < R; ++r) cudaStreamDestroy(ranks[r].stream);  // a failed context keeps its error
   return out;
-}
-
-// The forward arguments of a rank driven alone (the tests of one call).
-EpForwardArgs single_rank_forward(const DeviceBuffer& x, const DeviceBuffer& idx, const DeviceBuffer& w,
-                                  const DeviceBuffer& w13, const DeviceBuffer& w2, const DeviceBuffer& y,
-                                  const DeviceBuffer& ws, int64_t num_tokens, void* const* peers) {
-  EpForwardArgs fa;
-  fa.call.x = x.get();
-  fa.call.topk_idx = static_cast<const int32_t*>(idx.get());
-  fa.call.topk_weights = static_cast<const float*>(w.get());
-  fa.call.w13 = w13.get();
-  fa.call.w2 = w2.get();
-  fa.call.num_tokens = num_tokens;
-  fa.call.peer_symmetric = peers;
-  fa.call.workspace = ws.get();
-  fa.call.workspace_bytes = ws.bytes();
-  fa.y = y.get();
-  return fa;
 }
 
 template <class T>
@@ -334,12 +298,13 @@ TEST(ExpertParallel, BadExpertIdsAreReported) {
   EpConfig config;
   config.layer = config_of(d, 16);
   config.world_size = 1;
-  DeviceBuffer x = DeviceBuffer::from(p.x_TH), idx = DeviceBuffer::from(p.idx_TK), w = DeviceBuffer::from(p.w_TK),
-               w13 = DeviceBuffer::from(p.w13_EFH), w2 = DeviceBuffer::from(p.w2_EHI), y(d.T * d.H * 2),
-               ws(ep_workspace_bytes(config)), sym(ep_symmetric_bytes(config));
+  const RankInputs in(p, 0, d.T, 0, d.E);
+  DeviceBuffer y(d.T * d.H * 2), ws(ep_workspace_bytes(config)), sym(ep_symmetric_bytes(config));
   TEST_CUDA(cudaMemset(sym.get(), 0, sym.bytes()));
   void* peers[1] = {sym.get()};
-  const EpForwardArgs fa = single_rank_forward(x, idx, w, w13, w2, y, ws, d.T, peers);
+  EpForwardArgs fa;
+  fa.call = in.call(d.T, peers, ws);
+  fa.y = y.get();
   try {
     ep_forward(config, fa);
     FAIL() << "a bad expert id must be reported";
@@ -361,14 +326,15 @@ TEST(ExpertParallelDeathTest, AMissingRankTimesOutWithADiagnostic) {
     config.layer = config_of(d, 64);
     config.world_size = 2;
     config.rank = 0;
-    DeviceBuffer x = DeviceBuffer::from(p.x_TH), idx = DeviceBuffer::from(p.idx_TK), w = DeviceBuffer::from(p.w_TK),
-                 w13 = DeviceBuffer::from(rows_of(p.w13_EFH, 0, 4, 2 * d.I * d.H)),
-                 w2 = DeviceBuffer::from(rows_of(p.w2_EHI, 0, 4, d.H * d.I)), y(d.T * d.H * 2),
-                 ws(ep_workspace_bytes(config)), sym0(ep_symmetric_bytes(config)), sym1(ep_symmetric_bytes(config));
+    const RankInputs in(p, 0, d.T, 0, 4);  // rank 0's 4 of the 8 experts
+    DeviceBuffer y(d.T * d.H * 2), ws(ep_workspace_bytes(config)), sym0(ep_symmetric_bytes(config)),
+        sym1(ep_symmetric_bytes(config));
     TEST_CUDA(cudaMemset(sym0.get(), 0, sym0.bytes()));
     TEST_CUDA(cudaMemset(sym1.get(), 0, sym1.bytes()));
     void* peers[2] = {sym0.get(), sym1.get()};
-    const EpForwardArgs fa = single_rank_forward(x, idx, w, w13, w2, y, ws, d.T, peers);
+    EpForwardArgs fa;
+    fa.call = in.call(d.T, peers, ws);
+    fa.y = y.get();
     try {
       ep_forward(config, fa);  // syncs for the id check: rank 1's message never comes
     } catch (const Error& e) {

@@ -121,24 +121,15 @@ TEST(Fp8Layer, ShapesClampTopKAndEdgeBlocks) {
     int64_t max_tokens;
     bool edge_blocks;
   };
-  Dims clamp;
-  clamp.T = 199;
-  clamp.clamp = true;
-  clamp.clamp_limit = 1.25f;
-  Dims k1;
-  k1.T = 64;
-  k1.K = 1;
-  Dims k8 = k1;
-  k8.K = 8;
   Dims odd;  // H and I multiples of 128, not of 256
   odd.H = 384;
   odd.I = 384;
   odd.T = 77;
   Dims edge;
   edge.T = 50;
-  for (const Case& c : {Case{"clamp", clamp, Routing::kUniform, -1, false},
-                        Case{"top_k=1", k1, Routing::kUniform, -1, false},
-                        Case{"top_k=E", k8, Routing::kUniform, -1, false},
+  for (const Case& c : {Case{"clamp", clamp_dims(199), Routing::kUniform, -1, false},
+                        Case{"top_k=1", top_k_dims(64, 1), Routing::kUniform, -1, false},
+                        Case{"top_k=E", top_k_dims(64, 8), Routing::kUniform, -1, false},
                         Case{"medium, max_tokens 1000", medium_dims(300), Routing::kSkewed, 1000, false},
                         Case{"H=384 I=384", odd, Routing::kMasked, -1, false},
                         Case{"zero block and a single huge value", edge, Routing::kUniform, -1, true}}) {
@@ -169,27 +160,16 @@ TEST(Fp8Layer, BitwiseDeterministicAndSavedZEqualsRecompute) {
   RunOptions saved;
   saved.save_z = true;
   const LayerOutputs first = run_fp8_layer(p, recompute);
-  auto same = [](const LayerOutputs& a, const LayerOutputs& b, const char* what) {
-    EXPECT_TRUE(a.y == b.y) << what << ": y differs";
-    EXPECT_TRUE(a.dx == b.dx) << what << ": dx differs";
-    EXPECT_TRUE(a.d_topk_w == b.d_topk_w) << what << ": d_topk_weights differ";
-    EXPECT_TRUE(a.dw13 == b.dw13) << what << ": dw13 differs";
-    EXPECT_TRUE(a.dw2 == b.dw2) << what << ": dw2 differs";
-  };
-  for (int run = 0; run < 3; ++run) same(run_fp8_layer(p, recompute), first, "repeated run");
-  same(run_fp8_layer(p, saved), first, "saved z vs recomputed z");
+  for (int run = 0; run < 3; ++run) expect_same_outputs(run_fp8_layer(p, recompute), first, "repeated run");
+  expect_same_outputs(run_fp8_layer(p, saved), first, "saved z vs recomputed z");
 }
 
 // The Qwen3 layer shapes: the emulation on the CPU (all threads) and the fp32 GPU oracle
 // (Impl::kReferenceFp32, bf16 precision) as the unquantized reference. 30B with all 128 experts;
 // 235B's H and I with 16 experts (the host copies of 128 experts' weights in fp64 would take 19 GB).
 TEST(Fp8Layer, QwenShapesWithinEmulationBounds) {
-  Dims d30 = qwen3_30b_dims(128);
-  Dims d235 = d30;
-  d235.H = 4096;
-  d235.I = 1536;
-  d235.E = 16;
-  d235.T = 96;
+  const Dims d30 = qwen3_30b_dims(128);
+  const Dims d235 = qwen3_235b_dims(96, 16);
   for (const auto& [name, d] : {std::pair<const char*, Dims>{"qwen3-30b-a3b", d30}, {"qwen3-235b-a22b", d235}}) {
     std::printf("%s T=%lld\n", name, static_cast<long long>(d.T));
     const HostProblem p = make_problem(d, Routing::kUniform, 9800);

@@ -64,17 +64,13 @@ INSTANTIATE_TEST_SUITE_P(
     token_routing_name);
 
 TEST(FusedBackward, ClampMediumAndOddShapes) {
-  Dims clamp;
-  clamp.T = 199;
-  clamp.clamp = true;
-  clamp.clamp_limit = 1.25f;
   Dims medium = medium_dims(300);
   Dims odd = medium;
   odd.H = 384;
   odd.I = 192;
   odd.T = 77;
   for (const auto& [name, d, routing] :
-       {std::tuple<const char*, Dims, Routing>{"clamp", clamp, Routing::kUniform},
+       {std::tuple<const char*, Dims, Routing>{"clamp", clamp_dims(199), Routing::kUniform},
         {"medium skewed", medium, Routing::kSkewed},
         {"H=384 I=192 masked", odd, Routing::kMasked}}) {
     for (bool save_z : {false, true}) {
@@ -103,14 +99,9 @@ TEST(FusedBackward, BitwiseDeterministic) {
   const LayerOutputs first_saved = run_layer(Impl::kFused, p, saving);
   for (int run = 0; run < 20; ++run) {
     const LayerOutputs again_saved = run_layer(Impl::kFused, p, saving);
-    ASSERT_TRUE(again_saved.y == first_saved.y && again_saved.dx == first_saved.dx &&
-                again_saved.d_topk_w == first_saved.d_topk_w && again_saved.dw13 == first_saved.dw13 &&
-                again_saved.dw2 == first_saved.dw2)
-        << "run " << run << " (z saved) differs";
+    ASSERT_TRUE(same_outputs(again_saved, first_saved)) << "run " << run << " (z saved) differs";
     const LayerOutputs again = run_layer(Impl::kFused, p);
-    ASSERT_TRUE(again.y == first.y && again.dx == first.dx && again.d_topk_w == first.d_topk_w &&
-                again.dw13 == first.dw13 && again.dw2 == first.dw2)
-        << "run " << run << " differs";
+    ASSERT_TRUE(same_outputs(again, first)) << "run " << run << " differs";
   }
 }
 

@@ -47,23 +47,14 @@ TEST(FusedForward, ClampTopKAndMediumShapes) {
     Routing routing;
     int64_t max_tokens;
   };
-  Dims clamp;
-  clamp.T = 199;
-  clamp.clamp = true;
-  clamp.clamp_limit = 1.25f;
-  Dims k1;
-  k1.T = 64;
-  k1.K = 1;
-  Dims k8 = k1;
-  k8.K = 8;
   Dims medium = medium_dims(300);
   Dims odd = medium;  // H and I not multiples of the 256-column tiles
   odd.H = 384;
   odd.I = 192;
   odd.T = 77;
-  for (const Case& c : {Case{"clamp", clamp, Routing::kUniform, -1},
-                        Case{"top_k=1", k1, Routing::kUniform, -1},
-                        Case{"top_k=E", k8, Routing::kUniform, -1},
+  for (const Case& c : {Case{"clamp", clamp_dims(199), Routing::kUniform, -1},
+                        Case{"top_k=1", top_k_dims(64, 1), Routing::kUniform, -1},
+                        Case{"top_k=E", top_k_dims(64, 8), Routing::kUniform, -1},
                         Case{"medium, max_tokens 1000", medium, Routing::kSkewed, 1000},
                         Case{"H=384 I=192", odd, Routing::kMasked, -1}}) {
     std::printf("%s\n", c.name);
@@ -76,11 +67,8 @@ TEST(FusedForward, ClampTopKAndMediumShapes) {
 
 // Both Qwen3 layer shapes at full size (E = 128) against the fp32 GPU oracle.
 TEST(FusedForward, QwenShapesAgainstFp32GpuReference) {
-  Dims d30 = qwen3_30b_dims(1000);
-  Dims d235 = d30;
-  d235.H = 4096;
-  d235.I = 1536;
-  d235.T = 333;
+  const Dims d30 = qwen3_30b_dims(1000);
+  const Dims d235 = qwen3_235b_dims(333, 128);
   for (const auto& [name, d, routing] :
        {std::tuple<const char*, Dims, Routing>{"qwen3-30b-a3b", d30, Routing::kUniform},
         {"qwen3-30b-a3b skewed", d30, Routing::kSkewed},

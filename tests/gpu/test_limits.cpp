@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/device_checks.h"
+#include "common/layer_config.h"
 #include "common/layer_device.h"
 #include "common/routing.h"
 #include "fusemoe/fusemoe.h"
@@ -33,16 +34,6 @@ using harness::LayerOutputs;
 
 constexpr double kGiB = double(size_t(1) << 30);
 
-LayerConfig qwen3_30b(int64_t tokens) {
-  LayerConfig c;
-  c.hidden = 2048;
-  c.intermediate = 768;
-  c.num_experts = 128;
-  c.top_k = 8;
-  c.max_tokens = tokens;
-  return c;
-}
-
 // Forward + backward on the default stream, waited for; seconds.
 double timed_call(const LayerConfig& c, int64_t tokens, const LayerInputs& in, const LayerOutputs& out,
                   const LayerCall& call) {
@@ -54,7 +45,7 @@ double timed_call(const LayerConfig& c, int64_t tokens, const LayerInputs& in, c
 
 TEST(Limits, Qwen30bForwardBackwardAt262144Tokens) {
   constexpr int64_t kTokens = 262144;
-  const LayerConfig c = qwen3_30b(kTokens);
+  const LayerConfig c = harness::qwen3_30b_config(kTokens);
   size_t workspace = 0;
   for (Impl impl : {Impl::kReferenceFp32, Impl::kUnfused, Impl::kFused}) {
     workspace = std::max(workspace, workspace_bytes(c, impl));
@@ -176,12 +167,7 @@ int64_t count_unexpected(const std::vector<T>& got, const std::vector<T>& clean,
 
 void check_non_finite_input(Poke poke) {
   // Medium layer, uniform routing: every slot valid, K distinct experts per token.
-  LayerConfig c;
-  c.hidden = 512;
-  c.intermediate = 256;
-  c.num_experts = 16;
-  c.top_k = 4;
-  c.max_tokens = 300;
+  const LayerConfig c = harness::layer_config(512, 256, 16, 4, 300);
   const int64_t T = c.max_tokens, H = c.hidden, I = c.intermediate, K = c.top_k;
   constexpr int64_t kToken = 123, kCol = 77;
   const harness::TopK topk = harness::make_topk(T, c.num_experts, K, harness::Routing::kUniform, 1800);

@@ -70,11 +70,7 @@ INSTANTIATE_TEST_SUITE_P(
     token_routing_name);
 
 TEST(Unfused, SwigluClampMatchesReference) {
-  Dims d;
-  d.T = 199;
-  d.clamp = true;
-  d.clamp_limit = 1.25f;  // z ~ N(0, 1): active on ~11% of g (g > c) and ~21% of u (|u| > c)
-  const HostProblem p = make_problem(d, Routing::kUniform, 7);
+  const HostProblem p = make_problem(clamp_dims(199), Routing::kUniform, 7);
   // The clamp's gradient mask is a step: where bf16 rounding of z moves a value across +-c
   // the baseline's mask differs from fp64's, and that element's gradient is off by its whole
   // size. dx and dw13 (the gradients through the mask) of the bf16 baseline therefore get a
@@ -87,11 +83,8 @@ TEST(Unfused, SwigluClampMatchesReference) {
 
 TEST(Unfused, TopKOneAndTopKEqualsExperts) {
   for (int64_t k : {1, 8}) {
-    Dims d;
-    d.T = 64;
-    d.K = k;
     std::printf("K=%lld\n", static_cast<long long>(k));
-    const HostProblem p = make_problem(d, Routing::kUniform, 11 + k);
+    const HostProblem p = make_problem(top_k_dims(64, k), Routing::kUniform, 11 + k);
     check_against_cpu(Impl::kUnfused, p, kUnfusedTol);
   }
 }
@@ -115,12 +108,7 @@ TEST(Unfused, BitwiseDeterministic) {
   const HostProblem p = make_problem(d, Routing::kSkewed, 41);
   const LayerOutputs first = run_layer(Impl::kUnfused, p);
   for (int run = 0; run < 5; ++run) {
-    const LayerOutputs again = run_layer(Impl::kUnfused, p);
-    EXPECT_TRUE(again.y == first.y) << "y differs on run " << run;
-    EXPECT_TRUE(again.dx == first.dx) << "dx differs on run " << run;
-    EXPECT_TRUE(again.d_topk_w == first.d_topk_w) << "d_topk_weights differs on run " << run;
-    EXPECT_TRUE(again.dw13 == first.dw13) << "dw13 differs on run " << run;
-    EXPECT_TRUE(again.dw2 == first.dw2) << "dw2 differs on run " << run;
+    expect_same_outputs(run_layer(Impl::kUnfused, p), first, "run " + std::to_string(run));
   }
 }
 
@@ -167,12 +155,8 @@ TEST(Unfused, QwenShapesAgainstFp32GpuReference) {
     const char* name;
     Dims d;
   };
-  Dims d30 = qwen3_30b_dims(256);
-  Dims d235 = d30;
-  d235.H = 4096;
-  d235.I = 1536;
-  d235.E = 16;
-  d235.T = 128;
+  const Dims d30 = qwen3_30b_dims(256);
+  const Dims d235 = qwen3_235b_dims(128, 16);
   for (const Case& c : {Case{"qwen3-30b-a3b", d30}, Case{"qwen3-235b-a22b dims, E=16", d235}}) {
     std::printf("%s T=%lld E=%lld\n", c.name, static_cast<long long>(c.d.T),
                 static_cast<long long>(c.d.E));

@@ -153,3 +153,33 @@ def calc_diff(got, ref):
     got, ref = got.double(), ref.double()
     denom = (got * got + ref * ref).sum().item()
     return 1 - 2 * (got * ref).sum().item() / denom if denom > 0 else 0.0
+
+
+OUTPUTS = ("y", "dx", "d_topk_weights", "dw13", "dw2")
+
+
+def run_layer(fn, p, dtype):
+    """OUTPUTS of experts function fn on problem p (make_problem) with its inputs in dtype
+    (topk_weights stay fp32): y and the gradients of x, topk_weights, w13, w2 for upstream
+    gradient dy."""
+    leaves = [p[k].to(dtype if k != "topk_weights_TK" else torch.float32).clone().requires_grad_()
+              for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
+    y = fn(leaves[0], p["topk_idx_TK"], leaves[1], leaves[2], leaves[3])
+    y.backward(p["dy_TH"].to(dtype))
+    return dict(zip(OUTPUTS, [y.detach()] + [leaf.grad for leaf in leaves]))
+
+
+def assert_within_noise(rows, atol, noise_name, prefix=""):
+    """The FlashAttention-3 rule on rows (name, got, noise, ref): rel_err(got, ref) <=
+    2 * rel_err(noise, ref) + atol, noise being the same-precision run of another implementation.
+    Prints every row, then fails naming the rows that miss."""
+    report, failures = [], []
+    for name, got, noise, ref in rows:
+        err, noise_err = rel_err(got, ref), rel_err(noise, ref)
+        tol = 2 * noise_err + atol
+        report.append(f"{prefix}{name}: fusemoe {err:.2e}, {noise_name} {noise_err:.2e}, "
+                      f"tol {tol:.2e}")
+        if not err <= tol:
+            failures.append(report[-1])
+    print("\n".join(report))
+    assert not failures, "\n".join(failures)

@@ -19,9 +19,9 @@ import fusemoe  # noqa: E402
 import fusemoe.fp8  # noqa: E402
 from conftest import require_gpu  # noqa: E402
 from fp8_reference import moe_experts_fp8_emulated  # noqa: E402
-from moe_reference import calc_diff, make_problem, moe_experts_torch, rel_err  # noqa: E402
+from moe_reference import (OUTPUTS, calc_diff, make_problem,  # noqa: E402
+                           moe_experts_torch, rel_err, run_layer)
 
-OUTPUTS = ("y", "dx", "d_topk_weights", "dw13", "dw2")
 EMULATION_TOL = 2e-2
 ERROR_FACTOR, ERROR_SLACK = 1.1, 1e-3
 
@@ -29,14 +29,6 @@ ERROR_FACTOR, ERROR_SLACK = 1.1, 1e-3
 @pytest.fixture(autouse=True)
 def gpu():
     require_gpu()
-
-
-def run_layer(fn, p, dtype):
-    leaves = [p[k].to(dtype if k != "topk_weights_TK" else torch.float32).clone().requires_grad_()
-              for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
-    y = fn(leaves[0], p["topk_idx_TK"], leaves[1], leaves[2], leaves[3])
-    y.backward(p["dy_TH"].to(dtype))
-    return dict(zip(OUTPUTS, [y.detach()] + [leaf.grad for leaf in leaves]))
 
 
 def check_fp8(p, swiglu_clamp=None, **options):

@@ -21,7 +21,8 @@ transformers = pytest.importorskip("transformers")
 
 import fusemoe  # noqa: E402
 from conftest import require_gpu  # noqa: E402
-from moe_reference import make_problem, register_cpu_kernels, rel_err  # noqa: E402
+from moe_reference import (OUTPUTS, assert_within_noise, make_problem,  # noqa: E402
+                           register_cpu_kernels, rel_err)
 
 register_cpu_kernels()
 
@@ -224,15 +225,7 @@ def test_patched_model_matches_gpu(family):
     assert got[2].keys() == ref[2].keys()
     rows = [("loss", got[0], base[0], ref[0]), ("logits", got[1], base[1], ref[1])]
     rows += [(n, got[2][n], base[2][n], ref[2][n]) for n in ref[2]]
-    report, failures = [], []
-    for name, g, b, r in rows:
-        err, noise_err = rel_err(g, r), rel_err(b, r)
-        tol = 2 * noise_err + BF16_NOISE_ATOL
-        report.append(f"{family} {name}: fusemoe {err:.2e}, grouped_mm {noise_err:.2e}, tol {tol:.2e}")
-        if not err <= tol:
-            failures.append(report[-1])
-    print("\n".join(report))
-    assert not failures, "\n".join(failures)
+    assert_within_noise(rows, BF16_NOISE_ATOL, "grouped_mm", prefix=f"{family} ")
 
 
 def deepseek_v4_experts_outputs(device):
@@ -265,24 +258,16 @@ def deepseek_v4_experts_outputs(device):
     return outs
 
 
-DEEPSEEK_OUTPUTS = ("y", "dx", "d_topk_weights", "dw13", "dw2")
-
-
 def test_deepseek_v4_experts_match_cpu():
     """Over the CPU stand-in kernels (fp32 math): the clamp reaches the op."""
     outs = deepseek_v4_experts_outputs("cpu")
-    for i, name in enumerate(DEEPSEEK_OUTPUTS):
+    for i, name in enumerate(OUTPUTS):
         assert rel_err(outs["got"][i], outs["ref"][i]) <= 1e-2, name
 
 
 def test_deepseek_v4_experts_match_gpu():
     require_gpu()
     outs = deepseek_v4_experts_outputs("cuda")
-    failures = []
-    for i, name in enumerate(DEEPSEEK_OUTPUTS):
-        err = rel_err(outs["got"][i], outs["ref"][i])
-        tol = 2 * rel_err(outs["noise"][i], outs["ref"][i]) + BF16_NOISE_ATOL
-        print(f"deepseek_v4 {name}: fusemoe {err:.2e}, tol {tol:.2e}")
-        if not err <= tol:
-            failures.append(f"{name}: {err:.2e} > {tol:.2e}")
-    assert not failures, failures
+    rows = [(name, outs["got"][i], outs["noise"][i], outs["ref"][i])
+            for i, name in enumerate(OUTPUTS)]
+    assert_within_noise(rows, BF16_NOISE_ATOL, "bf16 HF loop", prefix="deepseek_v4 ")

@@ -15,10 +15,10 @@ torch = pytest.importorskip("torch")
 
 import fusemoe  # noqa: E402
 from conftest import require_gpu  # noqa: E402
-from moe_reference import calc_diff, make_problem, moe_experts_torch, rel_err  # noqa: E402
+from moe_reference import (OUTPUTS, calc_diff, make_problem,  # noqa: E402
+                           moe_experts_torch, rel_err, run_layer)
 
 ATOL = 1e-3  # relative L2: keeps a near-zero bf16 baseline error from demanding bitwise equality
-OUTPUTS = ("y", "dx", "d_topk_weights", "dw13", "dw2")
 IMPLS = ["unfused", "fused"]
 each_impl = pytest.mark.parametrize("impl", IMPLS)
 
@@ -26,15 +26,6 @@ each_impl = pytest.mark.parametrize("impl", IMPLS)
 @pytest.fixture(autouse=True)
 def gpu():
     require_gpu()
-
-
-def run_layer(fn, p, dtype):
-    """y and the gradients of x, topk_weights, w13, w2 for upstream gradient dy."""
-    leaves = [p[k].to(dtype if k != "topk_weights_TK" else torch.float32).clone().requires_grad_()
-              for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
-    y = fn(leaves[0], p["topk_idx_TK"], leaves[1], leaves[2], leaves[3])
-    y.backward(p["dy_TH"].to(dtype))
-    return dict(zip(OUTPUTS, [y.detach()] + [leaf.grad for leaf in leaves]))
 
 
 def check_against_reference(p, impl=fusemoe.DEFAULT_IMPL, swiglu_clamp=None, **options):
