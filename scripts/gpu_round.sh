@@ -19,24 +19,16 @@
 # measured. Exit 0 only if the tests and every correctness check passed.
 set -u -o pipefail
 
-if [[ $# -ne 1 ]]; then
+if [[ $# -gt 1 ]]; then
   echo "usage: $0 OUTDIR" >&2
   exit 2
 fi
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
-mkdir -p "$1"
-OUTDIR="$(cd "$1" && pwd -P)"
-cd "$REPO" || exit 2
+DEFAULT_ITERS=20 DEFAULT_WARMUP=5
+source "$(dirname "${BASH_SOURCE[0]}")/round_setup.sh" "$@"
 
-BUILD_DIR="${BUILD_DIR:-build}"
-ITERS="${ITERS:-20}"
-WARMUP="${WARMUP:-5}"
 TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-300}"
 CHECK_235B_MAX_TOKENS="${CHECK_235B_MAX_TOKENS:-}"
 ROUND_BUDGET_S="${ROUND_BUDGET_S:-480}"
-# The project's own commit (never a parent folder's repository), "-dirty" with local changes.
-FUSEMOE_COMMIT="${FUSEMOE_COMMIT:-$(bash scripts/project_commit.sh)}"
-export FUSEMOE_COMMIT
 export PYTHONUNBUFFERED=1
 
 # The commit under test: git only where this folder is the top of its own checkout (a copy

@@ -8,22 +8,12 @@
 # (4096: the fp32 reference check of the larger T takes minutes), CHART (OUTDIR/tflops_vs_tokens.png).
 # About 2 to 3 minutes per preset on an H200. Exit 0 only if every run passed.
 set -u -o pipefail
-if [[ $# -lt 1 ]]; then
-  echo "usage: $0 OUTDIR [PRESET...]" >&2
-  exit 2
-fi
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
-mkdir -p "$1"
-OUTDIR="$(cd "$1" && pwd -P)"
+ROUND_USAGE_REST="[PRESET...]" DEFAULT_ITERS=10 DEFAULT_WARMUP=3
+source "$(dirname "${BASH_SOURCE[0]}")/round_setup.sh" "$@"
 shift
 PRESETS=("$@")
 [[ ${#PRESETS[@]} -eq 0 ]] && PRESETS=(qwen3-30b-a3b qwen3-235b-a22b)
-cd "$REPO" || exit 2
-BUILD_DIR="${BUILD_DIR:-build}"
 TOKENS="${TOKENS:-1024,2048,4096,8192,16384,32768,65536}"
-ITERS="${ITERS:-10}"
-WARMUP="${WARMUP:-3}"
-export FUSEMOE_COMMIT="${FUSEMOE_COMMIT:-$(bash scripts/project_commit.sh)}"
 status=0
 for preset in "${PRESETS[@]}"; do
   echo "[tflops] $preset: fusemoe_bench, T=$TOKENS"

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 
 #include "fusemoe/fusemoe.h"
@@ -54,6 +55,22 @@ void check_device_pointer(const void* p, const char* name) {
     FUSEMOE_CHECK(attributes.device == current, name << " is on device " << attributes.device
                                                      << " but the current device is " << current);
   }
+}
+
+// An argument tensor by name: the host-side checks (null, alignment) run for every argument
+// before the first CUDA query, then the device checks, so a call's cheapest error comes first.
+struct NamedTensor {
+  const void* p;
+  const char* name;
+  uintptr_t alignment;
+};
+
+void check_tensors(std::initializer_list<NamedTensor> tensors) {
+  for (const NamedTensor& t : tensors) check_tensor(t.p, t.name, t.alignment);
+}
+
+void check_device_pointers(std::initializer_list<NamedTensor> tensors) {
+  for (const NamedTensor& t : tensors) check_device_pointer(t.p, t.name);
 }
 
 // The expert-id report may be device memory or pinned host memory that kernels can write at
@@ -378,23 +395,15 @@ void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
   check_num_tokens(config, a.num_tokens);
   check_bf16_weights_arg(config, a.w13, a.w2);
   check_fp8_weights_arg(config, a.fp8_weights);
-  if (a.num_tokens > 0) {
-    check_tensor(a.x, "x", kTmaAlignment);
-    check_tensor(a.topk_idx, "topk_idx", 4);
-    check_tensor(a.topk_weights, "topk_weights", 4);
-    check_tensor(a.y, "y", kTmaAlignment);
-  }
+  const auto token_tensors = {NamedTensor{a.x, "x", kTmaAlignment}, NamedTensor{a.topk_idx, "topk_idx", 4},
+                              NamedTensor{a.topk_weights, "topk_weights", 4}, NamedTensor{a.y, "y", kTmaAlignment}};
+  if (a.num_tokens > 0) check_tensors(token_tensors);
   check_saved_z(impl, a.saved_z);
   check_workspace(config, impl, WorkspaceUse::kForward, a.workspace, a.workspace_bytes);
   check_device();
   check_weight_device_pointers(config, a.w13, a.w2, a.fp8_weights);
   check_device_pointer(a.workspace, "workspace");
-  if (a.num_tokens > 0) {
-    for (auto [p, name] : {std::pair<const void*, const char*>{a.x, "x"}, {a.topk_idx, "topk_idx"},
-                           {a.topk_weights, "topk_weights"}, {a.y, "y"}}) {
-      check_device_pointer(p, name);
-    }
-  }
+  if (a.num_tokens > 0) check_device_pointers(token_tensors);
   check_optional_pointers(a.expert_id_report, a.saved_z);
   if (impl == Impl::kFused) {
     config.precision == Precision::kFp8Blockwise ? fused_fp8_forward(config, a) : fused_forward(config, a);
@@ -416,14 +425,11 @@ void backward(const LayerConfig& config, Impl impl, const BackwardArgs& a) {
   check_fp8_weights_arg(config, a.fp8_weights);
   check_tensor(a.dw13, "dw13", kTmaAlignment);
   check_tensor(a.dw2, "dw2", kTmaAlignment);
-  if (a.num_tokens > 0) {
-    check_tensor(a.x, "x", kTmaAlignment);
-    check_tensor(a.topk_idx, "topk_idx", 4);
-    check_tensor(a.topk_weights, "topk_weights", 4);
-    check_tensor(a.dy, "dy", kTmaAlignment);
-    check_tensor(a.dx, "dx", kTmaAlignment);
-    check_tensor(a.d_topk_weights, "d_topk_weights", 4);
-  }
+  const auto token_tensors = {NamedTensor{a.x, "x", kTmaAlignment}, NamedTensor{a.topk_idx, "topk_idx", 4},
+                              NamedTensor{a.topk_weights, "topk_weights", 4}, NamedTensor{a.dy, "dy", kTmaAlignment},
+                              NamedTensor{a.dx, "dx", kTmaAlignment},
+                              NamedTensor{a.d_topk_weights, "d_topk_weights", 4}};
+  if (a.num_tokens > 0) check_tensors(token_tensors);
   check_saved_z(impl, a.saved_z);
   check_workspace(config, impl, a.saved_z != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward,
                   a.workspace, a.workspace_bytes);
@@ -433,13 +439,7 @@ void backward(const LayerConfig& config, Impl impl, const BackwardArgs& a) {
                          {a.workspace, "workspace"}}) {
     check_device_pointer(p, name);
   }
-  if (a.num_tokens > 0) {
-    for (auto [p, name] : {std::pair<const void*, const char*>{a.x, "x"}, {a.topk_idx, "topk_idx"},
-                           {a.topk_weights, "topk_weights"}, {a.dy, "dy"}, {a.dx, "dx"},
-                           {a.d_topk_weights, "d_topk_weights"}}) {
-      check_device_pointer(p, name);
-    }
-  }
+  if (a.num_tokens > 0) check_device_pointers(token_tensors);
   check_optional_pointers(a.expert_id_report, a.saved_z);
   if (impl == Impl::kFused) {
     config.precision == Precision::kFp8Blockwise ? fused_fp8_backward(config, a) : fused_backward(config, a);

@@ -177,8 +177,8 @@ def assert_within_noise(rows, atol, noise_name, prefix=""):
     for name, got, noise, ref in rows:
         err, noise_err = rel_err(got, ref), rel_err(noise, ref)
         tol = 2 * noise_err + atol
-        report.append(f"{prefix}{name}: fusemoe {err:.2e}, {noise_name} {noise_err:.2e}, "
-                      f"tol {tol:.2e}")
+        report.append(f"{prefix}{name}: fusemoe {err:.2e} (calc_diff {calc_diff(got, ref):.2e}), "
+                      f"{noise_name} {noise_err:.2e}, tol {tol:.2e}")
         if not err <= tol:
             failures.append(report[-1])
     print("\n".join(report))

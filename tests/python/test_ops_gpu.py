@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 import fusemoe  # noqa: E402
 from conftest import require_gpu  # noqa: E402
-from moe_reference import (OUTPUTS, calc_diff, make_problem,  # noqa: E402
+from moe_reference import (OUTPUTS, assert_within_noise, make_problem,  # noqa: E402
                            moe_experts_torch, rel_err, run_layer)
 
 ATOL = 1e-3  # relative L2: keeps a near-zero bf16 baseline error from demanding bitwise equality
@@ -34,16 +34,8 @@ def check_against_reference(p, impl=fusemoe.DEFAULT_IMPL, swiglu_clamp=None, **o
     torch_layer = functools.partial(moe_experts_torch, swiglu_clamp=swiglu_clamp)
     same_precision = run_layer(torch_layer, p, torch.bfloat16)
     ref = run_layer(torch_layer, p, torch.float32)
-    lines, failures = [], []
-    for name in OUTPUTS:
-        err, base = rel_err(got[name], ref[name]), rel_err(same_precision[name], ref[name])
-        tol = 2 * base + ATOL
-        lines.append(f"{name}: err {err:.3e} (calc_diff {calc_diff(got[name], ref[name]):.2e}), "
-                     f"torch bf16 {base:.3e}, tol {tol:.3e}")
-        if not err <= tol:
-            failures.append(lines[-1])
-    print("\n".join(lines))
-    assert not failures, "\n".join(failures)
+    assert_within_noise([(name, got[name], same_precision[name], ref[name]) for name in OUTPUTS],
+                        ATOL, "torch bf16")
     return got
 
 

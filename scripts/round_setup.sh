@@ -1,0 +1,17 @@
+# Sourced by the GPU round scripts: OUTDIR from the first argument (created, made absolute), the
+# repository as the working folder, and the commit the results record (FUSEMOE_COMMIT, exported).
+#   usage (in a script): source "$(dirname "${BASH_SOURCE[0]}")/round_setup.sh" "$@"; shift
+if [[ $# -lt 1 ]]; then
+  echo "usage: $0 OUTDIR ${ROUND_USAGE_REST:-}" >&2
+  exit 2
+fi
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
+mkdir -p "$1"
+OUTDIR="$(cd "$1" && pwd -P)"
+cd "$REPO" || exit 2
+BUILD_DIR="${BUILD_DIR:-build}"
+ITERS="${ITERS:-$DEFAULT_ITERS}"
+WARMUP="${WARMUP:-$DEFAULT_WARMUP}"
+# The project's own commit (never a parent folder's repository), "-dirty" with local changes.
+FUSEMOE_COMMIT="${FUSEMOE_COMMIT:-$(bash scripts/project_commit.sh)}"
+export FUSEMOE_COMMIT
