@@ -1,7 +1,7 @@
 // Blockwise-scaled FP8 operands of the sm90 grouped GEMM (src/kernels/sm90_grouped_gemm.cuh):
 // the E4M3 operand policies, the per-stage scale record, and the producer and consumer loops of
-// a block-scaled instance (the kernel runs them instead of produce/consume when A says
-// kBlockScaled). docs/design.md#blockwise-fp8-issue-16-precisionkfp8blockwise.
+// a block-scaled instance (the kernel runs the consumer loop instead of consume() when A says
+// kBlockScaled; produce() serves both). docs/design.md#blockwise-fp8-issue-16-precisionkfp8blockwise.
 //
 //   out[r, n] = sum_kb (sum_{k in kb} qa[r, k] qb[n, k]) * scale_a[r, kb] * scale_b[n / 128, kb]
 //
@@ -108,6 +108,13 @@ struct ScalesPerThread<A, std::void_t<decltype(A::kScalesPerThread)>> : std::boo
 template <class A>
 constexpr bool kAllProducerThreads = A::kGathered || ScalesPerThread<A>::value;
 
+// Main loops over K per tile: B::kPasses for the FP8 B policies (two for Fp8GateUpWeightsB<2>),
+// one for the BF16 ones, which have no such member.
+template <class B, class = void>
+struct PassesPerTile : std::integral_constant<int, 1> {};
+template <class B>
+struct PassesPerTile<B, std::void_t<decltype(B::kPasses)>> : std::integral_constant<int, B::kPasses> {};
+
 // Gathers E4M3 x rows exactly as GatheredTokenRowsA gathers bf16 ones (a row of H E4M3 is H / 16
 // chunks, K/128 * 8 as for bf16 at K/64); producer thread p also copies the scale of tile row p
 // (one 4-byte cp.async per thread and stage), x_scales[token, kb].
@@ -188,50 +195,6 @@ struct Fp8GateUpWeightsB {
 
 template <class Gemm>
 struct GemmParams;
-
-// Fills the ring for every (tile, pass, k-block) as produce() does, and each stage's scales.
-// Thread 0 copies the B scales with a cp.async whose own arrival it adds to the stage's full
-// barrier before posting the TMA byte count (so the phase cannot complete without them). Every
-// wait is bounded and the test build's faults apply as in produce()/consume().
-template <class Gemm>
-__device__ __forceinline__ void produce_block_scaled(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
-                                                     const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a,
-                                                     uint8_t* tiles_b, StageScales* scales, int thread) {
-  using A = typename Gemm::A;
-  using B = typename Gemm::B;
-  const BShape b_shape{p.shape.n_valid, p.shape.b_rows_per_expert};
-  RingCursor<Gemm::kStages> cursor;
-  const int32_t num_tiles = sched.num_tiles();
-  for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const Tile tile = sched.tile(t);
-    typename A::ThreadRows rows{};
-    if constexpr (A::kGathered) rows = A::rows_of(p.a, tile, tile.num_k_blocks, thread);
-    const uint32_t stage_bytes = announced_stage_bytes(A::kTmaBytes + B::bytes(tile, b_shape), p.shape.wait);
-    for (int pass = 0; pass < B::kPasses; ++pass) {
-      for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
-        const int stage = cursor.stage;
-        bounded_wait(&ring.empty[stage], cursor.phase ^ 1, p.shape.wait, WaitRole::kProducer, WaitObject::kStageEmpty,
-                     stage, kNumConsumers * kWarpsPerWarpgroup);
-        if (thread == 0) {
-          B::load_scales(p.a.b_scales, smem_addr(scales[stage].b), tile, kb);
-          cp_async_mbarrier_arrive(&ring.full[stage]);
-          mbarrier_arrive_expect_tx(&ring.full[stage], stage_bytes);
-          if constexpr (!A::kGathered) A::load(p.a, &ring.full[stage], tiles_a + stage * kTileABytes, tile, kb);
-          B::load(&p.map_b, &ring.full[stage], tiles_b + stage * Gemm::kTileBBytes, tile, pass, kb, b_shape);
-        }
-        if constexpr (A::kGathered) {
-          A::gather(p.a, rows, smem_addr(tiles_a + stage * kTileABytes), smem_addr(scales[stage].a), kb, thread);
-          cp_async_mbarrier_arrive_noinc(&ring.full[stage]);
-        } else if constexpr (ScalesPerThread<A>::value) {
-          A::copy_scale(p.a, tile, kb, smem_addr(scales[stage].a), thread);
-          cp_async_mbarrier_arrive_noinc(&ring.full[stage]);
-        }
-        cursor.advance();
-      }
-    }
-  }
-  cp_async_wait_all();  // no copy outlives its thread
-}
 
 // The consumer loop with promotion. A two-pass tile (Fp8GateUpWeightsB<2>) hands its first
 // pass's accumulators to Epilogue::store_first_pass before the second pass reuses them.

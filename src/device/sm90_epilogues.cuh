@@ -86,6 +86,41 @@ __device__ __forceinline__ void store_row_fragment(uint32_t (&words)[kChunks], _
 
 // ------------------------------------------------------------------------------------ SwiGLU
 
+// The gate/up accumulators of an output chunk: chunk j of h pairs gate registers acc[4j + 2h + b]
+// with up registers acc[4(j + kChunks) + 2h + b] (b = 0, 1; h the row half). Shared with
+// SwiGLUFp8Epilogue, whose passes have the same layout.
+
+// Stores z = [g | u] of row half h (before any clamp, as the backward's recompute makes them)
+// into z_row [2I].
+template <int kChunks, int kRegs>
+__device__ __forceinline__ void store_z_row(const float (&acc)[kRegs], int h, __nv_bfloat16* z_row, bool row_valid,
+                                            int col0, int I, int lane) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    uint32_t words[kChunks];
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      const int reg = 4 * (j + half * kChunks) + 2 * h;
+      words[j] = pack_bf16x2(acc[reg], acc[reg + 1]);
+    }
+    store_row_fragment<kChunks>(words, z_row + half * I, row_valid, col0, I, lane);
+  }
+}
+
+// h = silu(g) * u of chunk j, row half h, as a bf16 pair; g, u clamped first when kClamp.
+template <bool kClamp, int kChunks, int kRegs>
+__device__ __forceinline__ uint32_t swiglu_bf16x2(const float (&acc)[kRegs], int j, int h, float clamp) {
+  const int gate = 4 * j + 2 * h, up = gate + 4 * kChunks;
+  float g0 = acc[gate], g1 = acc[gate + 1], u0 = acc[up], u1 = acc[up + 1];
+  if constexpr (kClamp) {
+    g0 = fminf(g0, clamp);
+    g1 = fminf(g1, clamp);
+    u0 = fminf(fmaxf(u0, -clamp), clamp);
+    u1 = fminf(fmaxf(u1, -clamp), clamp);
+  }
+  return pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
+}
+
 template <int kBlockN, bool kClamp, bool kStoreZ>
 struct SwiGLUEpilogue {
   static constexpr int kStagingBytes = 0;
@@ -102,7 +137,6 @@ struct SwiGLUEpilogue {
     return {};
   }
 
-  // Output chunk j pairs gate registers acc[4j + 2h + b] with up registers acc[4(j + kOutChunks) + 2h + b].
   template <int kRegs>
   __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
                                Inputs&, const float (&acc)[kRegs], uint8_t*, const ConsumerThread& me) {
@@ -111,31 +145,13 @@ struct SwiGLUEpilogue {
     const int col0 = tile.n_tile * (kBlockN / 2) + 2 * (me.lane % 4);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      if constexpr (kStoreZ) {
+        store_z_row<kOutChunks>(acc, h, args.z + static_cast<int64_t>(rows.row[h]) * 2 * I, rows.valid[h], col0, I,
+                                me.lane);
+      }
       uint32_t words[kOutChunks];
-      if constexpr (kStoreZ) {  // g and u before the clamp, as the backward's recompute makes them
-        __nv_bfloat16* z_row = args.z + static_cast<int64_t>(rows.row[h]) * 2 * I;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-#pragma unroll
-          for (int j = 0; j < kOutChunks; ++j) {
-            const int reg = 4 * (j + half * kOutChunks) + 2 * h;
-            words[j] = pack_bf16x2(acc[reg], acc[reg + 1]);
-          }
-          store_row_fragment<kOutChunks>(words, z_row + half * I, rows.valid[h], col0, I, me.lane);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kOutChunks; ++j) {
-        const int gate = 4 * j + 2 * h, up = gate + 4 * kOutChunks;
-        float g0 = acc[gate], g1 = acc[gate + 1], u0 = acc[up], u1 = acc[up + 1];
-        if constexpr (kClamp) {
-          g0 = fminf(g0, args.clamp);
-          g1 = fminf(g1, args.clamp);
-          u0 = fminf(fmaxf(u0, -args.clamp), args.clamp);
-          u1 = fminf(fmaxf(u1, -args.clamp), args.clamp);
-        }
-        words[j] = pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
-      }
+      for (int j = 0; j < kOutChunks; ++j) words[j] = swiglu_bf16x2<kClamp, kOutChunks>(acc, j, h, args.clamp);
       store_row_fragment<kOutChunks>(words, args.h + static_cast<int64_t>(rows.row[h]) * I, rows.valid[h], col0, I,
                                      me.lane);
     }
@@ -244,15 +260,103 @@ __device__ __forceinline__ void gather_chunk_fp32(const float (&acc)[kAccRegs], 
   }
 }
 
+// What the dgrad SwiGLU epilogues (this file's and DgradSwiGLUFp8Epilogue) share: the routing
+// weights of the thread's two rows and the z chunks loaded ahead of their use (Inputs, prepare),
+// and the SwiGLU backward of one element. kColsMayEnd: I need not be a multiple of kBlockN, so z
+// loads check the column.
+template <int kBlockN, bool kClamp, int kZAhead, bool kColsMayEnd>
+struct DgradSwiGLUParts {
+  static constexpr int kGroups = kBlockN / 32;  // groups of 4 n8 chunks (one quad transpose)
+  static constexpr int kZChunks = 2 * kGroups;  // chunk c: row half c / kGroups, group c % kGroups
+  static_assert(kZAhead >= 1 && kZAhead <= kZChunks, "z chunks in flight");
+  struct Inputs {
+    float weight[2];
+    uint4 z_gate[kZAhead], z_up[kZAhead];  // [g | u] of chunk c in slot c % kZAhead
+  };
+
+  // Chunk c (16 B of gate and 16 B of up) of z [R_max, 2I]. The loads are unconditional (an invalid
+  // row or column reads z's first chunk, never used) so they can be issued ahead of their use.
+  template <class Args>
+  __device__ static void load_z_chunk(const Args& args, int32_t I, const AccRows& rows, int32_t n0, int q, int c,
+                                      uint4& gate, uint4& up) {
+    const int h = c / kGroups, a = c % kGroups;
+    const int64_t col = n0 + 8 * (4 * a + q);
+    const bool ok = kColsMayEnd ? rows.valid[h] && col < I : rows.valid[h];
+    const __nv_bfloat16* g = ok ? args.z + static_cast<int64_t>(rows.row[h]) * 2 * I + col : args.z;
+    gate = __ldg(reinterpret_cast<const uint4*>(g));
+    up = __ldg(reinterpret_cast<const uint4*>(ok ? g + I : args.z));
+  }
+
+  template <class Args>
+  __device__ static Inputs prepare(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
+                                   const ConsumerThread& me) {
+    Inputs in;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      in.weight[h] = rows.valid[h] ? __ldg(args.topk_weights + __ldg(args.row_slot + rows.row[h])) : 0.0f;
+    }
+#pragma unroll
+    for (int c = 0; c < kZAhead; ++c) {
+      load_z_chunk(args, s.n_valid, rows, tile.n_tile * kBlockN, me.lane % 4, c, in.z_gate[c], in.z_up[c]);
+    }
+    return in;
+  }
+
+  // g, u of chunk c; chunk c + kZAhead takes the registers chunk c leaves.
+  template <class Args>
+  __device__ static void take_z_chunk(const Args& args, int32_t I, const AccRows& rows, int32_t n0, int q, int c,
+                                      Inputs& in, float (&g)[8], float (&u)[8]) {
+    unpack_bf16x8(in.z_gate[c % kZAhead], g);
+    unpack_bf16x8(in.z_up[c % kZAhead], u);
+    if (c + kZAhead < kZChunks) {
+      load_z_chunk(args, I, rows, n0, q, c + kZAhead, in.z_gate[c % kZAhead], in.z_up[c % kZAhead]);
+    }
+  }
+
+  // The SwiGLU backward of one element from its bf16 z (g, u), a = (dy W2) and the row's weight w:
+  // dg = w a u silu'(g), du = w a silu(g) (clamp masks: gradient only where unclamped) and w h;
+  // dot accumulates h a.
+  struct Grad {
+    float dg, du, wh;
+  };
+  template <class Args>
+  __device__ __forceinline__ static Grad backward(const Args& args, float g, float u, float a, float w, float& dot) {
+    float g_pass = 1.0f, u_pass = 1.0f;
+    if constexpr (kClamp) {
+      g_pass = g <= args.clamp ? 1.0f : 0.0f;
+      u_pass = (u >= -args.clamp && u <= args.clamp) ? 1.0f : 0.0f;
+      g = fminf(g, args.clamp);
+      u = fminf(fmaxf(u, -args.clamp), args.clamp);
+    }
+    // The approximate reciprocal, as the forward's silu.
+    const float sg = __fdividef(1.0f, 1.0f + __expf(-g));
+    const float si = g * sg;
+    const float hv = round_bf16(si * u);  // h, recomputed from the bf16 z
+    dot = fmaf(hv, a, dot);
+    const float dh = w * a;
+    return {dh * u * sg * (1.0f + g * (1.0f - sg)) * g_pass, dh * si * u_pass, w * hv};
+  }
+};
+
+// Quad sum of the lanes' <h, a> in a fixed butterfly order (every lane ends with the same bits);
+// lane q = 0 of a valid row stores it as the row's partial of tile n_tile.
+template <class Args>
+__device__ __forceinline__ void store_router_partial(const Args& args, float dot, bool row_valid, int q, int64_t row,
+                                                     int32_t n_tile) {
+  dot += __shfl_xor_sync(0xFFFFFFFFu, dot, 1);
+  dot += __shfl_xor_sync(0xFFFFFFFFu, dot, 2);
+  if (row_valid && q == 0) args.router_partials[row * args.num_n_tiles + n_tile] = dot;
+}
+
 template <int kBlockN, bool kClamp>
 struct DgradSwiGLUEpilogue {
   static constexpr int kStagingBytes = 0;
-  static constexpr int kGroups = kBlockN / 32;     // groups of 4 n8 chunks (one quad transpose)
-  static constexpr int kZChunks = 2 * kGroups;     // chunk c: row half c / kGroups, group c % kGroups
-  // z chunks (16 B of gate + 16 B of up each) in flight ahead of their use: all of them at
-  // width 128; at 256 only one fits the consumers' registers without spilling
+  // z chunks (16 B of gate + 16 B of up each) in flight ahead of their use: all 8 (2 rows x 4
+  // groups) at width 128; at 256 only one fits the consumers' registers without spilling
   // (docs/experiments.md#z-ahead).
-  static constexpr int kZAhead = kBlockN == 128 ? kZChunks : 1;
+  static constexpr int kZAhead = kBlockN == 128 ? 2 * (kBlockN / 32) : 1;
+  using Parts = DgradSwiGLUParts<kBlockN, kClamp, kZAhead, true>;
+  static constexpr int kGroups = Parts::kGroups;
   struct Args {
     const int32_t* row_slot;      // [R_max]
     const float* topk_weights;    // [T*K]
@@ -263,38 +367,11 @@ struct DgradSwiGLUEpilogue {
     int32_t num_n_tiles;          // ceil(I / kBlockN)
     float clamp;                  // kClamp
   };
-  struct Inputs {
-    float weight[2];
-    uint4 z_gate[kZAhead], z_up[kZAhead];
-  };
+  using Inputs = typename Parts::Inputs;
   __device__ static void prefetch(const Args&) {}
-
-  // Chunk (h, a) of the gate and up halves of z for accumulator row h. The loads are
-  // unconditional (an invalid row or column reads z's first chunk, never used) so they can be
-  // issued ahead of their use.
-  __device__ static void load_z_chunk(const Args& args, int32_t I, const AccRows& rows, int32_t n0, int q, int c,
-                                      uint4& gate, uint4& up) {
-    const int h = c / kGroups, a = c % kGroups;
-    const int64_t col = n0 + 8 * (4 * a + q);
-    const bool ok = rows.valid[h] && col < I;
-    const __nv_bfloat16* g = ok ? args.z + static_cast<int64_t>(rows.row[h]) * 2 * I + col : args.z;
-    gate = __ldg(reinterpret_cast<const uint4*>(g));
-    up = __ldg(reinterpret_cast<const uint4*>(ok ? g + I : args.z));
-  }
-
   __device__ static Inputs prepare(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
                                    const ConsumerThread& me) {
-    const int32_t I = s.n_valid;
-    Inputs in;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      in.weight[h] = rows.valid[h] ? __ldg(args.topk_weights + __ldg(args.row_slot + rows.row[h])) : 0.0f;
-    }
-#pragma unroll
-    for (int c = 0; c < kZAhead; ++c) {
-      load_z_chunk(args, I, rows, tile.n_tile * kBlockN, me.lane % 4, c, in.z_gate[c], in.z_up[c]);
-    }
-    return in;
+    return Parts::prepare(args, s, tile, rows, me);
   }
 
   template <int kRegs>
@@ -314,42 +391,16 @@ struct DgradSwiGLUEpilogue {
         gather_chunk_fp32(acc, a, h, q, av);
         const int col = n0 + 8 * (4 * a + q);
         float g[8], u[8];
-        const int c = h * kGroups + a;
-        unpack_bf16x8(in.z_gate[c % kZAhead], g);
-        unpack_bf16x8(in.z_up[c % kZAhead], u);
-        // Chunk c + kZAhead takes the registers chunk c leaves.
-        if (c + kZAhead < kZChunks) {
-          load_z_chunk(args, I, rows, n0, q, c + kZAhead, in.z_gate[c % kZAhead], in.z_up[c % kZAhead]);
-        }
+        Parts::take_z_chunk(args, I, rows, n0, q, h * kGroups + a, in, g, u);
         if (rows.valid[h] && col < I) {
           uint32_t dg_bits[4], du_bits[4], wh_bits[4];
 #pragma unroll
           for (int i = 0; i < 8; i += 2) {
-            float dg[2], du[2], wh[2];
-#pragma unroll
-            for (int b = 0; b < 2; ++b) {
-              float gi = g[i + b], ui = u[i + b];
-              float g_pass = 1.0f, u_pass = 1.0f;  // clamp masks: gradient only where unclamped
-              if constexpr (kClamp) {
-                g_pass = gi <= args.clamp ? 1.0f : 0.0f;
-                u_pass = (ui >= -args.clamp && ui <= args.clamp) ? 1.0f : 0.0f;
-                gi = fminf(gi, args.clamp);
-                ui = fminf(fmaxf(ui, -args.clamp), args.clamp);
-              }
-              // The approximate reciprocal, as the forward's silu.
-              const float sg = __fdividef(1.0f, 1.0f + __expf(-gi));
-              const float si = gi * sg;
-              const float hv = round_bf16(si * ui);  // h, recomputed from the bf16 z
-              const float ai = av[i + b];
-              dot = fmaf(hv, ai, dot);
-              const float dh = w * ai;
-              dg[b] = dh * ui * sg * (1.0f + gi * (1.0f - sg)) * g_pass;
-              du[b] = dh * si * u_pass;
-              wh[b] = w * hv;
-            }
-            dg_bits[i / 2] = pack_bf16x2(dg[0], dg[1]);
-            du_bits[i / 2] = pack_bf16x2(du[0], du[1]);
-            wh_bits[i / 2] = pack_bf16x2(wh[0], wh[1]);
+            const auto d0 = Parts::backward(args, g[i], u[i], av[i], w, dot);
+            const auto d1 = Parts::backward(args, g[i + 1], u[i + 1], av[i + 1], w, dot);
+            dg_bits[i / 2] = pack_bf16x2(d0.dg, d1.dg);
+            du_bits[i / 2] = pack_bf16x2(d0.du, d1.du);
+            wh_bits[i / 2] = pack_bf16x2(d0.wh, d1.wh);
           }
           *reinterpret_cast<uint4*>(args.dz + r * 2 * I + col) = make_uint4(dg_bits[0], dg_bits[1], dg_bits[2], dg_bits[3]);
           *reinterpret_cast<uint4*>(args.dz + r * 2 * I + I + col) =
@@ -357,10 +408,7 @@ struct DgradSwiGLUEpilogue {
           *reinterpret_cast<uint4*>(args.wh + r * I + col) = make_uint4(wh_bits[0], wh_bits[1], wh_bits[2], wh_bits[3]);
         }
       }
-      // Quad sum in a fixed butterfly order: every lane ends with the same bits.
-      dot += __shfl_xor_sync(0xFFFFFFFFu, dot, 1);
-      dot += __shfl_xor_sync(0xFFFFFFFFu, dot, 2);
-      if (rows.valid[h] && q == 0) args.router_partials[r * args.num_n_tiles + tile.n_tile] = dot;
+      store_router_partial(args, dot, rows.valid[h], q, r, tile.n_tile);
     }
   }
   __device__ static void finish(const ConsumerThread&) {}

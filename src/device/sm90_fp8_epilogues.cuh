@@ -87,29 +87,12 @@ struct SwiGLUFp8Epilogue {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if constexpr (kStoreZ) {
-        __nv_bfloat16* z_row = args.z + static_cast<int64_t>(rows.row[h]) * 2 * I;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          uint32_t zw[kPassChunks];
-#pragma unroll
-          for (int j = 0; j < kPassChunks; ++j) {
-            const int reg = 4 * (j + half * kPassChunks) + 2 * h;
-            zw[j] = pack_bf16x2(acc[reg], acc[reg + 1]);
-          }
-          store_row_fragment<kPassChunks>(zw, z_row + half * I, rows.valid[h], col0, I, me.lane);
-        }
+        store_z_row<kPassChunks>(acc, h, args.z + static_cast<int64_t>(rows.row[h]) * 2 * I, rows.valid[h], col0, I,
+                                 me.lane);
       }
 #pragma unroll
       for (int j = 0; j < kPassChunks; ++j) {
-        const int gate = 4 * j + 2 * h, up = gate + 4 * kPassChunks;
-        float g0 = acc[gate], g1 = acc[gate + 1], u0 = acc[up], u1 = acc[up + 1];
-        if constexpr (kClamp) {
-          g0 = fminf(g0, args.clamp);
-          g1 = fminf(g1, args.clamp);
-          u0 = fminf(fmaxf(u0, -args.clamp), args.clamp);
-          u1 = fminf(fmaxf(u1, -args.clamp), args.clamp);
-        }
-        words[h][j] = pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
+        words[h][j] = swiglu_bf16x2<kClamp, kPassChunks>(acc, j, h, args.clamp);
         amax[h] = fmaxf(amax[h], amax_bf16x2(words[h][j]));
       }
     }
@@ -173,9 +156,8 @@ template <bool kClamp, int kZAhead>
 struct DgradSwiGLUFp8Epilogue {
   static constexpr int kBlockN = 128;
   static constexpr int kStagingBytes = 0;
-  static constexpr int kGroups = kBlockN / 32;  // groups of 4 n8 chunks: 4
-  static constexpr int kZChunks = 2 * kGroups;  // chunk c: row half c / kGroups, group c % kGroups
-  static_assert(kZAhead >= 1 && kZAhead <= kZChunks, "z chunks in flight");
+  using Parts = DgradSwiGLUParts<kBlockN, kClamp, kZAhead, false>;  // I is a multiple of 128
+  static constexpr int kGroups = Parts::kGroups;  // 4
   struct Args {
     const int32_t* row_slot;    // [R_max]
     const float* topk_weights;  // [T*K]
@@ -189,34 +171,11 @@ struct DgradSwiGLUFp8Epilogue {
     float* dz_scales;           // [2I/128, rows_pad]
     int32_t rows_pad;
   };
-  struct Inputs {
-    float weight[2];
-    uint4 z_gate[kZAhead], z_up[kZAhead];
-  };
+  using Inputs = typename Parts::Inputs;
   __device__ static void prefetch(const Args&) {}
-
-  // As DgradSwiGLUEpilogue::load_z_chunk: unconditional loads (an invalid row reads z's first chunk).
-  __device__ static void load_z_chunk(const Args& args, int32_t I, const AccRows& rows, int32_t n0, int q, int c,
-                                      uint4& gate, uint4& up) {
-    const int h = c / kGroups, a = c % kGroups;
-    const int64_t col = n0 + 8 * (4 * a + q);
-    const __nv_bfloat16* g = rows.valid[h] ? args.z + static_cast<int64_t>(rows.row[h]) * 2 * I + col : args.z;
-    gate = __ldg(reinterpret_cast<const uint4*>(g));
-    up = __ldg(reinterpret_cast<const uint4*>(rows.valid[h] ? g + I : args.z));
-  }
-
   __device__ static Inputs prepare(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
                                    const ConsumerThread& me) {
-    Inputs in;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      in.weight[h] = rows.valid[h] ? __ldg(args.topk_weights + __ldg(args.row_slot + rows.row[h])) : 0.0f;
-    }
-#pragma unroll
-    for (int c = 0; c < kZAhead; ++c) {
-      load_z_chunk(args, s.n_valid, rows, tile.n_tile * kBlockN, me.lane % 4, c, in.z_gate[c], in.z_up[c]);
-    }
-    return in;
+    return Parts::prepare(args, s, tile, rows, me);
   }
 
   template <int kRegs>
@@ -239,39 +198,15 @@ struct DgradSwiGLUFp8Epilogue {
         gather_chunk_fp32(acc, a, h, q, av);
         const int col = n0 + 8 * (4 * a + q);
         float g[8], u[8];
-        const int c = h * kGroups + a;
-        unpack_bf16x8(in.z_gate[c % kZAhead], g);
-        unpack_bf16x8(in.z_up[c % kZAhead], u);
-        if (c + kZAhead < kZChunks) {
-          load_z_chunk(args, I, rows, n0, q, c + kZAhead, in.z_gate[c % kZAhead], in.z_up[c % kZAhead]);
-        }
+        Parts::take_z_chunk(args, I, rows, n0, q, h * kGroups + a, in, g, u);
         uint32_t wh_bits[4];
 #pragma unroll
         for (int i = 0; i < 8; i += 2) {
-          float dg[2], du[2], wh[2];
-#pragma unroll
-          for (int b = 0; b < 2; ++b) {
-            float gi = g[i + b], ui = u[i + b];
-            float g_pass = 1.0f, u_pass = 1.0f;  // clamp masks: gradient only where unclamped
-            if constexpr (kClamp) {
-              g_pass = gi <= args.clamp ? 1.0f : 0.0f;
-              u_pass = (ui >= -args.clamp && ui <= args.clamp) ? 1.0f : 0.0f;
-              gi = fminf(gi, args.clamp);
-              ui = fminf(fmaxf(ui, -args.clamp), args.clamp);
-            }
-            const float sg = __fdividef(1.0f, 1.0f + __expf(-gi));  // as the BF16 epilogue
-            const float si = gi * sg;
-            const float hv = round_bf16(si * ui);
-            const float ai = av[i + b];
-            dot = fmaf(hv, ai, dot);
-            const float dh = w * ai;
-            dg[b] = dh * ui * sg * (1.0f + gi * (1.0f - sg)) * g_pass;
-            du[b] = dh * si * u_pass;
-            wh[b] = w * hv;
-          }
-          dg_bits[a][i / 2] = pack_bf16x2(dg[0], dg[1]);
-          du_bits[a][i / 2] = pack_bf16x2(du[0], du[1]);
-          wh_bits[i / 2] = pack_bf16x2(wh[0], wh[1]);
+          const auto d0 = Parts::backward(args, g[i], u[i], av[i], w, dot);
+          const auto d1 = Parts::backward(args, g[i + 1], u[i + 1], av[i + 1], w, dot);
+          dg_bits[a][i / 2] = pack_bf16x2(d0.dg, d1.dg);
+          du_bits[a][i / 2] = pack_bf16x2(d0.du, d1.du);
+          wh_bits[i / 2] = pack_bf16x2(d0.wh, d1.wh);
           amax_g = fmaxf(amax_g, amax_bf16x2(dg_bits[a][i / 2]));
           amax_u = fmaxf(amax_u, amax_bf16x2(du_bits[a][i / 2]));
         }
@@ -283,10 +218,7 @@ struct DgradSwiGLUFp8Epilogue {
           *reinterpret_cast<uint4*>(args.wh + r * I + col) = make_uint4(wh_bits[0], wh_bits[1], wh_bits[2], wh_bits[3]);
         }
       }
-      // Quad reductions in a fixed butterfly order: every lane ends with the same bits.
-      dot += __shfl_xor_sync(0xFFFFFFFFu, dot, 1);
-      dot += __shfl_xor_sync(0xFFFFFFFFu, dot, 2);
-      if (valid && q == 0) args.router_partials[r * args.num_n_tiles + tile.n_tile] = dot;
+      store_router_partial(args, dot, valid, q, r, tile.n_tile);
       const Fp8Scale sg = fp8_block_scale(quad_max(amax_g)), su = fp8_block_scale(quad_max(amax_u));
       // Lane q holds chunks 4a + q of this row (gather_chunk_fp32's transpose): whole 8-column runs.
 #pragma unroll

@@ -16,14 +16,6 @@ namespace fusemoe::sm90 {
 
 // ------------------------------------------------------------------------------------ wgmma
 
-#define FUSEMOE_FP8_ACC8(b)                                                              \
-  "+f"(d[(b) + 0]), "+f"(d[(b) + 1]), "+f"(d[(b) + 2]), "+f"(d[(b) + 3]), "+f"(d[(b) + 4]), \
-      "+f"(d[(b) + 5]), "+f"(d[(b) + 6]), "+f"(d[(b) + 7])
-#define FUSEMOE_FP8_ACC32(b) \
-  FUSEMOE_FP8_ACC8(b), FUSEMOE_FP8_ACC8((b) + 8), FUSEMOE_FP8_ACC8((b) + 16), FUSEMOE_FP8_ACC8((b) + 24)
-#define FUSEMOE_FP8_REGS16(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p) \
-  "%" #a ", %" #b ", %" #c ", %" #d ", %" #e ", %" #f ", %" #g ", %" #h ", %" #i ", %" #j ", %" #k ", %" #l ", %" #m ", %" #n ", %" #o ", %" #p
-
 // wgmma.mma_async m64 x kN x k32, E4M3 x E4M3, fp32 accumulators d[0, kN/2) with the fragment
 // layout of sm90_ptx.cuh. scale_d = 0 overwrites the accumulators, 1 accumulates.
 template <int kN>
@@ -35,22 +27,13 @@ struct WgmmaE4m3<128> {
   static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(float (&d)[kAccRegs], uint64_t desc_a, uint64_t desc_b,
                                              uint32_t scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-        FUSEMOE_FP8_REGS16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) ", "
-        FUSEMOE_FP8_REGS16(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31) ", "
-        FUSEMOE_FP8_REGS16(32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47) ", "
-        FUSEMOE_FP8_REGS16(48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63)
-        "}, %64, %65, p, 1, 1;\n}\n"
-        : FUSEMOE_FP8_ACC32(0), FUSEMOE_FP8_ACC32(32)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" FUSEMOE_ACC_REGS_0_63
+                 "}, %64, %65, p, 1, 1;\n}\n"
+                 : FUSEMOE_ACC32(0), FUSEMOE_ACC32(32)
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
   }
 };
-
-#undef FUSEMOE_FP8_REGS16
-#undef FUSEMOE_FP8_ACC32
-#undef FUSEMOE_FP8_ACC8
 
 // ------------------------------------------------------------------------------ conversion
 

@@ -149,46 +149,34 @@ struct GateUpWeightsB {
   }
 };
 
-// N-major boxes [64 k][64 n] at (n0 + 64 j, k_row) for the boxes that start before N.
-template <int kBlockN>
-struct TransposedBoxes {
+// Where the K rows of a transposed B operand start: in the expert's weight [E * rows, N], or at
+// the tile's first pool row (the weight gradient, whose K runs over the expert's rows).
+enum class TransposedBRows { kExpertWeight, kPoolRow };
+
+// B read MN-major: N-major boxes [64 k][64 n] at (n0 + 64 j, k_row) for the boxes that start
+// before N.
+template <int kBlockN_, TransposedBRows kRows>
+struct TransposedB {
+  static constexpr int kBlockN = kBlockN_, kTileCols = kBlockN_;
+  static constexpr bool kMnMajor = true;
+  static constexpr uint32_t kBoxRows = kMnBoxRows;
   static constexpr int kMaxBoxes = kBlockN / 64;
   __device__ static int32_t count(const Tile& tile, const BShape& s) {
     return min(kMaxBoxes, (s.n_valid - tile.n_tile * kBlockN + 63) / 64);
   }
-  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t k_row,
+  __device__ static uint32_t bytes(const Tile& tile, const BShape& s) { return count(tile, s) * kMnBoxBytes; }
+  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb,
                               const BShape& s) {
+    const int32_t k_row0 = kRows == TransposedBRows::kExpertWeight ? tile.expert * s.b_rows_per_expert : tile.row_begin;
+    const int32_t k_row = k_row0 + kb * kBlockK;
     const int32_t n0 = tile.n_tile * kBlockN, boxes = count(tile, s);
     for (int j = 0; j < boxes; ++j) tma_load_2d(map, full, dst + j * kMnBoxBytes, n0 + 64 * j, k_row);
   }
 };
 
-template <int kBlockN_>
-struct WeightsTransposedB {
-  static constexpr int kBlockN = kBlockN_, kTileCols = kBlockN_;
-  static constexpr bool kMnMajor = true;
-  static constexpr uint32_t kBoxRows = kMnBoxRows;
-  __device__ static uint32_t bytes(const Tile& tile, const BShape& s) {
-    return TransposedBoxes<kBlockN>::count(tile, s) * kMnBoxBytes;
-  }
-  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb,
-                              const BShape& s) {
-    TransposedBoxes<kBlockN>::load(map, full, dst, tile, tile.expert * s.b_rows_per_expert + kb * kBlockK, s);
-  }
-};
-
-template <int kBlockN_>
-struct PoolRowsTransposedB {
-  static constexpr int kBlockN = kBlockN_, kTileCols = kBlockN_;
-  static constexpr bool kMnMajor = true;
-  static constexpr uint32_t kBoxRows = kMnBoxRows;
-  __device__ static uint32_t bytes(const Tile& tile, const BShape& s) {
-    return TransposedBoxes<kBlockN>::count(tile, s) * kMnBoxBytes;
-  }
-  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb,
-                              const BShape& s) {
-    TransposedBoxes<kBlockN>::load(map, full, dst, tile, tile.row_begin + kb * kBlockK, s);
-  }
-};
+template <int kBlockN>
+using WeightsTransposedB = TransposedB<kBlockN, TransposedBRows::kExpertWeight>;
+template <int kBlockN>
+using PoolRowsTransposedB = TransposedB<kBlockN, TransposedBRows::kPoolRow>;
 
 }  // namespace fusemoe::sm90

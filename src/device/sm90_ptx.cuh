@@ -240,62 +240,50 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[kRegs]) {
   for (int i = 0; i < kRegs; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Operand lists of a wgmma's fp32 accumulators: "+f" constraints of d[b, b + 32) and the asm
+// operand names %a..%p. Left defined for sm90_fp8_ptx.cuh's wgmma, which writes the same lists.
 #define FUSEMOE_ACC8(b)                                                                  \
   "+f"(d[(b) + 0]), "+f"(d[(b) + 1]), "+f"(d[(b) + 2]), "+f"(d[(b) + 3]), "+f"(d[(b) + 4]), \
       "+f"(d[(b) + 5]), "+f"(d[(b) + 6]), "+f"(d[(b) + 7])
 #define FUSEMOE_ACC32(b) FUSEMOE_ACC8(b), FUSEMOE_ACC8((b) + 8), FUSEMOE_ACC8((b) + 16), FUSEMOE_ACC8((b) + 24)
 #define FUSEMOE_REGS16(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p) \
   "%" #a ", %" #b ", %" #c ", %" #d ", %" #e ", %" #f ", %" #g ", %" #h ", %" #i ", %" #j ", %" #k ", %" #l ", %" #m ", %" #n ", %" #o ", %" #p
+// Accumulator operands %0..%63 and %64..%127 of the asm string.
+#define FUSEMOE_ACC_REGS_0_63                                                                         \
+  FUSEMOE_REGS16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) ", "                          \
+  FUSEMOE_REGS16(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31) ", "                \
+  FUSEMOE_REGS16(32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47) ", "                \
+  FUSEMOE_REGS16(48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63)
+#define FUSEMOE_ACC_REGS_64_127                                                                       \
+  FUSEMOE_REGS16(64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79) ", "                \
+  FUSEMOE_REGS16(80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95) ", "                \
+  FUSEMOE_REGS16(96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111) ", "    \
+  FUSEMOE_REGS16(112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127)
 
 // wgmma.mma_async m64 x kN x k16, bf16 inputs, fp32 accumulators d[0, kN/2).
 // kTransA / kTransB: 0 = K-major, 1 = MN-major. scale_d = 0 overwrites the accumulators (first
 // k-step of a tile), 1 accumulates.
 template <int kN, int kTransA = 0, int kTransB = 0>
-struct Wgmma;
-
-template <int kTransA, int kTransB>
-struct Wgmma<128, kTransA, kTransB> {
-  static constexpr int kAccRegs = 64;
+struct Wgmma {
+  static_assert(kN == 128 || kN == 256, "the wgmma widths the kernels use");
+  static constexpr int kAccRegs = kN / 2;
   __device__ __forceinline__ static void mma(float (&d)[kAccRegs], uint64_t desc_a, uint64_t desc_b,
                                              uint32_t scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        FUSEMOE_REGS16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) ", "
-        FUSEMOE_REGS16(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31) ", "
-        FUSEMOE_REGS16(32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47) ", "
-        FUSEMOE_REGS16(48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63)
-        "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
-        : FUSEMOE_ACC32(0), FUSEMOE_ACC32(32)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+    if constexpr (kN == 128) {
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" FUSEMOE_ACC_REGS_0_63
+                   "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+                   : FUSEMOE_ACC32(0), FUSEMOE_ACC32(32)
+                   : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+    } else {
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" FUSEMOE_ACC_REGS_0_63
+                   ", " FUSEMOE_ACC_REGS_64_127 "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
+                   : FUSEMOE_ACC32(0), FUSEMOE_ACC32(32), FUSEMOE_ACC32(64), FUSEMOE_ACC32(96)
+                   : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+    }
   }
 };
-
-template <int kTransA, int kTransB>
-struct Wgmma<256, kTransA, kTransB> {
-  static constexpr int kAccRegs = 128;
-  __device__ __forceinline__ static void mma(float (&d)[kAccRegs], uint64_t desc_a, uint64_t desc_b,
-                                             uint32_t scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-        FUSEMOE_REGS16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) ", "
-        FUSEMOE_REGS16(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31) ", "
-        FUSEMOE_REGS16(32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47) ", "
-        FUSEMOE_REGS16(48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63) ", "
-        FUSEMOE_REGS16(64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79) ", "
-        FUSEMOE_REGS16(80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95) ", "
-        FUSEMOE_REGS16(96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111) ", "
-        FUSEMOE_REGS16(112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127)
-        "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
-        : FUSEMOE_ACC32(0), FUSEMOE_ACC32(32), FUSEMOE_ACC32(64), FUSEMOE_ACC32(96)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
-  }
-};
-
-#undef FUSEMOE_REGS16
-#undef FUSEMOE_ACC32
-#undef FUSEMOE_ACC8
 
 // A clock for bounded waits (nanoseconds; coarse, but monotonic on one GPU).
 __device__ __forceinline__ uint64_t globaltimer_ns() {

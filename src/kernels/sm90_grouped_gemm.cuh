@@ -58,7 +58,7 @@ struct GroupedGemm {
   static constexpr int kStageBytes = kTileABytes + kTileBBytes;
   static constexpr int kStages = (kSmemDataBytes - Epilogue::kStagingBytes) / kStageBytes;
   static constexpr int kAccRegs = kBlockN / 2;
-  // Blockwise FP8 (sm90_block_scaled.cuh): its own producer/consumer loops and a scale record per stage.
+  // Blockwise FP8 (sm90_block_scaled.cuh): its own consumer loop and a scale record per stage.
   static constexpr bool kBlockScaled = IsBlockScaled<A>::value;
   static constexpr int kScaleRingBytes = kBlockScaled ? kStages * kStageScalesBytes : 0;
   using Mma = Wgmma<kBlockN, A::kMnMajor ? 1 : 0, B::kMnMajor ? 1 : 0>;
@@ -114,10 +114,14 @@ __device__ __forceinline__ typename Gemm::Scheduler make_scheduler(const GemmSha
 
 // ------------------------------------------------------------------------------- producer
 
+// Fills the ring for every (tile, pass, k-block). A block-scaled instance also fills each
+// stage's scales: thread 0 copies the B scales with a cp.async whose own arrival it adds to the
+// stage's full barrier before posting the TMA byte count (so the phase cannot complete without
+// them), and A's row scales come with its gathered rows or from every producer thread.
 template <class Gemm>
 __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
                                         const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a, uint8_t* tiles_b,
-                                        int thread) {
+                                        StageScales* scales, int thread) {
   using A = typename Gemm::A;
   using B = typename Gemm::B;
   const BShape b_shape{p.shape.n_valid, p.shape.b_rows_per_expert};
@@ -128,23 +132,42 @@ __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm
     typename A::ThreadRows rows{};
     if constexpr (A::kGathered) rows = A::rows_of(p.a, tile, tile.num_k_blocks, thread);
     const uint32_t stage_bytes = announced_stage_bytes(A::kTmaBytes + B::bytes(tile, b_shape), p.shape.wait);
-    for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
-      const int stage = cursor.stage;
-      bounded_wait(&ring.empty[stage], cursor.phase ^ 1, p.shape.wait, WaitRole::kProducer, WaitObject::kStageEmpty,
-                   stage, kNumConsumers * kWarpsPerWarpgroup);
-      if (thread == 0) {
-        mbarrier_arrive_expect_tx(&ring.full[stage], stage_bytes);
-        if constexpr (!A::kGathered) A::load(p.a, &ring.full[stage], tiles_a + stage * kTileABytes, tile, kb);
-        B::load(&p.map_b, &ring.full[stage], tiles_b + stage * Gemm::kTileBBytes, tile, kb, b_shape);
+    for (int pass = 0; pass < PassesPerTile<B>::value; ++pass) {
+      for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
+        const int stage = cursor.stage;
+        bounded_wait(&ring.empty[stage], cursor.phase ^ 1, p.shape.wait, WaitRole::kProducer, WaitObject::kStageEmpty,
+                     stage, kNumConsumers * kWarpsPerWarpgroup);
+        if (thread == 0) {
+          if constexpr (Gemm::kBlockScaled) {
+            B::load_scales(p.a.b_scales, smem_addr(scales[stage].b), tile, kb);
+            cp_async_mbarrier_arrive(&ring.full[stage]);
+          }
+          mbarrier_arrive_expect_tx(&ring.full[stage], stage_bytes);
+          if constexpr (!A::kGathered) A::load(p.a, &ring.full[stage], tiles_a + stage * kTileABytes, tile, kb);
+          uint8_t* tile_b = tiles_b + stage * Gemm::kTileBBytes;
+          if constexpr (Gemm::kBlockScaled) {
+            B::load(&p.map_b, &ring.full[stage], tile_b, tile, pass, kb, b_shape);
+          } else {
+            B::load(&p.map_b, &ring.full[stage], tile_b, tile, kb, b_shape);
+          }
+        }
+        if constexpr (A::kGathered) {
+          const uint32_t tile_a = smem_addr(tiles_a + stage * kTileABytes);
+          if constexpr (Gemm::kBlockScaled) {
+            A::gather(p.a, rows, tile_a, smem_addr(scales[stage].a), kb, thread);
+          } else {
+            A::gather(p.a, rows, tile_a, kb, thread);
+          }
+          cp_async_mbarrier_arrive_noinc(&ring.full[stage]);
+        } else if constexpr (ScalesPerThread<A>::value) {
+          A::copy_scale(p.a, tile, kb, smem_addr(scales[stage].a), thread);
+          cp_async_mbarrier_arrive_noinc(&ring.full[stage]);
+        }
+        cursor.advance();
       }
-      if constexpr (A::kGathered) {
-        A::gather(p.a, rows, smem_addr(tiles_a + stage * kTileABytes), kb, thread);
-        cp_async_mbarrier_arrive_noinc(&ring.full[stage]);
-      }
-      cursor.advance();
     }
   }
-  if constexpr (A::kGathered) cp_async_wait_all();  // no copy outlives its thread
+  if constexpr (A::kGathered || Gemm::kBlockScaled) cp_async_wait_all();  // no copy outlives its thread
 }
 
 // ------------------------------------------------------------------------------- consumers
@@ -250,11 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
   if (warpgroup == 0) {
     setmaxnreg_dec<kProducerRegs>();
     if (kAllProducerThreads<typename Gemm::A> || threadIdx.x == 0) {
-      if constexpr (Gemm::kBlockScaled) {
-        produce_block_scaled<Gemm>(p, sched, ring, tiles_a, tiles_b, stage_scales, threadIdx.x);
-      } else {
-        produce<Gemm>(p, sched, ring, tiles_a, tiles_b, threadIdx.x);
-      }
+      produce<Gemm>(p, sched, ring, tiles_a, tiles_b, stage_scales, threadIdx.x);
     }
   } else {
     setmaxnreg_inc<kConsumerRegs>();

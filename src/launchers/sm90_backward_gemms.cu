@@ -29,21 +29,15 @@ template <int kBlockN, bool kClamp>
 void launch_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
   using Gemm = DgradSwigluGemm<kBlockN, kClamp>;
   const Sm90Rows& rows = p.rows;
-  GemmParams<Gemm> params{};
-  // w2 [E, H, I] read as [E*H rows, I]: N-major boxes [64 k][64 n].
-  params.map_b = sm90::make_tensor_map_bf16(p.w2, rows.intermediate, rows.num_experts * rows.hidden,
-                                            Gemm::B::kBoxRows, "w2");
-  params.a.map = sm90::make_tensor_map_bf16(p.dys, rows.hidden, rows.max_rows, sm90::kBlockM, "dys");
-  params.epilogue = {p.row_slot,
-                     p.topk_weights,
-                     static_cast<const __nv_bfloat16*>(p.z),
-                     static_cast<__nv_bfloat16*>(p.dz),
-                     static_cast<__nv_bfloat16*>(p.wh),
-                     p.router_partials,
-                     static_cast<int32_t>(sm90_dgrad_num_n_tiles(rows.intermediate, kBlockN)),
-                     p.swiglu_clamp};
-  params.shape = sm90::rows_shape(rows, rows.hidden, rows.intermediate, rows.hidden);
-  sm90::launch_grouped_gemm(params, rows, WaitKernel::kDgradSwiglu);
+  // a = dys W2_e: w2 [E, H, I] read as [E*H rows, I] in N-major boxes [64 k][64 n].
+  sm90::launch_pool_rows_gemm<Gemm>(WaitKernel::kDgradSwiglu, rows, p.dys, rows.hidden, p.w2, rows.hidden,
+                                    rows.intermediate,
+                                    {p.row_slot, p.topk_weights, static_cast<const __nv_bfloat16*>(p.z),
+                                     static_cast<__nv_bfloat16*>(p.dz), static_cast<__nv_bfloat16*>(p.wh),
+                                     p.router_partials,
+                                     static_cast<int32_t>(sm90_dgrad_num_n_tiles(rows.intermediate, kBlockN)),
+                                     p.swiglu_clamp},
+                                    "dys", "w2");
 }
 
 template <bool kFp32, bool kAccumulate>
@@ -81,13 +75,9 @@ void launch_sm90_recompute_z(const Sm90RecomputeZParams& p) {
   sm90::assert_rows(rows);
   if (rows.max_rows == 0) return;
   FUSEMOE_ASSERT(p.xs && p.w13 && p.z);
-  GemmParams<RecomputeZGemm> params{};
-  params.map_b = sm90::make_tensor_map_bf16(p.w13, rows.hidden, rows.num_experts * 2 * rows.intermediate,
-                                            RecomputeZGemm::B::kBoxRows, "w13");
-  params.a.map = sm90::make_tensor_map_bf16(p.xs, rows.hidden, rows.max_rows, sm90::kBlockM, "xs");
-  params.epilogue = {static_cast<__nv_bfloat16*>(p.z), nullptr, nullptr};
-  params.shape = sm90::rows_shape(rows, rows.hidden, 2 * rows.intermediate, 2 * rows.intermediate);
-  sm90::launch_grouped_gemm(params, rows, WaitKernel::kRecomputeZ);
+  const int64_t F = 2 * rows.intermediate;
+  sm90::launch_pool_rows_gemm<RecomputeZGemm>(WaitKernel::kRecomputeZ, rows, p.xs, rows.hidden, p.w13, F, F,
+                                              {static_cast<__nv_bfloat16*>(p.z), nullptr, nullptr}, "xs", "w13");
 }
 
 void launch_sm90_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
@@ -96,11 +86,9 @@ void launch_sm90_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
   FUSEMOE_ASSERT(p.dys && p.w2 && p.z && p.row_slot && p.topk_weights && p.dz && p.wh && p.router_partials);
   FUSEMOE_ASSERT(p.block_n == 128 || p.block_n == 256);
   FUSEMOE_ASSERT(!p.use_swiglu_clamp || p.swiglu_clamp > 0.0f);
-  if (p.block_n == 128) {
-    p.use_swiglu_clamp ? launch_dgrad_swiglu<128, true>(p) : launch_dgrad_swiglu<128, false>(p);
-  } else {
-    p.use_swiglu_clamp ? launch_dgrad_swiglu<256, true>(p) : launch_dgrad_swiglu<256, false>(p);
-  }
+  sm90::with_bool_constants(p.block_n == 128, p.use_swiglu_clamp, [&](auto narrow, auto clamp) {
+    launch_dgrad_swiglu<decltype(narrow)::value ? 128 : 256, decltype(clamp)::value>(p);
+  });
 }
 
 void launch_sm90_dgrad_scatter(const Sm90DgradScatterParams& p) {
@@ -108,33 +96,10 @@ void launch_sm90_dgrad_scatter(const Sm90DgradScatterParams& p) {
   sm90::assert_rows(rows);
   if (rows.max_rows == 0) return;
   FUSEMOE_ASSERT(p.dz && p.w13);
-  auto launch = [&](auto gemm) {
-    using Gemm = decltype(gemm);
-    GemmParams<Gemm> params{};
-    // w13 [E, 2I, H] read as [E*2I rows, H]: N-major boxes.
-    params.map_b = sm90::make_tensor_map_bf16(p.w13, rows.hidden, rows.num_experts * 2 * rows.intermediate,
-                                              Gemm::B::kBoxRows, "w13");
-    params.a.map = sm90::make_tensor_map_bf16(p.dz, 2 * rows.intermediate, rows.max_rows, sm90::kBlockM, "dz");
-    if constexpr (Gemm::Epilogue::kToPeers) {
-      params.epilogue.row_slot = p.to_peers->row_slot;
-      params.epilogue.row_src = p.to_peers->row_src;
-      for (int d = 0; d < sm90::kMaxPeers; ++d) {
-        params.epilogue.peer_out[d] = static_cast<__nv_bfloat16*>(p.to_peers->slot_buffers[d]);
-      }
-    } else {
-      params.epilogue.out = static_cast<__nv_bfloat16*>(p.dx_slots);
-      params.epilogue.row_slot = p.row_slot;
-    }
-    params.shape = sm90::rows_shape(rows, 2 * rows.intermediate, rows.hidden, 2 * rows.intermediate);
-    sm90::launch_grouped_gemm(params, rows, WaitKernel::kDgradScatter);
-  };
-  if (p.to_peers != nullptr) {
-    FUSEMOE_ASSERT(p.to_peers->row_src && p.to_peers->row_slot);
-    launch(DgradScatterGemm<RowDestination::kPeerSlot>{});
-  } else {
-    FUSEMOE_ASSERT(p.row_slot && p.dx_slots);
-    launch(DgradScatterGemm<RowDestination::kSlotRow>{});
-  }
+  // dxs = dz W13_e: w13 [E, 2I, H] read as [E*2I rows, H] in N-major boxes.
+  const int64_t F = 2 * rows.intermediate;
+  sm90::launch_to_slots<DgradScatterGemm>(WaitKernel::kDgradScatter, rows, p.dz, F, p.w13, F, rows.hidden,
+                                          p.dx_slots, p.row_slot, nullptr, p.to_peers, "dz", "w13");
 }
 
 void launch_sm90_weight_grad(const Sm90WeightGradParams& p) {
@@ -150,11 +115,9 @@ void launch_sm90_weight_grad(const Sm90WeightGradParams& p) {
     return;
   }
   FUSEMOE_ASSERT(p.act_m && p.act_n && rows.expert_offsets);
-  if (p.bf16_grad) {
-    p.accumulate ? launch_weight_grad<false, true>(p) : launch_weight_grad<false, false>(p);
-  } else {
-    p.accumulate ? launch_weight_grad<true, true>(p) : launch_weight_grad<true, false>(p);
-  }
+  sm90::with_bool_constants(!p.bf16_grad, p.accumulate, [&](auto fp32, auto accumulate) {
+    launch_weight_grad<decltype(fp32)::value, decltype(accumulate)::value>(p);
+  });
 }
 
 }  // namespace fusemoe

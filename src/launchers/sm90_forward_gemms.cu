@@ -40,12 +40,9 @@ void launch_sm90_gate_up_swiglu(const Sm90GateUpParams& p) {
   if (p.rows.max_rows == 0) return;
   FUSEMOE_ASSERT(p.x && p.row_slot && p.w13 && p.h && p.top_k >= 1);
   FUSEMOE_ASSERT(!p.use_swiglu_clamp || p.swiglu_clamp > 0.0f);
-  const bool store_z = p.z != nullptr;
-  if (p.use_swiglu_clamp) {
-    store_z ? launch_gate_up<true, true>(p) : launch_gate_up<true, false>(p);
-  } else {
-    store_z ? launch_gate_up<false, true>(p) : launch_gate_up<false, false>(p);
-  }
+  sm90::with_bool_constants(p.use_swiglu_clamp, p.z != nullptr, [&](auto clamp, auto store_z) {
+    launch_gate_up<decltype(clamp)::value, decltype(store_z)::value>(p);
+  });
 }
 
 void launch_sm90_down_weighted(const Sm90DownParams& p) {
@@ -53,34 +50,9 @@ void launch_sm90_down_weighted(const Sm90DownParams& p) {
   sm90::assert_rows(rows);
   if (rows.max_rows == 0) return;
   FUSEMOE_ASSERT(p.h && p.w2);
-  auto launch = [&](auto gemm) {
-    using Gemm = decltype(gemm);
-    GemmParams<Gemm> params{};
-    params.map_b = sm90::make_tensor_map_bf16(p.w2, rows.intermediate, rows.num_experts * rows.hidden,
-                                              Gemm::B::kBoxRows, "w2");
-    params.a.map = sm90::make_tensor_map_bf16(p.h, rows.intermediate, rows.max_rows, sm90::kBlockM, "h");
-    if constexpr (Gemm::Epilogue::kToPeers) {
-      params.epilogue.row_slot = p.to_peers->row_slot;
-      params.epilogue.topk_weights = p.to_peers->row_weight;
-      params.epilogue.row_src = p.to_peers->row_src;
-      for (int d = 0; d < sm90::kMaxPeers; ++d) {
-        params.epilogue.peer_out[d] = static_cast<__nv_bfloat16*>(p.to_peers->slot_buffers[d]);
-      }
-    } else {
-      params.epilogue.out = static_cast<__nv_bfloat16*>(p.ys);
-      params.epilogue.row_slot = p.row_slot;
-      params.epilogue.topk_weights = p.topk_weights;
-    }
-    params.shape = sm90::rows_shape(rows, rows.intermediate, rows.hidden, rows.hidden);
-    sm90::launch_grouped_gemm(params, rows, WaitKernel::kDown);
-  };
-  if (p.to_peers != nullptr) {
-    FUSEMOE_ASSERT(p.to_peers->row_src && p.to_peers->row_slot && p.to_peers->row_weight);
-    launch(DownGemm<sm90::RowDestination::kPeerSlot>{});
-  } else {
-    FUSEMOE_ASSERT(p.row_slot && p.topk_weights && p.ys);
-    launch(DownGemm<sm90::RowDestination::kSlotRow>{});
-  }
+  FUSEMOE_ASSERT(p.to_peers != nullptr ? p.to_peers->row_weight != nullptr : p.topk_weights != nullptr);
+  sm90::launch_to_slots<DownGemm>(WaitKernel::kDown, rows, p.h, rows.intermediate, p.w2, rows.hidden, rows.hidden,
+                                  p.ys, p.row_slot, p.topk_weights, p.to_peers, "h", "w2");
 }
 
 }  // namespace fusemoe

@@ -138,12 +138,9 @@ void launch_sm90_fp8_gate_up_swiglu(const Sm90Fp8GateUpParams& p) {
   FUSEMOE_ASSERT(p.x_fp8 && p.x_scales && p.row_slot && p.weights.w13 && p.weights.w13_scales && p.h_fp8 &&
                  p.h_scales && p.top_k >= 1);
   FUSEMOE_ASSERT(!p.use_swiglu_clamp || p.swiglu_clamp > 0.0f);
-  const bool store_z = p.z != nullptr;
-  if (p.use_swiglu_clamp) {
-    store_z ? launch_gate_up<true, true>(p) : launch_gate_up<true, false>(p);
-  } else {
-    store_z ? launch_gate_up<false, true>(p) : launch_gate_up<false, false>(p);
-  }
+  sm90::with_bool_constants(p.use_swiglu_clamp, p.z != nullptr, [&](auto clamp, auto store_z) {
+    launch_gate_up<decltype(clamp)::value, decltype(store_z)::value>(p);
+  });
 }
 
 void launch_sm90_fp8_down_weighted(const Sm90Fp8DownParams& p) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 
 #include "common/device_wait.h"
 #include "kernels/sm90_grouped_gemm.cuh"
@@ -54,6 +55,70 @@ inline void assert_rows(const Sm90Rows& rows) {
   FUSEMOE_ASSERT(rows.intermediate > 0 && rows.intermediate % 64 == 0);
   FUSEMOE_ASSERT(rows.num_experts >= 1 && rows.num_experts <= kMaxExperts);
   FUSEMOE_ASSERT(rows.expert_offsets != nullptr);
+}
+
+// Calls launch(a, b) with the two runtime flags as std::bool_constant: the one place a launcher
+// turns them into an instance's template flags.
+template <class Launch>
+void with_bool_constants(bool a, bool b, Launch&& launch) {
+  auto with_a = [&](auto a_c) {
+    if (b) {
+      launch(a_c, std::true_type{});
+    } else {
+      launch(a_c, std::false_type{});
+    }
+  };
+  if (a) {
+    with_a(std::true_type{});
+  } else {
+    with_a(std::false_type{});
+  }
+}
+
+// A row-tile instance whose A is a bf16 pool [R_max, K] by TMA and whose B is an expert's weight
+// stored as [E * b_rows_per_expert, K] (K-major) or [E * b_rows_per_expert, N] (read MN-major).
+template <class Gemm>
+void launch_pool_rows_gemm(WaitKernel kernel_name, const Sm90Rows& rows, const void* a_pool, int64_t k, const void* b,
+                           int64_t b_rows_per_expert, int64_t n, const typename Gemm::Epilogue::Args& epilogue,
+                           const char* a_name, const char* b_name) {
+  GemmParams<Gemm> params{};
+  params.map_b = make_tensor_map_bf16(b, Gemm::B::kMnMajor ? n : k, rows.num_experts * b_rows_per_expert,
+                                      Gemm::B::kBoxRows, b_name);
+  params.a.map = make_tensor_map_bf16(a_pool, k, rows.max_rows, kBlockM, a_name);
+  params.epilogue = epilogue;
+  params.shape = rows_shape(rows, k, n, b_rows_per_expert);
+  launch_grouped_gemm(params, rows, kernel_name);
+}
+
+// The pool-row instances that write slot rows (down, dgrad of x): row r to row row_slot[r] of
+// `slots`, or, with to_peers, to its source rank's slot buffer. SlotGemm<kDest> is the instance;
+// topk_weights is read only by weighted ones.
+template <template <RowDestination> class SlotGemm>
+void launch_to_slots(WaitKernel kernel_name, const Sm90Rows& rows, const void* a_pool, int64_t k, const void* b,
+                     int64_t b_rows_per_expert, int64_t n, void* slots, const int32_t* row_slot,
+                     const float* topk_weights, const Sm90PeerRows* to_peers, const char* a_name, const char* b_name) {
+  auto launch = [&](auto gemm) {
+    using Gemm = decltype(gemm);
+    typename Gemm::Epilogue::Args epilogue{};
+    if constexpr (Gemm::Epilogue::kToPeers) {
+      epilogue.row_slot = to_peers->row_slot;
+      epilogue.topk_weights = to_peers->row_weight;
+      epilogue.row_src = to_peers->row_src;
+      for (int d = 0; d < kMaxPeers; ++d) epilogue.peer_out[d] = static_cast<__nv_bfloat16*>(to_peers->slot_buffers[d]);
+    } else {
+      epilogue.out = static_cast<__nv_bfloat16*>(slots);
+      epilogue.row_slot = row_slot;
+      epilogue.topk_weights = topk_weights;
+    }
+    launch_pool_rows_gemm<Gemm>(kernel_name, rows, a_pool, k, b, b_rows_per_expert, n, epilogue, a_name, b_name);
+  };
+  if (to_peers != nullptr) {
+    FUSEMOE_ASSERT(to_peers->row_src && to_peers->row_slot);
+    launch(SlotGemm<RowDestination::kPeerSlot>{});
+  } else {
+    FUSEMOE_ASSERT(row_slot && slots);
+    launch(SlotGemm<RowDestination::kSlotRow>{});
+  }
 }
 
 }  // namespace fusemoe::sm90

@@ -3,6 +3,23 @@
 
 namespace fusemoe {
 
+void BackwardPools::carve_pools(WorkspaceCarver& carver, int64_t rows, int64_t hidden, int64_t intermediate) {
+  xs_RH = carver.take(rows * hidden * 2);
+  dys_RH = carver.take(rows * hidden * 2);
+  dz_RF = carver.take(rows * 2 * intermediate * 2);
+  wh_RI = carver.take(rows * intermediate * 2);
+  dx_slots_SH = carver.take(rows * hidden * 2);
+}
+
+BackwardRows BackwardPools::weight_grad_rows() const {
+  BackwardRows b{};
+  b.xs = xs_RH;
+  b.dys = dys_RH;
+  b.dz = dz_RF;
+  b.wh = wh_RI;
+  return b;
+}
+
 int64_t launch_backward_dgrad(const Sm90Rows& rows, const LayerConfig& c, const BackwardRows& b, const void* w13,
                               const void* w2) {
   // z from the forward (the same routing, so the same row order) or recomputed here.

@@ -5,6 +5,7 @@
 // partials are reduced (the slot's own rank, or a source rank over NVLink).
 #pragma once
 
+#include "common/workspace_carver.h"
 #include "fusemoe/fusemoe.h"
 #include "launchers/sm90_grouped_gemm.h"
 
@@ -20,6 +21,20 @@ struct BackwardRows {
   float* router_partials;        // [R_max, sm90_router_partials_per_row(I)] (output)
   const int32_t* weight_index;   // [R_max] the row's index into weights
   const float* weights;          // routing weights
+};
+
+// The bf16 pools of a fused backward (BF16 and FP8), carved from its workspace after the routing
+// plan; xs, dys, dz and wh are the weight gradients' operands.
+struct BackwardPools {
+  void* xs_RH = nullptr;        // gathered x
+  void* dys_RH = nullptr;       // gathered dy
+  void* dz_RF = nullptr;        // F = 2I
+  void* wh_RI = nullptr;        // w * h
+  void* dx_slots_SH = nullptr;  // per-slot dx rows (t*K + j)
+
+  void carve_pools(WorkspaceCarver& carver, int64_t rows, int64_t hidden, int64_t intermediate);
+  // The rows of the weight gradients: the four operand pools, every other field null.
+  BackwardRows weight_grad_rows() const;
 };
 
 // z (recomputed unless saved) and dgrad + SwiGLU; returns the router partials per row.

@@ -22,13 +22,8 @@
 namespace fusemoe {
 namespace {
 
-struct FusedBackwardWorkspace {
+struct FusedBackwardWorkspace : BackwardPools {
   RoutingPlan plan;
-  void* xs_RH = nullptr;        // bf16 gathered x
-  void* dys_RH = nullptr;       // bf16 gathered dy
-  void* dz_RF = nullptr;        // bf16, F = 2I
-  void* wh_RI = nullptr;        // bf16 w * h
-  void* dx_slots_SH = nullptr;  // bf16 per-slot dx rows (t*K + j)
   float* router_partials = nullptr;  // [R, num dgrad tiles] fp32
   void* z_RF = nullptr;         // bf16 recomputed [g | u]; last, and absent when z is saved
   size_t total_bytes = 0;
@@ -38,11 +33,7 @@ struct FusedBackwardWorkspace {
     const int64_t H = c.hidden, I = c.intermediate;
     if (base) carve_routing_plan(static_cast<char*>(base), c.max_tokens, c.top_k, c.num_experts, &plan);
     WorkspaceCarver carver(base, routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
-    xs_RH = carver.take(rows * H * 2);
-    dys_RH = carver.take(rows * H * 2);
-    dz_RF = carver.take(rows * 2 * I * 2);
-    wh_RI = carver.take(rows * I * 2);
-    dx_slots_SH = carver.take(rows * H * 2);
+    carve_pools(carver, rows, H, I);
     router_partials = carver.take<float>(rows * sm90_router_partials_per_row(I) * sizeof(float));
     if (!z_saved) z_RF = carver.take(rows * 2 * I * 2);
     total_bytes = carver.bytes();
@@ -64,13 +55,9 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
                  stream);
 
   const Sm90Rows rows = make_sm90_rows(ws.plan.expert_offsets, num_slots, E, H, I, 0, stream);
-  BackwardRows b;
-  b.xs = ws.xs_RH;
-  b.dys = ws.dys_RH;
+  BackwardRows b = ws.weight_grad_rows();
   b.saved_z = args.saved_z;  // the forward's (the same routing: the same row order), or null
   b.z_scratch = ws.z_RF;
-  b.dz = ws.dz_RF;
-  b.wh = ws.wh_RI;
   b.router_partials = ws.router_partials;
   b.weight_index = ws.plan.row_slot;  // a row's weight is its slot's
   b.weights = args.topk_weights;

@@ -67,13 +67,8 @@ struct Fp8ForwardWorkspace {
   }
 };
 
-struct Fp8BackwardWorkspace {
+struct Fp8BackwardWorkspace : BackwardPools {
   RoutingPlan plan;
-  void* xs_RH = nullptr;             // bf16 gathered x (dW13)
-  void* dys_RH = nullptr;            // bf16 gathered dy (dW2)
-  void* dz_RF = nullptr;             // bf16 (dW13)
-  void* wh_RI = nullptr;             // bf16 (dW2)
-  void* dx_slots_SH = nullptr;       // bf16
   float* router_partials = nullptr;  // [R, I/128]
   void* dys_fp8_RH = nullptr;        // E4M3 (dgrad + SwiGLU)
   float* dys_scales = nullptr;       // [H/128, rows_pad]
@@ -90,11 +85,7 @@ struct Fp8BackwardWorkspace {
     const int64_t H = c.hidden, I = c.intermediate;
     if (base) carve_routing_plan(static_cast<char*>(base), c.max_tokens, c.top_k, c.num_experts, &plan);
     WorkspaceCarver carver(base, routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
-    xs_RH = carver.take(rows * H * 2);
-    dys_RH = carver.take(rows * H * 2);
-    dz_RF = carver.take(rows * 2 * I * 2);
-    wh_RI = carver.take(rows * I * 2);
-    dx_slots_SH = carver.take(rows * H * 2);
+    carve_pools(carver, rows, H, I);
     router_partials = carver.take<float>(rows * sm90_fp8_dgrad_num_n_tiles(I) * sizeof(float));
     dys_fp8_RH = carver.take(rows * H);
     dys_scales = carver.take<float>((H / 128) * rows_pad * sizeof(float));
@@ -236,12 +227,7 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
   }
 
   // Weight gradients from the bf16 pools with the BF16 path's step (no rows: zeroed, or untouched).
-  BackwardRows pools{};
-  pools.xs = ws.xs_RH;
-  pools.dys = ws.dys_RH;
-  pools.dz = ws.dz_RF;
-  pools.wh = ws.wh_RI;
-  launch_backward_weight_grads(rows, pools, args.dw13, args.dw2, args.weight_grad_dtype, args.accumulate_weight_grads);
+  launch_backward_weight_grads(rows, ws.weight_grad_rows(), args.dw13, args.dw2, args.weight_grad_dtype, args.accumulate_weight_grads);
 }
 
 }  // namespace fusemoe
