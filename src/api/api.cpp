@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <type_traits>
 
 #include "fusemoe/fusemoe.h"
 #include "kernels/routing.h"
@@ -65,12 +66,12 @@ struct NamedTensor {
   uintptr_t alignment;
 };
 
-void check_tensors(std::initializer_list<NamedTensor> tensors) {
-  for (const NamedTensor& t : tensors) check_tensor(t.p, t.name, t.alignment);
+void check_tensors(const NamedTensor* first, const NamedTensor* last) {
+  for (const NamedTensor* t = first; t != last; ++t) check_tensor(t->p, t->name, t->alignment);
 }
 
-void check_device_pointers(std::initializer_list<NamedTensor> tensors) {
-  for (const NamedTensor& t : tensors) check_device_pointer(t.p, t.name);
+void check_device_pointers(const NamedTensor* first, const NamedTensor* last) {
+  for (const NamedTensor* t = first; t != last; ++t) check_device_pointer(t->p, t->name);
 }
 
 // The expert-id report may be device memory or pinned host memory that kernels can write at
@@ -388,65 +389,67 @@ void quantize_weights_fp8(const LayerConfig& config, const void* w13, const void
   quantize_fp8_weights(config, w13, w2, buffer, stream);
 }
 
-void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
+namespace {
+
+// One checked call of either pass: the checks in order of cost (arguments, then sizes, then CUDA
+// queries), then the pipeline of the implementation and precision. token_tensors are the
+// per-token arguments, checked when the call has tokens.
+template <typename Args>
+void checked_layer_call(const LayerConfig& config, Impl impl, const Args& a,
+                        std::initializer_list<NamedTensor> token_tensors) {
+  constexpr bool kBackward = std::is_same_v<Args, BackwardArgs>;
   validate_config(config);
   check_impl(impl);
   check_impl_precision(config, impl);
   check_num_tokens(config, a.num_tokens);
+  WorkspaceUse use = WorkspaceUse::kForward;
+  NamedTensor outputs_always[2] = {};  // the weight gradients: written at T = 0 too
+  int num_outputs_always = 0;
+  if constexpr (kBackward) {
+    FUSEMOE_CHECK(a.weight_grad_dtype == WeightGradDtype::kFloat32 ||
+                      a.weight_grad_dtype == WeightGradDtype::kBFloat16,
+                  "weight_grad_dtype: unknown value " << static_cast<int>(a.weight_grad_dtype));
+    use = a.saved_z != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward;
+    outputs_always[0] = NamedTensor{a.dw13, "dw13", kTmaAlignment};
+    outputs_always[1] = NamedTensor{a.dw2, "dw2", kTmaAlignment};
+    num_outputs_always = 2;
+  }
   check_bf16_weights_arg(config, a.w13, a.w2);
   check_fp8_weights_arg(config, a.fp8_weights);
-  const auto token_tensors = {NamedTensor{a.x, "x", kTmaAlignment}, NamedTensor{a.topk_idx, "topk_idx", 4},
-                              NamedTensor{a.topk_weights, "topk_weights", 4}, NamedTensor{a.y, "y", kTmaAlignment}};
-  if (a.num_tokens > 0) check_tensors(token_tensors);
+  check_tensors(outputs_always, outputs_always + num_outputs_always);
+  if (a.num_tokens > 0) check_tensors(token_tensors.begin(), token_tensors.end());
   check_saved_z(impl, a.saved_z);
-  check_workspace(config, impl, WorkspaceUse::kForward, a.workspace, a.workspace_bytes);
+  check_workspace(config, impl, use, a.workspace, a.workspace_bytes);
   check_device();
   check_weight_device_pointers(config, a.w13, a.w2, a.fp8_weights);
+  check_device_pointers(outputs_always, outputs_always + num_outputs_always);
   check_device_pointer(a.workspace, "workspace");
-  if (a.num_tokens > 0) check_device_pointers(token_tensors);
+  if (a.num_tokens > 0) check_device_pointers(token_tensors.begin(), token_tensors.end());
   check_optional_pointers(a.expert_id_report, a.saved_z);
-  if (impl == Impl::kFused) {
-    config.precision == Precision::kFp8Blockwise ? fused_fp8_forward(config, a) : fused_forward(config, a);
-    finish_fused_call(config, a.sync_check_expert_ids, a.expert_id_report, a.workspace, a.stream);
+  if (impl != Impl::kFused) {
+    if constexpr (kBackward) unfused_backward(config, impl, a);
+    else unfused_forward(config, impl, a);
     return;
   }
-  unfused_forward(config, impl, a);
+  const bool fp8 = config.precision == Precision::kFp8Blockwise;
+  if constexpr (kBackward) fp8 ? fused_fp8_backward(config, a) : fused_backward(config, a);
+  else fp8 ? fused_fp8_forward(config, a) : fused_forward(config, a);
+  finish_fused_call(config, a.sync_check_expert_ids, a.expert_id_report, a.workspace, a.stream);
+}
+
+}  // namespace
+
+void forward(const LayerConfig& config, Impl impl, const ForwardArgs& a) {
+  checked_layer_call(config, impl, a,
+                     {NamedTensor{a.x, "x", kTmaAlignment}, NamedTensor{a.topk_idx, "topk_idx", 4},
+                      NamedTensor{a.topk_weights, "topk_weights", 4}, NamedTensor{a.y, "y", kTmaAlignment}});
 }
 
 void backward(const LayerConfig& config, Impl impl, const BackwardArgs& a) {
-  validate_config(config);
-  check_impl(impl);
-  check_impl_precision(config, impl);
-  check_num_tokens(config, a.num_tokens);
-  FUSEMOE_CHECK(a.weight_grad_dtype == WeightGradDtype::kFloat32 ||
-                    a.weight_grad_dtype == WeightGradDtype::kBFloat16,
-                "weight_grad_dtype: unknown value " << static_cast<int>(a.weight_grad_dtype));
-  check_bf16_weights_arg(config, a.w13, a.w2);
-  check_fp8_weights_arg(config, a.fp8_weights);
-  check_tensor(a.dw13, "dw13", kTmaAlignment);
-  check_tensor(a.dw2, "dw2", kTmaAlignment);
-  const auto token_tensors = {NamedTensor{a.x, "x", kTmaAlignment}, NamedTensor{a.topk_idx, "topk_idx", 4},
-                              NamedTensor{a.topk_weights, "topk_weights", 4}, NamedTensor{a.dy, "dy", kTmaAlignment},
-                              NamedTensor{a.dx, "dx", kTmaAlignment},
-                              NamedTensor{a.d_topk_weights, "d_topk_weights", 4}};
-  if (a.num_tokens > 0) check_tensors(token_tensors);
-  check_saved_z(impl, a.saved_z);
-  check_workspace(config, impl, a.saved_z != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward,
-                  a.workspace, a.workspace_bytes);
-  check_device();
-  check_weight_device_pointers(config, a.w13, a.w2, a.fp8_weights);
-  for (auto [p, name] : {std::pair<const void*, const char*>{a.dw13, "dw13"}, {a.dw2, "dw2"},
-                         {a.workspace, "workspace"}}) {
-    check_device_pointer(p, name);
-  }
-  if (a.num_tokens > 0) check_device_pointers(token_tensors);
-  check_optional_pointers(a.expert_id_report, a.saved_z);
-  if (impl == Impl::kFused) {
-    config.precision == Precision::kFp8Blockwise ? fused_fp8_backward(config, a) : fused_backward(config, a);
-    finish_fused_call(config, a.sync_check_expert_ids, a.expert_id_report, a.workspace, a.stream);
-    return;
-  }
-  unfused_backward(config, impl, a);
+  checked_layer_call(config, impl, a,
+                     {NamedTensor{a.x, "x", kTmaAlignment}, NamedTensor{a.topk_idx, "topk_idx", 4},
+                      NamedTensor{a.topk_weights, "topk_weights", 4}, NamedTensor{a.dy, "dy", kTmaAlignment},
+                      NamedTensor{a.dx, "dx", kTmaAlignment}, NamedTensor{a.d_topk_weights, "d_topk_weights", 4}});
 }
 
 }  // namespace fusemoe
