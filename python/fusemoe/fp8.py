@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import _capi
-from .ops import (_check_backward_fake, _check_cuda, _check_impl, _check_inputs, _check_save_z,
+from .ops import (_backward_fake, _check_cuda, _check_impl, _check_inputs, _check_save_z,
                   _check_swiglu_clamp, _check_tensor, _empty_saved_z, _fail, _into_param_grads,
                   _launch_backward, _launch_forward)
 
@@ -180,10 +180,8 @@ def moe_experts_fp8_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
 @moe_experts_fp8_backward.register_fake
 def _moe_experts_fp8_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                                    fp8_weights, impl, saved_z_SF=None, swiglu_clamp=None):
-    _check_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                         saved_z_SF, swiglu_clamp, fp8_weights=fp8_weights)
-    return (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK), torch.empty_like(w13_EFH),
-            torch.empty_like(w2_EHI))
+    return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                          saved_z_SF, swiglu_clamp, fp8_weights=fp8_weights)
 
 
 @torch.library.custom_op("fusemoe::moe_experts_fp8_backward_into",
@@ -203,10 +201,9 @@ def moe_experts_fp8_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tens
 def _moe_experts_fp8_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                                         fp8_weights, dw13_EFH, dw2_EHI, accumulate, impl,
                                         saved_z_SF=None, swiglu_clamp=None):
-    _check_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                         saved_z_SF, swiglu_clamp, weight_grads=(dw13_EFH, dw2_EHI),
-                         fp8_weights=fp8_weights)
-    return torch.empty_like(x_TH), torch.empty_like(topk_weights_TK)
+    return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                          saved_z_SF, swiglu_clamp, weight_grads=(dw13_EFH, dw2_EHI),
+                          fp8_weights=fp8_weights)
 
 
 def _setup_context(ctx, inputs, output):

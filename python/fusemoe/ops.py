@@ -302,10 +302,11 @@ def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
     return dx_TH, d_topk_weights_TK
 
 
-def _check_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                         saved_z_SF, swiglu_clamp, weight_grads=None, fp8_weights=None):
-    """What the backward ops' fake kernels check (of the launch's checks, those that need no
-    device): weight_grads (dw13, dw2) for the _into ops, fp8_weights for the FP8 ops."""
+def _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, saved_z_SF,
+                   swiglu_clamp, weight_grads=None, fp8_weights=None):
+    """The backward ops' fake kernels: the launch's checks that need no device, then empty outputs
+    (dx, d_topk_weights, and dw13, dw2 unless weight_grads (dw13, dw2) are given, as the _into
+    ops take them); fp8_weights for the FP8 ops."""
     dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
     if weight_grads is not None:
         _check_weight_grads(*weight_grads, w13_EFH, w2_EHI)
@@ -314,15 +315,17 @@ def _check_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_
         _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI)
     _check_saved_z(saved_z_SF, dims, x_TH, impl)
     _check_swiglu_clamp(swiglu_clamp)
+    grads = (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK))
+    if weight_grads is None:
+        grads += (torch.empty_like(w13_EFH), torch.empty_like(w2_EHI))
+    return grads
 
 
 @moe_experts_backward.register_fake
 def _moe_experts_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
                                saved_z_SF=None, swiglu_clamp=None):
-    _check_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                         saved_z_SF, swiglu_clamp)
-    return (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK), torch.empty_like(w13_EFH),
-            torch.empty_like(w2_EHI))
+    return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                          saved_z_SF, swiglu_clamp)
 
 
 @torch.library.custom_op("fusemoe::moe_experts_backward_into",
@@ -342,9 +345,8 @@ def moe_experts_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
 def _moe_experts_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                                     dw13_EFH, dw2_EHI, accumulate, impl, saved_z_SF=None,
                                     swiglu_clamp=None):
-    _check_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                         saved_z_SF, swiglu_clamp, weight_grads=(dw13_EFH, dw2_EHI))
-    return torch.empty_like(x_TH), torch.empty_like(topk_weights_TK)
+    return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                          saved_z_SF, swiglu_clamp, weight_grads=(dw13_EFH, dw2_EHI))
 
 
 def _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI):
