@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "common/call_inputs.h"
 #include "common/device.h"
 #include "common/device_buffer.h"
 #include "common/device_checks.h"
@@ -169,14 +170,8 @@ int main(int argc, char** argv) {
         saved_z(fusemoe::saved_z_bytes(l));
     // The fields both calls share: the batch's inputs, the one workspace, no id sync.
     auto with_inputs = [&](auto& a, cudaStream_t s) {
-      a.x = b.x.get();
-      a.topk_idx = static_cast<const int32_t*>(b.idx.get());
-      a.topk_weights = static_cast<const float*>(b.w.get());
-      a.w13 = b.w13.get();
-      a.w2 = b.w2.get();
-      a.num_tokens = T;
-      a.workspace = ws.get();
-      a.workspace_bytes = ws.bytes();
+      fusemoe::harness::set_layer_inputs(a, b.x.get(), b.idx.as<int32_t>(), b.w.as<float>(), b.w13.get(),
+                                         b.w2.get(), T, ws.get(), ws.bytes());
       a.sync_check_expert_ids = false;
       a.stream = s;
     };

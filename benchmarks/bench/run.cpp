@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "bench/checks.h"
+#include "common/call_inputs.h"
 #include "common/device_checks.h"
 #include "common/routing.h"
 #include "common/timer.h"
@@ -166,14 +167,8 @@ template <typename Args>
 Args layer_args(const BenchImpl& impl, const LayerInputs& in, const LayerOutputs& out, const DeviceBuffer& workspace,
                 int64_t num_tokens, cudaStream_t stream) {
   Args args;
-  args.x = in.x_TH.get();
-  args.topk_idx = in.topk_idx_TK.as<int32_t>();
-  args.topk_weights = in.topk_w_TK.as<float>();
-  args.w13 = in.w13_EFH.get();
-  args.w2 = in.w2_EHI.get();
-  args.num_tokens = num_tokens;
-  args.workspace = workspace.get();
-  args.workspace_bytes = workspace.bytes();
+  harness::set_layer_inputs(args, in.x_TH.get(), in.topk_idx_TK.as<int32_t>(), in.topk_w_TK.as<float>(),
+                            in.w13_EFH.get(), in.w2_EHI.get(), num_tokens, workspace.get(), workspace.bytes());
   args.stream = stream;
   // As a training loop runs: no per-call sync; the correctness check calls check_expert_ids().
   args.sync_check_expert_ids = false;

@@ -3,21 +3,22 @@
 // Legend: H hidden, I intermediate, E experts, K top-k.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "fusemoe/fusemoe.h"
 
 namespace fusemoe::harness {
 
+// layer_config() initialises LayerConfig's first five fields by position: keep them in this order.
+static_assert(offsetof(LayerConfig, hidden) == 0 && offsetof(LayerConfig, intermediate) == 8 &&
+                  offsetof(LayerConfig, num_experts) == 16 && offsetof(LayerConfig, top_k) == 24 &&
+                  offsetof(LayerConfig, max_tokens) == 32,
+              "LayerConfig: hidden, intermediate, num_experts, top_k, max_tokens first, in this order");
+
 inline LayerConfig layer_config(int64_t hidden, int64_t intermediate, int64_t num_experts, int64_t top_k,
                                 int64_t max_tokens = 0) {
-  LayerConfig c;
-  c.hidden = hidden;
-  c.intermediate = intermediate;
-  c.num_experts = num_experts;
-  c.top_k = top_k;
-  c.max_tokens = max_tokens;
-  return c;
+  return LayerConfig{hidden, intermediate, num_experts, top_k, max_tokens};
 }
 
 // The Qwen3 MoE layers the benchmark presets run (all 128 experts, top-8).

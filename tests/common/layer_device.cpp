@@ -4,6 +4,8 @@
 #include <cmath>
 #include <limits>
 
+#include "common/call_inputs.h"
+
 namespace fusemoe::harness {
 namespace {
 
@@ -115,14 +117,7 @@ void poison(void* p, size_t bytes, cudaStream_t stream) {
 template <typename Args>
 Args call_args(int64_t num_tokens, const LayerInputs& in, const LayerCall& call, size_t workspace_size) {
   Args a;
-  a.x = in.x_TH;
-  a.topk_idx = in.idx_TK;
-  a.topk_weights = in.w_TK;
-  a.w13 = in.w13_EFH;
-  a.w2 = in.w2_EHI;
-  a.num_tokens = num_tokens;
-  a.workspace = call.workspace;
-  a.workspace_bytes = workspace_size;
+  set_layer_inputs(a, in.x_TH, in.idx_TK, in.w_TK, in.w13_EFH, in.w2_EHI, num_tokens, call.workspace, workspace_size);
   a.stream = call.stream;
   a.sync_check_expert_ids = call.sync_check_expert_ids;
   a.expert_id_report = call.expert_id_report;

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -76,13 +77,14 @@ double max_abs(const std::vector<double>& v) {
   return all_close(a, b, 0.0, 0.0);
 }
 
+// make_shape initialises Problem's first five fields by position: keep them in this order.
+static_assert(offsetof(Problem, num_tokens) == 0 && offsetof(Problem, hidden) == 8 &&
+                  offsetof(Problem, intermediate) == 16 && offsetof(Problem, num_experts) == 24 &&
+                  offsetof(Problem, top_k) == 32,
+              "Problem: num_tokens, hidden, intermediate, num_experts, top_k first, in this order");
+
 Problem make_shape(int64_t T, int64_t H, int64_t I, int64_t E, int64_t K) {
-  Problem p;
-  p.num_tokens = T;
-  p.hidden = H;
-  p.intermediate = I;
-  p.num_experts = E;
-  p.top_k = K;
+  Problem p{T, H, I, E, K};
   p.x_TH.assign(T * H, 0.0);
   p.topk_idx_TK.assign(T * K, -1);
   p.topk_w_TK.assign(T * K, 0.0);

@@ -34,15 +34,9 @@ struct RankInputs {
   // The call of these inputs (num_sms and stream left at their defaults).
   EpCall call(int64_t num_tokens, void* const* peer_symmetric, const DeviceBuffer& workspace) const {
     EpCall c;
-    c.x = x.get();
-    c.topk_idx = idx.as<int32_t>();
-    c.topk_weights = w.as<float>();
-    c.w13 = w13.get();
-    c.w2 = w2.get();
-    c.num_tokens = num_tokens;
+    harness::set_layer_inputs(c, x.get(), idx.as<int32_t>(), w.as<float>(), w13.get(), w2.get(), num_tokens,
+                              workspace.get(), workspace.bytes());
     c.peer_symmetric = peer_symmetric;
-    c.workspace = workspace.get();
-    c.workspace_bytes = workspace.bytes();
     return c;
   }
 };

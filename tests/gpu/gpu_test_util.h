@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/call_inputs.h"
 #include "common/device_buffer.h"
 #include "common/layer_config.h"
 #include "common/routing.h"
@@ -37,8 +38,9 @@ struct Dims {
   float clamp_limit = 0.0f;
 };
 
-// The larger shapes the suites share: "medium" (several 128-row tiles per expert, 16 experts,
-// top-4) and the Qwen3-30B-A3B layer (all 128 experts).
+// The shapes the suites share: "small" (Dims' defaults: H 256, I 128, E 8, K 2), "medium"
+// (several 128-row tiles per expert, 16 experts, top-4) and the Qwen3-30B-A3B layer (all 128 experts).
+inline Dims small_dims(int64_t tokens) { return Dims{tokens}; }
 inline Dims medium_dims(int64_t tokens) { return Dims{tokens, 512, 256, 16, 4}; }
 inline Dims qwen3_30b_dims(int64_t tokens) { return Dims{tokens, 2048, 768, 128, 8}; }
 // Qwen3-235B-A22B's H and I; fewer than its 128 experts keep a host-side check's fp64 copies of
@@ -121,6 +123,17 @@ inline HostProblem make_problem(const Dims& d, Routing routing, uint64_t seed) {
   p.w_TK = std::move(topk.w_TK);
   return p;
 }
+
+// The (tokens, routing) suites over the small shape: a case's problem (seed seed_base + T), its
+// parameters printed first.
+class SmallProblemTest : public ::testing::TestWithParam<std::tuple<int64_t, Routing>> {
+ protected:
+  HostProblem small_problem(uint64_t seed_base) const {
+    const auto [tokens, routing] = GetParam();
+    std::printf("T=%lld routing=%s\n", static_cast<long long>(tokens), routing_name(routing));
+    return make_problem(small_dims(tokens), routing, seed_base + tokens);
+  }
+};
 
 // The invalid-id problem every implementation's tests use: default dims, T = 33, uniform
 // routing, with (token 17, slot 1) = E (one past the end) and (token 20, slot 0) = -7, so the
@@ -217,15 +230,9 @@ struct DeviceInputs {
   template <typename Args>
   Args args(int64_t num_tokens, const DeviceBuffer& workspace) const {
     Args a;
-    a.x = x.get();
-    a.topk_idx = idx.as<int32_t>();
-    a.topk_weights = w.as<float>();
-    a.w13 = w13.get();
-    a.w2 = w2.get();
+    harness::set_layer_inputs(a, x.get(), idx.as<int32_t>(), w.as<float>(), w13.get(), w2.get(), num_tokens,
+                              workspace.get(), workspace.bytes());
     if constexpr (std::is_same_v<Args, BackwardArgs>) a.dy = dy.get();
-    a.num_tokens = num_tokens;
-    a.workspace = workspace.get();
-    a.workspace_bytes = workspace.bytes();
     return a;
   }
 };
@@ -348,9 +355,11 @@ inline WeightGradInit random_weight_grad_init(const Dims& d, uint64_t seed) {
   return init;
 }
 
-// Calls check once per weight-gradient mode: {fp32, bf16} x {overwrite, accumulate onto init}.
+// Calls check once per weight-gradient mode of a layer of dims d: {fp32, bf16} x {overwrite,
+// accumulate onto random_weight_grad_init(d, init_seed)}.
 template <typename Check>
-void for_each_weight_grad_mode(const WeightGradInit& init, Check&& check) {
+void for_each_weight_grad_mode(const Dims& d, uint64_t init_seed, Check&& check) {
+  const WeightGradInit init = random_weight_grad_init(d, init_seed);
   for (WeightGradDtype dtype : {WeightGradDtype::kFloat32, WeightGradDtype::kBFloat16}) {
     for (bool accumulate : {false, true}) {
       std::printf("grad dtype %s, accumulate %d\n",

@@ -91,14 +91,10 @@ void plant_edge_blocks(HostProblem& p) {
   p.dy_TH[H + 9] = host::float_to_bf16_bits(-4096.0f);
 }
 
-class Fp8LayerSmall : public ::testing::TestWithParam<std::tuple<int64_t, Routing>> {};
+class Fp8LayerSmall : public SmallProblemTest {};
 
 TEST_P(Fp8LayerSmall, WithinEmulationBounds) {
-  const auto [tokens, routing] = GetParam();
-  Dims d;  // H = 256, I = 128, E = 8, K = 2
-  d.T = tokens;
-  const HostProblem p = make_problem(d, routing, 9000 + tokens);
-  std::printf("T=%lld routing=%s\n", static_cast<long long>(tokens), routing_name(routing));
+  const HostProblem p = small_problem(9000);
   const References refs = cpu_references(p);
   for (bool save_z : {false, true}) {
     std::printf(" z %s\n", save_z ? "saved by the forward" : "recomputed");
@@ -142,11 +138,9 @@ TEST(Fp8Layer, ShapesClampTopKAndEdgeBlocks) {
 }
 
 TEST(Fp8Layer, WeightGradientModes) {
-  Dims d;
-  d.T = 150;
+  const Dims d = small_dims(150);
   const HostProblem p = make_problem(d, Routing::kSkewed, 9600);
-  const WeightGradInit init = random_weight_grad_init(d, 9601);
-  for_each_weight_grad_mode(init, [&](const RunOptions& opt) {
+  for_each_weight_grad_mode(d, 9601, [&](const RunOptions& opt) {
     expect_fp8_bounds(run_fp8_layer(p, opt), cpu_references(p, opt));
   });
 }

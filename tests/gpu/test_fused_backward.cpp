@@ -41,16 +41,12 @@ void expect_all_fa3(const HostProblem& p, const RunOptions& opt = {}) {
   }
 }
 
-class FusedBackwardSmall : public ::testing::TestWithParam<std::tuple<int64_t, Routing>> {};
+class FusedBackwardSmall : public SmallProblemTest {};
 
 TEST_P(FusedBackwardSmall, MatchesCpuReference) {
-  const auto [tokens, routing] = GetParam();
-  Dims d;
-  d.T = tokens;
-  const HostProblem p = make_problem(d, routing, 8000 + tokens);
+  const HostProblem p = small_problem(8000);
   for (bool save_z : {false, true}) {
-    std::printf("T=%lld routing=%s z %s\n", static_cast<long long>(tokens), routing_name(routing),
-                save_z ? "saved by the forward" : "recomputed");
+    std::printf(" z %s\n", save_z ? "saved by the forward" : "recomputed");
     RunOptions opt;
     opt.save_z = save_z;
     expect_all_fa3(p, opt);
@@ -83,11 +79,9 @@ TEST(FusedBackward, ClampMediumAndOddShapes) {
 }
 
 TEST(FusedBackward, Bf16AndAccumulatedWeightGrads) {
-  Dims d;
-  d.T = 199;
+  const Dims d = small_dims(199);
   const HostProblem p = make_problem(d, Routing::kFewExperts, 9100);  // empty experts too
-  const WeightGradInit init = random_weight_grad_init(d, 9);
-  for_each_weight_grad_mode(init, [&](const RunOptions& opt) { expect_all_fa3(p, opt); });
+  for_each_weight_grad_mode(d, 9, [&](const RunOptions& opt) { expect_all_fa3(p, opt); });
 }
 
 TEST(FusedBackward, BitwiseDeterministic) {

@@ -22,14 +22,10 @@ void expect_fa3(const std::string& what, const std::vector<double>& fused,
   expect_close("fused " + what, fused, reference, bound);
 }
 
-class FusedSmall : public ::testing::TestWithParam<std::tuple<int64_t, Routing>> {};
+class FusedSmall : public SmallProblemTest {};
 
 TEST_P(FusedSmall, MatchesCpuReference) {
-  const auto [tokens, routing] = GetParam();
-  Dims d;
-  d.T = tokens;
-  const HostProblem p = make_problem(d, routing, 2000 + tokens);
-  std::printf("T=%lld routing=%s\n", static_cast<long long>(tokens), routing_name(routing));
+  const HostProblem p = small_problem(2000);
   const std::vector<double> y_ref = reference::forward(to_reference(p));
   expect_fa3("y", run_forward_only(Impl::kFused, p), run_forward_only(Impl::kUnfused, p), y_ref);
 }

@@ -52,15 +52,10 @@ void check_both(const HostProblem& p, const RunOptions& opt = {}, int64_t max_to
 }
 
 // ---- small shapes x token counts x routings, both implementations against fp64 ----
-class SmallShapes : public ::testing::TestWithParam<std::tuple<int64_t, Routing>> {};
+class SmallShapes : public SmallProblemTest {};
 
 TEST_P(SmallShapes, MatchCpuReference) {
-  const auto [tokens, routing] = GetParam();
-  Dims d;
-  d.T = tokens;
-  const HostProblem p = make_problem(d, routing, 1000 + tokens);
-  std::printf("T=%lld routing=%s\n", static_cast<long long>(tokens), routing_name(routing));
-  check_both(p);
+  check_both(small_problem(1000));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -96,11 +91,9 @@ TEST(Unfused, MediumShapeAndWorkspaceLargerThanTokens) {
 }
 
 TEST(Unfused, WeightGradsBf16AndAccumulate) {
-  Dims d;
-  d.T = 199;
+  const Dims d = small_dims(199);
   const HostProblem p = make_problem(d, Routing::kFewExperts, 31);  // empty experts included
-  const WeightGradInit init = random_weight_grad_init(d, 5);
-  for_each_weight_grad_mode(init, [&](const RunOptions& opt) { check_both(p, opt); });
+  for_each_weight_grad_mode(d, 5, [&](const RunOptions& opt) { check_both(p, opt); });
 }
 
 TEST(Unfused, BitwiseDeterministic) {
@@ -132,8 +125,7 @@ TEST(Unfused, InvalidExpertIdsAreReported) {
 }
 
 TEST(Unfused, HostPointerIsRejected) {
-  Dims d;
-  d.T = 4;
+  const Dims d = small_dims(4);
   const HostProblem p = make_problem(d, Routing::kUniform, 61);
   ForwardSetup s(Impl::kUnfused, p);
   alignas(16) static uint16_t host_x[4 * 256];
