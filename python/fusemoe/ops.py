@@ -369,6 +369,9 @@ def _setup_context(ctx, inputs, output):
      swiglu_clamp) = inputs
     z_SF = output[1]
     ctx.mark_non_differentiable(z_SF)
+    # Without this autograd hands the backward a zero-filled gradient of z (T K x 2I bf16: 256 MiB
+    # at T = 4096, 2I = 4096), allocated and written on every backward for nothing.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, z_SF)
     ctx.impl = impl
     ctx.swiglu_clamp = swiglu_clamp
