@@ -31,7 +31,9 @@ def gpu():
     require_gpu()
 
 
-def check_fp8(p, swiglu_clamp=None, **options):
+def check_fp8(p, swiglu_clamp=None, emulation_tol=None, **options):
+    """emulation_tol: per-output tolerances against the emulation that replace EMULATION_TOL."""
+    tols = {name: EMULATION_TOL for name in OUTPUTS} | (emulation_tol or {})
     got = run_layer(functools.partial(fusemoe.moe_experts, precision="fp8",
                                       swiglu_clamp=swiglu_clamp, **options), p, torch.bfloat16)
     emulation = moe_experts_fp8_emulated(p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"],
@@ -42,10 +44,10 @@ def check_fp8(p, swiglu_clamp=None, **options):
     for name in OUTPUTS:
         vs_emu, emu_err = rel_err(got[name], emulation[name]), rel_err(emulation[name], ref[name])
         err, bound = rel_err(got[name], ref[name]), ERROR_FACTOR * emu_err + ERROR_SLACK
-        lines.append(f"{name}: vs emulation {vs_emu:.3e} (tol {EMULATION_TOL:.0e}), vs fp32 {err:.3e}"
+        lines.append(f"{name}: vs emulation {vs_emu:.3e} (tol {tols[name]:.0e}), vs fp32 {err:.3e}"
                      f" (calc_diff {calc_diff(got[name], ref[name]):.2e}), emulation vs fp32 "
                      f"{emu_err:.3e}, bound {bound:.3e}")
-        if not (vs_emu <= EMULATION_TOL and err <= bound):
+        if not (vs_emu <= tols[name] and err <= bound):
             failures.append(lines[-1])
     print("\n".join(lines))
     assert not failures, "\n".join(failures)
@@ -134,12 +136,15 @@ def test_fp8_unsupported_configurations_raise():
 
 def test_fp8_swiglu_clamp_reaches_the_kernels():
     """The clamp through the FP8 op (FusemoeCLayer's use_swiglu_clamp at precision fp8): at
-    c = 0.75 about a third of g and u are clamped. Every output within the emulation bounds of the
-    clamped recipe (a fixed 10% bound against fp32 does not hold for dx: FP8's error moves values
-    across the clamp bound, where the gradient switches on or off), and y closer to the clamped
-    fp32 reference than to the unclamped one."""
+    c = 0.75 about a third of g and u are clamped. Every output within 1.1x the clamped
+    emulation's error against the clamped fp32 reference, and y closer to that reference than to
+    the unclamped one. Against the emulation itself dx and dw13, the gradients through the clamp
+    masks, get 10% instead of 2%: the kernels' z (another fp32 summation order, then bf16) puts
+    some values near c on the other side of the bound than the emulation's, and each such value
+    switches its gradient on or off (on the H200: 4.8e-2 for both, the other outputs within 2e-2;
+    the emulation itself is 0.207 from the fp32 reference in dx, 0.065 without the clamp)."""
     p = make_problem(199, 256, 128, 8, 2, "cuda", seed=165)
-    got = check_fp8(p, swiglu_clamp=0.75)
+    got = check_fp8(p, swiglu_clamp=0.75, emulation_tol={"dx": 1e-1, "dw13": 1e-1})
     clamped = run_layer(functools.partial(moe_experts_torch, swiglu_clamp=0.75), p, torch.float32)
     unclamped = run_layer(moe_experts_torch, p, torch.float32)
     assert rel_err(got["y"], clamped["y"]) < rel_err(got["y"], unclamped["y"])
