@@ -44,7 +44,7 @@ constexpr int kFp8BlockK = 128;  // E4M3 per K-block: one swizzle row, one scale
 static_assert(kFp8BlockK == kSwizzleRowBytes, "an FP8 K-block is one 128-byte swizzle row");
 static_assert(kFp8BlockK * 1 == kBlockK * 2, "FP8 and BF16 stages have the same bytes");
 
-// Scales of one stage. 640 bytes keep every record's A scales 128-byte aligned (a TMA box target).
+// Scales of one stage. 640 bytes keep every record's A scales 128-byte aligned.
 struct StageScales {
   float a[kBlockM];  // tile row r's scale for this K-block
   float b[2];        // B: columns [0, kBlockN/2) and [kBlockN/2, kBlockN); b[0] only if B::kNumBScales == 1
@@ -108,7 +108,7 @@ struct ScalesPerThread<A, std::void_t<decltype(A::kScalesPerThread)>> : std::boo
 template <class A>
 constexpr bool kAllProducerThreads = A::kGathered || ScalesPerThread<A>::value;
 
-// Main loops over K per tile: B::kPasses for the FP8 B policies (two for Fp8GateUpWeightsB<2>),
+// Main loops over K per tile: B::kPasses for the FP8 B policies (two for Fp8GateUpWeightsB),
 // one for the BF16 ones, which have no such member.
 template <class B, class = void>
 struct PassesPerTile : std::integral_constant<int, 1> {};
@@ -166,9 +166,8 @@ struct Fp8WeightsB {
   }
 };
 
-template <int kPasses_>
 struct Fp8GateUpWeightsB {
-  static constexpr int kBlockN = 128, kPasses = kPasses_, kNumBScales = 2;
+  static constexpr int kBlockN = 128, kPasses = 2, kNumBScales = 2;
   static constexpr int kTileCols = kBlockN / 2 * kPasses;  // h columns per tile: one 128-block of h
   static constexpr bool kMnMajor = false;
   static constexpr uint32_t kBoxRows = kBlockN / 2;
@@ -196,7 +195,7 @@ struct Fp8GateUpWeightsB {
 template <class Gemm>
 struct GemmParams;
 
-// The consumer loop with promotion. A two-pass tile (Fp8GateUpWeightsB<2>) hands its first
+// The consumer loop with promotion. A two-pass tile (Fp8GateUpWeightsB) hands its first
 // pass's accumulators to Epilogue::store_first_pass before the second pass reuses them.
 template <class Gemm>
 __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,

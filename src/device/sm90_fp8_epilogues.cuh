@@ -14,7 +14,7 @@
 //                                         and one of du: also dz in E4M3 [R, 2I] + scales
 //                                         [2I/128][rows_pad], quantized from the bf16 dz
 // Block-major scale pools: the scale of row r, block kb at scales[kb * rows_pad + r]; the next
-// GEMM loads a tile's 128 row scales as one TMA box.
+// GEMM's producer threads load a tile's 128 row scales, one 4-byte cp.async each.
 #pragma once
 
 #include <cuda_bf16.h>

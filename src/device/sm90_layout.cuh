@@ -28,7 +28,8 @@ static_assert(kProducerRegs * kThreadsPerWarpgroup + kConsumerRegs * kThreadsPer
               "register split exceeds the register file");
 
 // Shared memory: the stage ring and an epilogue's staging share kSmemDataBytes; the rest of the
-// 227 KB holds the alignment slack, the barriers and the tile table of up to kMaxExperts.
+// 227 KB holds the alignment slack, the barriers, the tile table of up to kMaxExperts and, in
+// block-scaled (FP8) instances, the ring of stage scale records.
 constexpr int kSmemDataBytes = 208 * 1024;
 constexpr int kSmemAlign = 1024;  // 128B-swizzle atoms start 1024-byte aligned
 constexpr int kMaxExperts = 1024;

@@ -285,13 +285,6 @@ struct Wgmma {
   }
 };
 
-// A clock for bounded waits (nanoseconds; coarse, but monotonic on one GPU).
-__device__ __forceinline__ uint64_t globaltimer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // Named barrier over `num_threads` threads (a multiple of 32); id 0 is __syncthreads.
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t num_threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");

@@ -20,7 +20,7 @@ using sm90::RowDestination;
 constexpr int kDgradZAhead = 8;
 
 template <bool kClamp, bool kStoreZ>
-using GateUpGemm = GroupedGemm<sm90::Fp8GatheredTokenRowsA, sm90::Fp8GateUpWeightsB<2>, sm90::RowTileScheduler,
+using GateUpGemm = GroupedGemm<sm90::Fp8GatheredTokenRowsA, sm90::Fp8GateUpWeightsB, sm90::RowTileScheduler,
                                sm90::SwiGLUFp8Epilogue<kClamp, kStoreZ>>;
 using DownGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB, sm90::RowTileScheduler,
                              sm90::RowStoreEpilogue<128, true, RowDestination::kSlotRow>>;
@@ -36,13 +36,7 @@ static_assert(GateUpGemm<false, false>::kStages == 6 && DownGemm::kStages == 6, 
 
 // A row-tile GEMM over K (a multiple of 128) with N output columns.
 sm90::GemmShape fp8_rows_shape(const Sm90Rows& rows, int64_t k, int64_t n, int64_t b_rows_per_expert) {
-  sm90::GemmShape s{};
-  s.expert_offsets = rows.expert_offsets;
-  s.num_experts = static_cast<int32_t>(rows.num_experts);
-  s.num_k_blocks = static_cast<int32_t>(k / sm90::kFp8BlockK);
-  s.n_valid = static_cast<int32_t>(n);
-  s.b_rows_per_expert = static_cast<int32_t>(b_rows_per_expert);
-  return s;
+  return sm90::rows_shape(rows, k, n, b_rows_per_expert, sm90::kFp8BlockK);
 }
 
 // Scales of a weight stored as [E, rows/128, cols/128], read as the B operand [N = rows, K = cols]
@@ -120,7 +114,7 @@ void launch_dgrad_swiglu(const Sm90Fp8DgradSwigluParams& p) {
   epilogue.dz = static_cast<__nv_bfloat16*>(p.dz);
   epilogue.wh = static_cast<__nv_bfloat16*>(p.wh);
   epilogue.router_partials = p.router_partials;
-  epilogue.num_n_tiles = static_cast<int32_t>(sm90_fp8_dgrad_num_n_tiles(I));
+  epilogue.num_n_tiles = static_cast<int32_t>(sm90_dgrad_num_n_tiles(I, 128));
   epilogue.clamp = p.swiglu_clamp;
   epilogue.dz_fp8 = static_cast<uint8_t*>(p.dz_fp8);
   epilogue.dz_scales = p.dz_scales;

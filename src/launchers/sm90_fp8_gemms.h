@@ -22,7 +22,8 @@
 
 namespace fusemoe {
 
-// Row stride of the block-major scale pools: R_max rounded up to 4 (16-byte TMA strides).
+// Row stride of the block-major scale pools: R_max rounded up to 4 (each K-block's scales
+// start 16-byte aligned).
 inline int64_t sm90_fp8_rows_pad(int64_t max_rows) { return (max_rows + 3) / 4 * 4; }
 
 struct Sm90Fp8GateUpParams {
@@ -82,9 +83,6 @@ struct Sm90Fp8DgradScatterParams {
   const int32_t* row_slot = nullptr;
   void* dx_slots = nullptr;           // [S, H] bf16 (output)
 };
-
-// Router partials per row of the FP8 dgrad (tile width 128): I / 128.
-inline int64_t sm90_fp8_dgrad_num_n_tiles(int64_t intermediate) { return intermediate / 128; }
 
 void launch_sm90_fp8_gate_up_swiglu(const Sm90Fp8GateUpParams& params);
 void launch_sm90_fp8_down_weighted(const Sm90Fp8DownParams& params);

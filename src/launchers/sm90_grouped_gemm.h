@@ -23,6 +23,8 @@
 
 #include <cstdint>
 
+#include "fusemoe/expert_parallel.h"
+
 namespace fusemoe {
 
 // The expert-sorted rows every GEMM of one layer call works on.
@@ -44,7 +46,7 @@ struct Sm90PeerRows {
   const int32_t* row_src = nullptr;    // [R_max] destination rank
   const int32_t* row_slot = nullptr;   // [R_max] slot on that rank
   const float* row_weight = nullptr;   // [R_max] routing weight (down only)
-  void* slot_buffers[8] = {};          // each rank's [S, H] bf16 buffer as mapped in this process
+  void* slot_buffers[kMaxRanks] = {};  // each rank's [S, H] bf16 buffer as mapped in this process
 };
 
 // The rows problem of a layer call: experts and their offsets, capacity, the layer's H and I.

@@ -56,7 +56,4 @@ CUtensorMap make_store_tensor_map(const void* base, bool fp32, uint64_t inner, u
 CUtensorMap make_tensor_map_fp8(const void* base, uint64_t inner, uint64_t outer, uint32_t box_outer,
                                 const char* name);
 
-
-inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
-
 }  // namespace fusemoe::sm90

@@ -16,13 +16,16 @@
 namespace fusemoe::sm90 {
 
 static_assert(kBlockK == kTensorMapBoxInner, "a K-block is one tensor-map box row");
+static_assert(kMaxPeers == kMaxRanks, "the down epilogue addresses every rank of an expert-parallel group");
 
-// The common sizes of a row-tile GEMM: inner size K, N output columns, B's rows per expert.
-inline GemmShape rows_shape(const Sm90Rows& rows, int64_t k, int64_t n, int64_t b_rows_per_expert) {
+// The common sizes of a row-tile GEMM: inner size K (in K-blocks of block_k elements: 64 bf16, or
+// 128 E4M3 for the block-scaled instances), N output columns, B's rows per expert.
+inline GemmShape rows_shape(const Sm90Rows& rows, int64_t k, int64_t n, int64_t b_rows_per_expert,
+                            int64_t block_k = kBlockK) {
   GemmShape s{};
   s.expert_offsets = rows.expert_offsets;
   s.num_experts = static_cast<int32_t>(rows.num_experts);
-  s.num_k_blocks = static_cast<int32_t>(k / kBlockK);
+  s.num_k_blocks = static_cast<int32_t>(k / block_k);
   s.n_valid = static_cast<int32_t>(n);
   s.b_rows_per_expert = static_cast<int32_t>(b_rows_per_expert);
   return s;

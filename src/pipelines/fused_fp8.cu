@@ -86,7 +86,7 @@ struct Fp8BackwardWorkspace : BackwardPools {
     if (base) carve_routing_plan(static_cast<char*>(base), c.max_tokens, c.top_k, c.num_experts, &plan);
     WorkspaceCarver carver(base, routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
     carve_pools(carver, rows, H, I);
-    router_partials = carver.take<float>(rows * sm90_fp8_dgrad_num_n_tiles(I) * sizeof(float));
+    router_partials = carver.take<float>(rows * sm90_router_partials_per_row(I) * sizeof(float));
     dys_fp8_RH = carver.take(rows * H);
     dys_scales = carver.take<float>((H / 128) * rows_pad * sizeof(float));
     dz_fp8_RF = carver.take(rows * 2 * I);
@@ -212,7 +212,7 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
     d1.use_swiglu_clamp = c.use_swiglu_clamp;
     d1.swiglu_clamp = c.swiglu_clamp;
     launch_sm90_fp8_dgrad_swiglu(d1);
-    launch_router_grad_reduce(ws.router_partials, sm90_fp8_dgrad_num_n_tiles(I), ws.plan.slot_row, num_slots,
+    launch_router_grad_reduce(ws.router_partials, sm90_dgrad_num_n_tiles(I, 128), ws.plan.slot_row, num_slots,
                               args.d_topk_weights, stream);
 
     Sm90Fp8DgradScatterParams d2;
