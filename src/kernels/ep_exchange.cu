@@ -46,15 +46,14 @@ struct InboxOffsets {
   int64_t counts, num_tokens, tokens, entry_pos, entry_slot, entry_weight;
 };
 
-InboxOffsets inbox_offsets(const EpPeers& peers, const EpSymmetric& own) {
-  const EpInbox& in = own.inbox[peers.rank];
-  auto off = [&](const void* p) { return static_cast<int64_t>(static_cast<const char*>(p) - peers.own); };
-  return {off(in.counts), off(in.num_tokens), off(in.tokens), off(in.entry_pos), off(in.entry_slot),
-          off(in.entry_weight)};
-}
-
 int64_t offset_of(const EpPeers& peers, const void* field) {
   return static_cast<int64_t>(static_cast<const char*>(field) - peers.own);
+}
+
+InboxOffsets inbox_offsets(const EpPeers& peers, const EpSymmetric& own) {
+  const EpInbox& in = own.inbox[peers.rank];
+  return {offset_of(peers, in.counts),    offset_of(peers, in.num_tokens), offset_of(peers, in.tokens),
+          offset_of(peers, in.entry_pos), offset_of(peers, in.entry_slot), offset_of(peers, in.entry_weight)};
 }
 
 // The inbox of every source, as this (owner) rank reads it.

@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "device/fp8_quantize.cuh"
+#include "device/sm90_fragment.cuh"
 #include "fusemoe/error.h"
 
 namespace fusemoe {
@@ -19,16 +20,6 @@ using sm90::kFp8Block;
 constexpr int kThreads = 256;
 constexpr int kLanesPerRowBlock = kFp8Block / 8;  // 16 lanes x 8 bf16
 constexpr int64_t kMaxGrid = 65535LL * 16;
-
-__device__ __forceinline__ void unpack8(const uint4& raw, float (&v)[8]) {
-  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(p[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
 
 // One warp handles two (row, block) items per step, one per half-warp; the half-warps of a warp
 // stay together (an item past the end computes on zeros and stores nothing) so the shuffles see
@@ -56,7 +47,7 @@ __global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, 
     if (valid) {
       const int64_t src_row = row_slot ? __ldg(row_slot + row) / top_k : row;
       raw = *reinterpret_cast<const uint4*>(src + src_row * hidden + col);
-      unpack8(raw, v);
+      sm90::unpack_bf16x8(raw, v);
     }
     float amax = sm90::amax8(v);
 #pragma unroll
@@ -99,7 +90,7 @@ __global__ void __launch_bounds__(kThreads) quantize_weights_fp8_kernel(const __
     const int64_t r = br * kFp8Block + r0 + kRowsPerPass * i;
     raw[i] = *reinterpret_cast<const uint4*>(w + matrix + r * cols + bc * kFp8Block + chunk * 8);
     float v[8];
-    unpack8(raw[i], v);
+    sm90::unpack_bf16x8(raw[i], v);
     amax = fmaxf(amax, sm90::amax8(v));
   }
 #pragma unroll
@@ -115,7 +106,7 @@ __global__ void __launch_bounds__(kThreads) quantize_weights_fp8_kernel(const __
   for (int i = 0; i < kPasses; ++i) {
     const int r = r0 + kRowsPerPass * i;
     float v[8];
-    unpack8(raw[i], v);
+    sm90::unpack_bf16x8(raw[i], v);
     const uint2 bytes = sm90::quantize_e4m3x8(v, s.inv);
     *reinterpret_cast<uint2*>(q + matrix + (br * kFp8Block + r) * cols + bc * kFp8Block + chunk * 8) = bytes;
     *reinterpret_cast<uint2*>(&tile[r][chunk * 8]) = bytes;
