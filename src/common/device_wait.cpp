@@ -18,7 +18,12 @@ namespace {
 constexpr int kMaxDevices = 64;
 constexpr double kDefaultTimeoutSeconds = 30.0;
 
+// g_mutex guards g_records (the reports read them). g_alloc_mutex serialises the first-use
+// allocations: it is held across CUDA calls whose failure (FUSEMOE_CUDA_CHECK) takes the report,
+// which locks g_mutex, so g_mutex itself is never held across a CUDA call. Order: g_alloc_mutex,
+// then g_mutex.
 std::mutex g_mutex;
+std::mutex g_alloc_mutex;
 DeviceWaitRecord* g_records[kMaxDevices] = {};  // host addresses (mapped at the same address)
 
 double timeout_from_environment() {
@@ -76,13 +81,22 @@ WaitBound device_wait_bound(WaitKernel kernel) {
   DeviceWaitRecord* record = nullptr;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    if (g_records[device] == nullptr) {
+    record = g_records[device];
+  }
+  if (record == nullptr) {
+    std::lock_guard<std::mutex> alloc_lock(g_alloc_mutex);
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      record = g_records[device];  // another thread may have allocated it meanwhile
+    }
+    if (record == nullptr) {
       void* host = nullptr;
       FUSEMOE_CUDA_CHECK(cudaHostAlloc(&host, sizeof(DeviceWaitRecord), cudaHostAllocMapped | cudaHostAllocPortable));
-      *static_cast<DeviceWaitRecord*>(host) = DeviceWaitRecord{};
-      g_records[device] = static_cast<DeviceWaitRecord*>(host);
+      record = static_cast<DeviceWaitRecord*>(host);
+      *record = DeviceWaitRecord{};
+      std::lock_guard<std::mutex> lock(g_mutex);
+      g_records[device] = record;
     }
-    record = g_records[device];
   }
   void* mapped = nullptr;
   FUSEMOE_CUDA_CHECK(cudaHostGetDevicePointer(&mapped, record, 0));
