@@ -155,11 +155,6 @@ std::string describe_device_wait(const DeviceWaitRecord& r) {
   return out.str();
 }
 
-void throw_if_device_wait_timed_out() {
-  const std::string report = detail::take_device_wait_report();
-  FUSEMOE_CHECK(report.empty(), report);
-}
-
 namespace detail {
 
 std::string take_device_wait_report() {
