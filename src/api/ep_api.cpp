@@ -9,6 +9,7 @@
 #include "fusemoe/fusemoe.h"
 #include "kernels/routing.h"
 #include "pipelines/ep_layer.h"
+#include "pipelines/ep_workspace.h"
 
 namespace fusemoe {
 namespace {
@@ -104,6 +105,11 @@ void validate_ep_config(const EpConfig& c) {
                 "rank must be in [0, world_size=" << c.world_size << "), got " << c.rank);
   FUSEMOE_CHECK(c.layer.num_experts % c.world_size == 0,
                 "num_experts (" << c.layer.num_experts << ") must be divisible by world_size (" << c.world_size << ")");
+  // Unreachable while kMaxExperts <= kEpMaxLocalExperts; checked here so the launchers may assert
+  // it after the call has started signalling peers.
+  FUSEMOE_CHECK(c.layer.num_experts / c.world_size <= kEpMaxLocalExperts,
+                "num_experts / world_size (experts per rank) must be <= " << kEpMaxLocalExperts << ", got "
+                                                                           << c.layer.num_experts / c.world_size);
   // An owner may receive every slot of every rank: its rows are world_size * max_tokens * top_k.
   FUSEMOE_CHECK(c.layer.max_tokens < std::numeric_limits<int32_t>::max() / c.layer.top_k / c.world_size,
                 "world_size * max_tokens * top_k must be < 2^31 (an owner's rows are int32 indices), got "

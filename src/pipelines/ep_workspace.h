@@ -9,12 +9,18 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/assert.h"  // for the EP launchers (kernels/ep_exchange.cu, through ep_exchange.h)
 #include "common/workspace_carver.h"
 #include "fusemoe/expert_parallel.h"
 #include "kernels/routing.h"
 #include "launchers/sm90_grouped_gemm.h"
 
 namespace fusemoe {
+
+// Local experts (E / R) one rank can own: the owner plan runs one thread per local expert in one
+// block (kernels/ep_exchange.cu, kPlanThreads). validate_ep_config enforces it before any
+// device work; kMaxExperts keeps E / R below it today.
+constexpr int64_t kEpMaxLocalExperts = 1024;
 
 // What source rank s sends owner rank d (in d's symmetric workspace, slot s): the rows of d's
 // experts among s's routed slots, ordered by (local expert, slot), and the tokens they read,
