@@ -47,24 +47,35 @@ void check_common(const EpConfig& c, void* const* peer_symmetric, void* workspac
   FUSEMOE_CHECK(num_sms >= 0, "num_sms must be >= 0 (0: every SM), got " << num_sms);
 }
 
-// The checks every call makes (config, peers, workspace, the tensors it always takes and those
-// it takes when it has tokens, the optional ones), then the call, then the expert-id check the
-// caller chose.
+// The checks every call makes, as api.cpp orders them: host checks first (config, peers,
+// workspace, the tensors it always takes and those it takes when it has tokens, the optional
+// ones), then the device and this rank's own pointers (not peer_symmetric: other ranks' memory,
+// mapped into this process), then the call, then the expert-id check the caller chose.
 template <class Run>
 void run_checked(const EpConfig& c, const EpCall& a, const void* saved_state, WorkspaceUse use,
                  std::initializer_list<NamedTensor> outputs, std::initializer_list<NamedTensor> with_tokens, Run run) {
   check_common(c, a.peer_symmetric, a.workspace, a.workspace_bytes, use, a.num_tokens, a.num_sms);
   const NamedTensor weights[] = {{a.w13, "w13", kTmaAlignment}, {a.w2, "w2", kTmaAlignment}};
+  const NamedTensor tokens[] = {
+      {a.x, "x", kTmaAlignment}, {a.topk_idx, "topk_idx", 4}, {a.topk_weights, "topk_weights", 4}};
   check_tensors(std::begin(weights), std::end(weights));
   check_tensors(outputs.begin(), outputs.end());
   if (a.num_tokens > 0) {
-    const NamedTensor tokens[] = {
-        {a.x, "x", kTmaAlignment}, {a.topk_idx, "topk_idx", 4}, {a.topk_weights, "topk_weights", 4}};
     check_tensors(std::begin(tokens), std::end(tokens));
     check_tensors(with_tokens.begin(), with_tokens.end());
   }
   if (saved_state != nullptr) check_tensor(saved_state, "saved_state", kTmaAlignment);
   if (a.expert_id_report != nullptr) check_tensor(a.expert_id_report, "expert_id_report", 4);
+  check_device();
+  check_device_pointers(std::begin(weights), std::end(weights));
+  check_device_pointers(outputs.begin(), outputs.end());
+  check_device_pointer(a.workspace, "workspace");
+  if (a.num_tokens > 0) {
+    check_device_pointers(std::begin(tokens), std::end(tokens));
+    check_device_pointers(with_tokens.begin(), with_tokens.end());
+  }
+  if (saved_state != nullptr) check_device_pointer(saved_state, "saved_state");
+  if (a.expert_id_report != nullptr) check_expert_id_report_pointer(a.expert_id_report);
   run();
   if (a.sync_check_expert_ids && a.expert_id_report == nullptr && !stream_is_capturing(a.stream)) {
     check_routing_record(ep_routing_plan(c, a.workspace), c.layer.num_experts, c.layer.top_k, a.stream);
