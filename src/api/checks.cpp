@@ -1,6 +1,8 @@
 // Argument checks shared by the public entry points (checks.h).
 #include "api/checks.h"
 
+#include <atomic>
+
 #include "fusemoe/error.h"
 
 namespace fusemoe {
@@ -50,12 +52,18 @@ void check_expert_id_report_pointer(const int32_t* report) {
 void check_device() {
   int device = 0;
   FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
+  // Bit d: device d passed (a device's compute capability never changes). Devices >= 64 are
+  // queried on every call; a failure is not cached and fails again the same way.
+  static std::atomic<uint64_t> passed{0};
+  const uint64_t device_bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (device_bit != 0 && (passed.load(std::memory_order_acquire) & device_bit) != 0) return;
   int major = 0, minor = 0;
   FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   FUSEMOE_CHECK(major == 9 && minor == 0, "fusemoe is built for sm_90a (Hopper: H100/H200); device "
                                               << device << " has compute capability " << major
                                               << "." << minor);
+  passed.fetch_or(device_bit, std::memory_order_acq_rel);
 }
 
 bool stream_is_capturing(cudaStream_t stream) {

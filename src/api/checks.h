@@ -37,7 +37,7 @@ void check_device_pointers(const NamedTensor* first, const NamedTensor* last);
 // the same address (unified addressing), so the host can poll it without a sync.
 void check_expert_id_report_pointer(const int32_t* report);
 
-// The current device is the one fusemoe is built for (sm_90a).
+// The current device is the one fusemoe is built for (sm_90a); queried once per device.
 void check_device();
 
 // Whether `stream` is being captured into a CUDA graph (a synchronisation is illegal then).
