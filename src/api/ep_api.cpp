@@ -131,8 +131,7 @@ size_t ep_workspace_bytes(const EpConfig& config) {
 
 size_t ep_saved_state_bytes(const EpConfig& config) {
   validate_ep_config(config);
-  const LayerConfig& l = config.layer;
-  return static_cast<size_t>(config.world_size) * l.max_tokens * l.top_k * 2 * l.intermediate * 2;
+  return saved_z_bytes(owner_layer(config));  // z of the owner's R * T * K rows
 }
 
 void ep_forward(const EpConfig& c, const EpForwardArgs& a) {
