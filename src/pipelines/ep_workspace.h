@@ -105,8 +105,7 @@ struct EpPrivate {
     const LayerConfig& l = c.layer;
     const int64_t R = c.world_size, T = l.max_tokens, S = T * l.top_k, El = l.num_experts / R;
     const int64_t P = R * T, Q = R * S, H = l.hidden, I = l.intermediate;
-    char* cursor = static_cast<char*>(base);
-    if (base) cursor = carve_routing_plan(cursor, T, l.top_k, l.num_experts, &plan);
+    if (base) carve_routing_plan(static_cast<char*>(base), T, l.top_k, l.num_experts, &plan);
     size_t reserved = routing_plan_bytes(T, l.top_k, l.num_experts);
     if (base) carve_routing_plan(static_cast<char*>(base) + reserved, T, R, R, &token_plan);
     reserved += routing_plan_bytes(T, R, R);
