@@ -281,11 +281,14 @@ void check_weight_device_pointers(const LayerConfig& config, const void* w13, co
 
 }  // namespace
 
+// The FP8 weight buffer exists at precision fp8_blockwise only, so the layer's shape is checked
+// at that precision (I % 128 == 0 among the rest), whatever config.precision says: the buffer
+// does not depend on it.
 size_t fp8_weights_bytes(const LayerConfig& config) {
-  validate_config(config);
-  FUSEMOE_CHECK(config.intermediate % 128 == 0,
-                "FP8 weights need intermediate (I) to be a multiple of 128, got " << config.intermediate);
-  return fp8_weights_buffer_bytes(config);
+  LayerConfig fp8 = config;
+  fp8.precision = Precision::kFp8Blockwise;
+  validate_config(fp8);
+  return fp8_weights_buffer_bytes(fp8);
 }
 
 Fp8Weights fp8_weights_view(const LayerConfig& config, const void* buffer) {
