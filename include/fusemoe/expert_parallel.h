@@ -28,9 +28,11 @@
 // operation of a rank on its own stream (never the legacy default stream: a blocking call there
 // can wait behind another rank's kernel that waits for this rank), give the streams their own
 // hardware queues (CUDA_DEVICE_MAX_CONNECTIONS=32) and load kernels eagerly
-// (CUDA_MODULE_LOADING=EAGER: a lazy load can synchronise the context the same way). Every cross-rank wait is bounded (set_device_wait_timeout, default
-// 30 s): a rank that never arrives makes the others fail with an error naming the rank, the
-// peer and what was waited for, instead of hanging.
+// (CUDA_MODULE_LOADING=EAGER: a lazy load can synchronise the context the same way). Every
+// cross-rank wait is bounded (default 30 s; the environment variable FUSEMOE_WAIT_TIMEOUT_S,
+// in seconds, read once at the first launch, sets it): a rank that never arrives makes the
+// others fail with an error naming the rank, the peer and what was waited for, instead of
+// hanging.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -78,7 +80,9 @@ struct EpCall {
   // ranks, pass a report (or false) instead.
   bool sync_check_expert_ids = true;
   int32_t* expert_id_report = nullptr;
-  int num_sms = 0;                      // SMs the persistent GEMMs use (0: all); co-resident ranks
+  // SMs the persistent GEMMs use (0: all). Co-resident ranks (several on one GPU) pass each a
+  // share, e.g. the GPU's SM count / R, so that their GEMMs run side by side.
+  int num_sms = 0;
   cudaStream_t stream = nullptr;
 };
 

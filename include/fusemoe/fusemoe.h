@@ -96,6 +96,8 @@ struct Fp8Weights {
 };
 
 // Bytes of the FP8 weight buffer of a config (2 bytes per bf16 weight element, plus the scales).
+// These three functions check the config's shape as at Precision::kFp8Blockwise and do not read
+// config.precision (the buffer is the same whatever it says).
 size_t fp8_weights_bytes(const LayerConfig& config);
 // The arrays inside a buffer of fp8_weights_bytes(config) bytes.
 Fp8Weights fp8_weights_view(const LayerConfig& config, const void* buffer);

@@ -9,6 +9,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "api/checks.h"
 #include "fusemoe/fusemoe.h"
 #include "kernels/routing.h"
 #include "pipelines/fused_forward.h"
@@ -18,13 +19,6 @@
 
 namespace fusemoe {
 namespace {
-
-constexpr uintptr_t kTmaAlignment = 16;        // TMA and 16-byte vector accesses
-constexpr uintptr_t kWorkspaceAlignment = 256;
-
-bool aligned(const void* p, uintptr_t alignment) {
-  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
-}
 
 void check_impl(Impl impl) {
   FUSEMOE_CHECK(impl == Impl::kUnfused || impl == Impl::kReferenceFp32 || impl == Impl::kFused,
@@ -36,59 +30,6 @@ void check_impl_precision(const LayerConfig& config, Impl impl) {
   FUSEMOE_CHECK(config.precision == Precision::kBf16 || impl == Impl::kFused,
                 "precision " << precision_name(config.precision) << " is supported by Impl::kFused only (got "
                              << impl_name(impl) << ")");
-}
-
-// Null check for tensors that must exist, plus their alignment.
-void check_tensor(const void* p, const char* name, uintptr_t alignment) {
-  FUSEMOE_CHECK(p != nullptr, name << " must not be null");
-  FUSEMOE_CHECK(aligned(p, alignment), name << " must be " << alignment
-                                           << "-byte aligned, got address " << p);
-}
-
-void check_device_pointer(const void* p, const char* name) {
-  cudaPointerAttributes attributes{};
-  FUSEMOE_CUDA_CHECK(cudaPointerGetAttributes(&attributes, p));
-  FUSEMOE_CHECK(attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged,
-                name << " must point to device memory (got a host or unregistered pointer)");
-  if (attributes.type == cudaMemoryTypeDevice) {
-    int current = 0;
-    FUSEMOE_CUDA_CHECK(cudaGetDevice(&current));
-    FUSEMOE_CHECK(attributes.device == current, name << " is on device " << attributes.device
-                                                     << " but the current device is " << current);
-  }
-}
-
-// An argument tensor by name: the host-side checks (null, alignment) run for every argument
-// before the first CUDA query, then the device checks, so a call's cheapest error comes first.
-struct NamedTensor {
-  const void* p;
-  const char* name;
-  uintptr_t alignment;
-};
-
-void check_tensors(const NamedTensor* first, const NamedTensor* last) {
-  for (const NamedTensor* t = first; t != last; ++t) check_tensor(t->p, t->name, t->alignment);
-}
-
-void check_device_pointers(const NamedTensor* first, const NamedTensor* last) {
-  for (const NamedTensor* t = first; t != last; ++t) check_device_pointer(t->p, t->name);
-}
-
-// The expert-id report may be device memory or pinned host memory that kernels can write at
-// the same address (unified addressing), so the host can poll it without a sync.
-void check_expert_id_report_pointer(const int32_t* report) {
-  FUSEMOE_CHECK(aligned(report, 4), "expert_id_report must be 4-byte aligned, got " << report);
-  cudaPointerAttributes attributes{};
-  FUSEMOE_CUDA_CHECK(cudaPointerGetAttributes(&attributes, report));
-  if (attributes.type == cudaMemoryTypeHost) {
-    FUSEMOE_CHECK(attributes.devicePointer == report,
-                  "expert_id_report: pinned host memory must be mapped into the device at the "
-                  "same address (unified addressing); got host "
-                      << static_cast<const void*>(report) << ", device "
-                      << attributes.devicePointer);
-    return;
-  }
-  check_device_pointer(report, "expert_id_report");
 }
 
 // ForwardArgs / BackwardArgs::saved_z (host checks): optional, fused only, 16-byte aligned.
@@ -104,9 +45,7 @@ void check_saved_z(Impl impl, const void* saved_z) {
 // stream is being captured (a sync is illegal there; the record stays for check_expert_ids).
 void sync_check_unless_capturing(const LayerConfig& config, Impl impl, void* workspace,
                                  cudaStream_t stream) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  FUSEMOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (capture == cudaStreamCaptureStatusNone) check_expert_ids(config, impl, workspace, stream);
+  if (!stream_is_capturing(stream)) check_expert_ids(config, impl, workspace, stream);
 }
 
 // Device checks of the optional pointers both directions take.
@@ -122,17 +61,6 @@ void finish_fused_call(const LayerConfig& config, bool sync_check_expert_ids,
   if (sync_check_expert_ids && expert_id_report == nullptr) {
     sync_check_unless_capturing(config, Impl::kFused, workspace, stream);
   }
-}
-
-void check_device() {
-  int device = 0;
-  FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
-  int major = 0, minor = 0;
-  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  FUSEMOE_CHECK(major == 9 && minor == 0, "fusemoe is built for sm_90a (Hopper: H100/H200); device "
-                                              << device << " has compute capability " << major
-                                              << "." << minor);
 }
 
 const char* use_name(WorkspaceUse use) {
@@ -273,11 +201,7 @@ void check_expert_ids(const LayerConfig& config, Impl impl, const void* workspac
   const RoutingPlan plan = impl == Impl::kFused
                                ? fused_routing_plan(config, const_cast<void*>(workspace))
                                : unfused_routing_plan(config, impl, const_cast<void*>(workspace));
-  int32_t bad[3] = {0, 0, 0};
-  FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(bad, plan.bad_id_info, sizeof(bad), cudaMemcpyDeviceToHost,
-                                     stream));
-  FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  check_bad_id_record(bad, config.num_experts, config.top_k);
+  check_routing_record(plan, config.num_experts, config.top_k, stream);
 }
 
 size_t saved_z_bytes(const LayerConfig& config) {
@@ -357,11 +281,14 @@ void check_weight_device_pointers(const LayerConfig& config, const void* w13, co
 
 }  // namespace
 
+// The FP8 weight buffer exists at precision fp8_blockwise only, so the layer's shape is checked
+// at that precision (I % 128 == 0 among the rest), whatever config.precision says: the buffer
+// does not depend on it.
 size_t fp8_weights_bytes(const LayerConfig& config) {
-  validate_config(config);
-  FUSEMOE_CHECK(config.intermediate % 128 == 0,
-                "FP8 weights need intermediate (I) to be a multiple of 128, got " << config.intermediate);
-  return fp8_weights_buffer_bytes(config);
+  LayerConfig fp8 = config;
+  fp8.precision = Precision::kFp8Blockwise;
+  validate_config(fp8);
+  return fp8_weights_buffer_bytes(fp8);
 }
 
 Fp8Weights fp8_weights_view(const LayerConfig& config, const void* buffer) {

@@ -3,22 +3,18 @@
 // pipeline (src/pipelines/ep_layer.cu) and its launchers only assert.
 #include <cstdint>
 #include <initializer_list>
+#include <iterator>
 #include <limits>
 
+#include "api/checks.h"
 #include "fusemoe/expert_parallel.h"
 #include "fusemoe/fusemoe.h"
 #include "kernels/routing.h"
 #include "pipelines/ep_layer.h"
+#include "pipelines/ep_workspace.h"
 
 namespace fusemoe {
 namespace {
-
-bool aligned(const void* p, uintptr_t alignment) { return reinterpret_cast<uintptr_t>(p) % alignment == 0; }
-
-void check_tensor(const void* p, const char* name, uintptr_t alignment) {
-  FUSEMOE_CHECK(p != nullptr, name << " must not be null");
-  FUSEMOE_CHECK(aligned(p, alignment), name << " must be " << alignment << "-byte aligned, got address " << p);
-}
 
 // The layer one owner rank computes, for its limits: its E/R experts over up to every rank's
 // slots (each owner row as a token of top-1; top_k itself may exceed E/R).
@@ -38,56 +34,52 @@ void check_common(const EpConfig& c, void* const* peer_symmetric, void* workspac
   FUSEMOE_CHECK(peer_symmetric != nullptr, "peer_symmetric must point to world_size (" << c.world_size
                                                                                         << ") symmetric workspaces");
   for (int d = 0; d < c.world_size; ++d) {
-    FUSEMOE_CHECK(peer_symmetric[d] != nullptr && aligned(peer_symmetric[d], 256),
-                  "peer_symmetric[" << d << "] must be a non-null 256-byte aligned pointer, got " << peer_symmetric[d]);
+    FUSEMOE_CHECK(peer_symmetric[d] != nullptr && aligned(peer_symmetric[d], kWorkspaceAlignment),
+                  "peer_symmetric[" << d << "] must be a non-null " << kWorkspaceAlignment
+                                    << "-byte aligned pointer, got " << peer_symmetric[d]);
   }
   const size_t needed = ep_workspace_bytes(c, use);
-  FUSEMOE_CHECK(workspace != nullptr && aligned(workspace, 256),
-                "workspace must be a non-null 256-byte aligned pointer (need " << needed << " bytes)");
+  FUSEMOE_CHECK(workspace != nullptr && aligned(workspace, kWorkspaceAlignment),
+                "workspace must be a non-null " << kWorkspaceAlignment << "-byte aligned pointer (need " << needed
+                                                << " bytes)");
   FUSEMOE_CHECK(workspace_bytes >= needed,
                 "workspace_bytes: " << workspace_bytes << " bytes given, " << needed << " needed");
   FUSEMOE_CHECK(num_sms >= 0, "num_sms must be >= 0 (0: every SM), got " << num_sms);
 }
 
-struct TensorArg {
-  const void* pointer;
-  const char* name;
-  uintptr_t alignment;
-};
-
-void sync_check(const EpConfig& c, void* workspace, cudaStream_t stream);
-
-// The checks every call makes (config, peers, workspace, the tensors it always takes and those
-// it takes when it has tokens, the optional ones), then the call, then the expert-id check the
-// caller chose.
+// The checks every call makes, as api.cpp orders them: host checks first (config, peers,
+// workspace, the tensors it always takes and those it takes when it has tokens, the optional
+// ones), then the device and this rank's own pointers (not peer_symmetric: other ranks' memory,
+// mapped into this process), then the call, then the expert-id check the caller chose.
 template <class Run>
 void run_checked(const EpConfig& c, const EpCall& a, const void* saved_state, WorkspaceUse use,
-                 std::initializer_list<TensorArg> outputs, std::initializer_list<TensorArg> with_tokens, Run run) {
+                 std::initializer_list<NamedTensor> outputs, std::initializer_list<NamedTensor> with_tokens, Run run) {
   check_common(c, a.peer_symmetric, a.workspace, a.workspace_bytes, use, a.num_tokens, a.num_sms);
-  check_tensor(a.w13, "w13", 16);
-  check_tensor(a.w2, "w2", 16);
-  for (const TensorArg& t : outputs) check_tensor(t.pointer, t.name, t.alignment);
+  const NamedTensor weights[] = {{a.w13, "w13", kTmaAlignment}, {a.w2, "w2", kTmaAlignment}};
+  const NamedTensor tokens[] = {
+      {a.x, "x", kTmaAlignment}, {a.topk_idx, "topk_idx", 4}, {a.topk_weights, "topk_weights", 4}};
+  check_tensors(std::begin(weights), std::end(weights));
+  check_tensors(outputs.begin(), outputs.end());
   if (a.num_tokens > 0) {
-    check_tensor(a.x, "x", 16);
-    check_tensor(a.topk_idx, "topk_idx", 4);
-    check_tensor(a.topk_weights, "topk_weights", 4);
-    for (const TensorArg& t : with_tokens) check_tensor(t.pointer, t.name, t.alignment);
+    check_tensors(std::begin(tokens), std::end(tokens));
+    check_tensors(with_tokens.begin(), with_tokens.end());
   }
-  if (saved_state != nullptr) check_tensor(saved_state, "saved_state", 16);
+  if (saved_state != nullptr) check_tensor(saved_state, "saved_state", kTmaAlignment);
   if (a.expert_id_report != nullptr) check_tensor(a.expert_id_report, "expert_id_report", 4);
+  check_device();
+  check_device_pointers(std::begin(weights), std::end(weights));
+  check_device_pointers(outputs.begin(), outputs.end());
+  check_device_pointer(a.workspace, "workspace");
+  if (a.num_tokens > 0) {
+    check_device_pointers(std::begin(tokens), std::end(tokens));
+    check_device_pointers(with_tokens.begin(), with_tokens.end());
+  }
+  if (saved_state != nullptr) check_device_pointer(saved_state, "saved_state");
+  if (a.expert_id_report != nullptr) check_expert_id_report_pointer(a.expert_id_report);
   run();
-  if (a.sync_check_expert_ids && a.expert_id_report == nullptr) sync_check(c, a.workspace, a.stream);
-}
-
-void sync_check(const EpConfig& c, void* workspace, cudaStream_t stream) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  FUSEMOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) return;
-  const RoutingPlan plan = ep_routing_plan(c, workspace);
-  int32_t bad[3] = {0, 0, 0};
-  FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(bad, plan.bad_id_info, sizeof(bad), cudaMemcpyDeviceToHost, stream));
-  FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  check_bad_id_record(bad, c.layer.num_experts, c.layer.top_k);
+  if (a.sync_check_expert_ids && a.expert_id_report == nullptr && !stream_is_capturing(a.stream)) {
+    check_routing_record(ep_routing_plan(c, a.workspace), c.layer.num_experts, c.layer.top_k, a.stream);
+  }
 }
 
 }  // namespace
@@ -104,6 +96,11 @@ void validate_ep_config(const EpConfig& c) {
                 "rank must be in [0, world_size=" << c.world_size << "), got " << c.rank);
   FUSEMOE_CHECK(c.layer.num_experts % c.world_size == 0,
                 "num_experts (" << c.layer.num_experts << ") must be divisible by world_size (" << c.world_size << ")");
+  // Unreachable while kMaxExperts <= kEpMaxLocalExperts; checked here so the launchers may assert
+  // it after the call has started signalling peers.
+  FUSEMOE_CHECK(c.layer.num_experts / c.world_size <= kEpMaxLocalExperts,
+                "num_experts / world_size (experts per rank) must be <= " << kEpMaxLocalExperts << ", got "
+                                                                           << c.layer.num_experts / c.world_size);
   // An owner may receive every slot of every rank: its rows are world_size * max_tokens * top_k.
   FUSEMOE_CHECK(c.layer.max_tokens < std::numeric_limits<int32_t>::max() / c.layer.top_k / c.world_size,
                 "world_size * max_tokens * top_k must be < 2^31 (an owner's rows are int32 indices), got "
@@ -134,12 +131,12 @@ size_t ep_workspace_bytes(const EpConfig& config) {
 
 size_t ep_saved_state_bytes(const EpConfig& config) {
   validate_ep_config(config);
-  const LayerConfig& l = config.layer;
-  return static_cast<size_t>(config.world_size) * l.max_tokens * l.top_k * 2 * l.intermediate * 2;
+  return saved_z_bytes(owner_layer(config));  // z of the owner's R * T * K rows
 }
 
 void ep_forward(const EpConfig& c, const EpForwardArgs& a) {
-  run_checked(c, a.call, a.saved_state, WorkspaceUse::kForward, {}, {{a.y, "y", 16}}, [&] { ep_layer_forward(c, a); });
+  run_checked(c, a.call, a.saved_state, WorkspaceUse::kForward, {}, {{a.y, "y", kTmaAlignment}},
+              [&] { ep_layer_forward(c, a); });
 }
 
 void ep_backward(const EpConfig& c, const EpBackwardArgs& a) {
@@ -147,8 +144,8 @@ void ep_backward(const EpConfig& c, const EpBackwardArgs& a) {
                 "weight_grad_dtype: unknown value " << static_cast<int>(a.weight_grad_dtype));
   run_checked(c, a.call, a.saved_state,
               a.saved_state != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward,
-              {{a.dw13, "dw13", 16}, {a.dw2, "dw2", 16}},
-              {{a.dy, "dy", 16}, {a.dx, "dx", 16}, {a.d_topk_weights, "d_topk_weights", 4}},
+              {{a.dw13, "dw13", kTmaAlignment}, {a.dw2, "dw2", kTmaAlignment}},
+              {{a.dy, "dy", kTmaAlignment}, {a.dx, "dx", kTmaAlignment}, {a.d_topk_weights, "d_topk_weights", 4}},
               [&] { ep_layer_backward(c, a); });
 }
 

@@ -98,13 +98,6 @@ fusemoe::LayerConfig config_of(const FusemoeCLayer& l) {
   return config;
 }
 
-// The FP8 weight buffer's config: the layer's shape at FP8, whatever its precision field says.
-fusemoe::LayerConfig fp8_config_of(const FusemoeCLayer& l) {
-  fusemoe::LayerConfig config = config_of(l);
-  config.precision = fusemoe::Precision::kFp8Blockwise;
-  return config;
-}
-
 // The fields the forward and backward args share (C and C++ spell them alike).
 template <typename Args, typename CArgs>
 Args call_args_of(const CArgs& a) {
@@ -299,14 +292,14 @@ int32_t fusemoe_c_saved_z_bytes(const FusemoeCLayer* layer, uint64_t* bytes) {
 
 int32_t fusemoe_c_fp8_weights_bytes(const FusemoeCLayer* layer, uint64_t* bytes) {
   return layer_bytes(layer, bytes,
-                     [](const FusemoeCLayer& l) { return fusemoe::fp8_weights_bytes(fp8_config_of(l)); });
+                     [](const FusemoeCLayer& l) { return fusemoe::fp8_weights_bytes(config_of(l)); });
 }
 
 int32_t fusemoe_c_quantize_weights_fp8(const FusemoeCLayer* layer, const FusemoeCFp8QuantizeArgs* args) {
   return guarded([&] {
     const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
     const FusemoeCFp8QuantizeArgs& a = checked_struct(args, "args", "FusemoeCFp8QuantizeArgs");
-    fusemoe::quantize_weights_fp8(fp8_config_of(l), a.w13, a.w2, a.buffer, a.buffer_bytes,
+    fusemoe::quantize_weights_fp8(config_of(l), a.w13, a.w2, a.buffer, a.buffer_bytes,
                                   static_cast<cudaStream_t>(a.stream));
   });
 }

@@ -18,8 +18,37 @@ namespace {
 constexpr int kMaxDevices = 64;
 constexpr double kDefaultTimeoutSeconds = 30.0;
 
+// g_mutex guards g_records (the reports read them). g_alloc_mutex serialises the first-use
+// allocations: it is held across CUDA calls whose failure (FUSEMOE_CUDA_CHECK) takes the report,
+// which locks g_mutex, so g_mutex itself is never held across a CUDA call. Order: g_alloc_mutex,
+// then g_mutex.
 std::mutex g_mutex;
+std::mutex g_alloc_mutex;
 DeviceWaitRecord* g_records[kMaxDevices] = {};  // host addresses (mapped at the same address)
+// The device-mapped address of each device's record, published (release) once the record is
+// allocated and in g_records: every launch after the first reads it without a lock or CUDA call.
+std::atomic<DeviceWaitRecord*> g_mapped[kMaxDevices] = {};
+
+// The device's record, allocated on first use; returns its device-mapped address.
+DeviceWaitRecord* allocate_record(int device) {
+  std::lock_guard<std::mutex> alloc_lock(g_alloc_mutex);
+  if (DeviceWaitRecord* mapped = g_mapped[device].load(std::memory_order_acquire)) {
+    return mapped;  // another thread allocated it meanwhile
+  }
+  void* host = nullptr;
+  FUSEMOE_CUDA_CHECK(cudaHostAlloc(&host, sizeof(DeviceWaitRecord), cudaHostAllocMapped | cudaHostAllocPortable));
+  *static_cast<DeviceWaitRecord*>(host) = DeviceWaitRecord{};
+  void* mapped = nullptr;
+  const cudaError_t status = cudaHostGetDevicePointer(&mapped, host, 0);
+  if (status != cudaSuccess) cudaFreeHost(host);  // nothing published: the next launch tries again
+  FUSEMOE_CUDA_CHECK(status);
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_records[device] = static_cast<DeviceWaitRecord*>(host);
+  }
+  g_mapped[device].store(static_cast<DeviceWaitRecord*>(mapped), std::memory_order_release);
+  return static_cast<DeviceWaitRecord*>(mapped);
+}
 
 double timeout_from_environment() {
   const char* text = std::getenv("FUSEMOE_WAIT_TIMEOUT_S");
@@ -73,22 +102,11 @@ WaitBound device_wait_bound(WaitKernel kernel) {
   FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
   FUSEMOE_CHECK(device >= 0 && device < kMaxDevices, "device " << device << " is beyond the " << kMaxDevices
                                                                 << " devices fusemoe supports");
-  DeviceWaitRecord* record = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    if (g_records[device] == nullptr) {
-      void* host = nullptr;
-      FUSEMOE_CUDA_CHECK(cudaHostAlloc(&host, sizeof(DeviceWaitRecord), cudaHostAllocMapped | cudaHostAllocPortable));
-      *static_cast<DeviceWaitRecord*>(host) = DeviceWaitRecord{};
-      g_records[device] = static_cast<DeviceWaitRecord*>(host);
-    }
-    record = g_records[device];
-  }
-  void* mapped = nullptr;
-  FUSEMOE_CUDA_CHECK(cudaHostGetDevicePointer(&mapped, record, 0));
+  DeviceWaitRecord* mapped = g_mapped[device].load(std::memory_order_acquire);
+  if (mapped == nullptr) mapped = allocate_record(device);
   WaitBound bound{};
   bound.timeout_ns = timeout_ns().load();
-  bound.record = static_cast<DeviceWaitRecord*>(mapped);
+  bound.record = mapped;
   bound.kernel = static_cast<int32_t>(kernel);
 #ifdef FUSEMOE_FAULT_INJECTION
   bound.fault = g_faults[static_cast<int32_t>(kernel)].load();
@@ -135,11 +153,6 @@ std::string describe_device_wait(const DeviceWaitRecord& r) {
       out << "object " << object << " (stage " << stage << ")";
   }
   return out.str();
-}
-
-void throw_if_device_wait_timed_out() {
-  const std::string report = detail::take_device_wait_report();
-  FUSEMOE_CHECK(report.empty(), report);
 }
 
 namespace detail {

@@ -88,10 +88,6 @@ double device_wait_timeout();
 // first use).
 WaitBound device_wait_bound(WaitKernel kernel);
 
-// Throws fusemoe::Error describing the current device's timed-out wait, if one was recorded,
-// and clears the record. Reads host memory only: safe after the context has failed.
-void throw_if_device_wait_timed_out();
-
 // "gate/up GEMM block 17 thread 0 (producer) waited 30.0 s for ring stage 2 to be released
 // (parity 1, 8 consumer-warp arrivals expected)".
 std::string describe_device_wait(const DeviceWaitRecord& record);

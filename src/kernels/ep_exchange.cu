@@ -331,8 +331,7 @@ void launch_ep_wait(const EpPeers& peers, const EpSymmetric& own, bool from_sour
 
 void launch_ep_owner_plan(const EpSymmetric& own, const EpOwnerPlan& plan, int32_t world_size,
                           int64_t local_experts, int64_t max_tokens, int64_t top_k, cudaStream_t stream) {
-  FUSEMOE_CHECK(local_experts >= 1 && local_experts <= kPlanThreads,
-                "expert parallelism supports 1.." << kPlanThreads << " experts per rank, got " << local_experts);
+  FUSEMOE_ASSERT(local_experts >= 1 && local_experts <= kPlanThreads);
   const Inboxes in = inboxes_of(own, world_size);
   ep_owner_plan_kernel<<<1, kPlanThreads, 0, stream>>>(in, plan, world_size, static_cast<int32_t>(local_experts));
   FUSEMOE_CUDA_CHECK(cudaGetLastError());

@@ -9,12 +9,18 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/assert.h"  // for the EP launchers (kernels/ep_exchange.cu, through ep_exchange.h)
 #include "common/workspace_carver.h"
 #include "fusemoe/expert_parallel.h"
 #include "kernels/routing.h"
 #include "launchers/sm90_grouped_gemm.h"
 
 namespace fusemoe {
+
+// Local experts (E / R) one rank can own: the owner plan runs one thread per local expert in one
+// block (kernels/ep_exchange.cu, kPlanThreads). validate_ep_config enforces it before any
+// device work; kMaxExperts keeps E / R below it today.
+constexpr int64_t kEpMaxLocalExperts = 1024;
 
 // What source rank s sends owner rank d (in d's symmetric workspace, slot s): the rows of d's
 // experts among s's routed slots, ordered by (local expert, slot), and the tokens they read,
@@ -99,8 +105,7 @@ struct EpPrivate {
     const LayerConfig& l = c.layer;
     const int64_t R = c.world_size, T = l.max_tokens, S = T * l.top_k, El = l.num_experts / R;
     const int64_t P = R * T, Q = R * S, H = l.hidden, I = l.intermediate;
-    char* cursor = static_cast<char*>(base);
-    if (base) cursor = carve_routing_plan(cursor, T, l.top_k, l.num_experts, &plan);
+    if (base) carve_routing_plan(static_cast<char*>(base), T, l.top_k, l.num_experts, &plan);
     size_t reserved = routing_plan_bytes(T, l.top_k, l.num_experts);
     if (base) carve_routing_plan(static_cast<char*>(base) + reserved, T, R, R, &token_plan);
     reserved += routing_plan_bytes(T, R, R);

@@ -18,6 +18,7 @@
 #include "launchers/sm90_grouped_gemm.h"
 #include "pipelines/backward_gemms.h"
 #include "common/workspace_carver.h"
+#include "pipelines/plan_workspace.h"
 
 namespace fusemoe {
 namespace {
@@ -31,8 +32,7 @@ struct FusedBackwardWorkspace : BackwardPools {
   FusedBackwardWorkspace(const LayerConfig& c, void* base, bool z_saved) {
     const int64_t rows = c.max_tokens * c.top_k;
     const int64_t H = c.hidden, I = c.intermediate;
-    if (base) carve_routing_plan(static_cast<char*>(base), c.max_tokens, c.top_k, c.num_experts, &plan);
-    WorkspaceCarver carver(base, routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
+    WorkspaceCarver carver = carver_after_routing_plan(base, c.max_tokens, c.top_k, c.num_experts, &plan);
     carve_pools(carver, rows, H, I);
     router_partials = carver.take<float>(rows * sm90_router_partials_per_row(I) * sizeof(float));
     if (!z_saved) z_RF = carver.take(rows * 2 * I * 2);

@@ -18,6 +18,7 @@
 #include "kernels/moe_elementwise.h"
 #include "launchers/sm90_grouped_gemm.h"
 #include "common/workspace_carver.h"
+#include "pipelines/plan_workspace.h"
 
 namespace fusemoe {
 namespace {
@@ -31,8 +32,7 @@ struct FusedWorkspace {
 
   FusedWorkspace(const LayerConfig& c, void* base) {
     const int64_t rows = c.max_tokens * c.top_k;
-    if (base) carve_routing_plan(static_cast<char*>(base), c.max_tokens, c.top_k, c.num_experts, &plan);
-    WorkspaceCarver carver(base, routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
+    WorkspaceCarver carver = carver_after_routing_plan(base, c.max_tokens, c.top_k, c.num_experts, &plan);
     h_RI = carver.take(rows * c.intermediate * 2);
     ys_SH = carver.take(rows * c.hidden * 2);
     total_bytes = carver.bytes();

@@ -19,6 +19,7 @@
 #include "pipelines/fused_fp8.h"
 
 #include "common/workspace_carver.h"
+#include "pipelines/plan_workspace.h"
 #include "kernels/fp8_quantize.h"
 #include "kernels/moe_elementwise.h"
 #include "launchers/sm90_fp8_gemms.h"
@@ -56,8 +57,7 @@ struct Fp8ForwardWorkspace {
 
   Fp8ForwardWorkspace(const LayerConfig& c, void* base) {
     const int64_t rows = c.max_tokens * c.top_k, rows_pad = sm90_fp8_rows_pad(rows);
-    if (base) carve_routing_plan(static_cast<char*>(base), c.max_tokens, c.top_k, c.num_experts, &plan);
-    WorkspaceCarver carver(base, routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
+    WorkspaceCarver carver = carver_after_routing_plan(base, c.max_tokens, c.top_k, c.num_experts, &plan);
     x_fp8_TH = carver.take(c.max_tokens * c.hidden);
     x_scales = carver.take<float>(c.max_tokens * (c.hidden / 128) * sizeof(float));
     h_fp8_RI = carver.take(rows * c.intermediate);
@@ -83,8 +83,7 @@ struct Fp8BackwardWorkspace : BackwardPools {
   Fp8BackwardWorkspace(const LayerConfig& c, void* base, bool z_saved) {
     const int64_t rows = c.max_tokens * c.top_k, rows_pad = sm90_fp8_rows_pad(rows);
     const int64_t H = c.hidden, I = c.intermediate;
-    if (base) carve_routing_plan(static_cast<char*>(base), c.max_tokens, c.top_k, c.num_experts, &plan);
-    WorkspaceCarver carver(base, routing_plan_bytes(c.max_tokens, c.top_k, c.num_experts));
+    WorkspaceCarver carver = carver_after_routing_plan(base, c.max_tokens, c.top_k, c.num_experts, &plan);
     carve_pools(carver, rows, H, I);
     router_partials = carver.take<float>(rows * sm90_router_partials_per_row(I) * sizeof(float));
     dys_fp8_RH = carver.take(rows * H);

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common/workspace_carver.h"
+#include "pipelines/plan_workspace.h"
 #include "kernels/moe_elementwise.h"
 #include "kernels/routing.h"
 
@@ -151,8 +152,7 @@ struct UnfusedWorkspace {
   UnfusedWorkspace(const LayerConfig& c, void* base) {
     const int64_t rows = c.max_tokens * c.top_k;
     const int64_t H = c.hidden, I = c.intermediate, E = c.num_experts;
-    if (base) carve_routing_plan(static_cast<char*>(base), c.max_tokens, c.top_k, E, &plan);
-    WorkspaceCarver carver(base, routing_plan_bytes(c.max_tokens, c.top_k, E));
+    WorkspaceCarver carver = carver_after_routing_plan(base, c.max_tokens, c.top_k, E, &plan);
     gemm_ptr_arrays = carver.take<void*>(kMaxGemmsPerCall * 3 * E * sizeof(void*));
     xs_RH = carver.take<Pool>(rows * H * sizeof(Pool));
     o_or_dys_RH = carver.take<Pool>(rows * H * sizeof(Pool));
