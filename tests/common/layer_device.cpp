@@ -109,9 +109,10 @@ size_t LayerOutputs::bytes(LayerOutput which, const LayerConfig& c, int64_t num_
 
 namespace {
 
-void poison(void* p, size_t bytes, cudaStream_t stream) {
-  if (bytes > 0) FUSEMOE_CUDA_CHECK(cudaMemsetAsync(p, 0xFF, bytes, stream));
+void fill(void* p, size_t bytes, uint8_t value, cudaStream_t stream) {
+  if (bytes > 0) FUSEMOE_CUDA_CHECK(cudaMemsetAsync(p, value, bytes, stream));
 }
+void poison(void* p, size_t bytes, cudaStream_t stream) { fill(p, bytes, 0xFF, stream); }
 
 // The fields ForwardArgs and BackwardArgs share: the inputs both read and how the call runs.
 template <typename Args>
@@ -130,7 +131,7 @@ Args call_args(int64_t num_tokens, const LayerInputs& in, const LayerCall& call,
 void run_forward_call(const LayerConfig& config, int64_t num_tokens, const LayerInputs& in, const LayerOutputs& out,
                       const LayerCall& call) {
   const size_t workspace = workspace_bytes(config, call.impl, WorkspaceUse::kForward);
-  poison(out.y_TH, out.bytes(kY, config, num_tokens), call.stream);
+  fill(out.y_TH, out.bytes(kY, config, num_tokens), call.output_fill, call.stream);
   if (call.saved_z != nullptr) poison(call.saved_z, saved_z_bytes(config), call.stream);
   poison(call.workspace, workspace, call.stream);
   ForwardArgs a = call_args<ForwardArgs>(num_tokens, in, call, workspace);
@@ -144,7 +145,7 @@ void run_backward_call(const LayerConfig& config, int64_t num_tokens, const Laye
       config, call.impl, call.saved_z != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward);
   for (LayerOutput o : {kDx, kDTopkWeights, kDw13, kDw2}) {
     if (call.accumulate && (o == kDw13 || o == kDw2)) continue;
-    poison(const_cast<void*>(out.pointer(o)), out.bytes(o, config, num_tokens), call.stream);
+    fill(const_cast<void*>(out.pointer(o)), out.bytes(o, config, num_tokens), call.output_fill, call.stream);
   }
   poison(call.workspace, workspace, call.stream);
   BackwardArgs a = call_args<BackwardArgs>(num_tokens, in, call, workspace);

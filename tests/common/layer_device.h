@@ -1,6 +1,7 @@
 // The layer on device memory, for tests that run many shapes or very large ones (the pressure test,
 // the limits suite): buffers carved from one arena (no cudaMalloc per call), inputs filled on the
-// device, outputs and workspace NaN-poisoned (0xFF) before every call, outputs compared on the
+// device, outputs (unless told another fill) and workspace NaN-poisoned (0xFF) before every call,
+// outputs compared on the
 // device (relative L2, non-finite counts) and bitwise. The calls go through the public API.
 // Inputs: x, dy ~ N(0, 1); w13 ~ N(0, 1/H), w2 ~ N(0, 1/I), so z, h and y are O(1).
 // Legend: T tokens, H hidden, I intermediate, F = 2I, E experts, K top-k.
@@ -81,13 +82,20 @@ struct LayerCall {
   int32_t* expert_id_report = nullptr;
   bool sync_check_expert_ids = true;
   cudaStream_t stream = nullptr;
+  // The byte the call's outputs (not saved_z, not the workspace) are filled with before it: 0xFF,
+  // the NaN poison, by default. A byte whose bf16 and fp32 patterns are finite (kFiniteOutputFill)
+  // tells an output the call left unwritten from a NaN it computed.
+  uint8_t output_fill = 0xFF;
 };
+// 0x7E7E (bf16) and 0x7E7E7E7E (fp32) are both finite, about 8.4e37: no output of an O(1) layer.
+constexpr uint8_t kFiniteOutputFill = 0x7E;
 
-// On call.stream: poisons y (and saved_z) and the workspace, then forward.
+// On call.stream: fills y with call.output_fill, poisons saved_z (if given) and the workspace,
+// then forward.
 void run_forward_call(const LayerConfig& config, int64_t num_tokens, const LayerInputs& in, const LayerOutputs& out,
                       const LayerCall& call);
-// On call.stream: poisons dx, d_topk_weights, the weight gradients (unless call.accumulate) and
-// the workspace, then backward.
+// On call.stream: fills dx, d_topk_weights and the weight gradients (unless call.accumulate) with
+// call.output_fill, poisons the workspace, then backward.
 void run_backward_call(const LayerConfig& config, int64_t num_tokens, const LayerInputs& in, const LayerOutputs& out,
                        const LayerCall& call);
 inline void run_layer_call(const LayerConfig& config, int64_t num_tokens, const LayerInputs& in,

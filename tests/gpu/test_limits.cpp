@@ -8,7 +8,10 @@
 //   d_topk_weights are bitwise those of the run without it; the token's own are all NaN (all
 //   non-finite for Inf); the experts it routes to get NaN weight gradients (all of dW13; all of
 //   dW2 for x, only row c of dW2 for dy[t, c]); every other expert's are bitwise unchanged
-//   (docs/numerics.md, "Non-finite inputs").
+//   (docs/numerics.md, "Non-finite inputs"). The clean run's outputs are NaN-poisoned before it
+//   and must all come back finite (so it wrote every one); the poked run's are filled with a
+//   finite pattern instead (harness::kFiniteOutputFill), which no clean output holds, so an
+//   element it did not write passes neither "NaN" nor "bitwise the clean run's".
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -118,10 +121,10 @@ TEST(Limits, Qwen30bForwardBackwardAt262144Tokens) {
 
 enum class Poke { kXNan, kDyNan, kXInf };
 
-bool nonfinite_bf16(uint16_t b) { return (b & 0x7F80u) == 0x7F80u; }
-bool nan_bf16(uint16_t b) { return nonfinite_bf16(b) && (b & 0x007Fu) != 0; }
-bool nonfinite_fp32(uint32_t b) { return (b & 0x7F800000u) == 0x7F800000u; }
-bool nan_fp32(uint32_t b) { return nonfinite_fp32(b) && (b & 0x007FFFFFu) != 0; }
+constexpr bool nonfinite_bf16(uint16_t b) { return (b & 0x7F80u) == 0x7F80u; }
+constexpr bool nan_bf16(uint16_t b) { return nonfinite_bf16(b) && (b & 0x007Fu) != 0; }
+constexpr bool nonfinite_fp32(uint32_t b) { return (b & 0x7F800000u) == 0x7F800000u; }
+constexpr bool nan_fp32(uint32_t b) { return nonfinite_fp32(b) && (b & 0x007FFFFFu) != 0; }
 
 struct HostBits {
   std::vector<uint16_t> y, dx;
@@ -146,6 +149,12 @@ HostBits run_and_download(const LayerConfig& c, int64_t tokens, const LayerInput
   bits.dw13 = download<uint32_t>(out.dw13_EFH, out.bytes(harness::kDw13, c, tokens));
   bits.dw2 = download<uint32_t>(out.dw2_EHI, out.bytes(harness::kDw2, c, tokens));
   return bits;
+}
+
+// Elements of `v` that are non-finite or hold `fill`'s bit pattern.
+template <typename T, typename NonFinite>
+int64_t count_nonfinite_or(const std::vector<T>& v, T fill, NonFinite is_nonfinite) {
+  return std::count_if(v.begin(), v.end(), [&](T b) { return is_nonfinite(b) || b == fill; });
 }
 
 // Element i of `got` in [begin, end): the count of those not `expected` (NaN, non-finite, or
@@ -200,7 +209,24 @@ void check_non_finite_input(Poke poke) {
     in.fill_normal(c, T, 1801, nullptr);
     in.upload_routing(topk.idx_TK, topk.w_TK, nullptr);
     const HostBits clean = run_and_download(c, T, in, out, call);
+    // The clean run's outputs were NaN-poisoned before its calls: all finite means it wrote every
+    // element. None may hold the poked run's fill either, so that "bitwise the clean run's" cannot
+    // pass on an element the poked run left unwritten.
+    constexpr uint16_t kFill16 = harness::kFiniteOutputFill * 0x0101u;
+    constexpr uint32_t kFill32 = harness::kFiniteOutputFill * 0x01010101u;
+    static_assert(!nonfinite_bf16(kFill16) && !nonfinite_fp32(kFill32), "the fill must be finite");
+    const int64_t clean_bad[harness::kNumLayerOutputs] = {
+        count_nonfinite_or(clean.y, kFill16, nonfinite_bf16), count_nonfinite_or(clean.dx, kFill16, nonfinite_bf16),
+        count_nonfinite_or(clean.d_topk_w, kFill32, nonfinite_fp32), count_nonfinite_or(clean.dw13, kFill32, nonfinite_fp32),
+        count_nonfinite_or(clean.dw2, kFill32, nonfinite_fp32)};
+    for (int k = 0; k < harness::kNumLayerOutputs; ++k) {
+      EXPECT_EQ(clean_bad[k], 0) << "clean run: " << harness::kLayerOutputNames[k]
+                                 << " elements non-finite (unwritten: still the NaN poison) or equal to the fill";
+    }
+    // The poked run's outputs start finite (the fill): an expected NaN / non-finite element must
+    // have been written by the call, not left over from the poison.
     FUSEMOE_CUDA_CHECK(cudaMemcpy(poked, &poke_bits, 2, cudaMemcpyHostToDevice));
+    call.output_fill = harness::kFiniteOutputFill;
     const HostBits got = run_and_download(c, T, in, out, call);
 
     // Tokens: y (the forward does not read dy), dx, d_topk_weights.
