@@ -4,8 +4,10 @@
 // Loop 1, --pairs: two layers of different shapes at once, each on its own stream from its own
 //   host thread (Impl::kFused; the first pair runs before any other library call, so both threads
 //   meet cold caches: device attributes, shared-memory limits, the device-wait record). Each
-//   layer's outputs, thrown error and expert-id report must equal those of the same layer run
-//   alone afterwards, bitwise.
+//   layer's outputs must equal those of the same layer run alone afterwards, bitwise; with bad ids
+//   its forward and its backward must each name the first bad id, together and alone (thrown, or
+//   in the report zeroed before and read after each call); with valid ids neither may throw or
+//   report.
 // Loop 2, --calls: one layer at a time. Shapes drawn log-uniformly (most calls small): H = 128 m,
 //   I = 64 m, m in [1, 64]; E in [1, 1024]; K in [1, min(E, 32)]; T in [0, 70000]; max_tokens
 //   = T or more. Routings: uniform, skewed, one expert, all slots on one expert, masked, all
@@ -559,6 +561,14 @@ Outcome run_call(const Spec& s, DeviceArena& arena, int32_t* pinned_report, cuda
 
 // ---- pairs ----
 
+// What one side's forward and backward did: each call's error message and its expert-id report
+// (zeroed before the call, read after it), kept apart so that both must name a bad id.
+struct SideResult {
+  std::string setup_error;  // copying the accumulation's starting values
+  std::string forward_error, backward_error;
+  std::array<int32_t, 3> forward_report{}, backward_report{};
+};
+
 struct Side {
   Spec spec;
   Routing routing;
@@ -567,12 +577,11 @@ struct Side {
   void *init13 = nullptr, *init2 = nullptr, *saved_z = nullptr, *workspace = nullptr;
   Reports reports;
   cudaStream_t stream = nullptr;
-  std::string thrown_together, thrown_alone;
-  std::array<int32_t, 3> report_together{}, report_alone{};
+  SideResult result_together, result_alone;
 };
 
-// Forward + backward of one side (fused), its error message and report.
-void run_side(Side& side, const LayerOutputs& out, std::string* thrown, std::array<int32_t, 3>* report) {
+// Forward + backward of one side (fused): each call's error message and report.
+void run_side(Side& side, const LayerOutputs& out, SideResult* result) {
   const Spec& s = side.spec;
   LayerCall call;
   call.impl = Impl::kFused;
@@ -580,21 +589,25 @@ void run_side(Side& side, const LayerOutputs& out, std::string* thrown, std::arr
   call.saved_z = side.saved_z;
   call.workspace = side.workspace;
   call.stream = side.stream;
-  *thrown = error_of([&] {
+  result->setup_error = error_of([&] {
     if (s.accumulate) {
       FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(out.dw13_EFH, side.init13, grad_bytes(s.config, s.grad_dtype, true),
                                          cudaMemcpyDeviceToDevice, side.stream));
       FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(out.dw2_EHI, side.init2, grad_bytes(s.config, s.grad_dtype, false),
                                          cudaMemcpyDeviceToDevice, side.stream));
     }
-    set_id_check(call, s.id_check, side.reports);
-    // With kSync and bad ids the forward throws; the backward must say the same.
-    const std::string forward_error = error_of([&] { harness::run_forward_call(s.config, s.num_tokens, side.in, out, call); });
-    harness::run_backward_call(s.config, s.num_tokens, side.in, out, call);
-    FUSEMOE_CHECK(forward_error.empty(), forward_error);
   });
-  const std::string read_error = error_of([&] { *report = read_report(s.id_check, side.reports, side.stream); });
-  if (!read_error.empty()) *thrown += " | " + read_error;
+  // With kSync and bad ids each call throws; in the report modes each fills its own report.
+  result->forward_error = error_of([&] {
+    set_id_check(call, s.id_check, side.reports);
+    harness::run_forward_call(s.config, s.num_tokens, side.in, out, call);
+    result->forward_report = read_report(s.id_check, side.reports, side.stream);
+  });
+  result->backward_error = error_of([&] {
+    set_id_check(call, s.id_check, side.reports);
+    harness::run_backward_call(s.config, s.num_tokens, side.in, out, call);
+    result->backward_report = read_report(s.id_check, side.reports, side.stream);
+  });
 }
 
 Outcome run_pair(std::array<Side, 2>& sides, DeviceArena& arena, int device) {
@@ -635,47 +648,72 @@ Outcome run_pair(std::array<Side, 2>& sides, DeviceArena& arena, int device) {
     ready.fetch_add(1);
     while (ready.load() < 2) std::this_thread::yield();
     if (!set_error.empty()) {
-      side->thrown_together = set_error;
+      side->result_together.setup_error = set_error;
       return;
     }
-    run_side(*side, side->together, &side->thrown_together, &side->report_together);
+    run_side(*side, side->together, &side->result_together);
   };
   std::thread first(together, &sides[0]), second(together, &sides[1]);
   first.join();
   second.join();
-  for (Side& side : sides) run_side(side, side.alone, &side.thrown_alone, &side.report_alone);
+  for (Side& side : sides) run_side(side, side.alone, &side.result_alone);
 
   for (int i = 0; i < 2; ++i) {
     const Side& side = sides[i];
     const Spec& s = side.spec;
     const std::string who = "layer " + std::string(i == 0 ? "A" : "B") + ": ";
+    struct Run {
+      const char* name;
+      const SideResult& result;
+    };
+    const Run runs[] = {{"together", side.result_together}, {"alone", side.result_alone}};
+    bool threw = false;
+    for (const Run& run : runs) {
+      if (run.result.setup_error.empty()) continue;
+      fail(o, who + run.name + ": setting up threw '" + run.result.setup_error + "'");
+      threw = true;
+    }
     if (s.kind == Kind::kBadIds) {
       const std::string expected = expected_bad_id_message(s, side.routing);
-      if (s.id_check == IdCheck::kSync) {
-        for (const std::string* thrown : {&side.thrown_together, &side.thrown_alone}) {
-          if (thrown->find(expected) == std::string::npos) {
-            fail(o, who + "expected an error naming '" + expected + "', got '" + *thrown + "'");
-          }
-        }
-        continue;
-      }
       const std::array<int32_t, 3> expected_report{static_cast<int32_t>(side.routing.num_bad),
                                                    static_cast<int32_t>(side.routing.first_bad_slot),
                                                    side.routing.first_bad_value};
-      if (side.report_together != expected_report || side.report_alone != expected_report) {
-        fail(o, who + "reports " + report_text(side.report_together) + " (together), " +
-                    report_text(side.report_alone) + " (alone), expected " + report_text(expected_report));
+      for (const Run& run : runs) {
+        const std::string where = who + run.name + ", ";
+        if (s.id_check == IdCheck::kSync) {
+          if (run.result.forward_error.find(expected) == std::string::npos) {
+            fail(o, where + "forward: expected an error naming '" + expected + "', got '" + run.result.forward_error + "'");
+          }
+          if (run.result.backward_error.find(expected) == std::string::npos) {
+            fail(o, where + "backward: expected an error naming '" + expected + "', got '" + run.result.backward_error +
+                        "'");
+          }
+          continue;
+        }
+        if (!run.result.forward_error.empty() || !run.result.backward_error.empty()) {
+          fail(o, where + "threw with a report given: forward '" + run.result.forward_error + "', backward '" +
+                      run.result.backward_error + "'");
+        }
+        if (run.result.forward_report != expected_report || run.result.backward_report != expected_report) {
+          fail(o, where + "reports " + report_text(run.result.forward_report) + " (forward), " +
+                      report_text(run.result.backward_report) + " (backward), expected " +
+                      report_text(expected_report));
+        }
       }
       continue;
     }
-    if (!side.thrown_together.empty() || !side.thrown_alone.empty()) {
-      fail(o, who + "threw: together '" + side.thrown_together + "', alone '" + side.thrown_alone + "'");
-      continue;
+    for (const Run& run : runs) {
+      if (!run.result.forward_error.empty() || !run.result.backward_error.empty()) {
+        fail(o, who + run.name + " threw: forward '" + run.result.forward_error + "', backward '" +
+                    run.result.backward_error + "'");
+        threw = true;
+      }
+      if (run.result.forward_report[0] != 0 || run.result.backward_report[0] != 0) {
+        fail(o, who + run.name + ": valid ids, yet reports " + report_text(run.result.forward_report) + " (forward), " +
+                    report_text(run.result.backward_report) + " (backward)");
+      }
     }
-    if (side.report_together[0] != 0 || side.report_alone[0] != 0) {
-      fail(o, who + "valid ids, yet reports " + report_text(side.report_together) + " / " +
-                  report_text(side.report_alone));
-    }
+    if (threw) continue;
     const harness::LayerDifferences differences =
         harness::count_layer_differences(s.config, s.num_tokens, side.together, side.alone);
     for (int k = 0; k < harness::kNumLayerOutputs; ++k) {
