@@ -16,6 +16,14 @@ size_t w2_elements(const LayerConfig& c) { return static_cast<size_t>(c.num_expe
 
 }  // namespace
 
+size_t max_workspace_bytes(const LayerConfig& config) {
+  size_t bytes = 0;
+  for (Impl impl : {Impl::kReferenceFp32, Impl::kUnfused, Impl::kFused}) {
+    bytes = std::max(bytes, workspace_bytes(config, impl));
+  }
+  return bytes;
+}
+
 void* DeviceArena::take(size_t bytes) {
   const size_t size = footprint(bytes);
   FUSEMOE_CHECK(size <= capacity() - used_, "DeviceArena: " << bytes << " bytes asked, " << capacity() - used_
@@ -105,6 +113,22 @@ size_t LayerOutputs::bytes(LayerOutput which, const LayerConfig& c, int64_t num_
   }
   FUSEMOE_CHECK(false, "LayerOutputs: no output " << static_cast<int>(which));
   return 0;
+}
+
+void fill_normal_weight_grads(void* out, int64_t n, WeightGradDtype dtype, uint64_t seed, float scale,
+                              cudaStream_t stream) {
+  if (dtype == WeightGradDtype::kFloat32) {
+    fill_normal_fp32(static_cast<float*>(out), n, seed, scale, stream);
+  } else {
+    fill_normal_bf16(out, n, seed, scale, stream);
+  }
+}
+
+void copy_weight_grads(const LayerConfig& config, const void* dw13, const void* dw2, const LayerOutputs& out,
+                       cudaStream_t stream) {
+  FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(out.dw13_EFH, dw13, out.bytes(kDw13, config, 0), cudaMemcpyDeviceToDevice,
+                                     stream));
+  FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(out.dw2_EHI, dw2, out.bytes(kDw2, config, 0), cudaMemcpyDeviceToDevice, stream));
 }
 
 namespace {

@@ -42,6 +42,10 @@ inline size_t weight_grad_element_bytes(WeightGradDtype dtype) {
   return dtype == WeightGradDtype::kFloat32 ? 4 : 2;
 }
 
+// The largest workspace_bytes(config, impl) over the fp32 reference, the unfused and the fused
+// layer: one workspace that serves all three.
+size_t max_workspace_bytes(const LayerConfig& config);
+
 struct LayerInputs {
   void *x_TH = nullptr, *dy_TH = nullptr, *w13_EFH = nullptr, *w2_EHI = nullptr;
   int32_t* idx_TK = nullptr;
@@ -72,6 +76,15 @@ struct LayerOutputs {
   const void* pointer(LayerOutput which) const;
   size_t bytes(LayerOutput which, const LayerConfig& config, int64_t num_tokens) const;
 };
+
+// Starting values of accumulated weight gradients: n elements N(0, scale^2) of `dtype` (exact in
+// it: drawn in it), from `seed`.
+void fill_normal_weight_grads(void* out, int64_t n, WeightGradDtype dtype, uint64_t seed, float scale,
+                              cudaStream_t stream);
+// On `stream`: copies dw13 and dw2 (full size, out.grad_dtype) into out's weight gradients, the
+// values an accumulating call adds onto.
+void copy_weight_grads(const LayerConfig& config, const void* dw13, const void* dw2, const LayerOutputs& out,
+                       cudaStream_t stream);
 
 // How one call runs: the fields of ForwardArgs / BackwardArgs that are not tensors.
 struct LayerCall {

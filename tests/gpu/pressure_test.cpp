@@ -146,21 +146,34 @@ size_t grad_bytes(const LayerConfig& c, WeightGradDtype dtype, bool w13) {
 
 constexpr size_t kReportBytes = kExpertIdReportInts * sizeof(int32_t);
 
+// Accumulation starts from N(0, 0.1^2) values in the tested dtype (exact in it), drawn from the
+// spec's seed.
+void fill_init(const Spec& s, void* init13, void* init2, cudaStream_t stream) {
+  if (!s.accumulate) return;
+  const size_t element_bytes = harness::weight_grad_element_bytes(s.grad_dtype);
+  harness::fill_normal_weight_grads(init13, static_cast<int64_t>(grad_bytes(s.config, s.grad_dtype, true) / element_bytes),
+                                    s.grad_dtype, s.seed ^ 0xD13ull, 0.1f, stream);
+  harness::fill_normal_weight_grads(init2, static_cast<int64_t>(grad_bytes(s.config, s.grad_dtype, false) / element_bytes),
+                                    s.grad_dtype, s.seed ^ 0xD2ull, 0.1f, stream);
+}
+
+// An accumulating call's outputs start from fill_init's values.
+void start_from_init(const Spec& s, const LayerOutputs& out, const void* init13, const void* init2,
+                     cudaStream_t stream) {
+  if (s.accumulate) harness::copy_weight_grads(s.config, init13, init2, out, stream);
+}
+
 // What a spec's call carves from the arena: the inputs, the reference's outputs (fp32 weight
 // gradients) and two output sets of the tested dtype (unfused, then the fused repeat; fused), the
 // accumulation's starting values, saved z, one workspace for the three implementations, a report.
 size_t call_footprint(const Spec& s) {
   const LayerConfig& c = s.config;
-  size_t workspace = 0;
-  for (Impl impl : {Impl::kReferenceFp32, Impl::kUnfused, Impl::kFused}) {
-    workspace = std::max(workspace, workspace_bytes(c, impl));
-  }
   return LayerInputs::footprint(c) + LayerOutputs::footprint(c, WeightGradDtype::kFloat32) +
          2 * LayerOutputs::footprint(c, s.grad_dtype) +
          (s.accumulate ? DeviceArena::footprint(grad_bytes(c, s.grad_dtype, true)) +
                              DeviceArena::footprint(grad_bytes(c, s.grad_dtype, false))
                        : 0) +
-         (s.save_z ? DeviceArena::footprint(saved_z_bytes(c)) : 0) + DeviceArena::footprint(workspace) +
+         (s.save_z ? DeviceArena::footprint(saved_z_bytes(c)) : 0) + DeviceArena::footprint(harness::max_workspace_bytes(c)) +
          DeviceArena::footprint(kReportBytes);
 }
 
@@ -450,35 +463,12 @@ Outcome run_call(const Spec& s, DeviceArena& arena, int32_t* pinned_report, cuda
   void* init13 = s.accumulate ? arena.take(grad_bytes(c, s.grad_dtype, true)) : nullptr;
   void* init2 = s.accumulate ? arena.take(grad_bytes(c, s.grad_dtype, false)) : nullptr;
   void* saved_z = s.save_z ? arena.take(saved_z_bytes(c)) : nullptr;
-  size_t workspace_size = 0;
-  for (Impl impl : {Impl::kReferenceFp32, Impl::kUnfused, Impl::kFused}) {
-    workspace_size = std::max(workspace_size, workspace_bytes(c, impl));
-  }
-  void* workspace = arena.take(workspace_size);
+  void* workspace = arena.take(harness::max_workspace_bytes(c));
   const Reports reports{static_cast<int32_t*>(arena.take(kReportBytes)), pinned_report};
 
   in.fill_normal(c, T, s.seed, stream);
   in.upload_routing(routing.idx_TK, routing.w_TK, stream);
-  // Accumulation starts from N(0, 0.1^2) values in the tested dtype (exact in it).
-  auto fill_init = [&](void* dst, size_t bytes, uint64_t seed) {
-    const int64_t n = static_cast<int64_t>(bytes / harness::weight_grad_element_bytes(s.grad_dtype));
-    if (s.grad_dtype == WeightGradDtype::kFloat32) {
-      harness::fill_normal_fp32(static_cast<float*>(dst), n, seed, 0.1f, stream);
-    } else {
-      harness::fill_normal_bf16(dst, n, seed, 0.1f, stream);
-    }
-  };
-  if (s.accumulate) {
-    fill_init(init13, grad_bytes(c, s.grad_dtype, true), s.seed ^ 0xD13ull);
-    fill_init(init2, grad_bytes(c, s.grad_dtype, false), s.seed ^ 0xD2ull);
-  }
-  auto start_from_init = [&](const LayerOutputs& out) {
-    if (!s.accumulate) return;
-    FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(out.dw13_EFH, init13, grad_bytes(c, s.grad_dtype, true),
-                                       cudaMemcpyDeviceToDevice, stream));
-    FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(out.dw2_EHI, init2, grad_bytes(c, s.grad_dtype, false),
-                                       cudaMemcpyDeviceToDevice, stream));
-  };
+  fill_init(s, init13, init2, stream);
 
   LayerCall call;
   call.workspace = workspace;
@@ -494,14 +484,14 @@ Outcome run_call(const Spec& s, DeviceArena& arena, int32_t* pinned_report, cuda
   LayerCall unfused_call = call;
   unfused_call.impl = Impl::kUnfused;
   unfused_call.accumulate = s.accumulate;
-  start_from_init(first);
+  start_from_init(s, first, init13, init2, stream);
   harness::run_layer_call(c, T, in, first, unfused_call);
   LayerCall fused_call = call;
   fused_call.impl = Impl::kFused;
   fused_call.accumulate = s.accumulate;
   fused_call.saved_z = saved_z;
   set_id_check(fused_call, s.id_check, reports);
-  start_from_init(fused);
+  start_from_init(s, fused, init13, init2, stream);
   harness::run_layer_call(c, T, in, fused, fused_call);
   const std::array<int32_t, 3> report = read_report(s.id_check, reports, stream);
   if (report[0] != 0) fail(o, "a call with valid ids wrote the expert-id report " + report_text(report));
@@ -546,7 +536,7 @@ Outcome run_call(const Spec& s, DeviceArena& arena, int32_t* pinned_report, cuda
   o.figures = worst;
 
   // The fused call again, into the first set (the unfused outputs are judged): the same bits.
-  start_from_init(first);
+  start_from_init(s, first, init13, init2, stream);
   set_id_check(fused_call, s.id_check, reports);
   harness::run_layer_call(c, T, in, first, fused_call);
   const harness::LayerDifferences differences = harness::count_layer_differences(c, T, first, fused);
@@ -589,14 +579,7 @@ void run_side(Side& side, const LayerOutputs& out, SideResult* result) {
   call.saved_z = side.saved_z;
   call.workspace = side.workspace;
   call.stream = side.stream;
-  result->setup_error = error_of([&] {
-    if (s.accumulate) {
-      FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(out.dw13_EFH, side.init13, grad_bytes(s.config, s.grad_dtype, true),
-                                         cudaMemcpyDeviceToDevice, side.stream));
-      FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(out.dw2_EHI, side.init2, grad_bytes(s.config, s.grad_dtype, false),
-                                         cudaMemcpyDeviceToDevice, side.stream));
-    }
-  });
+  result->setup_error = error_of([&] { start_from_init(s, out, side.init13, side.init2, side.stream); });
   // With kSync and bad ids each call throws; in the report modes each fills its own report.
   result->forward_error = error_of([&] {
     set_id_check(call, s.id_check, side.reports);
@@ -627,17 +610,7 @@ Outcome run_pair(std::array<Side, 2>& sides, DeviceArena& arena, int device) {
     side.reports.device = static_cast<int32_t*>(arena.take(kReportBytes));
     side.in.fill_normal(c, s.num_tokens, s.seed, side.stream);
     side.in.upload_routing(side.routing.idx_TK, side.routing.w_TK, side.stream);
-    if (s.accumulate) {
-      const int64_t n13 = static_cast<int64_t>(grad_bytes(c, s.grad_dtype, true) / harness::weight_grad_element_bytes(s.grad_dtype));
-      const int64_t n2 = static_cast<int64_t>(grad_bytes(c, s.grad_dtype, false) / harness::weight_grad_element_bytes(s.grad_dtype));
-      if (s.grad_dtype == WeightGradDtype::kFloat32) {
-        harness::fill_normal_fp32(static_cast<float*>(side.init13), n13, s.seed ^ 0xD13ull, 0.1f, side.stream);
-        harness::fill_normal_fp32(static_cast<float*>(side.init2), n2, s.seed ^ 0xD2ull, 0.1f, side.stream);
-      } else {
-        harness::fill_normal_bf16(side.init13, n13, s.seed ^ 0xD13ull, 0.1f, side.stream);
-        harness::fill_normal_bf16(side.init2, n2, s.seed ^ 0xD2ull, 0.1f, side.stream);
-      }
-    }
+    fill_init(s, side.init13, side.init2, side.stream);
   }
   FUSEMOE_CUDA_CHECK(cudaDeviceSynchronize());
 

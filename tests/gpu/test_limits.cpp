@@ -50,10 +50,7 @@ double timed_call(const LayerConfig& c, int64_t tokens, const LayerInputs& in, c
 TEST(Limits, Qwen30bForwardBackwardAt262144Tokens) {
   constexpr int64_t kTokens = 262144;
   const LayerConfig c = harness::qwen3_30b_config(kTokens);
-  size_t workspace = 0;
-  for (Impl impl : {Impl::kReferenceFp32, Impl::kUnfused, Impl::kFused}) {
-    workspace = std::max(workspace, workspace_bytes(c, impl));
-  }
+  const size_t workspace = harness::max_workspace_bytes(c);
   const size_t need = LayerInputs::footprint(c) + 3 * LayerOutputs::footprint(c, WeightGradDtype::kFloat32) +
                       DeviceArena::footprint(saved_z_bytes(c)) + DeviceArena::footprint(workspace);
   size_t free_bytes = 0, total_bytes = 0;
