@@ -146,7 +146,9 @@ LayerOutputs::LayerOutputs(const LayerConfig& c, bool save_z)
       saved_z_SF(save_z ? saved_z_bytes(c) : 0) {}
 
 void LayerOutputs::poison(cudaStream_t stream) const {
-  for (const DeviceBuffer* buffer : {&y_TH, &dx_TH, &d_topk_w_TK, &dw13_EFH, &dw2_EHI}) buffer->poison(stream);
+  for (const DeviceBuffer* buffer : {&y_TH, &dx_TH, &d_topk_w_TK, &dw13_EFH, &dw2_EHI, &saved_z_SF}) {
+    buffer->poison(stream);
+  }
 }
 
 LayerConfig impl_config(const LayerConfig& config, const BenchImpl& impl) {
