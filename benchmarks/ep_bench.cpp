@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/options.h"
 #include "common/call_inputs.h"
 #include "common/device.h"
 #include "common/device_buffer.h"
@@ -34,8 +35,20 @@ namespace {
 
 using fusemoe::harness::DeviceBuffer;
 
+// fusemoe_bench's preset of that name (bench/options.h), or null.
+const fusemoe::bench::Preset* preset_named(const std::string& name) {
+  for (const fusemoe::bench::Preset& preset : fusemoe::bench::kPresets) {
+    if (name == preset.name) return &preset;
+  }
+  return nullptr;
+}
+
+fusemoe::LayerConfig layer_of(const std::string& preset, int64_t max_tokens) {
+  return fusemoe::harness::layer_config(*preset_named(preset), max_tokens);
+}
+
 struct Options {
-  std::string preset = "qwen3-30b-a3b";
+  std::string preset = fusemoe::bench::kPresets[0].name;
   int64_t tokens = 16384;
   std::vector<int> ranks = {2, 4};
   fusemoe::harness::Routing routing = fusemoe::harness::Routing::kUniform;
@@ -66,7 +79,7 @@ Options parse(int argc, char** argv) {
     };
     if (flag == "--preset") {
       o.preset = value();
-      if (o.preset != "qwen3-30b-a3b" && o.preset != "qwen3-235b-a22b") usage("unknown --preset " + o.preset);
+      if (preset_named(o.preset) == nullptr) usage("unknown --preset " + o.preset);
     } else if (flag == "--tokens") {
       o.tokens = integer(value());
     } else if (flag == "--ranks") {
@@ -92,16 +105,6 @@ Options parse(int argc, char** argv) {
   }
   if (o.iters < 1) usage("--iters must be >= 1");
   return o;
-}
-
-fusemoe::LayerConfig layer_of(const std::string& preset, int64_t max_tokens) {
-  fusemoe::LayerConfig c;
-  c.hidden = preset == "qwen3-30b-a3b" ? 2048 : 4096;
-  c.intermediate = preset == "qwen3-30b-a3b" ? 768 : 1536;
-  c.num_experts = 128;
-  c.top_k = 8;
-  c.max_tokens = max_tokens;
-  return c;
 }
 
 // The whole batch on the device: x, dy, ids, weights, and every expert's weights.

@@ -213,12 +213,7 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
   } stream_guard{stream};
 
   const Preset& preset = params.preset;
-  LayerConfig config;
-  config.hidden = preset.hidden;
-  config.intermediate = preset.intermediate;
-  config.num_experts = preset.num_experts;
-  config.top_k = preset.top_k;
-  config.max_tokens = *std::max_element(params.tokens.begin(), params.tokens.end());
+  LayerConfig config = harness::layer_config(preset, *std::max_element(params.tokens.begin(), params.tokens.end()));
   validate_config(config);
 
   harness::EventTimer timer(stream);

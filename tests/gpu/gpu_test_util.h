@@ -42,11 +42,15 @@ struct Dims {
 // (several 128-row tiles per expert, 16 experts, top-4) and the Qwen3-30B-A3B layer (all 128 experts).
 inline Dims small_dims(int64_t tokens) { return Dims{tokens}; }
 inline Dims medium_dims(int64_t tokens) { return Dims{tokens, 512, 256, 16, 4}; }
-inline Dims qwen3_30b_dims(int64_t tokens) { return Dims{tokens, 2048, 768, 128, 8}; }
+inline Dims qwen3_30b_dims(int64_t tokens) {
+  const harness::LayerShape& s = harness::kQwen3_30bA3b;
+  return Dims{tokens, s.hidden, s.intermediate, s.num_experts, s.top_k};
+}
 // Qwen3-235B-A22B's H and I; fewer than its 128 experts keep a host-side check's fp64 copies of
 // the weights and their gradients within memory.
 inline Dims qwen3_235b_dims(int64_t tokens, int64_t num_experts) {
-  return Dims{tokens, 4096, 1536, num_experts, 8};
+  const harness::LayerShape& s = harness::kQwen3_235bA22b;
+  return Dims{tokens, s.hidden, s.intermediate, num_experts, s.top_k};
 }
 
 // The default layer with the SwiGLU clamp at c = 1.25: on z ~ N(0, 1) it is active on ~11% of g
