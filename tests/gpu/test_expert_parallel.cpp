@@ -7,6 +7,7 @@
 // workspaces are NaN-poisoned first.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -174,9 +175,11 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
   return out;
 }
 
+// The first element where a and b differ bitwise; b.size() when they are equal; SIZE_MAX (never
+// b.size()) when their sizes differ.
 template <class T>
 size_t first_difference(const std::vector<T>& a, const std::vector<T>& b) {
-  if (a.size() != b.size()) return 0;
+  if (a.size() != b.size()) return SIZE_MAX;
   for (size_t i = 0; i < a.size(); ++i) {
     if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) return i;
   }
