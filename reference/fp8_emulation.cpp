@@ -221,17 +221,6 @@ Gradients backward_rows(const Problem& p, const std::vector<double>& dy_TH,
 
 }  // namespace
 
-std::vector<double> fp8_emulated_forward(const Problem& p) {
-  validate_fp8(p);
-  return combine(p, forward_rows(p, slots_by_expert(p)).ys_SH);
-}
-
-Gradients fp8_emulated_backward(const Problem& p, const std::vector<double>& dy_TH) {
-  validate_fp8(p);
-  const auto slots = slots_by_expert(p);
-  return backward_rows(p, dy_TH, slots, forward_rows(p, slots));
-}
-
 Fp8Emulation fp8_emulated_layer(const Problem& p, const std::vector<double>& dy_TH) {
   validate_fp8(p);
   const auto slots = slots_by_expert(p);

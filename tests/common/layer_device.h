@@ -30,7 +30,6 @@ class DeviceArena {
   // Throws fusemoe::Error when the region does not fit.
   void* take(size_t bytes);
   void reset() { used_ = 0; }
-  size_t used() const { return used_; }
   size_t capacity() const { return buffer_.bytes(); }
 
  private:

@@ -280,8 +280,6 @@ TEST(ExpertParallel, BadExpertIdsAreReported) {
   d.T = 16;
   HostProblem p = make_problem(d, Routing::kUniform, 5);
   p.idx_TK[3 * d.K + 1] = 99;  // token 3 of rank 0
-  EpCase c{1, {16}, Routing::kUniform};
-  std::vector<int64_t> first{0};
   EpConfig config;
   config.layer = config_of(d, 16);
   config.world_size = 1;
