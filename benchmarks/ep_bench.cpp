@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/options.h"
 #include "common/call_inputs.h"
 #include "common/device.h"
 #include "common/device_buffer.h"
@@ -34,8 +35,20 @@ namespace {
 
 using fusemoe::harness::DeviceBuffer;
 
+// fusemoe_bench's preset of that name (bench/options.h), or null.
+const fusemoe::bench::Preset* preset_named(const std::string& name) {
+  for (const fusemoe::bench::Preset& preset : fusemoe::bench::kPresets) {
+    if (name == preset.name) return &preset;
+  }
+  return nullptr;
+}
+
+fusemoe::LayerConfig layer_of(const std::string& preset, int64_t max_tokens) {
+  return fusemoe::harness::layer_config(*preset_named(preset), max_tokens);
+}
+
 struct Options {
-  std::string preset = "qwen3-30b-a3b";
+  std::string preset = fusemoe::bench::kPresets[0].name;
   int64_t tokens = 16384;
   std::vector<int> ranks = {2, 4};
   fusemoe::harness::Routing routing = fusemoe::harness::Routing::kUniform;
@@ -66,7 +79,7 @@ Options parse(int argc, char** argv) {
     };
     if (flag == "--preset") {
       o.preset = value();
-      if (o.preset != "qwen3-30b-a3b" && o.preset != "qwen3-235b-a22b") usage("unknown --preset " + o.preset);
+      if (preset_named(o.preset) == nullptr) usage("unknown --preset " + o.preset);
     } else if (flag == "--tokens") {
       o.tokens = integer(value());
     } else if (flag == "--ranks") {
@@ -92,16 +105,6 @@ Options parse(int argc, char** argv) {
   }
   if (o.iters < 1) usage("--iters must be >= 1");
   return o;
-}
-
-fusemoe::LayerConfig layer_of(const std::string& preset, int64_t max_tokens) {
-  fusemoe::LayerConfig c;
-  c.hidden = preset == "qwen3-30b-a3b" ? 2048 : 4096;
-  c.intermediate = preset == "qwen3-30b-a3b" ? 768 : 1536;
-  c.num_experts = 128;
-  c.top_k = 8;
-  c.max_tokens = max_tokens;
-  return c;
 }
 
 // The whole batch on the device: x, dy, ids, weights, and every expert's weights.
@@ -228,23 +231,18 @@ int main(int argc, char** argv) {
         peers[r] = k.symmetric.get();
       }
       FUSEMOE_CUDA_CHECK(cudaDeviceSynchronize());
+      // Elements (bf16) of one rank's share of w13 and w2: its El experts.
+      const int64_t w13_per_rank = El * 2 * l.intermediate * l.hidden, w2_per_rank = El * l.hidden * l.intermediate;
       auto rank_call = [&](Rank& k, bool backward) {
-        const char* x = static_cast<const char*>(b.x.get()) + k.first_token * l.hidden * 2;
-        const int32_t* idx = static_cast<const int32_t*>(b.idx.get()) + k.first_token * l.top_k;
-        const float* w = static_cast<const float*>(b.w.get()) + k.first_token * l.top_k;
-        const char* w13 = static_cast<const char*>(b.w13.get()) + k.config.rank * k.dw13.bytes();
-        const char* w2 = static_cast<const char*>(b.w2.get()) + k.config.rank * k.dw2.bytes();
+        const uint16_t* x = b.x.as<const uint16_t>() + k.first_token * l.hidden;
+        const int32_t* idx = b.idx.as<const int32_t>() + k.first_token * l.top_k;
+        const float* w = b.w.as<const float>() + k.first_token * l.top_k;
+        const uint16_t* w13 = b.w13.as<const uint16_t>() + k.config.rank * w13_per_rank;
+        const uint16_t* w2 = b.w2.as<const uint16_t>() + k.config.rank * w2_per_rank;
         fusemoe::EpForwardArgs fa;
         fusemoe::EpCall& call = fa.call;
-        call.x = x;
-        call.topk_idx = idx;
-        call.topk_weights = w;
-        call.w13 = w13;
-        call.w2 = w2;
-        call.num_tokens = k.num_tokens;
+        fusemoe::harness::set_layer_inputs(call, x, idx, w, w13, w2, k.num_tokens, k.ws.get(), k.ws.bytes());
         call.peer_symmetric = peers.data();
-        call.workspace = k.ws.get();
-        call.workspace_bytes = k.ws.bytes();
         call.sync_check_expert_ids = false;  // one host thread drives every rank
         call.num_sms = gpu.sm_count / R;
         call.stream = k.stream;
@@ -254,7 +252,7 @@ int main(int argc, char** argv) {
         if (!backward) return;
         fusemoe::EpBackwardArgs ba;
         ba.call = call;
-        ba.dy = static_cast<const char*>(b.dy.get()) + k.first_token * l.hidden * 2;
+        ba.dy = b.dy.as<const uint16_t>() + k.first_token * l.hidden;
         ba.dx = k.dx.get();
         ba.d_topk_weights = static_cast<float*>(k.dtw.get());
         ba.dw13 = k.dw13.get();

@@ -20,20 +20,13 @@
 namespace fusemoe::reference {
 namespace {
 
-void require(bool condition, const std::string& message) {
-  if (!condition) throw std::invalid_argument("fusemoe::reference (fp8 emulation): " + message);
-}
-
+// Problem as reference::forward / backward take it (validate()), with H and I multiples of the
+// 128 blocks.
 void validate_fp8(const Problem& p) {
-  require(p.num_tokens >= 0 && p.top_k >= 1 && p.num_experts >= 1, "bad sizes");
+  validate(p);
   require(p.hidden % host::kFp8Block == 0 && p.intermediate % host::kFp8Block == 0,
-          "hidden and intermediate must be multiples of 128");
-  require(p.x_TH.size() == static_cast<size_t>(p.num_tokens * p.hidden), "x_TH size");
-  require(p.topk_idx_TK.size() == static_cast<size_t>(p.num_tokens * p.top_k), "topk_idx_TK size");
-  require(p.topk_w_TK.size() == static_cast<size_t>(p.num_tokens * p.top_k), "topk_w_TK size");
-  require(p.w13_EFH.size() == static_cast<size_t>(p.num_experts * 2 * p.intermediate * p.hidden), "w13 size");
-  require(p.w2_EHI.size() == static_cast<size_t>(p.num_experts * p.hidden * p.intermediate), "w2 size");
-  for (int32_t id : p.topk_idx_TK) require(id >= -1 && id < p.num_experts, "expert id out of range");
+          "fp8 emulation: hidden and intermediate must be multiples of 128, got " + std::to_string(p.hidden) +
+              " and " + std::to_string(p.intermediate));
 }
 
 // fn(i) for i in [0, n) on all hardware threads, in contiguous chunks.
@@ -105,17 +98,6 @@ std::vector<double> dequantized_rows(const std::vector<double>& m, int64_t T, in
   return out;
 }
 
-// Clamp of (g, u) with the gradient masks (NaN passes unchanged, as torch.clamp).
-void clamp_gu(const Problem& p, double& g, double& u, bool& pass_g, bool& pass_u) {
-  pass_g = pass_u = true;
-  if (!p.use_swiglu_clamp) return;
-  const double c = p.swiglu_clamp;
-  pass_g = !(g > c);
-  pass_u = !(u > c) && !(u < -c);
-  if (!pass_g) g = c;
-  if (!pass_u) u = u > c ? c : -c;
-}
-
 // The forward of every routed slot: ys [S, H] (bf16 values) and zb [S, 2I] (bf16 z).
 struct ForwardRows {
   std::vector<double> ys_SH, zb_SF;
@@ -139,8 +121,8 @@ ForwardRows forward_rows(const Problem& p, const std::vector<std::vector<int64_t
       }
       for (int64_t c = 0; c < I; ++c) {
         double g = z[c], u = z[I + c];
-        bool pass_g, pass_u;
-        clamp_gu(p, g, u, pass_g, pass_u);
+        bool pass_g = true, pass_u = true;
+        clamp_swiglu(p, g, u, pass_g, pass_u);
         h[c] = bf16(g * sigmoid(g) * u);
       }
       dequantized_row(h.data(), I, hdq.data());
@@ -174,7 +156,7 @@ namespace {
 Gradients backward_rows(const Problem& p, const std::vector<double>& dy_TH,
                         const std::vector<std::vector<int64_t>>& slots, const ForwardRows& fwd) {
   const int64_t T = p.num_tokens, H = p.hidden, I = p.intermediate, K = p.top_k, F = 2 * I;
-  require(dy_TH.size() == static_cast<size_t>(T * H), "dy_TH size");
+  require_size(dy_TH.size(), T * H, "dy_TH", "T*H");
   const std::vector<double> dydq_TH = dequantized_rows(dy_TH, T, H);
 
   Gradients g;
@@ -198,8 +180,8 @@ Gradients backward_rows(const Problem& p, const std::vector<double>& dy_TH,
       double* dz = dz_SF.data() + s * F;
       for (int64_t c = 0; c < I; ++c) {
         double gv = fwd.zb_SF[s * F + c], uv = fwd.zb_SF[s * F + I + c];
-        bool pass_g, pass_u;
-        clamp_gu(p, gv, uv, pass_g, pass_u);
+        bool pass_g = true, pass_u = true;
+        clamp_swiglu(p, gv, uv, pass_g, pass_u);
         const double sg = sigmoid(gv), si = gv * sg;
         const double hv = bf16(si * uv);
         dot += hv * a[c];
@@ -238,17 +220,6 @@ Gradients backward_rows(const Problem& p, const std::vector<double>& dy_TH,
 }
 
 }  // namespace
-
-std::vector<double> fp8_emulated_forward(const Problem& p) {
-  validate_fp8(p);
-  return combine(p, forward_rows(p, slots_by_expert(p)).ys_SH);
-}
-
-Gradients fp8_emulated_backward(const Problem& p, const std::vector<double>& dy_TH) {
-  validate_fp8(p);
-  const auto slots = slots_by_expert(p);
-  return backward_rows(p, dy_TH, slots, forward_rows(p, slots));
-}
 
 Fp8Emulation fp8_emulated_layer(const Problem& p, const std::vector<double>& dy_TH) {
   validate_fp8(p);

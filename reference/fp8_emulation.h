@@ -20,10 +20,7 @@
 
 namespace fusemoe::reference {
 
-std::vector<double> fp8_emulated_forward(const Problem& p);            // y [T, H]
-Gradients fp8_emulated_backward(const Problem& p, const std::vector<double>& dy_TH);
-
-// Both, sharing one forward pass.
+// The forward (y [T, H]) and the backward, sharing one forward pass.
 struct Fp8Emulation {
   std::vector<double> y_TH;
   Gradients grads;

@@ -18,54 +18,6 @@
 namespace fusemoe::reference {
 namespace {
 
-void require(bool condition, const std::string& message) {
-  if (!condition) throw std::invalid_argument("fusemoe::reference: " + message);
-}
-
-int64_t checked_product(int64_t a, int64_t b, const char* what) {
-  require(a >= 0 && b >= 0 && (a == 0 || b <= std::numeric_limits<int64_t>::max() / a),
-          std::string(what) + " overflows int64");
-  return a * b;
-}
-
-void require_size(size_t actual, int64_t expected, const char* name, const char* shape) {
-  const std::string message = std::string(name) + " must have " + shape + " = " +
-                              std::to_string(expected) + " elements, got " + std::to_string(actual);
-  require(actual == static_cast<size_t>(expected), message);
-}
-
-void validate(const Problem& p) {
-  require(p.num_tokens >= 0, "num_tokens must be >= 0, got " + std::to_string(p.num_tokens));
-  require(p.hidden >= 1, "hidden must be >= 1, got " + std::to_string(p.hidden));
-  require(p.intermediate >= 1, "intermediate must be >= 1, got " + std::to_string(p.intermediate));
-  require(p.num_experts >= 1, "num_experts must be >= 1, got " + std::to_string(p.num_experts));
-  require(p.top_k >= 1, "top_k must be >= 1, got " + std::to_string(p.top_k));
-  if (p.use_swiglu_clamp) {
-    require(std::isfinite(p.swiglu_clamp) && p.swiglu_clamp > 0.0,
-            "swiglu_clamp must be finite and > 0 when use_swiglu_clamp, got " +
-                std::to_string(p.swiglu_clamp));
-  }
-  const int64_t num_slots = checked_product(p.num_tokens, p.top_k, "T*K");
-  const int64_t ffn = checked_product(2, p.intermediate, "2*I");
-  require_size(p.x_TH.size(), checked_product(p.num_tokens, p.hidden, "T*H"), "x_TH", "T*H");
-  require_size(p.topk_idx_TK.size(), num_slots, "topk_idx_TK", "T*K");
-  require_size(p.topk_w_TK.size(), num_slots, "topk_w_TK", "T*K");
-  require_size(p.w13_EFH.size(),
-               checked_product(p.num_experts, checked_product(ffn, p.hidden, "2I*H"), "E*2I*H"),
-               "w13_EFH", "E*2I*H");
-  require_size(
-      p.w2_EHI.size(),
-      checked_product(p.num_experts, checked_product(p.hidden, p.intermediate, "H*I"), "E*H*I"),
-      "w2_EHI", "E*H*I");
-  for (int64_t s = 0; s < num_slots; ++s) {
-    const int32_t id = p.topk_idx_TK[s];
-    if (id >= -1 && id < p.num_experts) continue;
-    require(false, "topk_idx_TK[" + std::to_string(s / p.top_k) + ", " +
-                       std::to_string(s % p.top_k) + "] = " + std::to_string(id) +
-                       " is outside [-1, " + std::to_string(p.num_experts) + ")");
-  }
-}
-
 // One row's SwiGLU state after the (optional) clamp; pass_* is true where the gradient flows
 // through the clamp.
 struct SwigluRow {
@@ -76,18 +28,11 @@ struct SwigluRow {
 // z = W1_e x_t, then clamp and h = silu(g) * u.
 void swiglu_row(const Problem& p, const double* w13_FH, const double* x_H, SwigluRow& row) {
   const int64_t H = p.hidden, I = p.intermediate;
-  const double c = p.swiglu_clamp;
   for (int64_t i = 0; i < I; ++i) {
     double g = dot(w13_FH + i * H, x_H, H);
     double u = dot(w13_FH + (I + i) * H, x_H, H);
     bool pass_g = true, pass_u = true;
-    if (p.use_swiglu_clamp) {
-      // Comparisons with NaN are false, so NaN passes through unchanged, as in torch.clamp.
-      pass_g = !(g > c);
-      pass_u = !(u > c) && !(u < -c);
-      if (!pass_g) g = c;
-      if (!pass_u) u = u > c ? c : -c;
-    }
+    clamp_swiglu(p, g, u, pass_g, pass_u);
     row.g_I[i] = g;
     row.u_I[i] = u;
     row.h_I[i] = g * sigmoid(g) * u;

@@ -60,7 +60,11 @@ std::vector<CheckLine> check_case(const LayerConfig& config, const LayerConfig& 
                                    y_elems, stream));
     if (!impls[i].has_backward) continue;
     for (WeightGradDtype dtype : {WeightGradDtype::kFloat32, WeightGradDtype::kBFloat16}) {
+      // poison() takes saved z too: the backward (of an impl with save_z) reads the z of the
+      // forward run here, just before it, never a z left by an earlier call or implementation.
       out.poison(stream);
+      workspace.poison(stream);
+      run_forward(config, impls[i], in, out, workspace, num_tokens, stream);
       workspace.poison(stream);
       run_backward(config, impls[i], in, out, workspace, num_tokens, dtype, stream);
       const std::string wgrad = wgrad_name(dtype);

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/layer_config.h"
 #include "common/routing.h"
 #include "fusemoe/fusemoe.h"
 
@@ -20,15 +21,16 @@ constexpr int kExitBadArgs = 2;
 constexpr int kExitNoHopper = 3;
 constexpr int kExitRuntimeError = 4;
 
-struct Preset {
+// A named layer shape (hidden, intermediate, num_experts, top_k from harness::LayerShape).
+struct Preset : harness::LayerShape {
   const char* name;
   const char* short_name;  // for progress lines
-  int64_t hidden, intermediate, num_experts, top_k;
 };
 
+// The shapes themselves are tests/common/layer_config.h's, shared with the test suites.
 constexpr Preset kPresets[] = {
-    {"qwen3-30b-a3b", "30B", 2048, 768, 128, 8},
-    {"qwen3-235b-a22b", "235B", 4096, 1536, 128, 8},
+    {harness::kQwen3_30bA3b, "qwen3-30b-a3b", "30B"},
+    {harness::kQwen3_235bA22b, "qwen3-235b-a22b", "235B"},
 };
 
 // Relative (Frobenius) error an implementation may have against the fp32 reference. bf16 keeps 8

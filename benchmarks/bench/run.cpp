@@ -146,7 +146,9 @@ LayerOutputs::LayerOutputs(const LayerConfig& c, bool save_z)
       saved_z_SF(save_z ? saved_z_bytes(c) : 0) {}
 
 void LayerOutputs::poison(cudaStream_t stream) const {
-  for (const DeviceBuffer* buffer : {&y_TH, &dx_TH, &d_topk_w_TK, &dw13_EFH, &dw2_EHI}) buffer->poison(stream);
+  for (const DeviceBuffer* buffer : {&y_TH, &dx_TH, &d_topk_w_TK, &dw13_EFH, &dw2_EHI, &saved_z_SF}) {
+    buffer->poison(stream);
+  }
 }
 
 LayerConfig impl_config(const LayerConfig& config, const BenchImpl& impl) {
@@ -211,12 +213,7 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
   } stream_guard{stream};
 
   const Preset& preset = params.preset;
-  LayerConfig config;
-  config.hidden = preset.hidden;
-  config.intermediate = preset.intermediate;
-  config.num_experts = preset.num_experts;
-  config.top_k = preset.top_k;
-  config.max_tokens = *std::max_element(params.tokens.begin(), params.tokens.end());
+  LayerConfig config = harness::layer_config(preset, *std::max_element(params.tokens.begin(), params.tokens.end()));
   validate_config(config);
 
   harness::EventTimer timer(stream);

@@ -30,6 +30,8 @@ struct LayerOutputs {
 
   LayerOutputs(const LayerConfig& c, bool save_z);
   void* saved_z(const BenchImpl& impl) const { return impl.save_z ? saved_z_SF.get() : nullptr; }
+  // All of them, saved z included: a backward that reads saved z must follow its own forward
+  // after a poison.
   void poison(cudaStream_t stream) const;
 };
 

@@ -21,8 +21,19 @@ inline LayerConfig layer_config(int64_t hidden, int64_t intermediate, int64_t nu
   return LayerConfig{hidden, intermediate, num_experts, top_k, max_tokens};
 }
 
-// The Qwen3 MoE layers the benchmark presets run (all 128 experts, top-8).
-inline LayerConfig qwen3_30b_config(int64_t max_tokens = 0) { return layer_config(2048, 768, 128, 8, max_tokens); }
-inline LayerConfig qwen3_235b_config(int64_t max_tokens = 0) { return layer_config(4096, 1536, 128, 8, max_tokens); }
+// A layer's shape without a token count.
+struct LayerShape {
+  int64_t hidden, intermediate, num_experts, top_k;
+};
+inline LayerConfig layer_config(const LayerShape& s, int64_t max_tokens = 0) {
+  return layer_config(s.hidden, s.intermediate, s.num_experts, s.top_k, max_tokens);
+}
+
+// The Qwen3 MoE layers (all 128 experts, top-8), spelled once: the benchmarks' presets
+// (benchmarks/bench/options.h), the suites' configs below and their Dims (tests/gpu) use these.
+constexpr LayerShape kQwen3_30bA3b{2048, 768, 128, 8};
+constexpr LayerShape kQwen3_235bA22b{4096, 1536, 128, 8};
+inline LayerConfig qwen3_30b_config(int64_t max_tokens = 0) { return layer_config(kQwen3_30bA3b, max_tokens); }
+inline LayerConfig qwen3_235b_config(int64_t max_tokens = 0) { return layer_config(kQwen3_235bA22b, max_tokens); }
 
 }  // namespace fusemoe::harness

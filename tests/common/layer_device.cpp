@@ -16,6 +16,14 @@ size_t w2_elements(const LayerConfig& c) { return static_cast<size_t>(c.num_expe
 
 }  // namespace
 
+size_t max_workspace_bytes(const LayerConfig& config) {
+  size_t bytes = 0;
+  for (Impl impl : {Impl::kReferenceFp32, Impl::kUnfused, Impl::kFused}) {
+    bytes = std::max(bytes, workspace_bytes(config, impl));
+  }
+  return bytes;
+}
+
 void* DeviceArena::take(size_t bytes) {
   const size_t size = footprint(bytes);
   FUSEMOE_CHECK(size <= capacity() - used_, "DeviceArena: " << bytes << " bytes asked, " << capacity() - used_
@@ -107,11 +115,28 @@ size_t LayerOutputs::bytes(LayerOutput which, const LayerConfig& c, int64_t num_
   return 0;
 }
 
+void fill_normal_weight_grads(void* out, int64_t n, WeightGradDtype dtype, uint64_t seed, float scale,
+                              cudaStream_t stream) {
+  if (dtype == WeightGradDtype::kFloat32) {
+    fill_normal_fp32(static_cast<float*>(out), n, seed, scale, stream);
+  } else {
+    fill_normal_bf16(out, n, seed, scale, stream);
+  }
+}
+
+void copy_weight_grads(const LayerConfig& config, const void* dw13, const void* dw2, const LayerOutputs& out,
+                       cudaStream_t stream) {
+  FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(out.dw13_EFH, dw13, out.bytes(kDw13, config, 0), cudaMemcpyDeviceToDevice,
+                                     stream));
+  FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(out.dw2_EHI, dw2, out.bytes(kDw2, config, 0), cudaMemcpyDeviceToDevice, stream));
+}
+
 namespace {
 
-void poison(void* p, size_t bytes, cudaStream_t stream) {
-  if (bytes > 0) FUSEMOE_CUDA_CHECK(cudaMemsetAsync(p, 0xFF, bytes, stream));
+void fill(void* p, size_t bytes, uint8_t value, cudaStream_t stream) {
+  if (bytes > 0) FUSEMOE_CUDA_CHECK(cudaMemsetAsync(p, value, bytes, stream));
 }
+void poison(void* p, size_t bytes, cudaStream_t stream) { fill(p, bytes, 0xFF, stream); }
 
 // The fields ForwardArgs and BackwardArgs share: the inputs both read and how the call runs.
 template <typename Args>
@@ -130,7 +155,7 @@ Args call_args(int64_t num_tokens, const LayerInputs& in, const LayerCall& call,
 void run_forward_call(const LayerConfig& config, int64_t num_tokens, const LayerInputs& in, const LayerOutputs& out,
                       const LayerCall& call) {
   const size_t workspace = workspace_bytes(config, call.impl, WorkspaceUse::kForward);
-  poison(out.y_TH, out.bytes(kY, config, num_tokens), call.stream);
+  fill(out.y_TH, out.bytes(kY, config, num_tokens), call.output_fill, call.stream);
   if (call.saved_z != nullptr) poison(call.saved_z, saved_z_bytes(config), call.stream);
   poison(call.workspace, workspace, call.stream);
   ForwardArgs a = call_args<ForwardArgs>(num_tokens, in, call, workspace);
@@ -144,7 +169,7 @@ void run_backward_call(const LayerConfig& config, int64_t num_tokens, const Laye
       config, call.impl, call.saved_z != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward);
   for (LayerOutput o : {kDx, kDTopkWeights, kDw13, kDw2}) {
     if (call.accumulate && (o == kDw13 || o == kDw2)) continue;
-    poison(const_cast<void*>(out.pointer(o)), out.bytes(o, config, num_tokens), call.stream);
+    fill(const_cast<void*>(out.pointer(o)), out.bytes(o, config, num_tokens), call.output_fill, call.stream);
   }
   poison(call.workspace, workspace, call.stream);
   BackwardArgs a = call_args<BackwardArgs>(num_tokens, in, call, workspace);

@@ -1,6 +1,7 @@
 // The layer on device memory, for tests that run many shapes or very large ones (the pressure test,
 // the limits suite): buffers carved from one arena (no cudaMalloc per call), inputs filled on the
-// device, outputs and workspace NaN-poisoned (0xFF) before every call, outputs compared on the
+// device, outputs (unless told another fill) and workspace NaN-poisoned (0xFF) before every call,
+// outputs compared on the
 // device (relative L2, non-finite counts) and bitwise. The calls go through the public API.
 // Inputs: x, dy ~ N(0, 1); w13 ~ N(0, 1/H), w2 ~ N(0, 1/I), so z, h and y are O(1).
 // Legend: T tokens, H hidden, I intermediate, F = 2I, E experts, K top-k.
@@ -29,7 +30,6 @@ class DeviceArena {
   // Throws fusemoe::Error when the region does not fit.
   void* take(size_t bytes);
   void reset() { used_ = 0; }
-  size_t used() const { return used_; }
   size_t capacity() const { return buffer_.bytes(); }
 
  private:
@@ -40,6 +40,10 @@ class DeviceArena {
 inline size_t weight_grad_element_bytes(WeightGradDtype dtype) {
   return dtype == WeightGradDtype::kFloat32 ? 4 : 2;
 }
+
+// The largest workspace_bytes(config, impl) over the fp32 reference, the unfused and the fused
+// layer: one workspace that serves all three.
+size_t max_workspace_bytes(const LayerConfig& config);
 
 struct LayerInputs {
   void *x_TH = nullptr, *dy_TH = nullptr, *w13_EFH = nullptr, *w2_EHI = nullptr;
@@ -72,6 +76,15 @@ struct LayerOutputs {
   size_t bytes(LayerOutput which, const LayerConfig& config, int64_t num_tokens) const;
 };
 
+// Starting values of accumulated weight gradients: n elements N(0, scale^2) of `dtype` (exact in
+// it: drawn in it), from `seed`.
+void fill_normal_weight_grads(void* out, int64_t n, WeightGradDtype dtype, uint64_t seed, float scale,
+                              cudaStream_t stream);
+// On `stream`: copies dw13 and dw2 (full size, out.grad_dtype) into out's weight gradients, the
+// values an accumulating call adds onto.
+void copy_weight_grads(const LayerConfig& config, const void* dw13, const void* dw2, const LayerOutputs& out,
+                       cudaStream_t stream);
+
 // How one call runs: the fields of ForwardArgs / BackwardArgs that are not tensors.
 struct LayerCall {
   Impl impl = Impl::kFused;
@@ -81,13 +94,20 @@ struct LayerCall {
   int32_t* expert_id_report = nullptr;
   bool sync_check_expert_ids = true;
   cudaStream_t stream = nullptr;
+  // The byte the call's outputs (not saved_z, not the workspace) are filled with before it: 0xFF,
+  // the NaN poison, by default. A byte whose bf16 and fp32 patterns are finite (kFiniteOutputFill)
+  // tells an output the call left unwritten from a NaN it computed.
+  uint8_t output_fill = 0xFF;
 };
+// 0x7E7E (bf16) and 0x7E7E7E7E (fp32) are both finite, about 8.4e37: no output of an O(1) layer.
+constexpr uint8_t kFiniteOutputFill = 0x7E;
 
-// On call.stream: poisons y (and saved_z) and the workspace, then forward.
+// On call.stream: fills y with call.output_fill, poisons saved_z (if given) and the workspace,
+// then forward.
 void run_forward_call(const LayerConfig& config, int64_t num_tokens, const LayerInputs& in, const LayerOutputs& out,
                       const LayerCall& call);
-// On call.stream: poisons dx, d_topk_weights, the weight gradients (unless call.accumulate) and
-// the workspace, then backward.
+// On call.stream: fills dx, d_topk_weights and the weight gradients (unless call.accumulate) with
+// call.output_fill, poisons the workspace, then backward.
 void run_backward_call(const LayerConfig& config, int64_t num_tokens, const LayerInputs& in, const LayerOutputs& out,
                        const LayerCall& call);
 inline void run_layer_call(const LayerConfig& config, int64_t num_tokens, const LayerInputs& in,

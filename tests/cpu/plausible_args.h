@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/call_inputs.h"
 #include "fusemoe/fusemoe.h"
 
 namespace fusemoe {
@@ -18,13 +19,10 @@ namespace fusemoe {
 template <typename Args>
 Args with_plausible_inputs(const LayerConfig& c, Impl impl) {
   Args a;
-  a.x = reinterpret_cast<const void*>(0x10000);
-  a.topk_idx = reinterpret_cast<const int32_t*>(0x20000);
-  a.topk_weights = reinterpret_cast<const float*>(0x30000);
-  a.w13 = reinterpret_cast<const void*>(0x40000);
-  a.w2 = reinterpret_cast<const void*>(0x50000);
-  a.num_tokens = 8;
-  a.workspace_bytes = workspace_bytes(c, impl);
+  harness::set_layer_inputs(a, reinterpret_cast<const void*>(0x10000), reinterpret_cast<const int32_t*>(0x20000),
+                            reinterpret_cast<const float*>(0x30000), reinterpret_cast<const void*>(0x40000),
+                            reinterpret_cast<const void*>(0x50000), /*num_tokens=*/8, /*workspace=*/nullptr,
+                            workspace_bytes(c, impl));
   return a;
 }
 

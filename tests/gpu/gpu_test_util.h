@@ -42,11 +42,16 @@ struct Dims {
 // (several 128-row tiles per expert, 16 experts, top-4) and the Qwen3-30B-A3B layer (all 128 experts).
 inline Dims small_dims(int64_t tokens) { return Dims{tokens}; }
 inline Dims medium_dims(int64_t tokens) { return Dims{tokens, 512, 256, 16, 4}; }
-inline Dims qwen3_30b_dims(int64_t tokens) { return Dims{tokens, 2048, 768, 128, 8}; }
-// Qwen3-235B-A22B's H and I; fewer than its 128 experts keep a host-side check's fp64 copies of
-// the weights and their gradients within memory.
+inline Dims qwen3_30b_dims(int64_t tokens) {
+  const harness::LayerShape& s = harness::kQwen3_30bA3b;
+  return Dims{tokens, s.hidden, s.intermediate, s.num_experts, s.top_k};
+}
+// Qwen3-235B-A22B's H, I and top-k with num_experts experts: all 128 where the oracle is the fp32
+// GPU reference (test_fused_forward), fewer where a host-side fp64 check's copies of the weights
+// and their gradients must stay within memory.
 inline Dims qwen3_235b_dims(int64_t tokens, int64_t num_experts) {
-  return Dims{tokens, 4096, 1536, num_experts, 8};
+  const harness::LayerShape& s = harness::kQwen3_235bA22b;
+  return Dims{tokens, s.hidden, s.intermediate, num_experts, s.top_k};
 }
 
 // The default layer with the SwiGLU clamp at c = 1.25: on z ~ N(0, 1) it is active on ~11% of g
@@ -312,7 +317,8 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   return out;
 }
 
-// Device copies of a problem's inputs and a poisoned y, for forward-only runs.
+// Device copies of a problem's inputs, a y and a workspace (not poisoned here: run_forward_only
+// poisons them before its call), for forward-only runs.
 struct ForwardSetup {
   LayerConfig config;
   DeviceInputs in;

@@ -4,8 +4,10 @@
 // Loop 1, --pairs: two layers of different shapes at once, each on its own stream from its own
 //   host thread (Impl::kFused; the first pair runs before any other library call, so both threads
 //   meet cold caches: device attributes, shared-memory limits, the device-wait record). Each
-//   layer's outputs, thrown error and expert-id report must equal those of the same layer run
-//   alone afterwards, bitwise.
+//   layer's outputs must equal those of the same layer run alone afterwards, bitwise; with bad ids
+//   its forward and its backward must each name the first bad id, together and alone (thrown, or
+//   in the report zeroed before and read after each call); with valid ids neither may throw or
+//   report.
 // Loop 2, --calls: one layer at a time. Shapes drawn log-uniformly (most calls small): H = 128 m,
 //   I = 64 m, m in [1, 64]; E in [1, 1024]; K in [1, min(E, 32)]; T in [0, 70000]; max_tokens
 //   = T or more. Routings: uniform, skewed, one expert, all slots on one expert, masked, all
@@ -17,9 +19,10 @@
 //   output from any implementation, a repeated fused call bitwise equal; bad ids: every
 //   implementation names the first (token, slot, value) and the count, outputs not compared.
 // A shape whose buffers (weights, inputs, the three implementations' outputs, one workspace)
-// exceed --memory-gib, or whose useful FLOPs exceed --max-gflop, is redrawn and counted. Buffers
-// come from one arena allocated at the start. Exit 0: every check passed; 1: a failure, or the
-// --seconds budget ended the run early; 77: no sm_90 GPU. --plan draws the calls without a GPU.
+// exceed --memory-gib, or whose executed FLOPs (22 H I T K) exceed --max-gflop, is redrawn and
+// counted. Buffers come from one arena allocated at the start. Exit 0: every check passed; 1: a
+// failure, or the --seconds budget ended the run early; 77: no sm_90 GPU. --plan draws the calls
+// without a GPU.
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -58,9 +61,12 @@ using harness::LayerOutputs;
 // pool that is judged once at the end (the calls that contribute most are named if it fails);
 // every other output has >= 64 independent error terms per call.
 constexpr int64_t kMinSlotsForRatio = 256;
-// Useful FLOPs per routed row of forward + backward, in units of H*I: forward 6 (gate/up 4,
-// down 2), backward 16 (z recomputed 4, a = W2^T dy 2, dx 4, dW2 2, dW13 4).
-constexpr double kFlopsPerRowInHI = 22.0;
+// FLOPs a forward + backward executes per routed row, in units of H*I: forward 6 (gate/up 4,
+// down 2), backward 16 (z recomputed 4, a = W2^T dy 2, dx 4, dW2 2, dW13 4). Executed, not
+// useful: fusemoe_bench counts 18 useful (the recomputation of z is overhead there); this figure
+// bounds the work a call runs (a call with z saved runs 4 less), and keeps a seed's draws as they
+// were.
+constexpr double kExecutedFlopsPerRowInHI = 22.0;
 
 uint64_t splitmix64(uint64_t z) {
   z += 0x9E3779B97F4A7C15ull;
@@ -115,8 +121,8 @@ struct Spec {
   IdCheck id_check = IdCheck::kSync;
   int64_t redrawn_for_memory = 0, redrawn_for_flops = 0;
 
-  double useful_flops() const {
-    return kFlopsPerRowInHI * double(config.hidden) * double(config.intermediate) * double(num_tokens) *
+  double executed_flops() const {
+    return kExecutedFlopsPerRowInHI * double(config.hidden) * double(config.intermediate) * double(num_tokens) *
            double(config.top_k);
   }
   std::string describe() const {
@@ -144,21 +150,34 @@ size_t grad_bytes(const LayerConfig& c, WeightGradDtype dtype, bool w13) {
 
 constexpr size_t kReportBytes = kExpertIdReportInts * sizeof(int32_t);
 
+// Accumulation starts from N(0, 0.1^2) values in the tested dtype (exact in it), drawn from the
+// spec's seed.
+void fill_init(const Spec& s, void* init13, void* init2, cudaStream_t stream) {
+  if (!s.accumulate) return;
+  const size_t element_bytes = harness::weight_grad_element_bytes(s.grad_dtype);
+  harness::fill_normal_weight_grads(init13, static_cast<int64_t>(grad_bytes(s.config, s.grad_dtype, true) / element_bytes),
+                                    s.grad_dtype, s.seed ^ 0xD13ull, 0.1f, stream);
+  harness::fill_normal_weight_grads(init2, static_cast<int64_t>(grad_bytes(s.config, s.grad_dtype, false) / element_bytes),
+                                    s.grad_dtype, s.seed ^ 0xD2ull, 0.1f, stream);
+}
+
+// An accumulating call's outputs start from fill_init's values.
+void start_from_init(const Spec& s, const LayerOutputs& out, const void* init13, const void* init2,
+                     cudaStream_t stream) {
+  if (s.accumulate) harness::copy_weight_grads(s.config, init13, init2, out, stream);
+}
+
 // What a spec's call carves from the arena: the inputs, the reference's outputs (fp32 weight
 // gradients) and two output sets of the tested dtype (unfused, then the fused repeat; fused), the
 // accumulation's starting values, saved z, one workspace for the three implementations, a report.
 size_t call_footprint(const Spec& s) {
   const LayerConfig& c = s.config;
-  size_t workspace = 0;
-  for (Impl impl : {Impl::kReferenceFp32, Impl::kUnfused, Impl::kFused}) {
-    workspace = std::max(workspace, workspace_bytes(c, impl));
-  }
   return LayerInputs::footprint(c) + LayerOutputs::footprint(c, WeightGradDtype::kFloat32) +
          2 * LayerOutputs::footprint(c, s.grad_dtype) +
          (s.accumulate ? DeviceArena::footprint(grad_bytes(c, s.grad_dtype, true)) +
                              DeviceArena::footprint(grad_bytes(c, s.grad_dtype, false))
                        : 0) +
-         (s.save_z ? DeviceArena::footprint(saved_z_bytes(c)) : 0) + DeviceArena::footprint(workspace) +
+         (s.save_z ? DeviceArena::footprint(saved_z_bytes(c)) : 0) + DeviceArena::footprint(harness::max_workspace_bytes(c)) +
          DeviceArena::footprint(kReportBytes);
 }
 
@@ -198,7 +217,7 @@ Spec draw_spec(Rng& rng, uint64_t seed, double max_flops, size_t memory_bytes, s
     s.accumulate = rng.chance(0.3);
     s.save_z = rng.chance(0.5);
     s.id_check = static_cast<IdCheck>(rng.below(3));
-    if (s.useful_flops() > max_flops) {
+    if (s.executed_flops() > max_flops) {
       ++s.redrawn_for_flops;
       continue;
     }
@@ -448,35 +467,12 @@ Outcome run_call(const Spec& s, DeviceArena& arena, int32_t* pinned_report, cuda
   void* init13 = s.accumulate ? arena.take(grad_bytes(c, s.grad_dtype, true)) : nullptr;
   void* init2 = s.accumulate ? arena.take(grad_bytes(c, s.grad_dtype, false)) : nullptr;
   void* saved_z = s.save_z ? arena.take(saved_z_bytes(c)) : nullptr;
-  size_t workspace_size = 0;
-  for (Impl impl : {Impl::kReferenceFp32, Impl::kUnfused, Impl::kFused}) {
-    workspace_size = std::max(workspace_size, workspace_bytes(c, impl));
-  }
-  void* workspace = arena.take(workspace_size);
+  void* workspace = arena.take(harness::max_workspace_bytes(c));
   const Reports reports{static_cast<int32_t*>(arena.take(kReportBytes)), pinned_report};
 
   in.fill_normal(c, T, s.seed, stream);
   in.upload_routing(routing.idx_TK, routing.w_TK, stream);
-  // Accumulation starts from N(0, 0.1^2) values in the tested dtype (exact in it).
-  auto fill_init = [&](void* dst, size_t bytes, uint64_t seed) {
-    const int64_t n = static_cast<int64_t>(bytes / harness::weight_grad_element_bytes(s.grad_dtype));
-    if (s.grad_dtype == WeightGradDtype::kFloat32) {
-      harness::fill_normal_fp32(static_cast<float*>(dst), n, seed, 0.1f, stream);
-    } else {
-      harness::fill_normal_bf16(dst, n, seed, 0.1f, stream);
-    }
-  };
-  if (s.accumulate) {
-    fill_init(init13, grad_bytes(c, s.grad_dtype, true), s.seed ^ 0xD13ull);
-    fill_init(init2, grad_bytes(c, s.grad_dtype, false), s.seed ^ 0xD2ull);
-  }
-  auto start_from_init = [&](const LayerOutputs& out) {
-    if (!s.accumulate) return;
-    FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(out.dw13_EFH, init13, grad_bytes(c, s.grad_dtype, true),
-                                       cudaMemcpyDeviceToDevice, stream));
-    FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(out.dw2_EHI, init2, grad_bytes(c, s.grad_dtype, false),
-                                       cudaMemcpyDeviceToDevice, stream));
-  };
+  fill_init(s, init13, init2, stream);
 
   LayerCall call;
   call.workspace = workspace;
@@ -492,14 +488,14 @@ Outcome run_call(const Spec& s, DeviceArena& arena, int32_t* pinned_report, cuda
   LayerCall unfused_call = call;
   unfused_call.impl = Impl::kUnfused;
   unfused_call.accumulate = s.accumulate;
-  start_from_init(first);
+  start_from_init(s, first, init13, init2, stream);
   harness::run_layer_call(c, T, in, first, unfused_call);
   LayerCall fused_call = call;
   fused_call.impl = Impl::kFused;
   fused_call.accumulate = s.accumulate;
   fused_call.saved_z = saved_z;
   set_id_check(fused_call, s.id_check, reports);
-  start_from_init(fused);
+  start_from_init(s, fused, init13, init2, stream);
   harness::run_layer_call(c, T, in, fused, fused_call);
   const std::array<int32_t, 3> report = read_report(s.id_check, reports, stream);
   if (report[0] != 0) fail(o, "a call with valid ids wrote the expert-id report " + report_text(report));
@@ -544,7 +540,7 @@ Outcome run_call(const Spec& s, DeviceArena& arena, int32_t* pinned_report, cuda
   o.figures = worst;
 
   // The fused call again, into the first set (the unfused outputs are judged): the same bits.
-  start_from_init(first);
+  start_from_init(s, first, init13, init2, stream);
   set_id_check(fused_call, s.id_check, reports);
   harness::run_layer_call(c, T, in, first, fused_call);
   const harness::LayerDifferences differences = harness::count_layer_differences(c, T, first, fused);
@@ -559,6 +555,14 @@ Outcome run_call(const Spec& s, DeviceArena& arena, int32_t* pinned_report, cuda
 
 // ---- pairs ----
 
+// What one side's forward and backward did: each call's error message and its expert-id report
+// (zeroed before the call, read after it), kept apart so that both must name a bad id.
+struct SideResult {
+  std::string setup_error;  // copying the accumulation's starting values
+  std::string forward_error, backward_error;
+  std::array<int32_t, 3> forward_report{}, backward_report{};
+};
+
 struct Side {
   Spec spec;
   Routing routing;
@@ -567,12 +571,11 @@ struct Side {
   void *init13 = nullptr, *init2 = nullptr, *saved_z = nullptr, *workspace = nullptr;
   Reports reports;
   cudaStream_t stream = nullptr;
-  std::string thrown_together, thrown_alone;
-  std::array<int32_t, 3> report_together{}, report_alone{};
+  SideResult result_together, result_alone;
 };
 
-// Forward + backward of one side (fused), its error message and report.
-void run_side(Side& side, const LayerOutputs& out, std::string* thrown, std::array<int32_t, 3>* report) {
+// Forward + backward of one side (fused): each call's error message and report.
+void run_side(Side& side, const LayerOutputs& out, SideResult* result) {
   const Spec& s = side.spec;
   LayerCall call;
   call.impl = Impl::kFused;
@@ -580,21 +583,18 @@ void run_side(Side& side, const LayerOutputs& out, std::string* thrown, std::arr
   call.saved_z = side.saved_z;
   call.workspace = side.workspace;
   call.stream = side.stream;
-  *thrown = error_of([&] {
-    if (s.accumulate) {
-      FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(out.dw13_EFH, side.init13, grad_bytes(s.config, s.grad_dtype, true),
-                                         cudaMemcpyDeviceToDevice, side.stream));
-      FUSEMOE_CUDA_CHECK(cudaMemcpyAsync(out.dw2_EHI, side.init2, grad_bytes(s.config, s.grad_dtype, false),
-                                         cudaMemcpyDeviceToDevice, side.stream));
-    }
+  result->setup_error = error_of([&] { start_from_init(s, out, side.init13, side.init2, side.stream); });
+  // With kSync and bad ids each call throws; in the report modes each fills its own report.
+  result->forward_error = error_of([&] {
     set_id_check(call, s.id_check, side.reports);
-    // With kSync and bad ids the forward throws; the backward must say the same.
-    const std::string forward_error = error_of([&] { harness::run_forward_call(s.config, s.num_tokens, side.in, out, call); });
-    harness::run_backward_call(s.config, s.num_tokens, side.in, out, call);
-    FUSEMOE_CHECK(forward_error.empty(), forward_error);
+    harness::run_forward_call(s.config, s.num_tokens, side.in, out, call);
+    result->forward_report = read_report(s.id_check, side.reports, side.stream);
   });
-  const std::string read_error = error_of([&] { *report = read_report(s.id_check, side.reports, side.stream); });
-  if (!read_error.empty()) *thrown += " | " + read_error;
+  result->backward_error = error_of([&] {
+    set_id_check(call, s.id_check, side.reports);
+    harness::run_backward_call(s.config, s.num_tokens, side.in, out, call);
+    result->backward_report = read_report(s.id_check, side.reports, side.stream);
+  });
 }
 
 Outcome run_pair(std::array<Side, 2>& sides, DeviceArena& arena, int device) {
@@ -614,17 +614,7 @@ Outcome run_pair(std::array<Side, 2>& sides, DeviceArena& arena, int device) {
     side.reports.device = static_cast<int32_t*>(arena.take(kReportBytes));
     side.in.fill_normal(c, s.num_tokens, s.seed, side.stream);
     side.in.upload_routing(side.routing.idx_TK, side.routing.w_TK, side.stream);
-    if (s.accumulate) {
-      const int64_t n13 = static_cast<int64_t>(grad_bytes(c, s.grad_dtype, true) / harness::weight_grad_element_bytes(s.grad_dtype));
-      const int64_t n2 = static_cast<int64_t>(grad_bytes(c, s.grad_dtype, false) / harness::weight_grad_element_bytes(s.grad_dtype));
-      if (s.grad_dtype == WeightGradDtype::kFloat32) {
-        harness::fill_normal_fp32(static_cast<float*>(side.init13), n13, s.seed ^ 0xD13ull, 0.1f, side.stream);
-        harness::fill_normal_fp32(static_cast<float*>(side.init2), n2, s.seed ^ 0xD2ull, 0.1f, side.stream);
-      } else {
-        harness::fill_normal_bf16(side.init13, n13, s.seed ^ 0xD13ull, 0.1f, side.stream);
-        harness::fill_normal_bf16(side.init2, n2, s.seed ^ 0xD2ull, 0.1f, side.stream);
-      }
-    }
+    fill_init(s, side.init13, side.init2, side.stream);
   }
   FUSEMOE_CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -635,47 +625,72 @@ Outcome run_pair(std::array<Side, 2>& sides, DeviceArena& arena, int device) {
     ready.fetch_add(1);
     while (ready.load() < 2) std::this_thread::yield();
     if (!set_error.empty()) {
-      side->thrown_together = set_error;
+      side->result_together.setup_error = set_error;
       return;
     }
-    run_side(*side, side->together, &side->thrown_together, &side->report_together);
+    run_side(*side, side->together, &side->result_together);
   };
   std::thread first(together, &sides[0]), second(together, &sides[1]);
   first.join();
   second.join();
-  for (Side& side : sides) run_side(side, side.alone, &side.thrown_alone, &side.report_alone);
+  for (Side& side : sides) run_side(side, side.alone, &side.result_alone);
 
   for (int i = 0; i < 2; ++i) {
     const Side& side = sides[i];
     const Spec& s = side.spec;
     const std::string who = "layer " + std::string(i == 0 ? "A" : "B") + ": ";
+    struct Run {
+      const char* name;
+      const SideResult& result;
+    };
+    const Run runs[] = {{"together", side.result_together}, {"alone", side.result_alone}};
+    bool threw = false;
+    for (const Run& run : runs) {
+      if (run.result.setup_error.empty()) continue;
+      fail(o, who + run.name + ": setting up threw '" + run.result.setup_error + "'");
+      threw = true;
+    }
     if (s.kind == Kind::kBadIds) {
       const std::string expected = expected_bad_id_message(s, side.routing);
-      if (s.id_check == IdCheck::kSync) {
-        for (const std::string* thrown : {&side.thrown_together, &side.thrown_alone}) {
-          if (thrown->find(expected) == std::string::npos) {
-            fail(o, who + "expected an error naming '" + expected + "', got '" + *thrown + "'");
-          }
-        }
-        continue;
-      }
       const std::array<int32_t, 3> expected_report{static_cast<int32_t>(side.routing.num_bad),
                                                    static_cast<int32_t>(side.routing.first_bad_slot),
                                                    side.routing.first_bad_value};
-      if (side.report_together != expected_report || side.report_alone != expected_report) {
-        fail(o, who + "reports " + report_text(side.report_together) + " (together), " +
-                    report_text(side.report_alone) + " (alone), expected " + report_text(expected_report));
+      for (const Run& run : runs) {
+        const std::string where = who + run.name + ", ";
+        if (s.id_check == IdCheck::kSync) {
+          if (run.result.forward_error.find(expected) == std::string::npos) {
+            fail(o, where + "forward: expected an error naming '" + expected + "', got '" + run.result.forward_error + "'");
+          }
+          if (run.result.backward_error.find(expected) == std::string::npos) {
+            fail(o, where + "backward: expected an error naming '" + expected + "', got '" + run.result.backward_error +
+                        "'");
+          }
+          continue;
+        }
+        if (!run.result.forward_error.empty() || !run.result.backward_error.empty()) {
+          fail(o, where + "threw with a report given: forward '" + run.result.forward_error + "', backward '" +
+                      run.result.backward_error + "'");
+        }
+        if (run.result.forward_report != expected_report || run.result.backward_report != expected_report) {
+          fail(o, where + "reports " + report_text(run.result.forward_report) + " (forward), " +
+                      report_text(run.result.backward_report) + " (backward), expected " +
+                      report_text(expected_report));
+        }
       }
       continue;
     }
-    if (!side.thrown_together.empty() || !side.thrown_alone.empty()) {
-      fail(o, who + "threw: together '" + side.thrown_together + "', alone '" + side.thrown_alone + "'");
-      continue;
+    for (const Run& run : runs) {
+      if (!run.result.forward_error.empty() || !run.result.backward_error.empty()) {
+        fail(o, who + run.name + " threw: forward '" + run.result.forward_error + "', backward '" +
+                    run.result.backward_error + "'");
+        threw = true;
+      }
+      if (run.result.forward_report[0] != 0 || run.result.backward_report[0] != 0) {
+        fail(o, who + run.name + ": valid ids, yet reports " + report_text(run.result.forward_report) + " (forward), " +
+                    report_text(run.result.backward_report) + " (backward)");
+      }
     }
-    if (side.report_together[0] != 0 || side.report_alone[0] != 0) {
-      fail(o, who + "valid ids, yet reports " + report_text(side.report_together) + " / " +
-                  report_text(side.report_alone));
-    }
+    if (threw) continue;
     const harness::LayerDifferences differences =
         harness::count_layer_differences(s.config, s.num_tokens, side.together, side.alone);
     for (int k = 0; k < harness::kNumLayerOutputs; ++k) {
@@ -712,7 +727,7 @@ void usage() {
       "                  the last. Reproduce call i alone: --seed <its seed> --calls 1 --pairs 0;\n"
       "                  pair i: --seed <its seed> --pairs 1 --calls 0\n"
       "  --memory-gib G  the arena every call's buffers come from (default 16): larger shapes redrawn\n"
-      "  --max-gflop F   useful forward+backward GFLOP per call (22 H I T K; default 4000): larger redrawn\n"
+      "  --max-gflop F   executed forward+backward GFLOP per call (22 H I T K; default 4000): larger redrawn\n"
       "  --plan          draw the calls and print what would run and an estimate; no GPU\n"
       "  --quiet         print failing calls only (and the summary)\n");
 }
@@ -807,7 +822,7 @@ void print_coverage(const std::vector<Spec>& specs) {
 // the unfused and the two fused calls 150 TFLOP/s, 3 ms of fixed cost per call (checks, syncs),
 // every carved byte written about 4 times at 1.5 TB/s.
 double estimated_seconds(const Spec& s) {
-  const double flops = s.useful_flops();
+  const double flops = s.executed_flops();
   return 3e-3 + flops / 25e12 + 3 * flops / 150e12 + 4.0 * double(call_footprint(s)) / 1.5e12;
 }
 
@@ -828,11 +843,11 @@ int run(const Options& opt) {
     double seconds = 0, flops = 0, worst = 0;
     for (const Spec& s : specs) {
       seconds += estimated_seconds(s);
-      flops += s.useful_flops();
+      flops += s.executed_flops();
       worst = std::max(worst, estimated_seconds(s));
     }
     print_coverage(specs);
-    std::printf("plan: %lld calls, %.1f TFLOP useful in all, redrawn: %lld over the memory budget, %lld over the FLOP "
+    std::printf("plan: %lld calls, %.1f TFLOP executed in all, redrawn: %lld over the memory budget, %lld over the FLOP "
                 "budget; estimate (assumed rates, not measured): %.0f s, slowest call %.2f s\n",
                 static_cast<long long>(opt.calls), flops / 1e12, static_cast<long long>(redrawn_memory),
                 static_cast<long long>(redrawn_flops), seconds, worst);

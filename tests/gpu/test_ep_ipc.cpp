@@ -111,24 +111,47 @@ int run_child(int rank, int world_size, const std::string& dir) {
 
   // The single-GPU fused layer on the whole batch (fp32 weight gradients, recomputed z).
   const LayerOutputs single = run_layer(Impl::kFused, p);
-  const auto y_bits = widen(y.to_host<uint16_t>()), dx_bits = widen(dx.to_host<uint16_t>());
-  const auto dtw_h = dtw.to_host<float>(), dw13_h = dw13.to_host<float>(), dw2_h = dw2.to_host<float>();
+  // Compared as raw bits (-0 and +0 differ, as they would not as doubles). run_layer's outputs
+  // are bf16 and fp32 values widened exactly to double, so narrowing them back gives their bits
+  // for every finite value, zero and infinity; a NaN on either side fails.
+  auto bf16_bits = [](const std::vector<double>& v) {
+    std::vector<uint16_t> bits(v.size());
+    for (size_t i = 0; i < v.size(); ++i) bits[i] = host::float_to_bf16_bits(static_cast<float>(v[i]));
+    return bits;
+  };
+  auto fp32_bits = [](const std::vector<double>& v) {
+    std::vector<uint32_t> bits(v.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      const float f = static_cast<float>(v[i]);
+      std::memcpy(&bits[i], &f, sizeof(f));
+    }
+    return bits;
+  };
+  auto bf16_nan = [](uint16_t b) { return (b & 0x7F80u) == 0x7F80u && (b & 0x007Fu) != 0; };
+  auto fp32_nan = [](uint32_t b) { return (b & 0x7F800000u) == 0x7F800000u && (b & 0x007FFFFFu) != 0; };
   int failures = 0;
-  auto expect_equal = [&](const std::vector<double>& got, const std::vector<double>& want, const char* what) {
+  auto expect_bitwise = [&](const auto& got, const auto& want, auto is_nan, const char* what) {
+    if (got.size() != want.size()) {
+      std::fprintf(stderr, "rank %d %s: %zu elements, expected %zu\n", rank, what, got.size(), want.size());
+      ++failures;
+      return;
+    }
     for (size_t i = 0; i < want.size(); ++i) {
-      if (!(got[i] == want[i])) {  // NaN fails
-        std::fprintf(stderr, "rank %d %s: element %zu differs (%g vs %g)\n", rank, what, i, got[i], want[i]);
+      if (got[i] != want[i] || is_nan(got[i]) || is_nan(want[i])) {
+        std::fprintf(stderr, "rank %d %s: element %zu differs (bits 0x%llx vs 0x%llx)\n", rank, what, i,
+                     static_cast<unsigned long long>(got[i]), static_cast<unsigned long long>(want[i]));
         ++failures;
         return;
       }
     }
   };
-  expect_equal(y_bits, rows_of(single.y, t0, T, d.H), "y");
-  expect_equal(dx_bits, rows_of(single.dx, t0, T, d.H), "dx");
-  expect_equal(std::vector<double>(dtw_h.begin(), dtw_h.end()), rows_of(single.d_topk_w, t0, T, d.K), "d_topk_weights");
-  expect_equal(std::vector<double>(dw13_h.begin(), dw13_h.end()), rows_of(single.dw13, rank * El, El, 2 * d.I * d.H),
-               "dw13");
-  expect_equal(std::vector<double>(dw2_h.begin(), dw2_h.end()), rows_of(single.dw2, rank * El, El, d.H * d.I), "dw2");
+  expect_bitwise(y.to_host<uint16_t>(), bf16_bits(rows_of(single.y, t0, T, d.H)), bf16_nan, "y");
+  expect_bitwise(dx.to_host<uint16_t>(), bf16_bits(rows_of(single.dx, t0, T, d.H)), bf16_nan, "dx");
+  expect_bitwise(dtw.to_host<uint32_t>(), fp32_bits(rows_of(single.d_topk_w, t0, T, d.K)), fp32_nan,
+                 "d_topk_weights");
+  expect_bitwise(dw13.to_host<uint32_t>(), fp32_bits(rows_of(single.dw13, rank * El, El, 2 * d.I * d.H)), fp32_nan,
+                 "dw13");
+  expect_bitwise(dw2.to_host<uint32_t>(), fp32_bits(rows_of(single.dw2, rank * El, El, d.H * d.I)), fp32_nan, "dw2");
   return failures == 0 ? 0 : 1;
 }
 

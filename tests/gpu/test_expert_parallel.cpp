@@ -7,6 +7,7 @@
 // workspaces are NaN-poisoned first.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -44,44 +45,28 @@ struct EpCase {
 
 constexpr Dims kEpDims{0, 256, 128, 8, 4};
 
+// The fused layer on the whole batch, all experts local: outputs, workspace and saved z
+// poisoned first.
 RawOutputs run_single_gpu(const HostProblem& p, const EpCase& c) {
   const Dims& d = p.d;
   LayerConfig config = config_of(d, std::max<int64_t>(d.T, 1));
-  DeviceBuffer x = DeviceBuffer::from(p.x_TH), w13 = DeviceBuffer::from(p.w13_EFH), w2 = DeviceBuffer::from(p.w2_EHI),
-               dy = DeviceBuffer::from(p.dy_TH), idx = DeviceBuffer::from(p.idx_TK), w = DeviceBuffer::from(p.w_TK);
+  const DeviceInputs in(p);
   const size_t g = c.grad_dtype == WeightGradDtype::kBFloat16 ? 2 : 4;
   DeviceBuffer y(d.T * d.H * 2), dx(d.T * d.H * 2), dtw(d.T * d.K * 4), dw13(d.E * 2 * d.I * d.H * g),
       dw2(d.E * d.H * d.I * g), ws(workspace_bytes(config, Impl::kFused)),
       saved_z(c.save_z ? saved_z_bytes(config) : 0);
-  for (DeviceBuffer* b : {&y, &dx, &dtw, &dw13, &dw2, &ws}) b->poison();
-  ForwardArgs fa;
-  fa.x = x.get();
-  fa.topk_idx = static_cast<const int32_t*>(idx.get());
-  fa.topk_weights = static_cast<const float*>(w.get());
-  fa.w13 = w13.get();
-  fa.w2 = w2.get();
+  for (DeviceBuffer* b : {&y, &dx, &dtw, &dw13, &dw2, &ws, &saved_z}) b->poison();
+  ForwardArgs fa = in.args<ForwardArgs>(d.T, ws);
   fa.y = y.get();
-  fa.num_tokens = d.T;
-  fa.workspace = ws.get();
-  fa.workspace_bytes = ws.bytes();
   fa.saved_z = c.save_z ? saved_z.get() : nullptr;
   fa.sync_check_expert_ids = false;
   forward(config, Impl::kFused, fa);
-  BackwardArgs ba;
-  ba.x = x.get();
-  ba.topk_idx = fa.topk_idx;
-  ba.topk_weights = fa.topk_weights;
-  ba.w13 = w13.get();
-  ba.w2 = w2.get();
-  ba.dy = dy.get();
+  BackwardArgs ba = in.args<BackwardArgs>(d.T, ws);  // dy too
   ba.dx = dx.get();
-  ba.d_topk_weights = static_cast<float*>(dtw.get());
+  ba.d_topk_weights = dtw.as<float>();
   ba.dw13 = dw13.get();
   ba.dw2 = dw2.get();
   ba.weight_grad_dtype = c.grad_dtype;
-  ba.num_tokens = d.T;
-  ba.workspace = ws.get();
-  ba.workspace_bytes = ws.bytes();
   ba.saved_z = fa.saved_z;
   ba.sync_check_expert_ids = false;
   backward(config, Impl::kFused, ba);
@@ -190,9 +175,11 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
   return out;
 }
 
+// The first element where a and b differ bitwise; b.size() when they are equal; SIZE_MAX (never
+// b.size()) when their sizes differ.
 template <class T>
 size_t first_difference(const std::vector<T>& a, const std::vector<T>& b) {
-  if (a.size() != b.size()) return 0;
+  if (a.size() != b.size()) return SIZE_MAX;
   for (size_t i = 0; i < a.size(); ++i) {
     if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) return i;
   }
@@ -293,8 +280,6 @@ TEST(ExpertParallel, BadExpertIdsAreReported) {
   d.T = 16;
   HostProblem p = make_problem(d, Routing::kUniform, 5);
   p.idx_TK[3 * d.K + 1] = 99;  // token 3 of rank 0
-  EpCase c{1, {16}, Routing::kUniform};
-  std::vector<int64_t> first{0};
   EpConfig config;
   config.layer = config_of(d, 16);
   config.world_size = 1;

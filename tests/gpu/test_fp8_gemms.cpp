@@ -94,35 +94,33 @@ const RowsCase kCases[] = {
     {"H384_I128_E3", 100, 3, 384, 128, {7, 129, 0}},
 };
 
-// Relative L2 of got vs ref over rows (value index row * cols + col); reports the row with the
-// largest error, with its expert, when over tol.
+// Relative L2 of got vs ref over rows (value index row * cols + col), from compare()
+// (gpu_test_util.h: NaN, non-finite values or a size mismatch fail); when over tol, reports the
+// element with the largest error, with its row's expert and tiles.
 void expect_rows_close(const std::string& what, const Rows& p, const std::vector<double>& got,
                        const std::vector<double>& ref, int64_t cols, double tol) {
   ASSERT_EQ(got.size(), ref.size()) << what;
-  double diff2 = 0, ref2 = 0, worst = -1;
+  const ErrorStats stats = compare(got, ref);
+  std::printf("  %-34s rel_l2 %.3e  max_abs %.3e  (tol %.1e, n=%zu)\n", what.c_str(), stats.rel_l2, stats.max_abs,
+              tol, got.size());
+  if (stats.rel_l2 <= tol) return;
+  double worst = -1;
   int64_t worst_row = -1, worst_col = -1;
-  bool finite = true;
   for (size_t i = 0; i < got.size(); ++i) {
-    if (!std::isfinite(got[i])) finite = false;
-    const double d = got[i] - ref[i];
-    diff2 += d * d;
-    ref2 += ref[i] * ref[i];
-    if (!(std::fabs(d) <= worst)) {
-      worst = std::fabs(d);
+    const double d = std::fabs(got[i] - ref[i]);
+    if (!(d <= worst)) {
+      worst = d;
       worst_row = static_cast<int64_t>(i) / cols;
       worst_col = static_cast<int64_t>(i) % cols;
     }
   }
-  const double rel = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
-  std::printf("  %-34s rel_l2 %.3e  max_abs %.3e  (tol %.1e, n=%zu)\n", what.c_str(), rel, worst, tol, got.size());
-  EXPECT_TRUE(finite && rel <= tol) << what << ": rel_l2 " << rel << " > " << tol
-                                    << (finite ? "" : " (non-finite values)") << "; worst at output row " << worst_row
-                                    << " (expert " << (worst_row >= 0 && worst_row < p.R ? p.expert_of_row[worst_row] : -1)
-                                    << ", row tile " << (worst_row >= 0 && worst_row < p.R
-                                                             ? (worst_row - p.offsets[p.expert_of_row[worst_row]]) / 128
-                                                             : -1)
-                                    << ") column " << worst_col << " (column tile " << worst_col / 128 << "): got "
-                                    << got[worst_row * cols + worst_col] << ", want " << ref[worst_row * cols + worst_col];
+  ADD_FAILURE() << what << ": rel_l2 " << stats.rel_l2 << " > " << tol
+                << (stats.all_finite ? "" : " (non-finite values)") << "; worst at output row " << worst_row
+                << " (expert " << (worst_row >= 0 && worst_row < p.R ? p.expert_of_row[worst_row] : -1)
+                << ", row tile "
+                << (worst_row >= 0 && worst_row < p.R ? (worst_row - p.offsets[p.expert_of_row[worst_row]]) / 128 : -1)
+                << ") column " << worst_col << " (column tile " << worst_col / 128 << "): got "
+                << got[worst_row * cols + worst_col] << ", want " << ref[worst_row * cols + worst_col];
 }
 
 // Bytes of rows [first, last) of a [rows, row_bytes] buffer all 0xFF (never written).
@@ -198,10 +196,9 @@ struct Fp8Pool {
   double at(int64_t r, int64_t k) const { return deq[r * K + k]; }
 };
 
+// widen() of the first rows x cols values.
 std::vector<double> widen_bf16_rows(const std::vector<uint16_t>& bits, int64_t rows, int64_t cols) {
-  std::vector<double> out(rows * cols);
-  for (int64_t i = 0; i < rows * cols; ++i) out[i] = host::bf16_bits_to_float(bits[i]);
-  return out;
+  return widen(std::vector<uint16_t>(bits.begin(), bits.begin() + rows * cols));
 }
 
 // Dequantizes rows [0, R) of an E4M3 [*, cols] tensor with block-major scales.
