@@ -1,11 +1,8 @@
 // fusemoe's internal assertion for host code that runs after src/api has validated the call
 // (pipelines, launchers, kernel launch wrappers): a failure is a bug in fusemoe, reported as an
-// error naming the condition (never undefined behaviour on the device). The same definition as
-// src/launchers/sm90_launch_common.h (token for token, so a file may see both).
+// error naming the condition (never undefined behaviour on the device).
 #pragma once
 
 #include "fusemoe/error.h"
 
-#ifndef FUSEMOE_ASSERT
 #define FUSEMOE_ASSERT(cond) FUSEMOE_CHECK(cond, "internal error: assertion `" #cond "` failed")
-#endif

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "common/assert.h"
 #include "fusemoe/error.h"
 
 namespace fusemoe {

@@ -1,5 +1,5 @@
-// Host-side pieces shared by the sm90 launchers: device facts queried once per device, the TMA
-// tensor maps every instance uses, and the launchers' internal assertion.
+// Host-side pieces shared by the sm90 launchers: device facts queried once per device and the TMA
+// tensor maps every instance uses (the launchers' assertion: common/assert.h).
 #pragma once
 
 #include <cuda.h>
@@ -8,11 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/assert.h"
 #include "fusemoe/error.h"
-
-// Launchers take arguments src/api has checked; a failed assertion is a bug in fusemoe, reported
-// as an error (never undefined behaviour on the device).
-#define FUSEMOE_ASSERT(cond) FUSEMOE_CHECK(cond, "internal error: assertion `" #cond "` failed")
 
 namespace fusemoe::sm90 {
 

@@ -9,7 +9,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "common/assert.h"  // for the EP launchers (kernels/ep_exchange.cu, through ep_exchange.h)
 #include "common/workspace_carver.h"
 #include "fusemoe/expert_parallel.h"
 #include "kernels/routing.h"
