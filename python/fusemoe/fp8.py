@@ -7,7 +7,12 @@ are computed from bf16 operands. The master weights stay the caller's bf16 (or f
 their FP8 copy (both weights, their per-expert transposes and the block scales, one uint8 buffer)
 comes from fusemoe::quantize_weights_fp8 and is kept by Fp8WeightCache until a weight changes
 (tensor._version: an optimizer step, load_state_dict, any in-place update), so it is built once per
-optimizer step, not once per micro-batch.
+optimizer step, not once per micro-batch. Wrappers that rewrite the weights in place while keeping
+their version (FSDP2 all-gathers into the same unsharded Parameter with its version counter
+preserved, often at the same address) are covered by a process-wide generation that every
+optimizer step (a global torch.optim step hook), MoEExperts.load_state_dict and
+MoEExperts.reset_parameters bump; any other rewrite of that kind (e.g. an in-place load into FSDP2's sharded weights that bypasses
+load_state_dict) must call invalidate_fp8_caches().
 
 Ops: fusemoe::quantize_weights_fp8, fusemoe::moe_experts_fp8_forward / _backward /
 _backward_into (the bf16 ops' signatures plus the FP8 weight buffer, which gets no gradient). The
@@ -93,21 +98,52 @@ def _quantize_weights_fp8_fake(w13_EFH, w2_EHI):
                              dtype=torch.uint8)
 
 
+# Bumped by invalidate_fp8_caches(): part of every cache key, so a bump rebuilds every buffer at
+# its next use. See the module docstring.
+_generation = 0
+_step_hook = None
+
+
+def invalidate_fp8_caches():
+    """Makes every FP8 weight cache rebuild its buffer at its next use. Called after every
+    optimizer step and by MoEExperts.load_state_dict; call it yourself after changing the weights
+    in a way that keeps their version counter (e.g. writing FSDP2's sharded weights in place
+    outside an optimizer step and load_state_dict)."""
+    global _generation
+    _generation += 1
+
+
+def _on_optimizer_step(optimizer, args, kwargs):
+    invalidate_fp8_caches()
+
+
+def _register_step_hook():
+    """A global post-step hook on every torch.optim optimizer (once per process): the signal of
+    a weight update that does not show in the weights' own versions (FSDP2)."""
+    global _step_hook
+    if _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        _step_hook = register_optimizer_step_post_hook(_on_optimizer_step)
+
+
 class Fp8WeightCache:
     """The FP8 buffer of one pair of weight tensors, rebuilt only when either changes: a new tensor
-    object or storage, or an in-place update (tensor._version). quantizations counts the rebuilds."""
+    object or storage, an in-place update (tensor._version), or a new generation (any optimizer
+    step, invalidate_fp8_caches()). quantizations counts the rebuilds."""
 
     def __init__(self):
         self._key = None
         self._buffer = None
         self.quantizations = 0
+        _register_step_hook()
 
     def get(self, w13_source, w2_source, w13_EFH=None, w2_EHI=None):
         """w13_source, w2_source: the tensors whose versions decide (e.g. fp32 Parameters);
         w13_EFH, w2_EHI: their bf16 values if not the sources themselves."""
-        key = (id(w13_source), id(w2_source), w13_source.data_ptr(), w2_source.data_ptr(),
-               w13_source._version, w2_source._version, tuple(w13_source.shape),
-               tuple(w2_source.shape), w13_source.dtype, w13_source.device)
+        key = (_generation, id(w13_source), id(w2_source), w13_source.data_ptr(),
+               w2_source.data_ptr(), w13_source._version, w2_source._version,
+               tuple(w13_source.shape), tuple(w2_source.shape), w13_source.dtype,
+               w13_source.device)
         if self._buffer is None or key != self._key:
             with torch.no_grad():
                 w13 = w13_EFH if w13_EFH is not None else w13_source

@@ -22,6 +22,11 @@ def _check_impl_name(impl):
         _capi.impl_code(impl)  # raises FusemoeError listing the known names
 
 
+def _invalidate_fp8_caches(module, incompatible_keys):
+    from .fp8 import invalidate_fp8_caches
+    invalidate_fp8_caches()
+
+
 class MoEExperts(nn.Module):
     """The experts block of an MoE layer, computed by fusemoe (impl: "unfused", ...)."""
 
@@ -54,11 +59,16 @@ class MoEExperts(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_dim, intermediate_dim, device=device, dtype=dtype))
         self.reset_parameters()
+        # FSDP2 and the like rewrite the unsharded weights without bumping their version: a load
+        # must reach the FP8 cache some other way (fusemoe.fp8).
+        self.register_load_state_dict_post_hook(_invalidate_fp8_caches)
 
     def reset_parameters(self):
         # Hugging Face's Qwen3-MoE initialisation: N(0, initializer_range = 0.02).
         nn.init.normal_(self.gate_up_proj, std=self.init_std)
         nn.init.normal_(self.down_proj, std=self.init_std)
+        if getattr(self, "_fp8_cache", None) is not None:  # new values, perhaps the same versions
+            _invalidate_fp8_caches(self, None)
 
     @classmethod
     def from_experts(cls, experts, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False,

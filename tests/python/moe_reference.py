@@ -115,6 +115,63 @@ def register_cpu_kernels():
         return dx_TH.to(x_TH.dtype), dw_TK
 
 
+def register_cpu_fp8_kernels():
+    """CPU stand-ins for the FP8 ops (precision="fp8"), for the CPU tests of the Python layer's
+    FP8 weight cache: fusemoe::quantize_weights_fp8 stores the bf16 weights themselves in the
+    buffer (it has room: fp8_weights_bytes >= 2 bytes per weight), and the forward and backward
+    read the weights back from that buffer, never from w13/w2 (as the library's FP8 ops do not),
+    so a stale buffer gives wrong outputs. The math is the bf16 stand-ins', not FP8's."""
+    from fusemoe.fp8 import _check_fp8_shapes, _check_fp8_weights, fp8_weights_bytes
+    from fusemoe.ops import _check_inputs, _check_tensor, _empty_saved_z
+
+    def weights_of(fp8_weights, w13_EFH, w2_EHI):
+        _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
+        n13, n2 = 2 * w13_EFH.numel(), 2 * w2_EHI.numel()
+        return (fp8_weights[:n13].view(torch.bfloat16).view(w13_EFH.shape),
+                fp8_weights[n13:n13 + n2].view(torch.bfloat16).view(w2_EHI.shape))
+
+    @torch.library.register_kernel("fusemoe::quantize_weights_fp8", "cpu")
+    def _quantize_cpu(w13_EFH, w2_EHI):
+        _check_tensor(w13_EFH, "w13 (gate_up_proj)", 3, torch.bfloat16)
+        _check_tensor(w2_EHI, "w2 (down_proj)", 3, torch.bfloat16)
+        buffer = torch.zeros(fp8_weights_bytes(*_check_fp8_shapes(w13_EFH, w2_EHI)),
+                             dtype=torch.uint8)
+        w13_copy, w2_copy = weights_of(buffer, w13_EFH, w2_EHI)
+        w13_copy.copy_(w13_EFH)
+        w2_copy.copy_(w2_EHI)
+        return buffer
+
+    @torch.library.register_kernel("fusemoe::moe_experts_fp8_forward", "cpu")
+    def _forward_cpu(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, impl,
+                     grad_in_place=False, save_z=False, swiglu_clamp=None):
+        dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
+        w13, w2 = weights_of(fp8_weights, w13_EFH, w2_EHI)
+        y_TH = moe_experts_torch(x_TH.float(), topk_idx_TK, topk_weights_TK, w13.float(),
+                                 w2.float(), swiglu_clamp)
+        return y_TH.to(x_TH.dtype), _empty_saved_z(x_TH, dims, save_z).zero_()
+
+    @torch.library.register_kernel("fusemoe::moe_experts_fp8_backward", "cpu")
+    def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights,
+                      impl, saved_z_SF=None, swiglu_clamp=None):
+        _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+        w13, w2 = weights_of(fp8_weights, w13_EFH, w2_EHI)
+        dx_TH, dw_TK, dw13_EFH, dw2_EHI = moe_experts_backward_fp32(
+            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13, w2, swiglu_clamp)
+        return dx_TH.to(x_TH.dtype), dw_TK, dw13_EFH.to(w13_EFH.dtype), dw2_EHI.to(w2_EHI.dtype)
+
+    @torch.library.register_kernel("fusemoe::moe_experts_fp8_backward_into", "cpu")
+    def _backward_into_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
+                           fp8_weights, dw13_EFH, dw2_EHI, accumulate, impl, saved_z_SF=None,
+                           swiglu_clamp=None):
+        _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+        w13, w2 = weights_of(fp8_weights, w13_EFH, w2_EHI)
+        dx_TH, dw_TK, g13_EFH, g2_EHI = moe_experts_backward_fp32(
+            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13, w2, swiglu_clamp)
+        for out, grad in ((dw13_EFH, g13_EFH), (dw2_EHI, g2_EHI)):
+            out.copy_(out.float() + grad if accumulate else grad)
+        return dx_TH.to(x_TH.dtype), dw_TK
+
+
 def make_problem(num_tokens, hidden, intermediate, num_experts, top_k, device, seed=0,
                  routing="uniform"):
     """bf16 x ~ N(0,1), w13 ~ N(0,1/H), w2 ~ N(0,1/I), dy ~ N(0,1); int32 ids of K distinct

@@ -11,9 +11,10 @@ torch = pytest.importorskip("torch")
 import fusemoe  # noqa: E402
 from fusemoe import _capi  # noqa: E402
 from moe_reference import (make_problem, moe_experts_backward_fp32, moe_experts_torch,  # noqa: E402
-                           register_cpu_kernels, rel_err)
+                           register_cpu_fp8_kernels, register_cpu_kernels, rel_err)
 
 register_cpu_kernels()
+register_cpu_fp8_kernels()
 
 SHAPE = dict(num_tokens=37, hidden=128, intermediate=64, num_experts=6, top_k=2)
 
@@ -146,6 +147,61 @@ def test_fp8_op_under_fake_tensors():
         fake = [mode.from_tensor(t) for t in op_args(narrow)]
         with pytest.raises(ValueError, match="multiples of 128"):
             fusemoe.moe_experts(*fake, precision="fp8")
+
+
+
+def test_fp8_cache_follows_steps_of_weights_rewritten_in_place():
+    """The FP8 weight cache (CPU stand-ins of the FP8 ops) when a wrapper rewrites the working
+    weights in place with their version counter preserved and at the same address, as FSDP2's
+    all-gather does into its unsharded Parameters: the weights' own key does not change, yet after
+    each optimizer step (here of fp32 masters) the buffer must be rebuilt, once per step."""
+    p = make_problem(37, 128, 128, 6, 2, device="cpu")
+    masters = [torch.nn.Parameter(p["w13_EFH"].float()), torch.nn.Parameter(p["w2_EHI"].float())]
+    optimizer = torch.optim.SGD(masters, lr=0.5)
+    experts = fusemoe.MoEExperts(6, 128, 128, impl="fused", device="cpu", precision="fp8")
+    working = (experts.gate_up_proj, experts.down_proj)
+    first_key = None
+    for step in range(3):
+        with torch.no_grad():  # the "all-gather": FSDP2 writes this way
+            for work, master in zip(working, masters):
+                with torch.autograd._unsafe_preserve_version_counter(work):
+                    work.copy_(master)
+        key = [(w.data_ptr(), w._version) for w in working]
+        assert first_key is None or key == first_key  # the simulation keeps address and version
+        first_key = key
+        for _ in range(2):  # micro-batches: one quantization per step
+            y = experts(p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"])
+            expected = fusemoe.moe_experts(*op_args(p)[:3], *(m.detach().bfloat16()
+                                                              for m in masters), impl="fused")
+            assert torch.equal(y, expected), f"step {step}: output from a stale FP8 buffer"
+            y.float().square().mean().backward()
+        assert experts._fp8_cache.quantizations == step + 1
+        for work, master in zip(working, masters):  # the "reduce-scatter"
+            master.grad = work.grad.float()
+            work.grad = None
+        optimizer.step()
+
+
+def test_fp8_cache_follows_load_state_dict_and_reset_parameters():
+    """MoEExperts.load_state_dict and reset_parameters rebuild the FP8 buffer even where the
+    weights keep their version (FSDP2: they write the sharded weights, the cache keys on the
+    unsharded ones): they invalidate the caches. Simulated by preserving the versions."""
+    p = make_problem(37, 128, 128, 6, 2, device="cpu")
+    experts = fusemoe.MoEExperts(6, 128, 128, impl="fused", device="cpu", precision="fp8")
+    args = op_args(p)[:3]
+    experts(*args)
+    for step, change in enumerate((
+            lambda: experts.load_state_dict({"gate_up_proj": p["w13_EFH"],
+                                             "down_proj": p["w2_EHI"]}),
+            experts.reset_parameters)):
+        with torch.autograd._unsafe_preserve_version_counter(experts.gate_up_proj), \
+                torch.autograd._unsafe_preserve_version_counter(experts.down_proj):
+            change()
+        y = experts(*args)
+        assert experts._fp8_cache.quantizations == step + 2
+        expected = fusemoe.moe_experts(*args, experts.gate_up_proj.detach(),
+                                       experts.down_proj.detach(), impl="fused")
+        assert torch.equal(y, expected)
 
 
 # ---- library loading and the C ABI ----
