@@ -28,7 +28,7 @@ from torch import Tensor
 from . import _capi
 from .ops import (_backward_fake, _check_cuda, _check_impl, _check_inputs, _check_save_z,
                   _check_swiglu_clamp, _check_tensor, _empty_saved_z, _fail, _into_param_grads,
-                  _launch_backward, _launch_forward)
+                  _launch_backward, _launch_forward, _wants_saved_z)
 
 _BLOCK = 128       # E4M3 scale block: 1 x 128 for activations, 128 x 128 for weights
 _ALIGNMENT = 256   # each array of the weight buffer starts 256-byte aligned
@@ -284,8 +284,6 @@ def moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl="f
         _fail(f"precision=\"fp8\" needs impl=\"fused\" (got {impl!r})")
     if fp8_weights is None:
         fp8_weights = cached_fp8_weights(w13_EFH, w2_EHI)
-    save_z = (not recompute_z and torch.is_grad_enabled()
-              and any(isinstance(t, Tensor) and t.requires_grad
-                      for t in (x_TH, topk_weights_TK, w13_EFH, w2_EHI)))
+    save_z = _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI)
     return moe_experts_fp8_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                                    fp8_weights, impl, grad_in_place, save_z, swiglu_clamp)[0]

@@ -429,6 +429,14 @@ def _into_param_grads(ctx, backward_into):
 moe_experts_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI):
+    """Whether a forward saves z (the bf16 and FP8 ops): impl "fused", recompute_z off and a
+    gradient to compute."""
+    return (impl == "fused" and not recompute_z and torch.is_grad_enabled()
+            and any(isinstance(t, Tensor) and t.requires_grad
+                    for t in (x_TH, topk_weights_TK, w13_EFH, w2_EHI)))
+
+
 def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAULT_IMPL,
                 grad_in_place=False, recompute_z=False, swiglu_clamp=None, precision="bf16",
                 fp8_weights=None):
@@ -460,8 +468,6 @@ def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAUL
         from .fp8 import moe_experts_fp8
         return moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
                                grad_in_place, recompute_z, fp8_weights, swiglu_clamp)
-    save_z = (impl == "fused" and not recompute_z and torch.is_grad_enabled()
-              and any(isinstance(t, Tensor) and t.requires_grad
-                      for t in (x_TH, topk_weights_TK, w13_EFH, w2_EHI)))
+    save_z = _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI)
     return moe_experts_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
                                grad_in_place, save_z, swiglu_clamp)[0]
