@@ -26,9 +26,8 @@ import torch
 from torch import Tensor
 
 from . import _capi
-from .ops import (_backward_fake, _check_cuda, _check_impl, _check_inputs, _check_save_z,
-                  _check_swiglu_clamp, _check_tensor, _empty_saved_z, _fail, _into_param_grads,
-                  _launch_backward, _launch_forward, _wants_saved_z)
+from .ops import (_backward_fake, _check_cuda, _check_tensor, _fail, _forward_fake, _gradients,
+                  _launch_backward, _launch_forward, _save_for_backward, _wants_saved_z)
 
 _BLOCK = 128       # E4M3 scale block: 1 x 128 for activations, 128 x 128 for weights
 _ALIGNMENT = 256   # each array of the weight buffer starts 256-byte aligned
@@ -190,12 +189,8 @@ def moe_experts_fp8_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: 
 @moe_experts_fp8_forward.register_fake
 def _moe_experts_fp8_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights,
                                   impl, grad_in_place=False, save_z=False, swiglu_clamp=None):
-    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
-    _check_impl(impl)
-    _check_save_z(save_z, impl)
-    _check_swiglu_clamp(swiglu_clamp)
-    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
-    return torch.empty_like(x_TH), _empty_saved_z(x_TH, dims, save_z)
+    return _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
+                         swiglu_clamp, fp8_weights=fp8_weights)
 
 
 @torch.library.custom_op("fusemoe::moe_experts_fp8_backward", mutates_args=())
@@ -243,34 +238,11 @@ def _moe_experts_fp8_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_T
 
 
 def _setup_context(ctx, inputs, output):
-    (x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, impl, grad_in_place,
-     save_z, swiglu_clamp) = inputs
-    z_SF = output[1]
-    ctx.mark_non_differentiable(z_SF)
-    # Without this autograd hands the backward a zero-filled gradient of z (T K x 2I bf16: 256 MiB
-    # at T = 4096, 2I = 4096), allocated and written on every backward for nothing.
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, z_SF)
-    ctx.impl = impl
-    ctx.swiglu_clamp = swiglu_clamp
-    ctx.params = ((w13_EFH, w2_EHI) if grad_in_place and w13_EFH.is_leaf and w2_EHI.is_leaf and
-                  w13_EFH.requires_grad and w2_EHI.requires_grad else None)
+    _save_for_backward(ctx, inputs[:6], *inputs[6:], output[1])
 
 
 def _backward(ctx, dy_TH, _dz_unused):
-    x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, z_SF = ctx.saved_tensors
-    saved_z_SF = z_SF if z_SF.numel() else None
-    dy_TH = dy_TH.contiguous()
-    if ctx.params is not None:
-        dx_TH, d_topk_weights_TK = _into_param_grads(
-            ctx, lambda dw13, dw2, accumulate: moe_experts_fp8_backward_into(
-                dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, dw13,
-                dw2, accumulate, ctx.impl, saved_z_SF, ctx.swiglu_clamp))
-        return dx_TH, None, d_topk_weights_TK, None, None, None, None, None, None, None
-    dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI = moe_experts_fp8_backward(
-        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, ctx.impl,
-        saved_z_SF, ctx.swiglu_clamp)
-    return dx_TH, None, d_topk_weights_TK, dw13_EFH, dw2_EHI, None, None, None, None, None
+    return _gradients(ctx, dy_TH, moe_experts_fp8_backward, moe_experts_fp8_backward_into)
 
 
 moe_experts_fp8_forward.register_autograd(_backward, setup_context=_setup_context)
