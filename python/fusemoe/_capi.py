@@ -243,11 +243,14 @@ def backward(layer_, x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights,
 
 
 def fp8_weights_bytes(layer_):
-    """Bytes of the FP8 weight buffer of a Layer's shape."""
-    lib = load()
-    out = _u64()
-    _check(lib.fusemoe_c_fp8_weights_bytes(ctypes.byref(layer_), ctypes.byref(out)))
-    return out.value
+    """Bytes of the FP8 weight buffer of a Layer's shape (cached on the struct)."""
+    num_bytes = layer_.__dict__.get("_fp8_weights_bytes")
+    if num_bytes is None:
+        lib = load()
+        out = _u64()
+        _check(lib.fusemoe_c_fp8_weights_bytes(ctypes.byref(layer_), ctypes.byref(out)))
+        num_bytes = layer_.__dict__.setdefault("_fp8_weights_bytes", out.value)
+    return num_bytes
 
 
 def quantize_weights_fp8(layer_, w13, w2, buffer, buffer_bytes, stream):

@@ -191,9 +191,11 @@ def moe_experts_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tens
                            swiglu_clamp)
 
 
-def _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI):
+def _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI, layer=None):
+    """layer: the call's _capi.Layer (the library gives the buffer's size), None in the fake
+    kernels (fusemoe.fp8's formula)."""
     from .fp8 import _check_fp8_weights  # imported here: fusemoe.fp8 imports this module
-    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
+    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI, layer)
 
 
 def _weight_pointers(w13_EFH, w2_EHI, fp8_weights):
@@ -212,9 +214,9 @@ def _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, s
     _check_cuda(x_TH)
     _check_save_z(save_z, impl)
     _check_swiglu_clamp(swiglu_clamp)
-    if fp8_weights is not None:
-        _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI)
     layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16" if fp8_weights is None else "fp8")
+    if fp8_weights is not None:
+        _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI, layer)
     w13, w2, fp8 = _weight_pointers(w13_EFH, w2_EHI, fp8_weights)
     y_TH = torch.empty_like(x_TH)
     z_SF = _empty_saved_z(x_TH, dims, save_z)
@@ -290,12 +292,12 @@ def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
     """The backward ops' call, on the bf16 weights or the FP8 buffer as _launch_forward."""
     dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
     _check_cuda(x_TH)
-    if fp8_weights is not None:
-        _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI)
     grad_dtype = _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
     saved_z_SF = _check_saved_z(saved_z_SF, dims, x_TH, impl)
     _check_swiglu_clamp(swiglu_clamp)
     layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16" if fp8_weights is None else "fp8")
+    if fp8_weights is not None:
+        _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI, layer)
     w13, w2, fp8 = _weight_pointers(w13_EFH, w2_EHI, fp8_weights)
     dx_TH = torch.empty_like(x_TH)
     d_topk_weights_TK = torch.empty_like(topk_weights_TK)

@@ -516,15 +516,27 @@ def test_layer_struct_is_built_once():
 
 
 def test_fp8_weight_buffer_size_agrees_with_the_package():
-    """fusemoe.fp8 checks an FP8 weight buffer's size with its own formula: it must be the
-    library's, for shapes of one and several scale blocks per dimension."""
+    """fusemoe.fp8's fake kernels check an FP8 weight buffer's size with their own formula: it
+    must be the library's, for shapes of one and several scale blocks per dimension. The calls
+    with a layer check it against the library's size."""
     require_library()
     import fusemoe.fp8
     for hidden, intermediate, num_experts in ((128, 128, 1), (256, 128, 8), (2048, 768, 128),
                                               (4096, 1536, 4)):
         layer = _capi.layer(hidden, intermediate, num_experts, 1, 0, "fused", None, "fp8")
-        assert _capi.fp8_weights_bytes(layer) == fusemoe.fp8.fp8_weights_bytes(
+        num_bytes = _capi.fp8_weights_bytes(layer)
+        assert num_bytes == fusemoe.fp8.fp8_weights_bytes(
             num_experts, hidden, intermediate), (hidden, intermediate, num_experts)
+        w13 = torch.empty(num_experts, 2 * intermediate, hidden, dtype=torch.bfloat16,
+                          device="meta")
+        w2 = torch.empty(num_experts, hidden, intermediate, dtype=torch.bfloat16, device="meta")
+        for size in (num_bytes, num_bytes + 256):
+            buffer = torch.empty(size, dtype=torch.uint8, device="meta")
+            if size == num_bytes:
+                fusemoe.fp8._check_fp8_weights(buffer, w13, w2, layer)
+            else:
+                with pytest.raises(ValueError, match=f"uint8 \\[{num_bytes}\\]"):
+                    fusemoe.fp8._check_fp8_weights(buffer, w13, w2, layer)
 
 
 # ---- the reference itself: closed-form backward against autograd ----
