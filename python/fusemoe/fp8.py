@@ -135,7 +135,6 @@ class Fp8WeightCache:
         self._key = None
         self._buffer = None
         self.quantizations = 0
-        _register_step_hook()
 
     def get(self, w13_source, w2_source, w13_EFH=None, w2_EHI=None):
         """w13_source, w2_source: the tensors whose versions decide (e.g. fp32 Parameters);
@@ -145,6 +144,7 @@ class Fp8WeightCache:
                tuple(w13_source.shape), tuple(w2_source.shape), w13_source.dtype,
                w13_source.device)
         if self._buffer is None or key != self._key:
+            _register_step_hook()
             with torch.no_grad():
                 w13 = w13_EFH if w13_EFH is not None else w13_source
                 w2 = w2_EHI if w2_EHI is not None else w2_source
@@ -161,17 +161,24 @@ def traced(t):
     return torch.compiler.is_compiling() or isinstance(t, FakeTensor)
 
 
-def cached_fp8_weights(w13_EFH, w2_EHI):
-    """The FP8 buffer of w13/w2 from a cache kept on the w13 tensor itself (so it lives as long as
-    the weights). Traced (torch.compile, fake tensors) the buffer is rebuilt on every call (the
-    version check is not traced)."""
-    if traced(w13_EFH):
+def cached_fp8_weights(w13_EFH, w2_EHI, cache=None, sources=None):
+    """The FP8 buffer of bf16 w13/w2 (the one entry point of the FP8 weight caches). cache: an
+    Fp8WeightCache (MoEExperts keeps one), or None for one kept on the w13 tensor itself (so it
+    lives as long as the weights); sources: the tensors whose versions decide, (w13, w2) when
+    None (MoEExperts passes its Parameters: an fp32 master's bf16 copy is new each call).
+    Traced (torch.compile, fake tensors: no storage or version to key on) the buffer is rebuilt
+    on every call."""
+    w13_source, w2_source = (w13_EFH, w2_EHI) if sources is None else sources
+    if traced(w13_source):
         return quantize_weights_fp8(w13_EFH.detach(), w2_EHI.detach())
-    cache = getattr(w13_EFH, "_fusemoe_fp8_cache", None)
     if cache is None:
-        cache = Fp8WeightCache()
-        w13_EFH._fusemoe_fp8_cache = cache
-    return cache.get(w13_EFH, w2_EHI)
+        cache = getattr(w13_EFH, "_fusemoe_fp8_cache", None)
+        if cache is None:
+            cache = Fp8WeightCache()
+            w13_EFH._fusemoe_fp8_cache = cache
+    if sources is None:
+        return cache.get(w13_EFH, w2_EHI)
+    return cache.get(w13_source, w2_source, w13_EFH, w2_EHI)
 
 
 # ---------------------------------------------------------------------------------------- ops

@@ -45,7 +45,8 @@ class MoEExperts(nn.Module):
         if precision not in ("bf16", "fp8"):
             raise ValueError(f"fusemoe: precision must be \"bf16\" or \"fp8\", got {precision!r}")
         self.precision = precision
-        self._fp8_cache = None  # fusemoe.fp8.Fp8WeightCache, made on first use
+        from .fp8 import Fp8WeightCache
+        self._fp8_cache = Fp8WeightCache()  # empty until a forward at precision "fp8"
         self.grad_in_place = bool(grad_in_place)
         self.recompute_z = bool(recompute_z)
         self.swiglu_clamp = None if swiglu_clamp is None else float(swiglu_clamp)
@@ -67,7 +68,8 @@ class MoEExperts(nn.Module):
         # Hugging Face's Qwen3-MoE initialisation: N(0, initializer_range = 0.02).
         nn.init.normal_(self.gate_up_proj, std=self.init_std)
         nn.init.normal_(self.down_proj, std=self.init_std)
-        if getattr(self, "_fp8_cache", None) is not None:  # new values, perhaps the same versions
+        cache = getattr(self, "_fp8_cache", None)
+        if cache is not None and cache.quantizations:  # new values, perhaps the same versions
             _invalidate_fp8_caches(self, None)
 
     @classmethod
@@ -95,14 +97,10 @@ class MoEExperts(nn.Module):
         topk_weights_TK = top_k_weights.reshape(-1, top_k).to(torch.float32).contiguous()
         fp8_weights = None
         if self.precision == "fp8":
-            from .fp8 import Fp8WeightCache, traced
-            if not traced(self.gate_up_proj):
-                if self._fp8_cache is None:
-                    self._fp8_cache = Fp8WeightCache()
-                # Versions of the Parameters themselves (an fp32 master's bf16 copy is new each
-                # call).
-                fp8_weights = self._fp8_cache.get(self.gate_up_proj, self.down_proj, w13_EFH,
-                                                  w2_EHI)
+            from .fp8 import cached_fp8_weights
+            # Keyed on the Parameters themselves (an fp32 master's bf16 copy is new each call).
+            fp8_weights = cached_fp8_weights(w13_EFH, w2_EHI, self._fp8_cache,
+                                             (self.gate_up_proj, self.down_proj))
         y_TH = moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=self.impl,
                            grad_in_place=self.grad_in_place, recompute_z=self.recompute_z,
                            swiglu_clamp=self.swiglu_clamp, precision=self.precision,

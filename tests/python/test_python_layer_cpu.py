@@ -601,7 +601,18 @@ def test_opcheck(problem):
 
 
 def test_compile_fullgraph_equals_eager(problem):
-    module = fusemoe.MoEExperts.from_experts(_experts_holder(problem))
+    check_compile_fullgraph_equals_eager(problem)
+
+
+def test_compile_fullgraph_equals_eager_fp8():
+    """precision="fp8" (the CPU stand-ins): compiled, the FP8 buffer is quantized in the graph on
+    every call; eager, it comes from the module's cache (one quantization)."""
+    module = check_compile_fullgraph_equals_eager(make_problem(37, 128, 128, 6, 2, "cpu"), "fp8")
+    assert module._fp8_cache.quantizations == 1
+
+
+def check_compile_fullgraph_equals_eager(problem, precision="bf16"):
+    module = fusemoe.MoEExperts.from_experts(_experts_holder(problem), precision=precision)
     compiled = torch.compile(module, fullgraph=True, backend="aot_eager", dynamic=True)
     for num_tokens in (37, 20):
         x = problem["x_TH"][:num_tokens].clone().requires_grad_()
@@ -616,6 +627,7 @@ def test_compile_fullgraph_equals_eager(problem):
             outs.append([y, x.grad, w.grad, module.gate_up_proj.grad, module.down_proj.grad])
         for a, b in zip(*outs):
             assert torch.equal(a, b)
+    return module
 
 
 def _experts_holder(problem):
