@@ -143,6 +143,21 @@ def test_plan_names_the_library_limit():
     assert "hidden (H) must be a positive multiple of 128, got 4000" in str(report)
 
 
+def test_plan_checks_impl_and_precision_with_the_library():
+    """precision="fp8" runs on impl "fused" only, and needs I a multiple of 128: the plan asks
+    the library about the layer with its impl and precision, so it swaps nothing that would fail
+    at the first forward."""
+    require_library()
+    model = real_dims_model("MixtralConfig")
+    report = fusemoe.plan_hf_experts(model, impl="unfused", precision="fp8")
+    assert report.replaced == [], str(report)
+    assert "supported by Impl::kFused only" in report.left["model.layers.0.mlp.experts"]
+    assert fusemoe.plan_hf_experts(model, impl="fused", precision="fp8").left == {}
+    narrow = real_dims_model("MixtralConfig", intermediate_size=192)
+    assert "multiple of 128, got 192" in str(fusemoe.plan_hf_experts(narrow, precision="fp8"))
+    assert fusemoe.plan_hf_experts(narrow).left == {}  # bf16 takes I = 192
+
+
 def test_plan_refuses_another_activation():
     model = real_dims_model("MixtralConfig", hidden_act="gelu")
     assert fusemoe.plan_hf_experts(model).left["model.layers.0.mlp.experts"] == \
