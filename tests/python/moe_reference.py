@@ -9,6 +9,8 @@ in for the CUDA library in the CPU tests of the Python layer.
 Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, K top-k, N rows of
 one expert. Masked slots (expert id -1) are never visited, so their weight is never read.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -196,11 +198,13 @@ def make_problem(num_tokens, hidden, intermediate, num_experts, top_k, device, s
 
 
 def rel_err(got, ref):
-    """Relative L2 error ||got - ref|| / ||ref|| in fp64 (0 when both are zero; inf on NaN)."""
+    """Relative L2 error ||got - ref|| / ||ref|| in fp64 (0 when both are zero; inf when either
+    holds a NaN or an inf). inf passes a bound that is itself inf, so a check whose bound comes
+    from another rel_err must also require math.isfinite (assert_within_noise does)."""
     got, ref = got.double(), ref.double()
     diff = torch.linalg.vector_norm(got - ref).item()
     norm = torch.linalg.vector_norm(ref).item()
-    if diff != diff:
+    if not (math.isfinite(diff) and math.isfinite(norm)):
         return float("inf")
     return diff / norm if norm > 0 else (0.0 if diff == 0 else float("inf"))
 
@@ -229,14 +233,15 @@ def run_layer(fn, p, dtype):
 def assert_within_noise(rows, atol, noise_name, prefix=""):
     """The FlashAttention-3 rule on rows (name, got, noise, ref): rel_err(got, ref) <=
     2 * rel_err(noise, ref) + atol, noise being the same-precision run of another implementation.
-    Prints every row, then fails naming the rows that miss."""
+    Both errors must be finite (a NaN or inf in got, noise or ref fails: an infinite noise error
+    would make the tolerance inf). Prints every row, then fails naming the rows that miss."""
     report, failures = [], []
     for name, got, noise, ref in rows:
         err, noise_err = rel_err(got, ref), rel_err(noise, ref)
         tol = 2 * noise_err + atol
         report.append(f"{prefix}{name}: fusemoe {err:.2e} (calc_diff {calc_diff(got, ref):.2e}), "
                       f"{noise_name} {noise_err:.2e}, tol {tol:.2e}")
-        if not err <= tol:
+        if not (math.isfinite(err) and math.isfinite(noise_err) and err <= tol):
             failures.append(report[-1])
     print("\n".join(report))
     assert not failures, "\n".join(failures)

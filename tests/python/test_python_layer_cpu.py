@@ -3,6 +3,7 @@ the op's registration (autograd, fake kernels, torch.compile, checkpointing, acc
 over CPU kernels from moe_reference.py that stand in for the CUDA library. Needs torch only
 (library tests skip without libfusemoe_c.so). The GPU tests live in test_ops_gpu.py."""
 import ctypes
+import math
 
 import pytest
 
@@ -10,8 +11,9 @@ torch = pytest.importorskip("torch")
 
 import fusemoe  # noqa: E402
 from fusemoe import _capi  # noqa: E402
-from moe_reference import (make_problem, moe_experts_backward_fp32, moe_experts_torch,  # noqa: E402
-                           register_cpu_fp8_kernels, register_cpu_kernels, rel_err)
+from moe_reference import (assert_within_noise, make_problem,  # noqa: E402
+                           moe_experts_backward_fp32, moe_experts_torch, register_cpu_fp8_kernels,
+                           register_cpu_kernels, rel_err)
 
 register_cpu_kernels()
 register_cpu_fp8_kernels()
@@ -555,11 +557,28 @@ def test_reference_backward_matches_autograd(problem, swiglu_clamp):
         assert rel_err(grad, leaf.grad) <= 1e-5
 
 
+def test_error_checks_fail_on_nan_and_inf():
+    """rel_err is inf when got or ref holds a NaN or an inf, and assert_within_noise fails then,
+    also where the noise run is the one that is not finite (its tolerance would be inf)."""
+    ref = torch.randn(64, dtype=torch.float64)
+    noise = ref + 1e-3 * torch.randn(64, dtype=torch.float64)
+    assert_within_noise([("ok", ref.clone(), noise, ref)], 1e-6, "noise")
+    for bad in (float("nan"), float("inf")):
+        spoiled = ref.clone()
+        spoiled[3] = bad
+        assert rel_err(spoiled, ref) == math.inf and rel_err(ref, spoiled) == math.inf
+        for got, noisy, reference in ((spoiled, noise, ref), (ref, spoiled, ref),
+                                      (spoiled, spoiled, ref), (ref, noise, spoiled)):
+            with pytest.raises(AssertionError):
+                assert_within_noise([("x", got, noisy, reference)], 1e-2, "noise")
+
+
 def test_reference_clamp_is_active(problem):
     """At c = 0.5 the clamp changes y (so the clamp tests above test something)."""
     args = [problem[k].float() if problem[k].is_floating_point() else problem[k]
             for k in ("x_TH", "topk_idx_TK", "topk_weights_TK", "w13_EFH", "w2_EHI")]
-    assert rel_err(moe_experts_torch(*args, 0.5), moe_experts_torch(*args)) > 1e-2
+    change = rel_err(moe_experts_torch(*args, 0.5), moe_experts_torch(*args))
+    assert math.isfinite(change) and change > 1e-2  # a NaN would give inf
 
 
 # ---- registration: autograd, compile, checkpointing, accumulation (CPU stand-in kernels) ----
