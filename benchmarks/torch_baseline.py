@@ -240,10 +240,10 @@ def rel_err(a, b):
     return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
 
 
-def self_check(layer, combine_dtype, device, seed, num_experts=8):
+def self_check(layer, combine_dtype, device, seed):
     """Runs `layer` (bf16) and the fp32 loop on the same bf16-rounded inputs, forward and backward;
     returns {output: relative error}. T=203 (odd), E=8, K=2: every expert gets rows."""
-    num_tokens, hidden, intermediate, top_k = 203, 256, 128, 2
+    num_tokens, hidden, intermediate, num_experts, top_k = 203, 256, 128, 8, 2
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape, scale=1.0):
