@@ -255,10 +255,10 @@ def test_c_abi_errors_carry_the_library_message():
     with pytest.raises(fusemoe.FusemoeError, match='unknown implementation "nope".*unfused'):
         _capi.impl_code("nope")
     with pytest.raises(fusemoe.FusemoeError, match=r"hidden \(H\) must be a positive multiple of 128"):
-        _capi.workspace_bytes(_capi.layer(100, 64, 6, 2, 37, "unfused"))
+        _capi.layer(100, 64, 6, 2, 37, "unfused").workspace_bytes()
     with pytest.raises(fusemoe.FusemoeError, match="unknown implementation"):
         fusemoe.MoEExperts(6, 128, 64, impl="nope")
-    assert _capi.workspace_bytes(_capi.layer(128, 64, 6, 2, 37, "unfused")) > 0
+    assert _capi.layer(128, 64, 6, 2, 37, "unfused").workspace_bytes() > 0
 
 
 def test_workspace_per_call():
@@ -267,15 +267,15 @@ def test_workspace_per_call():
     require_library()
     fused = _capi.layer(256, 128, 8, 2, 1000, "fused")
     unfused = _capi.layer(256, 128, 8, 2, 1000, "unfused")
-    sizes = {use: _capi.workspace_bytes(fused, use) for use in _capi.WORKSPACE_USES}
-    assert _capi.workspace_bytes(fused) == max(sizes.values())
+    sizes = {use: fused.workspace_bytes(use) for use in _capi.WORKSPACE_USES}
+    assert fused.workspace_bytes() == max(sizes.values())
     z_bytes = _capi.saved_z_bytes(fused)
     assert z_bytes <= sizes["backward"] - sizes["backward_saved_z"] < z_bytes + 256
     assert sizes["forward"] < sizes["backward"]
     for use in _capi.WORKSPACE_USES:
-        assert _capi.workspace_bytes(unfused, use) == _capi.workspace_bytes(unfused)
+        assert unfused.workspace_bytes(use) == unfused.workspace_bytes()
     with pytest.raises(fusemoe.FusemoeError, match="use must be one of"):
-        _capi.workspace_bytes(fused, "sideways")
+        fused.workspace_bytes("sideways")
 
 
 def test_workspace_out_of_memory_names_fusemoe_and_the_bytes(monkeypatch):
