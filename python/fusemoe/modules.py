@@ -49,6 +49,8 @@ class MoEExperts(nn.Module):
         self._fp8_cache = Fp8WeightCache()  # empty until a forward at precision "fp8"
         self.grad_in_place = bool(grad_in_place)
         self.recompute_z = bool(recompute_z)
+        if isinstance(swiglu_clamp, bool):  # float(True) would be a clamp of 1.0
+            raise ValueError(f"fusemoe: swiglu_clamp must be None or a number, got {swiglu_clamp!r}")
         self.swiglu_clamp = None if swiglu_clamp is None else float(swiglu_clamp)
         self.num_experts = num_experts
         self.hidden_dim = hidden_dim

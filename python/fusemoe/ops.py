@@ -145,8 +145,10 @@ def _check_impl(impl):
 
 
 def _check_swiglu_clamp(swiglu_clamp):
-    """Its type only: the library checks the value (finite, > 0) when a call uses it."""
-    if swiglu_clamp is not None and not isinstance(swiglu_clamp, (int, float)):
+    """Its type only (a bool is no number here, as in fusemoe.hf): the library checks the value
+    (finite, > 0) when a call uses it."""
+    if swiglu_clamp is not None and (not isinstance(swiglu_clamp, (int, float))
+                                     or isinstance(swiglu_clamp, bool)):
         _fail(f"swiglu_clamp must be None or a number, got {swiglu_clamp!r}")
 
 

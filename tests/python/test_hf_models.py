@@ -130,8 +130,14 @@ def test_plan_leaves_gpt_oss_alone_with_each_reason():
                      "weights stored transposed", "gate and up rows interleaved",
                      "its own gate function GptOssExperts._apply_gate"):
         assert expected in reasons, reasons
-    if fusemoe.is_available():  # the library's own limit, read through the transposed layout
-        assert "hidden (H) must be a positive multiple of 128, got 2880" in reasons, reasons
+
+
+def test_plan_reads_gpt_oss_limit_through_its_transposed_layout():
+    """The library's own limit on gpt-oss, its H read through the transposed layout."""
+    require_library()
+    reasons = fusemoe.plan_hf_experts(real_dims_model("GptOssConfig")).left[
+        "model.layers.0.mlp.experts"]
+    assert "hidden (H) must be a positive multiple of 128, got 2880" in reasons, reasons
 
 
 def test_plan_names_the_library_limit():

@@ -67,7 +67,7 @@ def test_fused_with_recomputed_z(shape):
 @pytest.mark.parametrize("impl, recompute_z", [("unfused", False), ("fused", False),
                                                 ("fused", True)])
 def test_swiglu_clamp(impl, recompute_z):
-    """The clamp through the op (C ABI 5's FusemoeCLayer): at c = 0.75 about a third of g and u
+    """The clamp through the op (FusemoeCLayer's clamp fields, C ABI 6): at c = 0.75 about a third of g and u
     are clamped (z ~ N(0, 1) here), so a clamp that were dropped would fail the comparison."""
     p = make_problem(199, 256, 128, 8, 2, "cuda", seed=29)
     check_against_reference(p, impl, swiglu_clamp=0.75, recompute_z=recompute_z)

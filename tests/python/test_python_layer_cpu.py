@@ -609,6 +609,12 @@ def test_swiglu_clamp_reaches_the_module(problem):
     assert rel_err(y, ref) <= 1e-2
     with pytest.raises(ValueError, match="swiglu_clamp must be None or a number"):
         fusemoe.moe_experts(*op_args(problem), swiglu_clamp="7")
+    for flag in (True, False):  # a bool is no clamp value (float(True) would clamp at 1.0)
+        with pytest.raises(ValueError, match="swiglu_clamp must be None or a number, got "
+                                             f"{flag}"):
+            fusemoe.moe_experts(*op_args(problem), swiglu_clamp=flag)
+        with pytest.raises(ValueError, match="swiglu_clamp must be None or a number"):
+            fusemoe.MoEExperts.from_experts(_experts_holder(problem), swiglu_clamp=flag)
 
 
 def test_opcheck(problem):
