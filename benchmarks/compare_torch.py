@@ -18,6 +18,9 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from torch_timings import baseline_by_pass  # noqa: E402  (benchmarks/torch_timings.py)
+
 # fusemoe_bench options torch_baseline also takes (each with a value).
 SHARED_OPTIONS = ("--preset", "--tokens", "--routing", "--iters", "--warmup", "--seed")
 EXIT_TORCH_FAILED = 5
@@ -68,7 +71,7 @@ def print_comparison(fusemoe, torch_result):
               f"(fusemoe check: {case.get('check_status')})")
         print(f"  {'impl':<14} {'pass':<17} {'wgrad':<5} {'ms':>9} {'TFLOP/s':>8}  "
               f"{'PyTorch ms':>10} {'TFLOP/s':>8}  {'vs PyTorch':>10}")
-        torch_by_pass = {t["pass"]: t for t in (tcase or {}).get("timings", [])}
+        torch_by_pass = baseline_by_pass(tmeta, (tcase or {}).get("timings"))
         for line in case.get("timings", []):
             if line["impl"] == "unfused":
                 continue  # the cuBLAS baseline: in fusemoe_bench's own table above

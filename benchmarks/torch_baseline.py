@@ -32,6 +32,8 @@ import traceback
 import torch
 from torch.nn.functional import silu
 
+from torch_timings import FP8_IMPL  # benchmarks/: the name the scripts tell the FP8 timings by
+
 PRESETS = {
     # name: (short name, H, I, E, K)
     "qwen3-30b-a3b": ("30B", 2048, 768, 128, 8),
@@ -238,10 +240,10 @@ def rel_err(a, b):
     return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
 
 
-def self_check(layer, combine_dtype, device, seed, num_experts=8):
+def self_check(layer, combine_dtype, device, seed):
     """Runs `layer` (bf16) and the fp32 loop on the same bf16-rounded inputs, forward and backward;
     returns {output: relative error}. T=203 (odd), E=8, K=2: every expert gets rows."""
-    num_tokens, hidden, intermediate, top_k = 203, 256, 128, 2
+    num_tokens, hidden, intermediate, num_experts, top_k = 203, 256, 128, 8, 2
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape, scale=1.0):
@@ -565,7 +567,7 @@ def main():
                                  (w13_EFH, w2_EHI), timer, device, ceiling)
                 if fp8:
                     try:
-                        fp8_case = time_case(moe_scaled_grouped_mm_fp8, "torch_scaled_grouped_mm_fp8",
+                        fp8_case = time_case(moe_scaled_grouped_mm_fp8, FP8_IMPL,
                                              PRESETS[args.preset], num_tokens, args,
                                              (w13_EFH, w2_EHI), timer, device, ceiling)
                         case["timings"] += fp8_case["timings"]

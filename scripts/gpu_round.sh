@@ -8,8 +8,8 @@
 # configures and builds one here. OUTDIR gets 8 files (the device machine returns at most 8):
 # gpu.txt, gpu_tests.log, sanitizer.log, round.log, results.json (every figure), summary.md,
 # train_qwen3_moe.json and train_qwen3_moe.png (the PyTorch training example).
-# Env: FUSEMOE_COMMIT (recorded in the results; default: git HEAD when this folder is the top of
-# its own git checkout, else the commit the build recorded in $BUILD_DIR/fusemoe_commit.txt),
+# Env: FUSEMOE_COMMIT (recorded in the results; default from round_setup.sh: scripts/project_commit.sh,
+# else the commit the carried build recorded in $BUILD_DIR/fusemoe_commit.txt, else "unknown"),
 # ITERS and WARMUP (20, 5), TEST_TIMEOUT_S (300), CHECK_235B_MAX_TOKENS (unset: check every T;
 # 4096 skips the fp32 reference check at 235B T=16384, the largest one), ROUND_BUDGET_S (480:
 # benchmark steps not started by then are recorded as skipped, a failure). Budget on an H200:
@@ -30,24 +30,6 @@ TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-300}"
 CHECK_235B_MAX_TOKENS="${CHECK_235B_MAX_TOKENS:-}"
 ROUND_BUDGET_S="${ROUND_BUDGET_S:-480}"
 export PYTHONUNBUFFERED=1
-
-# The commit under test: git only where this folder is the top of its own checkout (a copy
-# without .git inside another repository must not report that repository's commit), else what
-# the build recorded from its source checkout (cmake/commit_id.cmake).
-commit_of_this_tree() {
-  local top
-  top="$(git -C "$REPO" rev-parse --show-toplevel 2>/dev/null)" || top=""
-  if [[ -n "$top" && "$(cd "$top" && pwd -P)" == "$REPO" ]]; then
-    local commit
-    commit="$(git -C "$REPO" rev-parse --short HEAD)"
-    [[ -n "$(git -C "$REPO" status --porcelain 2>/dev/null)" ]] && commit="$commit-dirty"
-    echo "$commit"
-  elif [[ -s "$BUILD_DIR/fusemoe_commit.txt" ]]; then
-    head -1 "$BUILD_DIR/fusemoe_commit.txt"
-  else
-    echo unknown
-  fi
-}
 
 # The JSON parts live outside OUTDIR: only the merged results.json comes back.
 PARTS="$(mktemp -d /tmp/fusemoe_round.XXXXXX)"
@@ -110,8 +92,6 @@ if [[ ! -x "$BUILD_DIR/fusemoe_bench" ]]; then
   step build "" ninja -C "$BUILD_DIR"
 fi
 BENCH="$BUILD_DIR/fusemoe_bench"
-FUSEMOE_COMMIT="${FUSEMOE_COMMIT:-$(commit_of_this_tree)}"
-export FUSEMOE_COMMIT
 log "commit under test: $FUSEMOE_COMMIT"
 
 # ctest runs the test binaries by the absolute paths of the machine that configured the build.

@@ -8,7 +8,11 @@ usage: perf_table.py RESULTS_JSON [--impls fused,fused_saved_z]
 """
 import argparse
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from torch_timings import baseline_by_pass  # noqa: E402  (benchmarks/torch_timings.py)
 
 
 def main():
@@ -24,8 +28,8 @@ def main():
     for run in results.get("torch", []):
         meta = run["meta"]
         for case in run["cases"]:
-            for t in case["timings"]:
-                torch_ms[(meta["preset"], meta["routing"], case["tokens"], t["pass"])] = t["ms_median"]
+            for pass_name, t in baseline_by_pass(meta, case["timings"]).items():
+                torch_ms[(meta["preset"], meta["routing"], case["tokens"], pass_name)] = t["ms_median"]
     print("| preset | T | routing | impl | pass | weight grads | ms | TFLOP/s | % ceiling | vs PyTorch |")
     print("| --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
     for run in results.get("fusemoe", []):

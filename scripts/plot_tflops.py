@@ -21,6 +21,9 @@ import math
 import os
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from torch_timings import is_baseline  # noqa: E402  (benchmarks/torch_timings.py)
+
 PASSES = ("forward", "backward", "forward+backward")
 # fusemoe_bench implementation name -> legend label. The op's default path: "fused" forward,
 # "fused_saved_z" (the forward saves z) for the backward and forward+backward.
@@ -101,6 +104,8 @@ def collect(fusemoe_runs, torch_runs, routing, wgrad):
                 if pass_name != "forward" and timing.get("weight_grad_dtype") != wgrad:
                     continue
                 if tool == "torch":
+                    if not is_baseline(run_meta, timing):  # e.g. --fp8's timings: not this line
+                        continue
                     label = "PyTorch grouped_mm" if run_meta.get("path") == "grouped_mm" \
                         else "PyTorch (fallback loop)"
                 else:

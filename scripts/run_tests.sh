@@ -44,7 +44,9 @@ set +e
 "$PY" -m pytest -q -rs tests/python
 status=$?
 set -e
-# pytest exits 5 when it collected nothing to run; anything else non-zero is a failure.
-if [ $status -ne 0 ] && [ $status -ne 5 ]; then exit $status; fi
+# Any non-zero exit is a failure, 5 included: pytest exits 5 when it collected no tests, and a
+# suite that runs nothing must not pass.
+if [ $status -eq 5 ]; then echo "[tests] pytest collected no tests in tests/python" >&2; fi
+if [ $status -ne 0 ]; then exit $status; fi
 echo "[tests] the package: pip wheel . and import fusemoe from it (scripts/check_wheel.sh)"
 bash scripts/check_wheel.sh "$PY"

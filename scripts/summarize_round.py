@@ -17,6 +17,9 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from torch_timings import FP8_IMPL, baseline_by_pass, is_baseline  # noqa: E402
+
 PASS_ORDER = ["forward", "backward", "forward+backward"]
 
 
@@ -67,7 +70,13 @@ def collect_cases(results):
     return cases
 
 
-def torch_label(meta):
+def torch_label(meta, timing=None):
+    """The row label of a torch_baseline timing: its bf16 path, or (timing given, not the bf16
+    baseline) the other path it names, e.g. the FP8 one of --fp8."""
+    if timing is not None:
+        impl = timing.get("impl")
+        return ("PyTorch FP8 (torch._scaled_grouped_mm, rowwise)" if impl == FP8_IMPL
+                else f"PyTorch {impl}")
     if meta.get("path") == "grouped_mm":
         return "PyTorch (torch._grouped_mm)"
     return f"PyTorch FALLBACK per-expert loop ({meta.get('fallback_reason')})"
@@ -91,17 +100,17 @@ def render_case(key, entry, lines):
                  + f". Ceiling {fmt(ceiling, '.0f')} TFLOP/s ({ceiling_src}"
                  + (f"; torch.mm {t_ceiling:.0f}" if f_ceiling and t_ceiling else "") + ").")
     lines.append("")
-    torch_ms = {}
-    if t_case:
-        for t in t_case.get("timings", []):
-            torch_ms[t["pass"]] = t.get("ms_median")
+    # The speedups are against the bf16 PyTorch path only (benchmarks/torch_timings.py).
+    torch_ms = {pass_name: t.get("ms_median") for pass_name, t in
+                baseline_by_pass(t_meta, (t_case or {}).get("timings")).items()}
     rows = []
     if f_case:
         for t in f_case.get("timings", []):
             rows.append((t["impl"], t))
     if t_case:
         for t in t_case.get("timings", []):
-            rows.append((torch_label(t_meta), t))
+            rows.append((torch_label(t_meta) if is_baseline(t_meta, t) else torch_label(t_meta, t),
+                         t))
     rows.sort(key=lambda r: PASS_ORDER.index(r[1]["pass"]) if r[1]["pass"] in PASS_ORDER else 99)
     lines.append("| impl | pass | weight grads | ms | TFLOP/s | % ceiling | vs PyTorch |")
     lines.append("| --- | --- | --- | ---: | ---: | ---: | ---: |")

@@ -160,6 +160,7 @@ def is_available():
 
 
 def _check(status):
+    """status: what a call through the loaded library returned (so _lib is set)."""
     if status != 0:
         message = _lib.fusemoe_c_last_error().decode("utf-8", "replace")
         kind = _STATUS_NAMES.get(status, f"status {status}")
@@ -209,11 +210,6 @@ def _workspace_bytes(layer_, use):
     return out.value
 
 
-def workspace_bytes(layer_, use=None):
-    """Layer.workspace_bytes (cached on the struct)."""
-    return layer_.workspace_bytes(use)
-
-
 def saved_z_bytes(layer_):
     """Bytes of the forward's saved pre-activations for a Layer."""
     lib = load()
@@ -229,7 +225,7 @@ def forward(layer_, x, topk_idx, topk_weights, w13, w2, y, num_tokens, workspace
     quantize_weights_fp8) and w13 = w2 = None."""
     args = ForwardArgs(_FORWARD_SIZE, x, topk_idx, topk_weights, w13, w2, fp8_weights, y,
                        num_tokens, workspace, workspace_bytes_, expert_id_report, saved_z, stream)
-    _check(_lib.fusemoe_c_forward(layer_, args))
+    _check(load().fusemoe_c_forward(layer_, args))
 
 
 def backward(layer_, x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights, dw13, dw2,
@@ -239,15 +235,18 @@ def backward(layer_, x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights,
                         fp8_weights, dy, dx, d_topk_weights, dw13, dw2, 1 if accumulate else 0,
                         num_tokens, workspace, workspace_bytes_, expert_id_report, saved_z,
                         stream)
-    _check(_lib.fusemoe_c_backward(layer_, args))
+    _check(load().fusemoe_c_backward(layer_, args))
 
 
 def fp8_weights_bytes(layer_):
-    """Bytes of the FP8 weight buffer of a Layer's shape."""
-    lib = load()
-    out = _u64()
-    _check(lib.fusemoe_c_fp8_weights_bytes(ctypes.byref(layer_), ctypes.byref(out)))
-    return out.value
+    """Bytes of the FP8 weight buffer of a Layer's shape (cached on the struct)."""
+    num_bytes = layer_.__dict__.get("_fp8_weights_bytes")
+    if num_bytes is None:
+        lib = load()
+        out = _u64()
+        _check(lib.fusemoe_c_fp8_weights_bytes(ctypes.byref(layer_), ctypes.byref(out)))
+        num_bytes = layer_.__dict__.setdefault("_fp8_weights_bytes", out.value)
+    return num_bytes
 
 
 def quantize_weights_fp8(layer_, w13, w2, buffer, buffer_bytes, stream):

@@ -7,7 +7,12 @@ are computed from bf16 operands. The master weights stay the caller's bf16 (or f
 their FP8 copy (both weights, their per-expert transposes and the block scales, one uint8 buffer)
 comes from fusemoe::quantize_weights_fp8 and is kept by Fp8WeightCache until a weight changes
 (tensor._version: an optimizer step, load_state_dict, any in-place update), so it is built once per
-optimizer step, not once per micro-batch.
+optimizer step, not once per micro-batch. Wrappers that rewrite the weights in place while keeping
+their version (FSDP2 all-gathers into the same unsharded Parameter with its version counter
+preserved, often at the same address) are covered by a process-wide generation that every
+optimizer step (a global torch.optim step hook), MoEExperts.load_state_dict and
+MoEExperts.reset_parameters bump; any other rewrite of that kind (e.g. an in-place load into FSDP2's sharded weights that bypasses
+load_state_dict) must call invalidate_fp8_caches().
 
 Ops: fusemoe::quantize_weights_fp8, fusemoe::moe_experts_fp8_forward / _backward /
 _backward_into (the bf16 ops' signatures plus the FP8 weight buffer, which gets no gradient). The
@@ -21,9 +26,8 @@ import torch
 from torch import Tensor
 
 from . import _capi
-from .ops import (_backward_fake, _check_cuda, _check_impl, _check_inputs, _check_save_z,
-                  _check_swiglu_clamp, _check_tensor, _empty_saved_z, _fail, _into_param_grads,
-                  _launch_backward, _launch_forward)
+from .ops import (_backward_fake, _check_cuda, _check_tensor, _fail, _forward_fake, _gradients,
+                  _launch_backward, _launch_forward, _save_for_backward, _wants_saved_z)
 
 _BLOCK = 128       # E4M3 scale block: 1 x 128 for activations, 128 x 128 for weights
 _ALIGNMENT = 256   # each array of the weight buffer starts 256-byte aligned
@@ -35,7 +39,9 @@ def _align(num_bytes):
 
 def fp8_weights_bytes(num_experts, hidden, intermediate):
     """Bytes of the FP8 weight buffer (fusemoe::fp8_weights_bytes): w13, w13^T, their scales, w2,
-    w2^T, their scales."""
+    w2^T, their scales. The library's formula redone in Python for where there is no layer (the
+    fake kernels, which need no library); calls with a layer ask the library
+    (_capi.fp8_weights_bytes). A CPU test checks that the two agree."""
     w13 = num_experts * 2 * intermediate * hidden
     w2 = num_experts * hidden * intermediate
     s13 = num_experts * (2 * intermediate // _BLOCK) * (hidden // _BLOCK) * 4
@@ -51,9 +57,12 @@ def _check_fp8_shapes(w13_EFH, w2_EHI):
     return num_experts, hidden, two_intermediate // 2
 
 
-def _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI):
+def _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI, layer=None):
+    """layer: the call's _capi.Layer (precision "fp8"), whose buffer size the library gives; None
+    in the fake kernels (the Python formula)."""
     num_experts, hidden, intermediate = _check_fp8_shapes(w13_EFH, w2_EHI)
-    expected = fp8_weights_bytes(num_experts, hidden, intermediate)
+    expected = (_capi.fp8_weights_bytes(layer) if layer is not None
+                else fp8_weights_bytes(num_experts, hidden, intermediate))
     if (not isinstance(fp8_weights, Tensor) or fp8_weights.dtype != torch.uint8
             or fp8_weights.dim() != 1 or fp8_weights.numel() != expected
             or not fp8_weights.is_contiguous() or fp8_weights.device != w13_EFH.device):
@@ -75,10 +84,6 @@ def quantize_weights_fp8(w13_EFH: Tensor, w2_EHI: Tensor) -> Tensor:
     # The buffer depends on the weights' shape only (top_k, max_tokens: any valid values).
     layer = _capi.layer(hidden, intermediate, num_experts, 1, 0, "fused", None, "fp8")
     num_bytes = _capi.fp8_weights_bytes(layer)
-    if num_bytes != fp8_weights_bytes(num_experts, hidden, intermediate):
-        raise _capi.FusemoeError(f"fusemoe: the library's FP8 weight buffer has {num_bytes} bytes, "
-                                 "this package expects "
-                                 f"{fp8_weights_bytes(num_experts, hidden, intermediate)}")
     buffer = torch.empty(num_bytes, dtype=torch.uint8, device=w13_EFH.device)
     with torch.cuda.device(w13_EFH.device):
         _capi.quantize_weights_fp8(layer, w13_EFH.data_ptr(), w2_EHI.data_ptr(), buffer.data_ptr(),
@@ -93,9 +98,38 @@ def _quantize_weights_fp8_fake(w13_EFH, w2_EHI):
                              dtype=torch.uint8)
 
 
+# Bumped by invalidate_fp8_caches(): part of every cache key, so a bump rebuilds every buffer at
+# its next use. See the module docstring.
+_generation = 0
+_step_hook = None
+
+
+def invalidate_fp8_caches():
+    """Makes every FP8 weight cache rebuild its buffer at its next use. Called after every
+    optimizer step and by MoEExperts.load_state_dict; call it yourself after changing the weights
+    in a way that keeps their version counter (e.g. writing FSDP2's sharded weights in place
+    outside an optimizer step and load_state_dict)."""
+    global _generation
+    _generation += 1
+
+
+def _on_optimizer_step(optimizer, args, kwargs):
+    invalidate_fp8_caches()
+
+
+def _register_step_hook():
+    """A global post-step hook on every torch.optim optimizer (once per process): the signal of
+    a weight update that does not show in the weights' own versions (FSDP2)."""
+    global _step_hook
+    if _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        _step_hook = register_optimizer_step_post_hook(_on_optimizer_step)
+
+
 class Fp8WeightCache:
     """The FP8 buffer of one pair of weight tensors, rebuilt only when either changes: a new tensor
-    object or storage, or an in-place update (tensor._version). quantizations counts the rebuilds."""
+    object or storage, an in-place update (tensor._version), or a new generation (any optimizer
+    step, invalidate_fp8_caches()). quantizations counts the rebuilds."""
 
     def __init__(self):
         self._key = None
@@ -105,10 +139,12 @@ class Fp8WeightCache:
     def get(self, w13_source, w2_source, w13_EFH=None, w2_EHI=None):
         """w13_source, w2_source: the tensors whose versions decide (e.g. fp32 Parameters);
         w13_EFH, w2_EHI: their bf16 values if not the sources themselves."""
-        key = (id(w13_source), id(w2_source), w13_source.data_ptr(), w2_source.data_ptr(),
-               w13_source._version, w2_source._version, tuple(w13_source.shape),
-               tuple(w2_source.shape), w13_source.dtype, w13_source.device)
+        key = (_generation, id(w13_source), id(w2_source), w13_source.data_ptr(),
+               w2_source.data_ptr(), w13_source._version, w2_source._version,
+               tuple(w13_source.shape), tuple(w2_source.shape), w13_source.dtype,
+               w13_source.device)
         if self._buffer is None or key != self._key:
+            _register_step_hook()
             with torch.no_grad():
                 w13 = w13_EFH if w13_EFH is not None else w13_source
                 w2 = w2_EHI if w2_EHI is not None else w2_source
@@ -125,17 +161,24 @@ def traced(t):
     return torch.compiler.is_compiling() or isinstance(t, FakeTensor)
 
 
-def cached_fp8_weights(w13_EFH, w2_EHI):
-    """The FP8 buffer of w13/w2 from a cache kept on the w13 tensor itself (so it lives as long as
-    the weights). Traced (torch.compile, fake tensors) the buffer is rebuilt on every call (the
-    version check is not traced)."""
-    if traced(w13_EFH):
+def cached_fp8_weights(w13_EFH, w2_EHI, cache=None, sources=None):
+    """The FP8 buffer of bf16 w13/w2 (the one entry point of the FP8 weight caches). cache: an
+    Fp8WeightCache (MoEExperts keeps one), or None for one kept on the w13 tensor itself (so it
+    lives as long as the weights); sources: the tensors whose versions decide, (w13, w2) when
+    None (MoEExperts passes its Parameters: an fp32 master's bf16 copy is new each call).
+    Traced (torch.compile, fake tensors: no storage or version to key on) the buffer is rebuilt
+    on every call."""
+    w13_source, w2_source = (w13_EFH, w2_EHI) if sources is None else sources
+    if traced(w13_source):
         return quantize_weights_fp8(w13_EFH.detach(), w2_EHI.detach())
-    cache = getattr(w13_EFH, "_fusemoe_fp8_cache", None)
     if cache is None:
-        cache = Fp8WeightCache()
-        w13_EFH._fusemoe_fp8_cache = cache
-    return cache.get(w13_EFH, w2_EHI)
+        cache = getattr(w13_EFH, "_fusemoe_fp8_cache", None)
+        if cache is None:
+            cache = Fp8WeightCache()
+            w13_EFH._fusemoe_fp8_cache = cache
+    if sources is None:
+        return cache.get(w13_EFH, w2_EHI)
+    return cache.get(w13_source, w2_source, w13_EFH, w2_EHI)
 
 
 # ---------------------------------------------------------------------------------------- ops
@@ -154,12 +197,8 @@ def moe_experts_fp8_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: 
 @moe_experts_fp8_forward.register_fake
 def _moe_experts_fp8_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights,
                                   impl, grad_in_place=False, save_z=False, swiglu_clamp=None):
-    dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
-    _check_impl(impl)
-    _check_save_z(save_z, impl)
-    _check_swiglu_clamp(swiglu_clamp)
-    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
-    return torch.empty_like(x_TH), _empty_saved_z(x_TH, dims, save_z)
+    return _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
+                         swiglu_clamp, fp8_weights=fp8_weights)
 
 
 @torch.library.custom_op("fusemoe::moe_experts_fp8_backward", mutates_args=())
@@ -207,34 +246,11 @@ def _moe_experts_fp8_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_T
 
 
 def _setup_context(ctx, inputs, output):
-    (x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, impl, grad_in_place,
-     save_z, swiglu_clamp) = inputs
-    z_SF = output[1]
-    ctx.mark_non_differentiable(z_SF)
-    # Without this autograd hands the backward a zero-filled gradient of z (T K x 2I bf16: 256 MiB
-    # at T = 4096, 2I = 4096), allocated and written on every backward for nothing.
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, z_SF)
-    ctx.impl = impl
-    ctx.swiglu_clamp = swiglu_clamp
-    ctx.params = ((w13_EFH, w2_EHI) if grad_in_place and w13_EFH.is_leaf and w2_EHI.is_leaf and
-                  w13_EFH.requires_grad and w2_EHI.requires_grad else None)
+    _save_for_backward(ctx, inputs[:6], *inputs[6:], output[1])
 
 
 def _backward(ctx, dy_TH, _dz_unused):
-    x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, z_SF = ctx.saved_tensors
-    saved_z_SF = z_SF if z_SF.numel() else None
-    dy_TH = dy_TH.contiguous()
-    if ctx.params is not None:
-        dx_TH, d_topk_weights_TK = _into_param_grads(
-            ctx, lambda dw13, dw2, accumulate: moe_experts_fp8_backward_into(
-                dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, dw13,
-                dw2, accumulate, ctx.impl, saved_z_SF, ctx.swiglu_clamp))
-        return dx_TH, None, d_topk_weights_TK, None, None, None, None, None, None, None
-    dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI = moe_experts_fp8_backward(
-        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, ctx.impl,
-        saved_z_SF, ctx.swiglu_clamp)
-    return dx_TH, None, d_topk_weights_TK, dw13_EFH, dw2_EHI, None, None, None, None, None
+    return _gradients(ctx, dy_TH, moe_experts_fp8_backward, moe_experts_fp8_backward_into)
 
 
 moe_experts_fp8_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -248,8 +264,6 @@ def moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl="f
         _fail(f"precision=\"fp8\" needs impl=\"fused\" (got {impl!r})")
     if fp8_weights is None:
         fp8_weights = cached_fp8_weights(w13_EFH, w2_EHI)
-    save_z = (not recompute_z and torch.is_grad_enabled()
-              and any(isinstance(t, Tensor) and t.requires_grad
-                      for t in (x_TH, topk_weights_TK, w13_EFH, w2_EHI)))
+    save_z = _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI)
     return moe_experts_fp8_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                                    fp8_weights, impl, grad_in_place, save_z, swiglu_clamp)[0]

@@ -124,9 +124,10 @@ def _shape_reasons(module, impl, precision):
     if not _capi.is_available():
         return []  # the library's limits are checked by its first call instead
     top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", 1)
-    try:  # the library's own validation of the layer (LayerConfig), nothing copied here
-        _capi.saved_z_bytes(_capi.layer(hidden, intermediate, num_experts, top_k, 0, impl, None,
-                                        precision))
+    try:  # the library's own validation of the layer (LayerConfig with impl and precision: the
+        # workspace query checks both), nothing copied here
+        _capi.layer(hidden, intermediate, num_experts, top_k, 0, impl, None,
+                    precision).workspace_bytes()
     except _capi.FusemoeError as e:
         message = str(e).split(": ", 1)[-1].rsplit(" [", 1)[0]  # drop file:line and [status]
         return [f"the library refuses H={hidden}, I={intermediate}, E={num_experts}, "

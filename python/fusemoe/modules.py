@@ -22,6 +22,11 @@ def _check_impl_name(impl):
         _capi.impl_code(impl)  # raises FusemoeError listing the known names
 
 
+def _invalidate_fp8_caches(module, incompatible_keys):
+    from .fp8 import invalidate_fp8_caches
+    invalidate_fp8_caches()
+
+
 class MoEExperts(nn.Module):
     """The experts block of an MoE layer, computed by fusemoe (impl: "unfused", ...)."""
 
@@ -40,9 +45,12 @@ class MoEExperts(nn.Module):
         if precision not in ("bf16", "fp8"):
             raise ValueError(f"fusemoe: precision must be \"bf16\" or \"fp8\", got {precision!r}")
         self.precision = precision
-        self._fp8_cache = None  # fusemoe.fp8.Fp8WeightCache, made on first use
+        from .fp8 import Fp8WeightCache
+        self._fp8_cache = Fp8WeightCache()  # empty until a forward at precision "fp8"
         self.grad_in_place = bool(grad_in_place)
         self.recompute_z = bool(recompute_z)
+        if isinstance(swiglu_clamp, bool):  # float(True) would be a clamp of 1.0
+            raise ValueError(f"fusemoe: swiglu_clamp must be None or a number, got {swiglu_clamp!r}")
         self.swiglu_clamp = None if swiglu_clamp is None else float(swiglu_clamp)
         self.num_experts = num_experts
         self.hidden_dim = hidden_dim
@@ -54,11 +62,17 @@ class MoEExperts(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_dim, intermediate_dim, device=device, dtype=dtype))
         self.reset_parameters()
+        # FSDP2 and the like rewrite the unsharded weights without bumping their version: a load
+        # must reach the FP8 cache some other way (fusemoe.fp8).
+        self.register_load_state_dict_post_hook(_invalidate_fp8_caches)
 
     def reset_parameters(self):
         # Hugging Face's Qwen3-MoE initialisation: N(0, initializer_range = 0.02).
         nn.init.normal_(self.gate_up_proj, std=self.init_std)
         nn.init.normal_(self.down_proj, std=self.init_std)
+        cache = getattr(self, "_fp8_cache", None)
+        if cache is not None and cache.quantizations:  # new values, perhaps the same versions
+            _invalidate_fp8_caches(self, None)
 
     @classmethod
     def from_experts(cls, experts, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False,
@@ -85,14 +99,10 @@ class MoEExperts(nn.Module):
         topk_weights_TK = top_k_weights.reshape(-1, top_k).to(torch.float32).contiguous()
         fp8_weights = None
         if self.precision == "fp8":
-            from .fp8 import Fp8WeightCache, traced
-            if not traced(self.gate_up_proj):
-                if self._fp8_cache is None:
-                    self._fp8_cache = Fp8WeightCache()
-                # Versions of the Parameters themselves (an fp32 master's bf16 copy is new each
-                # call).
-                fp8_weights = self._fp8_cache.get(self.gate_up_proj, self.down_proj, w13_EFH,
-                                                  w2_EHI)
+            from .fp8 import cached_fp8_weights
+            # Keyed on the Parameters themselves (an fp32 master's bf16 copy is new each call).
+            fp8_weights = cached_fp8_weights(w13_EFH, w2_EHI, self._fp8_cache,
+                                             (self.gate_up_proj, self.down_proj))
         y_TH = moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=self.impl,
                            grad_in_place=self.grad_in_place, recompute_z=self.recompute_z,
                            swiglu_clamp=self.swiglu_clamp, precision=self.precision,

@@ -145,8 +145,10 @@ def _check_impl(impl):
 
 
 def _check_swiglu_clamp(swiglu_clamp):
-    """Its type only: the library checks the value (finite, > 0) when a call uses it."""
-    if swiglu_clamp is not None and not isinstance(swiglu_clamp, (int, float)):
+    """Its type only (a bool is no number here, as in fusemoe.hf): the library checks the value
+    (finite, > 0) when a call uses it."""
+    if swiglu_clamp is not None and (not isinstance(swiglu_clamp, (int, float))
+                                     or isinstance(swiglu_clamp, bool)):
         _fail(f"swiglu_clamp must be None or a number, got {swiglu_clamp!r}")
 
 
@@ -191,9 +193,11 @@ def moe_experts_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tens
                            swiglu_clamp)
 
 
-def _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI):
+def _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI, layer=None):
+    """layer: the call's _capi.Layer (the library gives the buffer's size), None in the fake
+    kernels (fusemoe.fp8's formula)."""
     from .fp8 import _check_fp8_weights  # imported here: fusemoe.fp8 imports this module
-    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
+    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI, layer)
 
 
 def _weight_pointers(w13_EFH, w2_EHI, fp8_weights):
@@ -212,9 +216,9 @@ def _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, s
     _check_cuda(x_TH)
     _check_save_z(save_z, impl)
     _check_swiglu_clamp(swiglu_clamp)
-    if fp8_weights is not None:
-        _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI)
     layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16" if fp8_weights is None else "fp8")
+    if fp8_weights is not None:
+        _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI, layer)
     w13, w2, fp8 = _weight_pointers(w13_EFH, w2_EHI, fp8_weights)
     y_TH = torch.empty_like(x_TH)
     z_SF = _empty_saved_z(x_TH, dims, save_z)
@@ -229,14 +233,24 @@ def _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, s
     return y_TH, z_SF
 
 
-@moe_experts_forward.register_fake
-def _moe_experts_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                              grad_in_place=False, save_z=False, swiglu_clamp=None):
+def _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
+                  swiglu_clamp, fp8_weights=None):
+    """The forward ops' fake kernels: the launch's checks that need no device, then empty outputs
+    (y, z); fp8_weights for the FP8 op."""
     dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
     _check_impl(impl)
     _check_save_z(save_z, impl)
     _check_swiglu_clamp(swiglu_clamp)
+    if fp8_weights is not None:
+        _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI)
     return torch.empty_like(x_TH), _empty_saved_z(x_TH, dims, save_z)
+
+
+@moe_experts_forward.register_fake
+def _moe_experts_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                              grad_in_place=False, save_z=False, swiglu_clamp=None):
+    return _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
+                         swiglu_clamp)
 
 
 def _check_save_z(save_z, impl):
@@ -280,12 +294,12 @@ def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
     """The backward ops' call, on the bf16 weights or the FP8 buffer as _launch_forward."""
     dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
     _check_cuda(x_TH)
-    if fp8_weights is not None:
-        _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI)
     grad_dtype = _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
     saved_z_SF = _check_saved_z(saved_z_SF, dims, x_TH, impl)
     _check_swiglu_clamp(swiglu_clamp)
     layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16" if fp8_weights is None else "fp8")
+    if fp8_weights is not None:
+        _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI, layer)
     w13, w2, fp8 = _weight_pointers(w13_EFH, w2_EHI, fp8_weights)
     dx_TH = torch.empty_like(x_TH)
     d_topk_weights_TK = torch.empty_like(topk_weights_TK)
@@ -364,46 +378,46 @@ def _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI):
     return codes[dw13_EFH.dtype]
 
 
-def _setup_context(ctx, inputs, output):
-    (x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, grad_in_place, save_z,
-     swiglu_clamp) = inputs
-    z_SF = output[1]
+def _save_for_backward(ctx, tensors, impl, grad_in_place, save_z, swiglu_clamp, z_SF):
+    """setup_context of the forward ops (bf16 and FP8): tensors are the op's tensor inputs, (x,
+    topk_idx, topk_weights, w13, w2) and for the FP8 op fp8_weights; the rest its other inputs and
+    its z output."""
     ctx.mark_non_differentiable(z_SF)
     # Without this autograd hands the backward a zero-filled gradient of z (T K x 2I bf16: 256 MiB
     # at T = 4096, 2I = 4096), allocated and written on every backward for nothing.
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, z_SF)
+    ctx.save_for_backward(*tensors, z_SF)
+    ctx.num_inputs = len(tensors) + 4
     ctx.impl = impl
     ctx.swiglu_clamp = swiglu_clamp
     # In-place gradients need the leaf Parameters themselves (not a converted copy).
+    w13_EFH, w2_EHI = tensors[3], tensors[4]
     ctx.params = ((w13_EFH, w2_EHI) if grad_in_place and w13_EFH.is_leaf and w2_EHI.is_leaf and
                   w13_EFH.requires_grad and w2_EHI.requires_grad else None)
 
 
-def _backward(ctx, dy_TH, _dz_unused):
-    x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, z_SF = ctx.saved_tensors
+def _gradients(ctx, dy_TH, backward_op, backward_into_op):
+    """The backward formula of the forward ops (bf16 and FP8): backward_op / backward_into_op
+    take the saved weights, (w13, w2) or (w13, w2, fp8_weights), where the bf16 ops take (w13,
+    w2). Returns a gradient (or None) for each input of the forward op."""
+    x_TH, topk_idx_TK, topk_weights_TK, *weights, z_SF = ctx.saved_tensors
     saved_z_SF = z_SF if z_SF.numel() else None
     # dy may arrive expanded (e.g. from y.sum()) or in another layout: the op needs it dense.
     dy_TH = dy_TH.contiguous()
     if ctx.params is not None:
-        return _backward_into_grads(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH,
-                                    w2_EHI, saved_z_SF)
-    dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI = moe_experts_backward(
-        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, ctx.impl, saved_z_SF,
-        ctx.swiglu_clamp)
-    return dx_TH, None, d_topk_weights_TK, dw13_EFH, dw2_EHI, None, None, None, None
+        dx_TH, d_topk_weights_TK = _backward_into_grads(
+            ctx, lambda dw13, dw2, accumulate: backward_into_op(
+                dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights, dw13, dw2, accumulate,
+                ctx.impl, saved_z_SF, ctx.swiglu_clamp))
+        dw13_EFH = dw2_EHI = None
+    else:
+        dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI = backward_op(
+            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights, ctx.impl, saved_z_SF,
+            ctx.swiglu_clamp)
+    return (dx_TH, None, d_topk_weights_TK, dw13_EFH, dw2_EHI) + (None,) * (ctx.num_inputs - 5)
 
 
-def _backward_into_grads(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
-                         saved_z_SF):
-    dx_TH, d_topk_weights_TK = _into_param_grads(
-        ctx, lambda dw13, dw2, accumulate: moe_experts_backward_into(
-            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13, dw2, accumulate,
-            ctx.impl, saved_z_SF, ctx.swiglu_clamp))
-    return dx_TH, None, d_topk_weights_TK, None, None, None, None, None, None
-
-
-def _into_param_grads(ctx, backward_into):
+def _backward_into_grads(ctx, backward_into):
     """grad_in_place (the bf16 and FP8 ops): backward_into(dw13, dw2, accumulate) adds the weight
     gradients to the Parameters' .grad (or writes a fresh .grad when both are None) and autograd
     gets None for them, so no separate add runs. Returns (dx, d_topk_weights)."""
@@ -426,7 +440,23 @@ def _into_param_grads(ctx, backward_into):
     return dx_TH, d_topk_weights_TK
 
 
+def _setup_context(ctx, inputs, output):
+    _save_for_backward(ctx, inputs[:5], *inputs[5:], output[1])
+
+
+def _backward(ctx, dy_TH, _dz_unused):
+    return _gradients(ctx, dy_TH, moe_experts_backward, moe_experts_backward_into)
+
+
 moe_experts_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI):
+    """Whether a forward saves z (the bf16 and FP8 ops): impl "fused", recompute_z off and a
+    gradient to compute."""
+    return (impl == "fused" and not recompute_z and torch.is_grad_enabled()
+            and any(isinstance(t, Tensor) and t.requires_grad
+                    for t in (x_TH, topk_weights_TK, w13_EFH, w2_EHI)))
 
 
 def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAULT_IMPL,
@@ -460,8 +490,6 @@ def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAUL
         from .fp8 import moe_experts_fp8
         return moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
                                grad_in_place, recompute_z, fp8_weights, swiglu_clamp)
-    save_z = (impl == "fused" and not recompute_z and torch.is_grad_enabled()
-              and any(isinstance(t, Tensor) and t.requires_grad
-                      for t in (x_TH, topk_weights_TK, w13_EFH, w2_EHI)))
+    save_z = _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI)
     return moe_experts_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
                                grad_in_place, save_z, swiglu_clamp)[0]

@@ -9,6 +9,8 @@ in for the CUDA library in the CPU tests of the Python layer.
 Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, K top-k, N rows of
 one expert. Masked slots (expert id -1) are never visited, so their weight is never read.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -115,6 +117,63 @@ def register_cpu_kernels():
         return dx_TH.to(x_TH.dtype), dw_TK
 
 
+def register_cpu_fp8_kernels():
+    """CPU stand-ins for the FP8 ops (precision="fp8"), for the CPU tests of the Python layer's
+    FP8 weight cache: fusemoe::quantize_weights_fp8 stores the bf16 weights themselves in the
+    buffer (it has room: fp8_weights_bytes >= 2 bytes per weight), and the forward and backward
+    read the weights back from that buffer, never from w13/w2 (as the library's FP8 ops do not),
+    so a stale buffer gives wrong outputs. The math is the bf16 stand-ins', not FP8's."""
+    from fusemoe.fp8 import _check_fp8_shapes, _check_fp8_weights, fp8_weights_bytes
+    from fusemoe.ops import _check_inputs, _check_tensor, _empty_saved_z
+
+    def weights_of(fp8_weights, w13_EFH, w2_EHI):
+        _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
+        n13, n2 = 2 * w13_EFH.numel(), 2 * w2_EHI.numel()
+        return (fp8_weights[:n13].view(torch.bfloat16).view(w13_EFH.shape),
+                fp8_weights[n13:n13 + n2].view(torch.bfloat16).view(w2_EHI.shape))
+
+    @torch.library.register_kernel("fusemoe::quantize_weights_fp8", "cpu")
+    def _quantize_cpu(w13_EFH, w2_EHI):
+        _check_tensor(w13_EFH, "w13 (gate_up_proj)", 3, torch.bfloat16)
+        _check_tensor(w2_EHI, "w2 (down_proj)", 3, torch.bfloat16)
+        buffer = torch.zeros(fp8_weights_bytes(*_check_fp8_shapes(w13_EFH, w2_EHI)),
+                             dtype=torch.uint8)
+        w13_copy, w2_copy = weights_of(buffer, w13_EFH, w2_EHI)
+        w13_copy.copy_(w13_EFH)
+        w2_copy.copy_(w2_EHI)
+        return buffer
+
+    @torch.library.register_kernel("fusemoe::moe_experts_fp8_forward", "cpu")
+    def _forward_cpu(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, impl,
+                     grad_in_place=False, save_z=False, swiglu_clamp=None):
+        dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
+        w13, w2 = weights_of(fp8_weights, w13_EFH, w2_EHI)
+        y_TH = moe_experts_torch(x_TH.float(), topk_idx_TK, topk_weights_TK, w13.float(),
+                                 w2.float(), swiglu_clamp)
+        return y_TH.to(x_TH.dtype), _empty_saved_z(x_TH, dims, save_z).zero_()
+
+    @torch.library.register_kernel("fusemoe::moe_experts_fp8_backward", "cpu")
+    def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights,
+                      impl, saved_z_SF=None, swiglu_clamp=None):
+        _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+        w13, w2 = weights_of(fp8_weights, w13_EFH, w2_EHI)
+        dx_TH, dw_TK, dw13_EFH, dw2_EHI = moe_experts_backward_fp32(
+            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13, w2, swiglu_clamp)
+        return dx_TH.to(x_TH.dtype), dw_TK, dw13_EFH.to(w13_EFH.dtype), dw2_EHI.to(w2_EHI.dtype)
+
+    @torch.library.register_kernel("fusemoe::moe_experts_fp8_backward_into", "cpu")
+    def _backward_into_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
+                           fp8_weights, dw13_EFH, dw2_EHI, accumulate, impl, saved_z_SF=None,
+                           swiglu_clamp=None):
+        _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
+        w13, w2 = weights_of(fp8_weights, w13_EFH, w2_EHI)
+        dx_TH, dw_TK, g13_EFH, g2_EHI = moe_experts_backward_fp32(
+            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13, w2, swiglu_clamp)
+        for out, grad in ((dw13_EFH, g13_EFH), (dw2_EHI, g2_EHI)):
+            out.copy_(out.float() + grad if accumulate else grad)
+        return dx_TH.to(x_TH.dtype), dw_TK
+
+
 def make_problem(num_tokens, hidden, intermediate, num_experts, top_k, device, seed=0,
                  routing="uniform"):
     """bf16 x ~ N(0,1), w13 ~ N(0,1/H), w2 ~ N(0,1/I), dy ~ N(0,1); int32 ids of K distinct
@@ -139,11 +198,13 @@ def make_problem(num_tokens, hidden, intermediate, num_experts, top_k, device, s
 
 
 def rel_err(got, ref):
-    """Relative L2 error ||got - ref|| / ||ref|| in fp64 (0 when both are zero; inf on NaN)."""
+    """Relative L2 error ||got - ref|| / ||ref|| in fp64 (0 when both are zero; inf when either
+    holds a NaN or an inf). inf passes a bound that is itself inf, so a check whose bound comes
+    from another rel_err must also require math.isfinite (assert_within_noise does)."""
     got, ref = got.double(), ref.double()
     diff = torch.linalg.vector_norm(got - ref).item()
     norm = torch.linalg.vector_norm(ref).item()
-    if diff != diff:
+    if not (math.isfinite(diff) and math.isfinite(norm)):
         return float("inf")
     return diff / norm if norm > 0 else (0.0 if diff == 0 else float("inf"))
 
@@ -172,14 +233,15 @@ def run_layer(fn, p, dtype):
 def assert_within_noise(rows, atol, noise_name, prefix=""):
     """The FlashAttention-3 rule on rows (name, got, noise, ref): rel_err(got, ref) <=
     2 * rel_err(noise, ref) + atol, noise being the same-precision run of another implementation.
-    Prints every row, then fails naming the rows that miss."""
+    Both errors must be finite (a NaN or inf in got, noise or ref fails: an infinite noise error
+    would make the tolerance inf). Prints every row, then fails naming the rows that miss."""
     report, failures = [], []
     for name, got, noise, ref in rows:
         err, noise_err = rel_err(got, ref), rel_err(noise, ref)
         tol = 2 * noise_err + atol
         report.append(f"{prefix}{name}: fusemoe {err:.2e} (calc_diff {calc_diff(got, ref):.2e}), "
                       f"{noise_name} {noise_err:.2e}, tol {tol:.2e}")
-        if not err <= tol:
+        if not (math.isfinite(err) and math.isfinite(noise_err) and err <= tol):
             failures.append(report[-1])
     print("\n".join(report))
     assert not failures, "\n".join(failures)

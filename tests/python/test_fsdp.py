@@ -23,9 +23,10 @@ dist = pytest.importorskip("torch.distributed")
 
 import fusemoe  # noqa: E402
 from conftest import require_gpu  # noqa: E402
-from moe_reference import make_problem, register_cpu_kernels  # noqa: E402
+from moe_reference import make_problem, register_cpu_fp8_kernels, register_cpu_kernels  # noqa: E402
 
 register_cpu_kernels()
+register_cpu_fp8_kernels()
 
 
 @pytest.fixture
@@ -128,3 +129,62 @@ def test_fsdp2_matches_unsharded_gpu(impl, grad_in_place, request, monkeypatch):
     torch.cuda.set_device(0)
     request.getfixturevalue("process_group")  # after the GPU gate: no nccl group without a GPU
     check_fsdp_matches_unsharded("cuda", impl, grad_in_place, monkeypatch)
+
+
+def check_fsdp_fp8_cache_follows_steps(device):
+    """precision="fp8" under FSDP2: the FP8 weight buffer (fusemoe.fp8.Fp8WeightCache) must be
+    rebuilt after each optimizer step. FSDP2 all-gathers into the same unsharded Parameter object,
+    preserving its version counter, and its storage may come back at the same address, so the
+    unsharded Parameter alone does not show the step. Three steps of two micro-batches, SGD on
+    the fp32 masters; FSDP2 (bf16 parameters) against the same module unsharded: equal outputs
+    and FP8 buffers at every forward, one quantization per step unsharded; FSDP2 at least one
+    per step, and one per micro-batch at most (where the all-gather lands at a new address)."""
+    fully_shard, MixedPrecisionPolicy = fully_shard_api()
+    w13_EFH, w2_EHI, batches = micro_batches(device)
+    module = fusemoe.MoEExperts(8, 256, 128, impl="fused", device=device, dtype=torch.float32,
+                                precision="fp8")
+    with torch.no_grad():
+        module.gate_up_proj.copy_(w13_EFH)
+        module.down_proj.copy_(w2_EHI)
+    unsharded = copy.deepcopy(module)
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device if device == "cpu" else "cuda", (1,))
+    fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                  reduce_dtype=torch.float32))
+    models = (module, unsharded)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
+    steps, previous_y = 3, None
+    for step in range(steps):
+        for i, (x_TH, idx_TK, w_TK, dy_TH) in enumerate(batches):
+            ys, buffers = [], []
+            for m in models:
+                y_TH = m(x_TH.clone().requires_grad_(), idx_TK, w_TK)
+                buffers.append(m._fp8_cache._buffer.clone())
+                (y_TH.float() * dy_TH.float()).sum().backward()
+                ys.append(y_TH.detach())
+            assert torch.equal(buffers[0], buffers[1]), \
+                f"step {step}, micro-batch {i}: the FSDP2 module's FP8 weight buffer is stale"
+            assert torch.equal(ys[0], ys[1]), \
+                f"step {step}, micro-batch {i}: max diff {(ys[0] - ys[1]).abs().max().item()}"
+            if i == 0:
+                # The steps do change the weights (else the test would prove nothing).
+                assert previous_y is None or not torch.equal(ys[1], previous_y)
+                previous_y = ys[1]
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    assert unsharded._fp8_cache.quantizations == steps
+    assert steps <= module._fp8_cache.quantizations <= steps * len(batches)
+
+
+@pytest.mark.backend("gloo")
+def test_fsdp2_fp8_weight_cache_follows_optimizer_steps_cpu(process_group):
+    check_fsdp_fp8_cache_follows_steps("cpu")
+
+
+@pytest.mark.backend("nccl")
+def test_fsdp2_fp8_weight_cache_follows_optimizer_steps_gpu(request):
+    require_gpu()
+    torch.cuda.set_device(0)
+    request.getfixturevalue("process_group")
+    check_fsdp_fp8_cache_follows_steps("cuda")

@@ -130,8 +130,14 @@ def test_plan_leaves_gpt_oss_alone_with_each_reason():
                      "weights stored transposed", "gate and up rows interleaved",
                      "its own gate function GptOssExperts._apply_gate"):
         assert expected in reasons, reasons
-    if fusemoe.is_available():  # the library's own limit, read through the transposed layout
-        assert "hidden (H) must be a positive multiple of 128, got 2880" in reasons, reasons
+
+
+def test_plan_reads_gpt_oss_limit_through_its_transposed_layout():
+    """The library's own limit on gpt-oss, its H read through the transposed layout."""
+    require_library()
+    reasons = fusemoe.plan_hf_experts(real_dims_model("GptOssConfig")).left[
+        "model.layers.0.mlp.experts"]
+    assert "hidden (H) must be a positive multiple of 128, got 2880" in reasons, reasons
 
 
 def test_plan_names_the_library_limit():
@@ -141,6 +147,21 @@ def test_plan_names_the_library_limit():
     assert report.replaced == []
     assert "the library refuses H=4000" in report.left["model.layers.0.mlp.experts"]
     assert "hidden (H) must be a positive multiple of 128, got 4000" in str(report)
+
+
+def test_plan_checks_impl_and_precision_with_the_library():
+    """precision="fp8" runs on impl "fused" only, and needs I a multiple of 128: the plan asks
+    the library about the layer with its impl and precision, so it swaps nothing that would fail
+    at the first forward."""
+    require_library()
+    model = real_dims_model("MixtralConfig")
+    report = fusemoe.plan_hf_experts(model, impl="unfused", precision="fp8")
+    assert report.replaced == [], str(report)
+    assert "supported by Impl::kFused only" in report.left["model.layers.0.mlp.experts"]
+    assert fusemoe.plan_hf_experts(model, impl="fused", precision="fp8").left == {}
+    narrow = real_dims_model("MixtralConfig", intermediate_size=192)
+    assert "multiple of 128, got 192" in str(fusemoe.plan_hf_experts(narrow, precision="fp8"))
+    assert fusemoe.plan_hf_experts(narrow).left == {}  # bf16 takes I = 192
 
 
 def test_plan_refuses_another_activation():

@@ -3,6 +3,7 @@ the op's registration (autograd, fake kernels, torch.compile, checkpointing, acc
 over CPU kernels from moe_reference.py that stand in for the CUDA library. Needs torch only
 (library tests skip without libfusemoe_c.so). The GPU tests live in test_ops_gpu.py."""
 import ctypes
+import math
 
 import pytest
 
@@ -10,10 +11,12 @@ torch = pytest.importorskip("torch")
 
 import fusemoe  # noqa: E402
 from fusemoe import _capi  # noqa: E402
-from moe_reference import (make_problem, moe_experts_backward_fp32, moe_experts_torch,  # noqa: E402
+from moe_reference import (assert_within_noise, make_problem,  # noqa: E402
+                           moe_experts_backward_fp32, moe_experts_torch, register_cpu_fp8_kernels,
                            register_cpu_kernels, rel_err)
 
 register_cpu_kernels()
+register_cpu_fp8_kernels()
 
 SHAPE = dict(num_tokens=37, hidden=128, intermediate=64, num_experts=6, top_k=2)
 
@@ -148,6 +151,89 @@ def test_fp8_op_under_fake_tensors():
             fusemoe.moe_experts(*fake, precision="fp8")
 
 
+
+@pytest.mark.parametrize("grad_in_place", [False, True])
+def test_fp8_autograd_matches_the_bf16_op(grad_in_place, monkeypatch):
+    """The FP8 op's autograd (shared with the bf16 op's) over the CPU stand-ins, whose FP8 math is
+    the bf16 stand-ins': the same outputs and gradients as the bf16 op, and with grad_in_place the
+    weight gradients land in .grad (accumulated over two calls) through the _into op."""
+    from fusemoe import ops
+    into_calls = []
+    real_backward_into_grads = ops._backward_into_grads
+    monkeypatch.setattr(ops, "_backward_into_grads",
+                        lambda *args: into_calls.append(1) or real_backward_into_grads(*args))
+    p = make_problem(37, 128, 128, 6, 2, device="cpu")
+    grads = []
+    for precision, in_place in (("bf16", False), ("fp8", grad_in_place)):
+        leaves = [p[k].clone().requires_grad_()
+                  for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
+        for _ in range(2):
+            y = fusemoe.moe_experts(leaves[0], p["topk_idx_TK"], *leaves[1:], impl="fused",
+                                    precision=precision, grad_in_place=in_place)
+            y.backward(p["dy_TH"])
+        grads.append([y.detach()] + [leaf.grad for leaf in leaves])
+    assert len(into_calls) == (2 if grad_in_place else 0)
+    for name, got, expected in zip(("y", "dx", "d_topk_weights", "dw13", "dw2"), *grads):
+        if grad_in_place and name in ("dw13", "dw2"):  # one bf16 rounding less than autograd's
+            assert got.dtype == expected.dtype and rel_err(got, expected) <= 1e-2, name
+        else:
+            assert torch.equal(got, expected), name
+
+
+def test_fp8_cache_follows_steps_of_weights_rewritten_in_place():
+    """The FP8 weight cache (CPU stand-ins of the FP8 ops) when a wrapper rewrites the working
+    weights in place with their version counter preserved and at the same address, as FSDP2's
+    all-gather does into its unsharded Parameters: the weights' own key does not change, yet after
+    each optimizer step (here of fp32 masters) the buffer must be rebuilt, once per step."""
+    p = make_problem(37, 128, 128, 6, 2, device="cpu")
+    masters = [torch.nn.Parameter(p["w13_EFH"].float()), torch.nn.Parameter(p["w2_EHI"].float())]
+    optimizer = torch.optim.SGD(masters, lr=0.5)
+    experts = fusemoe.MoEExperts(6, 128, 128, impl="fused", device="cpu", precision="fp8")
+    working = (experts.gate_up_proj, experts.down_proj)
+    first_key = None
+    for step in range(3):
+        with torch.no_grad():  # the "all-gather": FSDP2 writes this way
+            for work, master in zip(working, masters):
+                with torch.autograd._unsafe_preserve_version_counter(work):
+                    work.copy_(master)
+        key = [(w.data_ptr(), w._version) for w in working]
+        assert first_key is None or key == first_key  # the simulation keeps address and version
+        first_key = key
+        for _ in range(2):  # micro-batches: one quantization per step
+            y = experts(p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"])
+            expected = fusemoe.moe_experts(*op_args(p)[:3], *(m.detach().bfloat16()
+                                                              for m in masters), impl="fused")
+            assert torch.equal(y, expected), f"step {step}: output from a stale FP8 buffer"
+            y.float().square().mean().backward()
+        assert experts._fp8_cache.quantizations == step + 1
+        for work, master in zip(working, masters):  # the "reduce-scatter"
+            master.grad = work.grad.float()
+            work.grad = None
+        optimizer.step()
+
+
+def test_fp8_cache_follows_load_state_dict_and_reset_parameters():
+    """MoEExperts.load_state_dict and reset_parameters rebuild the FP8 buffer even where the
+    weights keep their version (FSDP2: they write the sharded weights, the cache keys on the
+    unsharded ones): they invalidate the caches. Simulated by preserving the versions."""
+    p = make_problem(37, 128, 128, 6, 2, device="cpu")
+    experts = fusemoe.MoEExperts(6, 128, 128, impl="fused", device="cpu", precision="fp8")
+    args = op_args(p)[:3]
+    experts(*args)
+    for step, change in enumerate((
+            lambda: experts.load_state_dict({"gate_up_proj": p["w13_EFH"],
+                                             "down_proj": p["w2_EHI"]}),
+            experts.reset_parameters)):
+        with torch.autograd._unsafe_preserve_version_counter(experts.gate_up_proj), \
+                torch.autograd._unsafe_preserve_version_counter(experts.down_proj):
+            change()
+        y = experts(*args)
+        assert experts._fp8_cache.quantizations == step + 2
+        expected = fusemoe.moe_experts(*args, experts.gate_up_proj.detach(),
+                                       experts.down_proj.detach(), impl="fused")
+        assert torch.equal(y, expected)
+
+
 # ---- library loading and the C ABI ----
 
 def test_missing_library_error(monkeypatch, tmp_path):
@@ -169,10 +255,10 @@ def test_c_abi_errors_carry_the_library_message():
     with pytest.raises(fusemoe.FusemoeError, match='unknown implementation "nope".*unfused'):
         _capi.impl_code("nope")
     with pytest.raises(fusemoe.FusemoeError, match=r"hidden \(H\) must be a positive multiple of 128"):
-        _capi.workspace_bytes(_capi.layer(100, 64, 6, 2, 37, "unfused"))
+        _capi.layer(100, 64, 6, 2, 37, "unfused").workspace_bytes()
     with pytest.raises(fusemoe.FusemoeError, match="unknown implementation"):
         fusemoe.MoEExperts(6, 128, 64, impl="nope")
-    assert _capi.workspace_bytes(_capi.layer(128, 64, 6, 2, 37, "unfused")) > 0
+    assert _capi.layer(128, 64, 6, 2, 37, "unfused").workspace_bytes() > 0
 
 
 def test_workspace_per_call():
@@ -181,15 +267,15 @@ def test_workspace_per_call():
     require_library()
     fused = _capi.layer(256, 128, 8, 2, 1000, "fused")
     unfused = _capi.layer(256, 128, 8, 2, 1000, "unfused")
-    sizes = {use: _capi.workspace_bytes(fused, use) for use in _capi.WORKSPACE_USES}
-    assert _capi.workspace_bytes(fused) == max(sizes.values())
+    sizes = {use: fused.workspace_bytes(use) for use in _capi.WORKSPACE_USES}
+    assert fused.workspace_bytes() == max(sizes.values())
     z_bytes = _capi.saved_z_bytes(fused)
     assert z_bytes <= sizes["backward"] - sizes["backward_saved_z"] < z_bytes + 256
     assert sizes["forward"] < sizes["backward"]
     for use in _capi.WORKSPACE_USES:
-        assert _capi.workspace_bytes(unfused, use) == _capi.workspace_bytes(unfused)
+        assert unfused.workspace_bytes(use) == unfused.workspace_bytes()
     with pytest.raises(fusemoe.FusemoeError, match="use must be one of"):
-        _capi.workspace_bytes(fused, "sideways")
+        fused.workspace_bytes("sideways")
 
 
 def test_workspace_out_of_memory_names_fusemoe_and_the_bytes(monkeypatch):
@@ -432,15 +518,27 @@ def test_layer_struct_is_built_once():
 
 
 def test_fp8_weight_buffer_size_agrees_with_the_package():
-    """fusemoe.fp8 checks an FP8 weight buffer's size with its own formula: it must be the
-    library's, for shapes of one and several scale blocks per dimension."""
+    """fusemoe.fp8's fake kernels check an FP8 weight buffer's size with their own formula: it
+    must be the library's, for shapes of one and several scale blocks per dimension. The calls
+    with a layer check it against the library's size."""
     require_library()
     import fusemoe.fp8
     for hidden, intermediate, num_experts in ((128, 128, 1), (256, 128, 8), (2048, 768, 128),
                                               (4096, 1536, 4)):
         layer = _capi.layer(hidden, intermediate, num_experts, 1, 0, "fused", None, "fp8")
-        assert _capi.fp8_weights_bytes(layer) == fusemoe.fp8.fp8_weights_bytes(
+        num_bytes = _capi.fp8_weights_bytes(layer)
+        assert num_bytes == fusemoe.fp8.fp8_weights_bytes(
             num_experts, hidden, intermediate), (hidden, intermediate, num_experts)
+        w13 = torch.empty(num_experts, 2 * intermediate, hidden, dtype=torch.bfloat16,
+                          device="meta")
+        w2 = torch.empty(num_experts, hidden, intermediate, dtype=torch.bfloat16, device="meta")
+        for size in (num_bytes, num_bytes + 256):
+            buffer = torch.empty(size, dtype=torch.uint8, device="meta")
+            if size == num_bytes:
+                fusemoe.fp8._check_fp8_weights(buffer, w13, w2, layer)
+            else:
+                with pytest.raises(ValueError, match=f"uint8 \\[{num_bytes}\\]"):
+                    fusemoe.fp8._check_fp8_weights(buffer, w13, w2, layer)
 
 
 # ---- the reference itself: closed-form backward against autograd ----
@@ -459,11 +557,28 @@ def test_reference_backward_matches_autograd(problem, swiglu_clamp):
         assert rel_err(grad, leaf.grad) <= 1e-5
 
 
+def test_error_checks_fail_on_nan_and_inf():
+    """rel_err is inf when got or ref holds a NaN or an inf, and assert_within_noise fails then,
+    also where the noise run is the one that is not finite (its tolerance would be inf)."""
+    ref = torch.randn(64, dtype=torch.float64)
+    noise = ref + 1e-3 * torch.randn(64, dtype=torch.float64)
+    assert_within_noise([("ok", ref.clone(), noise, ref)], 1e-6, "noise")
+    for bad in (float("nan"), float("inf")):
+        spoiled = ref.clone()
+        spoiled[3] = bad
+        assert rel_err(spoiled, ref) == math.inf and rel_err(ref, spoiled) == math.inf
+        for got, noisy, reference in ((spoiled, noise, ref), (ref, spoiled, ref),
+                                      (spoiled, spoiled, ref), (ref, noise, spoiled)):
+            with pytest.raises(AssertionError):
+                assert_within_noise([("x", got, noisy, reference)], 1e-2, "noise")
+
+
 def test_reference_clamp_is_active(problem):
     """At c = 0.5 the clamp changes y (so the clamp tests above test something)."""
     args = [problem[k].float() if problem[k].is_floating_point() else problem[k]
             for k in ("x_TH", "topk_idx_TK", "topk_weights_TK", "w13_EFH", "w2_EHI")]
-    assert rel_err(moe_experts_torch(*args, 0.5), moe_experts_torch(*args)) > 1e-2
+    change = rel_err(moe_experts_torch(*args, 0.5), moe_experts_torch(*args))
+    assert math.isfinite(change) and change > 1e-2  # a NaN would give inf
 
 
 # ---- registration: autograd, compile, checkpointing, accumulation (CPU stand-in kernels) ----
@@ -494,6 +609,12 @@ def test_swiglu_clamp_reaches_the_module(problem):
     assert rel_err(y, ref) <= 1e-2
     with pytest.raises(ValueError, match="swiglu_clamp must be None or a number"):
         fusemoe.moe_experts(*op_args(problem), swiglu_clamp="7")
+    for flag in (True, False):  # a bool is no clamp value (float(True) would clamp at 1.0)
+        with pytest.raises(ValueError, match="swiglu_clamp must be None or a number, got "
+                                             f"{flag}"):
+            fusemoe.moe_experts(*op_args(problem), swiglu_clamp=flag)
+        with pytest.raises(ValueError, match="swiglu_clamp must be None or a number"):
+            fusemoe.MoEExperts.from_experts(_experts_holder(problem), swiglu_clamp=flag)
 
 
 def test_opcheck(problem):
@@ -505,7 +626,18 @@ def test_opcheck(problem):
 
 
 def test_compile_fullgraph_equals_eager(problem):
-    module = fusemoe.MoEExperts.from_experts(_experts_holder(problem))
+    check_compile_fullgraph_equals_eager(problem)
+
+
+def test_compile_fullgraph_equals_eager_fp8():
+    """precision="fp8" (the CPU stand-ins): compiled, the FP8 buffer is quantized in the graph on
+    every call; eager, it comes from the module's cache (one quantization)."""
+    module = check_compile_fullgraph_equals_eager(make_problem(37, 128, 128, 6, 2, "cpu"), "fp8")
+    assert module._fp8_cache.quantizations == 1
+
+
+def check_compile_fullgraph_equals_eager(problem, precision="bf16"):
+    module = fusemoe.MoEExperts.from_experts(_experts_holder(problem), precision=precision)
     compiled = torch.compile(module, fullgraph=True, backend="aot_eager", dynamic=True)
     for num_tokens in (37, 20):
         x = problem["x_TH"][:num_tokens].clone().requires_grad_()
@@ -520,6 +652,7 @@ def test_compile_fullgraph_equals_eager(problem):
             outs.append([y, x.grad, w.grad, module.gate_up_proj.grad, module.down_proj.grad])
         for a, b in zip(*outs):
             assert torch.equal(a, b)
+    return module
 
 
 def _experts_holder(problem):
