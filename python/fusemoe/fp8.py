@@ -11,8 +11,8 @@ optimizer step, not once per micro-batch. Wrappers that rewrite the weights in p
 their version (FSDP2 all-gathers into the same unsharded Parameter with its version counter
 preserved, often at the same address) are covered by a process-wide generation that every
 optimizer step (a global torch.optim step hook), MoEExperts.load_state_dict and
-MoEExperts.reset_parameters bump; any other rewrite of that kind (e.g. an in-place load into FSDP2's sharded weights that bypasses
-load_state_dict) must call invalidate_fp8_caches().
+MoEExperts.reset_parameters bump; any other rewrite of that kind (e.g. an in-place load into
+FSDP2's sharded weights that bypasses load_state_dict) must call invalidate_fp8_caches().
 
 Ops: fusemoe::quantize_weights_fp8, fusemoe::moe_experts_fp8_forward / _backward /
 _backward_into (the bf16 ops' signatures plus the FP8 weight buffer, which gets no gradient). The
