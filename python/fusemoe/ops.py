@@ -200,12 +200,15 @@ def _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI, layer=None):
     _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI, layer)
 
 
-def _weight_pointers(w13_EFH, w2_EHI, fp8_weights):
-    """(w13, w2, fp8_weights) pointers of a call: a call on the FP8 buffer gets null bf16
-    weights (their values are not read)."""
+def _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights):
+    """The call's layer (precision "fp8" when the FP8 buffer is given, which is then checked)
+    and its (w13, w2, fp8_weights) pointers: a call on the FP8 buffer gets null bf16 weights
+    (their values are not read)."""
+    layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16" if fp8_weights is None else "fp8")
     if fp8_weights is None:
-        return w13_EFH.data_ptr(), w2_EHI.data_ptr(), None
-    return None, None, fp8_weights.data_ptr()
+        return layer, w13_EFH.data_ptr(), w2_EHI.data_ptr(), None
+    _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI, layer)
+    return layer, None, None, fp8_weights.data_ptr()
 
 
 def _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
@@ -216,10 +219,7 @@ def _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, s
     _check_cuda(x_TH)
     _check_save_z(save_z, impl)
     _check_swiglu_clamp(swiglu_clamp)
-    layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16" if fp8_weights is None else "fp8")
-    if fp8_weights is not None:
-        _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI, layer)
-    w13, w2, fp8 = _weight_pointers(w13_EFH, w2_EHI, fp8_weights)
+    layer, w13, w2, fp8 = _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights)
     y_TH = torch.empty_like(x_TH)
     z_SF = _empty_saved_z(x_TH, dims, save_z)
     with torch.cuda.device(x_TH.device):
@@ -297,10 +297,7 @@ def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
     grad_dtype = _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
     saved_z_SF = _check_saved_z(saved_z_SF, dims, x_TH, impl)
     _check_swiglu_clamp(swiglu_clamp)
-    layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16" if fp8_weights is None else "fp8")
-    if fp8_weights is not None:
-        _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI, layer)
-    w13, w2, fp8 = _weight_pointers(w13_EFH, w2_EHI, fp8_weights)
+    layer, w13, w2, fp8 = _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights)
     dx_TH = torch.empty_like(x_TH)
     d_topk_weights_TK = torch.empty_like(topk_weights_TK)
     with torch.cuda.device(x_TH.device):
