@@ -16,6 +16,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "reference/bf16_host.h"
@@ -472,6 +473,16 @@ TEST(ReferenceInvariants, MaskedSlotEqualsRemovedSlot) {
   EXPECT_TRUE(all_equal(kept, fewer.d_topk_w_TK));
 }
 
+// Two layers that must compute the same function: y and, for one dy, dx agree to rtol (at the
+// scale of the first's values); returns both gradients for the test's own checks of the rest.
+std::pair<Gradients, Gradients> same_y_and_dx(const Problem& first, const Problem& second,
+                                              const std::vector<double>& dy, double rtol) {
+  EXPECT_TRUE(close_at_scale(forward(second), forward(first), rtol));
+  Gradients a = backward(first, dy), b = backward(second, dy);
+  EXPECT_TRUE(close_at_scale(b.dx_TH, a.dx_TH, rtol));
+  return {std::move(a), std::move(b)};
+}
+
 // Expert e renamed perm[e], its weights moved with it: y, dx and d_topk_w are unchanged and the
 // weight gradients move with the experts.
 TEST(ReferenceInvariants, ExpertRelabellingLeavesOutputsUnchanged) {
@@ -491,11 +502,7 @@ TEST(ReferenceInvariants, ExpertRelabellingLeavesOutputsUnchanged) {
     std::copy_n(p.w13_EFH.begin() + e * F_H, F_H, relabelled.w13_EFH.begin() + perm[e] * F_H);
     std::copy_n(p.w2_EHI.begin() + e * H_I, H_I, relabelled.w2_EHI.begin() + perm[e] * H_I);
   }
-  const std::vector<double> dy = random_dy(p, rng);
-  const std::vector<double> y = forward(p);
-  EXPECT_TRUE(close_at_scale(forward(relabelled), y, 1e-14));
-  const Gradients a = backward(p, dy), b = backward(relabelled, dy);
-  EXPECT_TRUE(close_at_scale(b.dx_TH, a.dx_TH, 1e-14));
+  const auto [a, b] = same_y_and_dx(p, relabelled, random_dy(p, rng), 1e-14);
   EXPECT_TRUE(close_at_scale(b.d_topk_w_TK, a.d_topk_w_TK, 1e-14));
   std::vector<double> dw13_back(b.dw13_EFH.size()), dw2_back(b.dw2_EHI.size());
   for (int64_t e = 0; e < E; ++e) {
@@ -520,11 +527,7 @@ TEST(ReferenceInvariants, RepeatedIdsAreIndependentSlots) {
     once.topk_idx_TK[t] = twice.topk_idx_TK[2 * t];
     once.topk_w_TK[t] = twice.topk_w_TK[2 * t] + twice.topk_w_TK[2 * t + 1];
   }
-  const std::vector<double> dy = random_dy(twice, rng);
-  const std::vector<double> y = forward(once);
-  EXPECT_TRUE(close_at_scale(forward(twice), y, 1e-13));
-  const Gradients a = backward(once, dy), b = backward(twice, dy);
-  EXPECT_TRUE(close_at_scale(b.dx_TH, a.dx_TH, 1e-13));
+  const auto [a, b] = same_y_and_dx(once, twice, random_dy(twice, rng), 1e-13);
   EXPECT_TRUE(close_at_scale(b.dw13_EFH, a.dw13_EFH, 1e-13));
   EXPECT_TRUE(close_at_scale(b.dw2_EHI, a.dw2_EHI, 1e-13));
   std::vector<double> d_w_first, d_w_second;
