@@ -13,11 +13,11 @@ using sm90::GroupedGemm;
 using sm90::GemmParams;
 using sm90::RowDestination;
 
-using RecomputeZGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsB<256>, sm90::RowTileScheduler,
+using RecomputeZGemm = GroupedGemm<sm90::GatheredTokenRowsA, sm90::WeightsB<256>, sm90::RowTileScheduler,
                                    sm90::RowStoreEpilogue<256, false, RowDestination::kSortedRow>>;
 template <int kBlockN, bool kClamp>
-using DgradSwigluGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsTransposedB<kBlockN>, sm90::RowTileScheduler,
-                                    sm90::DgradSwiGLUEpilogue<kBlockN, kClamp>>;
+using DgradSwigluGemm = GroupedGemm<sm90::GatheredTokenRowsA, sm90::WeightsTransposedB<kBlockN>,
+                                    sm90::RowTileScheduler, sm90::DgradSwiGLUEpilogue<kBlockN, kClamp>>;
 template <RowDestination kDest>
 using DgradScatterGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsTransposedB<256>, sm90::RowTileScheduler,
                                      sm90::RowStoreEpilogue<256, false, kDest>>;
@@ -29,15 +29,15 @@ template <int kBlockN, bool kClamp>
 void launch_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
   using Gemm = DgradSwigluGemm<kBlockN, kClamp>;
   const Sm90Rows& rows = p.rows;
-  // a = dys W2_e: w2 [E, H, I] read as [E*H rows, I] in N-major boxes [64 k][64 n].
-  sm90::launch_pool_rows_gemm<Gemm>(WaitKernel::kDgradSwiglu, rows, p.dys, rows.hidden, p.w2, rows.hidden,
-                                    rows.intermediate,
-                                    {p.row_slot, p.topk_weights, static_cast<const __nv_bfloat16*>(p.z),
-                                     static_cast<__nv_bfloat16*>(p.dz), static_cast<__nv_bfloat16*>(p.wh),
-                                     p.router_partials,
-                                     static_cast<int32_t>(sm90_dgrad_num_n_tiles(rows.intermediate, kBlockN)),
-                                     p.swiglu_clamp},
-                                    "dys", "w2");
+  // a = dy rows W2_e: w2 [E, H, I] read as [E*H rows, I] in N-major boxes [64 k][64 n].
+  sm90::launch_rows_gemm<Gemm>(WaitKernel::kDgradSwiglu, rows, sm90::token_rows_a(p.dy), rows.hidden, p.w2,
+                               rows.hidden, rows.intermediate,
+                               {p.row_slot, p.topk_weights, static_cast<const __nv_bfloat16*>(p.z),
+                                static_cast<__nv_bfloat16*>(p.dz), static_cast<__nv_bfloat16*>(p.wh),
+                                p.router_partials,
+                                static_cast<int32_t>(sm90_dgrad_num_n_tiles(rows.intermediate, kBlockN)),
+                                p.swiglu_clamp},
+                               "w2");
 }
 
 template <bool kFp32, bool kAccumulate>
@@ -74,16 +74,16 @@ void launch_sm90_recompute_z(const Sm90RecomputeZParams& p) {
   const Sm90Rows& rows = p.rows;
   sm90::assert_rows(rows);
   if (rows.max_rows == 0) return;
-  FUSEMOE_ASSERT(p.xs && p.w13 && p.z);
+  FUSEMOE_ASSERT(p.w13 && p.z);
   const int64_t F = 2 * rows.intermediate;
-  sm90::launch_pool_rows_gemm<RecomputeZGemm>(WaitKernel::kRecomputeZ, rows, p.xs, rows.hidden, p.w13, F, F,
-                                              {static_cast<__nv_bfloat16*>(p.z), nullptr, nullptr}, "xs", "w13");
+  sm90::launch_rows_gemm<RecomputeZGemm>(WaitKernel::kRecomputeZ, rows, sm90::token_rows_a(p.x), rows.hidden, p.w13,
+                                         F, F, {static_cast<__nv_bfloat16*>(p.z), nullptr, nullptr}, "w13");
 }
 
 void launch_sm90_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
   sm90::assert_rows(p.rows);
   if (p.rows.max_rows == 0) return;
-  FUSEMOE_ASSERT(p.dys && p.w2 && p.z && p.row_slot && p.topk_weights && p.dz && p.wh && p.router_partials);
+  FUSEMOE_ASSERT(p.w2 && p.z && p.row_slot && p.topk_weights && p.dz && p.wh && p.router_partials);
   FUSEMOE_ASSERT(p.block_n == 128 || p.block_n == 256);
   FUSEMOE_ASSERT(!p.use_swiglu_clamp || p.swiglu_clamp > 0.0f);
   sm90::with_bool_constants(p.block_n == 128, p.use_swiglu_clamp, [&](auto narrow, auto clamp) {

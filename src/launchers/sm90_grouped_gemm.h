@@ -5,8 +5,8 @@
 //   gate/up + SwiGLU  z_r = x[s / K] W13_e^T, h_r = silu(g) * u (g = z[:I], u = z[I:], clamped
 //                     when set); optionally z_r itself (before the clamp) into z
 //   down + weight     ys[s] = w * (h_r W2_e^T)
-//   recompute z       z_r = xs_r W13_e^T
-//   dgrad + SwiGLU    a = dys_r W2_e; dz_r = [w a u silu'(g) | w a silu(g)] (clamp masks),
+//   recompute z       z_r = x[s / K] W13_e^T
+//   dgrad + SwiGLU    a = dy[s / K] W2_e; dz_r = [w a u silu'(g) | w a silu(g)] (clamp masks),
 //                     wh_r = w h, router_partials[r, n] = <h, a> over output tile n of I
 //   dgrad of x        dx_slots[s] = dz_r W13_e
 //   weight gradient   grad_e = sum_{r in e} act_m_r^T act_n_r  (dW2: dys, wh; dW13: dz, xs),
@@ -63,6 +63,15 @@ inline Sm90Rows make_sm90_rows(const int32_t* expert_offsets, int64_t max_rows, 
   return rows;
 }
 
+// Token rows that an instance reads in place, gathering them itself (no pool): row r of the
+// expert-sorted rows is row row_slot[r] / top_k of x (the fused layer: the slot's token; expert
+// parallelism: the row of the owner's pulled pool, with top_k 1).
+struct Sm90TokenRows {
+  const void* x = nullptr;            // [T, H] bf16 (x or dy)
+  const int32_t* row_slot = nullptr;  // [R_max]
+  int64_t top_k = 0;                  // K
+};
+
 struct Sm90GateUpParams {
   Sm90Rows rows;
   const void* x = nullptr;             // [T, H] bf16 token rows, gathered by the kernel
@@ -88,17 +97,17 @@ struct Sm90DownParams {
 
 struct Sm90RecomputeZParams {
   Sm90Rows rows;
-  const void* xs = nullptr;   // [R_max, H] bf16
+  Sm90TokenRows x;            // x rows, gathered by the kernel
   const void* w13 = nullptr;  // [E, 2I, H] bf16
   void* z = nullptr;          // [R_max, 2I] bf16 (output)
 };
 
 struct Sm90DgradSwigluParams {
   Sm90Rows rows;
-  const void* dys = nullptr;            // [R_max, H] bf16
+  Sm90TokenRows dy;                     // dy rows, gathered by the kernel
   const void* w2 = nullptr;             // [E, H, I] bf16
   const void* z = nullptr;              // [R_max, 2I] bf16
-  const int32_t* row_slot = nullptr;    // [R_max]
+  const int32_t* row_slot = nullptr;    // [R_max] the row's index into topk_weights
   const float* topk_weights = nullptr;  // [S]
   void* dz = nullptr;                   // [R_max, 2I] bf16 (output)
   void* wh = nullptr;                   // [R_max, I] bf16 (output)

@@ -27,7 +27,7 @@ int64_t launch_backward_dgrad(const Sm90Rows& rows, const LayerConfig& c, const 
   if (z == nullptr) {
     Sm90RecomputeZParams rz;
     rz.rows = rows;
-    rz.xs = b.xs;
+    rz.x = b.x;
     rz.w13 = w13;
     rz.z = b.z_scratch;
     launch_sm90_recompute_z(rz);
@@ -35,7 +35,7 @@ int64_t launch_backward_dgrad(const Sm90Rows& rows, const LayerConfig& c, const 
   }
   Sm90DgradSwigluParams d1;
   d1.rows = rows;
-  d1.dys = b.dys;
+  d1.dy = b.dy;
   d1.w2 = w2;
   d1.z = z;
   d1.row_slot = b.weight_index;

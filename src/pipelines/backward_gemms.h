@@ -12,8 +12,10 @@
 namespace fusemoe {
 
 struct BackwardRows {
-  const void* xs;                // [R_max, H] bf16 x rows in expert order
-  const void* dys;               // [R_max, H] bf16 dy rows
+  Sm90TokenRows x;               // x rows, read in place by the z recompute
+  Sm90TokenRows dy;              // dy rows, read in place by dgrad + SwiGLU
+  const void* xs;                // [R_max, H] bf16 x rows in expert order (weight gradients)
+  const void* dys;               // [R_max, H] bf16 dy rows (weight gradients)
   const void* saved_z;           // [R_max, 2I] the forward's z, or null (recomputed into z_scratch)
   void* z_scratch;               // [R_max, 2I] (unused with saved_z)
   void* dz;                      // [R_max, 2I] (output)

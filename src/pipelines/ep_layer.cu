@@ -144,6 +144,8 @@ void ep_layer_backward(const EpConfig& c, const EpBackwardArgs& a) {
   launch_gather_rows_device_count(ws.dy_pool, ws.owner.row_pool, num_rows_device, rows.max_rows, 1, H, ws.dys,
                                   a.call.stream);
   BackwardRows b;
+  b.x = {ws.x_pool, ws.owner.row_pool, 1};  // row r reads pool row row_pool[r]
+  b.dy = {ws.dy_pool, ws.owner.row_pool, 1};
   b.xs = ws.xs;
   b.dys = ws.dys;
   b.saved_z = a.saved_state;  // the forward of the same inputs: the same plan, so the same row order

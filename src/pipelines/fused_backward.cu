@@ -56,6 +56,8 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
 
   const Sm90Rows rows = make_sm90_rows(ws.plan.expert_offsets, num_slots, E, H, I, 0, stream);
   BackwardRows b = ws.weight_grad_rows();
+  b.x = {args.x, ws.plan.row_slot, c.top_k};
+  b.dy = {args.dy, ws.plan.row_slot, c.top_k};
   b.saved_z = args.saved_z;  // the forward's (the same routing: the same row order), or null
   b.z_scratch = ws.z_RF;
   b.router_partials = ws.router_partials;
