@@ -9,7 +9,7 @@
 //   dgrad + SwiGLU    a = dy[s / K] W2_e; dz_r = [w a u silu'(g) | w a silu(g)] (clamp masks),
 //                     wh_r = w h, router_partials[r, n] = <h, a> over output tile n of I
 //   dgrad of x        dx_slots[s] = dz_r W13_e
-//   weight gradient   grad_e = sum_{r in e} act_m_r^T act_n_r  (dW2: dys, wh; dW13: dz, xs),
+//   weight gradient   dW2_e = sum_{r in e} dy[s / K]^T wh_r, dW13_e = sum_{r in e} dz_r^T x[s / K],
 //                     fp32 or bf16, overwritten or added to; one CTA per output tile
 //
 // Shapes: R_max = rows.max_rows (the rows in use, expert_offsets[E], live on the device only),
@@ -127,13 +127,17 @@ struct Sm90DgradScatterParams {
   const Sm90PeerRows* to_peers = nullptr;
 };
 
+// Which weight gradient, and so which operand is token rows read in place:
+//   kW2   dW2_e  [H, I]  = dy rows^T wh   (act_m = dy rows, act_n = the wh pool [R_max, I])
+//   kW13  dW13_e [2I, H] = dz^T x rows    (act_m = the dz pool [R_max, 2I], act_n = x rows)
+enum class Sm90WeightGrad { kW2, kW13 };
+
 struct Sm90WeightGradParams {
-  Sm90Rows rows;                // hidden and intermediate unused: m and n give the shape
-  const void* act_m = nullptr;  // [R_max, M] bf16 (dys for dW2, dz for dW13)
-  const void* act_n = nullptr;  // [R_max, N] bf16 (wh for dW2, xs for dW13)
-  void* grad = nullptr;         // [E, M, N] fp32 or bf16 (output)
-  int64_t m = 0;                // M, multiple of 128
-  int64_t n = 0;                // N, multiple of 64
+  Sm90Rows rows;
+  Sm90WeightGrad which = Sm90WeightGrad::kW2;
+  Sm90TokenRows tokens;         // dy (kW2) or x (kW13) rows, [T, H], gathered by the kernel
+  const void* pool = nullptr;   // wh (kW2) or dz (kW13), expert-sorted rows
+  void* grad = nullptr;         // [E, H, I] (kW2) or [E, 2I, H] (kW13), fp32 or bf16 (output)
   bool bf16_grad = false;       // false: fp32
   // false: grad_e is overwritten (experts with no rows get zeros); true: grad_e += result
   // (experts with no rows untouched).

@@ -85,8 +85,8 @@ void launch_rows_gemm(WaitKernel kernel_name, const Sm90Rows& rows, const typena
                       const void* b, int64_t b_rows_per_expert, int64_t n,
                       const typename Gemm::Epilogue::Args& epilogue, const char* b_name) {
   GemmParams<Gemm> params{};
-  params.map_b = make_tensor_map_bf16(b, Gemm::B::kMnMajor ? n : k, rows.num_experts * b_rows_per_expert,
-                                      Gemm::B::kBoxRows, b_name);
+  params.b.map = make_tensor_map_bf16(b, Gemm::B::kMnMajor ? n : k, rows.num_experts * b_rows_per_expert,
+                                     Gemm::B::kBoxRows, b_name);
   params.a = a;
   params.epilogue = epilogue;
   params.shape = rows_shape(rows, k, n, b_rows_per_expert);

@@ -203,9 +203,9 @@ void Sm90GemmProblem::launch_dgrad_scatter() const {
 
 void Sm90GemmProblem::launch_weight_grad(WeightGrad which, bool bf16_grad, bool accumulate) const {
   const bool w2 = which == WeightGrad::kW2;
-  launch_sm90_weight_grad({sm90_rows(), w2 ? dys_.get() : dz_in_.get(), w2 ? wh_in_.get() : xs_.get(),
-                           w2 ? dw2_.get() : dw13_.get(), w2 ? shape_.H : 2 * shape_.I, w2 ? shape_.I : shape_.H,
-                           bf16_grad, accumulate});
+  launch_sm90_weight_grad({sm90_rows(), w2 ? Sm90WeightGrad::kW2 : Sm90WeightGrad::kW13,
+                           {w2 ? dy_.get() : x_.get(), row_slot_.as<int32_t>(), shape_.K},
+                           w2 ? wh_in_.get() : dz_in_.get(), w2 ? dw2_.get() : dw13_.get(), bf16_grad, accumulate});
 }
 
 Check Sm90GemmProblem::kept_poison(const std::string& what, const DeviceBuffer& buffer, int64_t row_bytes,
@@ -354,7 +354,7 @@ std::vector<Check> Sm90GemmProblem::check_weight_grad(WeightGrad which, bool det
   const bool w2 = which == WeightGrad::kW2;
   const int64_t E = shape_.E, M = w2 ? shape_.H : 2 * shape_.I, N = w2 ? shape_.I : shape_.H;
   const int64_t count = E * M * N;
-  const std::string name = w2 ? "dW2 = dys^T wh" : "dW13 = dz^T xs";
+  const std::string name = w2 ? "dW2 = dy rows^T wh" : "dW13 = dz^T x rows";
   const DeviceBuffer& grad = w2 ? dw2_ : dw13_;
   std::vector<Check> checks;
   DeviceBuffer ref = fp32_buffer(count);
