@@ -107,22 +107,41 @@ fusemoe::EpConfig ep_config_of(const FusemoeCEpConfig& c) {
   return config;
 }
 
-// The fields the forward and backward args share (C and C++ spell them alike).
+// The fields every call's C args and C++ args share (they spell them alike): the single-GPU
+// forward and backward args, the expert-parallel EpCall.
 template <typename Args, typename CArgs>
-Args call_args_of(const CArgs& a) {
-  Args args;
+void copy_call_fields(Args& args, const CArgs& a) {
   args.x = a.x;
   args.topk_idx = a.topk_idx;
   args.topk_weights = a.topk_weights;
   args.w13 = a.w13;
   args.w2 = a.w2;
-  args.fp8_weights = a.fp8_weights;
   args.num_tokens = a.num_tokens;
   args.workspace = a.workspace;
   args.workspace_bytes = a.workspace_bytes;
   args.expert_id_report = a.expert_id_report;
-  args.saved_z = a.saved_z;
   args.stream = static_cast<cudaStream_t>(a.stream);
+}
+
+// dy and the gradient outputs of a backward's C args (single-GPU and expert-parallel alike).
+template <typename Args, typename CArgs>
+void copy_gradient_fields(Args& b, const CArgs& a) {
+  b.dy = a.dy;
+  b.dx = a.dx;
+  b.d_topk_weights = a.d_topk_weights;
+  b.dw13 = a.dw13;
+  b.dw2 = a.dw2;
+  b.weight_grad_dtype = static_cast<fusemoe::WeightGradDtype>(a.weight_grad_dtype);
+  b.accumulate_weight_grads = a.accumulate_weight_grads != 0;
+}
+
+// The fields the single-GPU forward and backward args share.
+template <typename Args, typename CArgs>
+Args call_args_of(const CArgs& a) {
+  Args args;
+  copy_call_fields(args, a);
+  args.fp8_weights = a.fp8_weights;
+  args.saved_z = a.saved_z;
   return args;
 }
 
@@ -143,19 +162,10 @@ int32_t layer_call(const FusemoeCLayer* layer, const CArgs* args, const char* ar
 template <typename CArgs>
 fusemoe::EpCall ep_call_of(const CArgs& a) {
   fusemoe::EpCall call;
-  call.x = a.x;
-  call.topk_idx = a.topk_idx;
-  call.topk_weights = a.topk_weights;
-  call.w13 = a.w13;
-  call.w2 = a.w2;
-  call.num_tokens = a.num_tokens;
+  copy_call_fields(call, a);
   call.peer_symmetric = a.peer_symmetric;
-  call.workspace = a.workspace;
-  call.workspace_bytes = a.workspace_bytes;
   call.sync_check_expert_ids = a.expert_id_report == nullptr;
-  call.expert_id_report = a.expert_id_report;
   call.num_sms = a.num_sms;
-  call.stream = static_cast<cudaStream_t>(a.stream);
   return call;
 }
 
@@ -425,13 +435,7 @@ int32_t fusemoe_c_backward(const FusemoeCLayer* layer, const FusemoeCBackwardArg
   return layer_call<fusemoe::BackwardArgs>(
       layer, args, "FusemoeCBackwardArgs",
       [](const fusemoe::LayerConfig& config, Impl impl, const FusemoeCBackwardArgs& a, fusemoe::BackwardArgs b) {
-        b.dy = a.dy;
-        b.dx = a.dx;
-        b.d_topk_weights = a.d_topk_weights;
-        b.dw13 = a.dw13;
-        b.dw2 = a.dw2;
-        b.weight_grad_dtype = static_cast<fusemoe::WeightGradDtype>(a.weight_grad_dtype);
-        b.accumulate_weight_grads = a.accumulate_weight_grads != 0;
+        copy_gradient_fields(b, a);
         fusemoe::backward(config, impl, b);
       });
 }
@@ -470,13 +474,7 @@ int32_t fusemoe_c_ep_backward(const FusemoeCEpConfig* config, const FusemoeCEpBa
                  [](const fusemoe::EpConfig& c, const FusemoeCEpBackwardArgs& a, const fusemoe::EpCall& call) {
                    fusemoe::EpBackwardArgs b;
                    b.call = call;
-                   b.dy = a.dy;
-                   b.dx = a.dx;
-                   b.d_topk_weights = a.d_topk_weights;
-                   b.dw13 = a.dw13;
-                   b.dw2 = a.dw2;
-                   b.weight_grad_dtype = static_cast<fusemoe::WeightGradDtype>(a.weight_grad_dtype);
-                   b.accumulate_weight_grads = a.accumulate_weight_grads != 0;
+                   copy_gradient_fields(b, a);
                    b.saved_state = a.saved_state;
                    fusemoe::ep_backward(c, b);
                  });
