@@ -111,32 +111,38 @@ def _all_gather_object(value, group):
 
 def _check_ranks_reach_each_other(group, device):
     """Every rank on one host, on GPUs that can map each other's memory; ranks sharing a GPU
-    only with TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1. Collective."""
-    rank = dist.get_rank(group)
+    only with TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 in each one's environment. Collective;
+    every rank decides from what all of them sent, so all raise or none does (a rank that stopped
+    here alone would leave the others waiting in the rendezvous)."""
     uuid = str(torch.cuda.get_device_properties(device).uuid)
-    ranks = _all_gather_object((socket.gethostname(), uuid, device.index), group)
-    hosts = sorted({host for host, _, _ in ranks})
+    visible = {str(torch.cuda.get_device_properties(i).uuid): i
+               for i in range(torch.cuda.device_count())}
+    ranks = _all_gather_object(
+        dict(host=socket.gethostname(), gpu=uuid, index=device.index,
+             allow_overlap=os.environ.get(ALLOW_OVERLAPPING_DEVICES) == "1",
+             # Peers this rank's GPU cannot access, among the GPUs this process sees (one it
+             # cannot see, under CUDA_VISIBLE_DEVICES, is left to the rendezvous).
+             no_access=sorted(other for other, i in visible.items() if other != uuid
+                              and not torch.cuda.can_device_access_peer(device.index, i))),
+        group)
+    hosts = sorted({r["host"] for r in ranks})
     if len(hosts) > 1:
         raise _capi.FusemoeError(
             f"{API}: the group's ranks are on {len(hosts)} hosts ({', '.join(hosts)}); expert "
             "parallelism needs every rank on one node, whose GPUs map each other's memory")
-    sharing = [r for r, (_, other, _) in enumerate(ranks) if other == uuid and r != rank]
-    if sharing and os.environ.get(ALLOW_OVERLAPPING_DEVICES) != "1":
-        raise _capi.FusemoeError(
-            f"{API}: rank {rank} shares GPU {uuid} with rank(s) {sharing}; several ranks on one "
-            f"GPU (a test setting: the GPU time-slices between them) need "
-            f"{ALLOW_OVERLAPPING_DEVICES}=1 in every rank's environment")
-    visible = {str(torch.cuda.get_device_properties(i).uuid): i
-               for i in range(torch.cuda.device_count())}
-    for r, (_, other, index) in enumerate(ranks):
-        # A GPU this process cannot see (CUDA_VISIBLE_DEVICES) is checked by the rendezvous.
-        peer = visible.get(other)
-        if other != uuid and peer is not None and not torch.cuda.can_device_access_peer(
-                device.index, peer):
+    for r, mine in enumerate(ranks):
+        sharing = [q for q, other in enumerate(ranks) if other["gpu"] == mine["gpu"] and q != r]
+        if sharing and not mine["allow_overlap"]:
             raise _capi.FusemoeError(
-                f"{API}: rank {rank}'s GPU {device.index} cannot access the memory of rank {r}'s "
-                f"GPU (cuda:{peer} here): expert parallelism needs peer access (NVLink or PCIe) "
-                "between every pair of the group's GPUs")
+                f"{API}: rank {r} shares its GPU with rank(s) {sharing}; several ranks on one "
+                f"GPU (a test setting: the GPU time-slices between them) need "
+                f"{ALLOW_OVERLAPPING_DEVICES}=1 in every rank's environment")
+        for q, other in enumerate(ranks):
+            if other["gpu"] in mine["no_access"]:
+                raise _capi.FusemoeError(
+                    f"{API}: rank {r}'s GPU (cuda:{mine['index']} there) cannot access the memory "
+                    f"of rank {q}'s GPU (cuda:{other['index']} there): expert parallelism needs "
+                    "peer access (NVLink or PCIe) between every pair of the group's GPUs")
 
 
 def _connect(group, device, num_bytes):
@@ -164,11 +170,13 @@ def _connect(group, device, num_bytes):
         # Gathering the offsets is also the barrier after which every rank has zeroed its buffer.
         bases = list(handle.buffer_ptrs)
         offset = symmetric.data_ptr() - bases[rank]
-        if not 0 <= offset <= handle.buffer_size - num_bytes:
-            raise _capi.FusemoeError(
-                f"{API}: the symmetric tensor at {symmetric.data_ptr():#x} is not inside its "
-                f"block [{bases[rank]:#x}, +{handle.buffer_size}) ({num_bytes} bytes)")
-        offsets = _all_gather_object(offset, group)
+        inside = 0 <= offset <= handle.buffer_size - num_bytes
+        offsets = _all_gather_object(offset if inside else None, group)
+    if None in offsets:
+        raise _capi.FusemoeError(
+            f"{API}: rank {offsets.index(None)}'s symmetric tensor is not inside the block its "
+            f"rendezvous handle names (this rank: tensor {symmetric.data_ptr():#x}, block "
+            f"{bases[rank]:#x} + {handle.buffer_size} bytes, {num_bytes} needed)")
     return symmetric, handle, [bases[r] + offsets[r] for r in range(world_size)]
 
 

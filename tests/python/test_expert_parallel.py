@@ -12,7 +12,8 @@ them; correctness only).
 (b) examples/train_qwen3_moe_ep.py under torchrun (2 processes) trains within bf16 noise of the
     single-GPU run of examples/train_qwen3_moe.py: the same per-step loss up to the noise floor
     that run measures (Hugging Face experts in two micro-batch orders), and gradient norms.
-CPU (no GPU needed): the argument checks, and (a) and (b) over the CPU stand-ins of
+CPU (no GPU needed): the argument checks, the refusal of ranks whose GPUs cannot map each
+other's memory (torch.cuda stand-ins), and (a) and (b) over the CPU stand-ins of
 moe_reference.py (register_cpu_ep_kernels, cpu_connect), which test the module, the ops'
 autograd and fake kernels and the example's data-parallel loop without the CUDA layer.
 Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, L = E / R local
@@ -303,6 +304,48 @@ def test_example_trains_like_the_single_run_cpu_stand_ins(tmp_path):
 def test_layer_checks_name_the_argument(args, message):
     with pytest.raises(ValueError, match=rf"^fusemoe.ExpertParallelMoEExperts: {message}"):
         expert_parallel.check_layer(*args)
+
+
+# (hosts, GPU uuid per rank, ALLOW_OVERLAPPING_DEVICES per rank, peer access, error or None)
+REACH_CASES = {
+    "two_hosts": (("node0", "node1"), ("A", "B"), (False, False), True,
+                  r"the group's ranks are on 2 hosts \(node0, node1\)"),
+    "shared_gpu_without_the_variable": (("n", "n"), ("A", "A"), (True, False), True,
+                                        r"rank 1 shares its GPU with rank\(s\) \[0\]; .*"
+                                        r"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1"),
+    "shared_gpu": (("n", "n"), ("A", "A"), (True, True), True, None),
+    "no_peer_access": (("n", "n"), ("A", "B"), (False, False), False,
+                       r"rank 0's GPU \(cuda:0 there\) cannot access the memory of rank 1's GPU "
+                       r"\(cuda:1 there\)"),
+    "peers": (("n", "n"), ("A", "B"), (False, False), True, None),
+}
+
+
+def reach_worker(rank, world_size, case):
+    """_check_ranks_reach_each_other with the host, the GPUs and peer access of `case` (torch.cuda
+    and socket stand-ins): every rank raises the same error, or none does."""
+    hosts, gpus, allow, access, error = REACH_CASES[case]
+    visible = sorted(set(gpus))  # each rank sees every GPU of the case, as on one node
+    torch.cuda.device_count = lambda: len(visible)
+    torch.cuda.get_device_properties = lambda d: types.SimpleNamespace(
+        uuid=visible[torch.device(d).index if isinstance(d, torch.device) else d])
+    torch.cuda.can_device_access_peer = lambda i, j: access
+    socket.gethostname = lambda: hosts[rank]
+    if allow[rank]:
+        os.environ[expert_parallel.ALLOW_OVERLAPPING_DEVICES] = "1"
+    else:
+        os.environ.pop(expert_parallel.ALLOW_OVERLAPPING_DEVICES, None)
+    device = torch.device("cuda", visible.index(gpus[rank]))
+    if error is None:
+        expert_parallel._check_ranks_reach_each_other(dist.group.WORLD, device)
+    else:
+        with pytest.raises(fusemoe.FusemoeError, match=error):
+            expert_parallel._check_ranks_reach_each_other(dist.group.WORLD, device)
+
+
+@pytest.mark.parametrize("case", REACH_CASES)
+def test_ranks_that_cannot_reach_each_other_are_refused_on_every_rank(case, tmp_path):
+    run_ranks(reach_worker, tmp_path, case)
 
 
 def test_module_needs_an_initialized_group():
