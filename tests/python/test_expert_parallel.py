@@ -10,8 +10,9 @@ them; correctness only).
     shape, torch.compile(fullgraph=True) and activation checkpointing; a bad expert id on one
     rank is raised by fusemoe.check_expert_ids() on that rank only.
 (b) examples/train_qwen3_moe_ep.py under torchrun (2 processes) trains within bf16 noise of the
-    single-GPU run of examples/train_qwen3_moe.py: the same per-step loss up to the noise floor
-    that run measures (Hugging Face experts in two micro-batch orders), and gradient norms.
+    single-GPU run of examples/train_qwen3_moe.py: per-step loss and gradient norm within twice
+    the noise floor that run measures (Hugging Face experts in two micro-batch orders) plus a
+    small bound.
 CPU (no GPU needed): the argument checks, the refusal of ranks whose GPUs cannot map each
 other's memory (torch.cuda stand-ins), and (a) and (b) over the CPU stand-ins of
 moe_reference.py (register_cpu_ep_kernels, cpu_connect), which test the module, the ops'
@@ -203,29 +204,43 @@ EXAMPLE_ARGS = ["--steps", "6", "--layers", "2", "--hidden", "256", "--moe-inter
 # Step 1 (before any update) differs only by the dense layers' batch shapes: a loss that far off
 # is another model. Gradient norms: the single run reports its norm in bf16 (8 bits).
 FIRST_STEP_REL_TOL = 1e-3
-GRAD_NORM_REL_TOL = 2e-2
+LOSS_ATOL = 1e-3
+GRAD_NORM_RTOL = 2e-2
 
 
-def check_example_against_single(ep, single_runs, noise_floor):
-    """ep: train_qwen3_moe_ep.json; single_runs: train_qwen3_moe.json's runs. The loss of every
-    step within 2 x noise_floor + 1e-3 of the single-GPU fusemoe run (and step 1 within
-    FIRST_STEP_REL_TOL), the gradient norms within GRAD_NORM_REL_TOL."""
-    reference = single_runs["fusemoe"]
+def noise_floor(runs):
+    """(max |loss diff|, max relative grad-norm diff) between the single run's Hugging Face runs
+    in two micro-batch orders, or (0, 0) without them (the CPU)."""
+    if "hf" not in runs or "hf_reordered" not in runs:
+        return 0.0, 0.0
+    a, b = runs["hf"], runs["hf_reordered"]
+    return (max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
+            max(abs(x - y) / y for x, y in zip(a["grad_norms"], b["grad_norms"])))
+
+
+def check_example_against_single(ep, runs):
+    """ep: train_qwen3_moe_ep.json; runs: train_qwen3_moe.json's runs. Every step's loss within
+    2 x the loss noise floor + LOSS_ATOL of the single-GPU fusemoe run (step 1 within
+    FIRST_STEP_REL_TOL), its gradient norm within 2 x the norm noise floor + GRAD_NORM_RTOL."""
+    reference = runs["fusemoe"]
     assert ep["finite"] and reference["finite"]
     steps = len(reference["losses"])
     assert len(ep["losses"]) == steps
-    tol = 2 * noise_floor + 1e-3
+    loss_noise, norm_noise = noise_floor(runs)
+    loss_tol, norm_rtol = 2 * loss_noise + LOSS_ATOL, 2 * norm_noise + GRAD_NORM_RTOL
     report = [f"step {s + 1}: loss ep {a:.5f} single {b:.5f} (|diff| {abs(a - b):.2e}, tol "
-              f"{tol:.2e}); grad norm ep {g:.4f} single {h:.4f}"
+              f"{loss_tol:.2e}); grad norm ep {g:.4f} single {h:.4f} (rel diff "
+              f"{abs(g - h) / h:.2e}, tol {norm_rtol:.2e})"
               for s, (a, b, g, h) in enumerate(zip(ep["losses"], reference["losses"],
                                                    ep["grad_norms"], reference["grad_norms"]))]
+    print(f"noise floor: loss {loss_noise:.2e}, grad norm {norm_noise:.2e} (relative)")
     print("\n".join(report))
     first, first_ref = ep["losses"][0], reference["losses"][0]
     assert abs(first - first_ref) <= FIRST_STEP_REL_TOL * abs(first_ref), report[0]
     for s in range(steps):
-        assert abs(ep["losses"][s] - reference["losses"][s]) <= tol, report[s]
+        assert abs(ep["losses"][s] - reference["losses"][s]) <= loss_tol, report[s]
         g, h = ep["grad_norms"][s], reference["grad_norms"][s]
-        assert abs(g - h) <= GRAD_NORM_REL_TOL * h, report[s]
+        assert abs(g - h) <= norm_rtol * h, report[s]
     # The training moved: a loop that never stepped would match too easily.
     assert reference["losses"][-1] < reference["losses"][0] - 0.05
 
@@ -252,8 +267,7 @@ def test_example_trains_like_the_single_gpu_run_gpu(tmp_path):
     with open(tmp_path / "single" / "train_qwen3_moe.json") as f:
         single_result = json.load(f)
     assert ep_result["world_size"] == WORLD_SIZE
-    check_example_against_single(ep_result, single_result["runs"],
-                                 single_result["comparison"]["noise_max_abs_loss_diff"])
+    check_example_against_single(ep_result, single_result["runs"])
 
 
 def example_worker(rank, world_size, port, args):
@@ -286,8 +300,8 @@ def test_example_trains_like_the_single_run_cpu_stand_ins(tmp_path):
         ep_result = json.load(f)
     with open(tmp_path / "single" / "train_qwen3_moe.json") as f:
         single_runs = json.load(f)["runs"]
-    # No noise-floor run on the CPU (Hugging Face's grouped_mm experts): the fixed 1e-3 only.
-    check_example_against_single(ep_result, single_runs, 0.0)
+    # No noise-floor runs on the CPU (Hugging Face's experts there: not tried): the fixed bounds.
+    check_example_against_single(ep_result, single_runs)
 
 
 # ---- argument checks (no GPU, no group) ----
