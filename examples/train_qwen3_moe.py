@@ -49,26 +49,14 @@ RUN_HF_REORDERED = "hf_reordered"
 RUN_NAMES = (RUN_HF, RUN_FUSEMOE, RUN_HF_REORDERED)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_common_arguments(p):
+    """The model, data, schedule and output arguments this example and train_qwen3_moe_ep.py
+    share."""
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
-    p.add_argument("--impl", default=fusemoe.DEFAULT_IMPL, help="fusemoe implementation")
-    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
-                   help="fusemoe experts' GEMM precision (fp8: blockwise E4M3, impl fused; the "
-                        "model and the other runs stay bf16)")
     p.add_argument("--micro-batches", type=int, default=2,
                    help="forward/backward passes per optimizer step (gradient accumulation)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
-    p.add_argument("--out", default="train_qwen3_moe_out", help="output folder")
-    p.add_argument("--runs", default=f"{RUN_HF},{RUN_FUSEMOE}",
-                   help=f"which runs, in this order, from {', '.join(RUN_NAMES)} ({RUN_HF_REORDERED}: "
-                        "the Hugging Face run with reversed micro-batch order, the bf16 noise floor)")
-    p.add_argument("--grad-in-place", action=argparse.BooleanOptionalAction, default=True,
-                   help="fusemoe run: expert weight gradients accumulate inside the backward kernels "
-                        "(fusemoe.MoEExperts grad_in_place; fine here: one GPU, no gradient hooks) "
-                        "instead of autograd's separate add")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--moe-intermediate", type=int, default=768)
@@ -81,20 +69,42 @@ def parse_args(argv=None):
     p.add_argument("--lr-warmup", type=int, default=20, help="steps of linear learning-rate warm-up")
     p.add_argument("--timing-warmup", type=int, default=5, help="first steps left out of the median")
     p.add_argument("--grad-checkpointing", action="store_true",
-                   help="activation checkpointing of every decoder layer (both runs)")
+                   help="activation checkpointing of every decoder layer (every run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=os.path.join(REPO, "data", "corpus.txt"))
     p.add_argument("--print-every", type=int, default=10)
+    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: smoke tests only
+
+
+def check_common_arguments(p, args):
+    if args.steps < 1 or args.micro_batches < 1 or args.batch_size < 1 or args.seq_len < 2:
+        p.error("--steps, --micro-batches and --batch-size must be >= 1, --seq-len >= 2")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_common_arguments(p)
+    p.add_argument("--impl", default=fusemoe.DEFAULT_IMPL, help="fusemoe implementation")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                   help="fusemoe experts' GEMM precision (fp8: blockwise E4M3, impl fused; the "
+                        "model and the other runs stay bf16)")
+    p.add_argument("--out", default="train_qwen3_moe_out", help="output folder")
+    p.add_argument("--runs", default=f"{RUN_HF},{RUN_FUSEMOE}",
+                   help=f"which runs, in this order, from {', '.join(RUN_NAMES)} ({RUN_HF_REORDERED}: "
+                        "the Hugging Face run with reversed micro-batch order, the bf16 noise floor)")
+    p.add_argument("--grad-in-place", action=argparse.BooleanOptionalAction, default=True,
+                   help="fusemoe run: expert weight gradients accumulate inside the backward kernels "
+                        "(fusemoe.MoEExperts grad_in_place; fine here: one GPU, no gradient hooks) "
+                        "instead of autograd's separate add")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile the last N steps of each run with torch.profiler: the GPU-busy "
                         "share of the step and the top kernels go to the log and the JSON")
-    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: smoke tests only
     args = p.parse_args(argv)
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     if not args.runs or any(r not in RUN_NAMES for r in args.runs) or len(set(args.runs)) < len(args.runs):
         p.error(f"--runs must list distinct names from {', '.join(RUN_NAMES)}, got {args.runs}")
-    if args.steps < 1 or args.micro_batches < 1 or args.batch_size < 1 or args.seq_len < 2:
-        p.error("--steps, --micro-batches and --batch-size must be >= 1, --seq-len >= 2")
+    check_common_arguments(p, args)
     if not 0 <= args.profile_steps <= args.steps:
         p.error(f"--profile-steps must be in [0, --steps], got {args.profile_steps}")
     return args
@@ -126,6 +136,27 @@ def build_model(args, transformers):
     if args.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def load_data(args):
+    """The corpus as bytes on args.device and the sequence offsets [steps, micro-batches,
+    batch size], drawn from a generator seeded by --seed (every run and every rank draws the
+    same); (None, None) with a message when the corpus is shorter than a sequence."""
+    with open(args.data, "rb") as f:
+        corpus = f.read()
+    if len(corpus) <= args.seq_len + 1:
+        log(f"{args.data} has {len(corpus)} bytes: fewer than --seq-len + 1")
+        return None, None
+    corpus_N = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).to(args.device)
+    offsets_SMB = torch.randint(0, len(corpus) - args.seq_len,
+                                (args.steps, args.micro_batches, args.batch_size),
+                                generator=torch.Generator().manual_seed(args.seed + 1))
+    return corpus_N, offsets_SMB
+
+
+def sequences(corpus_N, offsets_B, seq_len):
+    """The token ids [len(offsets_B), seq_len] (int64) of the sequences at offsets_B."""
+    return torch.stack([corpus_N[int(o):int(o) + seq_len] for o in offsets_B]).to(torch.int64)
 
 
 def lr_at(step, args):
@@ -220,9 +251,24 @@ def summarize_profile(prof, num_steps, step_ms, rows=14, gap_us=5.0):
             "wall_ms_per_step": wall_ms, "table": lines}
 
 
-def timed_steps(step_ms, args):
-    """The step times the median is taken over: after the warm-up, before the profiled steps."""
-    end = max(args.timing_warmup + 1, args.steps - args.profile_steps)
+def report_step(log_fn, prefix, step, loss_value, extra, step_ms, args, profile_steps=None):
+    """Logs the step (the first, every --print-every, the last) with log_fn; False, logged,
+    when the loss is not finite (the caller stops)."""
+    if not math.isfinite(loss_value):
+        log_fn(f"{prefix}step {step + 1}: loss {loss_value}: stopping this run")
+        return False
+    if (step + 1) % args.print_every == 0 or step + 1 == args.steps or step == 0:
+        timed = timed_steps(step_ms, args, profile_steps)
+        log_fn(f"{prefix}step {step + 1}/{args.steps} loss {loss_value:.4f}{extra} "
+               f"step {step_ms[-1]:.1f} ms (median {statistics.median(timed):.1f} ms)")
+    return True
+
+
+def timed_steps(step_ms, args, profile_steps=None):
+    """The step times the median is taken over: after the warm-up, before the profiled steps
+    (args.profile_steps unless given)."""
+    profiled = args.profile_steps if profile_steps is None else profile_steps
+    end = max(args.timing_warmup + 1, args.steps - profiled)
     return step_ms[args.timing_warmup:end] or step_ms
 
 
@@ -237,7 +283,7 @@ def train(name, model, corpus_N, offsets_SMB, args):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.1, fused=is_cuda)
     model.train()
-    losses, step_ms = [], []
+    losses, step_ms, grad_norms = [], [], []
     finite = True
     profiler, profile = None, None
     for step in range(args.steps):
@@ -252,28 +298,23 @@ def train(name, model, corpus_N, offsets_SMB, args):
         total = torch.zeros((), device=device)
         order = range(args.micro_batches)
         for m in (reversed(order) if name == RUN_HF_REORDERED else order):
-            ids = torch.stack([corpus_N[int(o):int(o) + args.seq_len]
-                               for o in offsets_SMB[step, m]]).to(torch.int64)
+            ids = sequences(corpus_N, offsets_SMB[step, m], args.seq_len)
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss / args.micro_batches
             loss.backward()
             total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_value = total.item()
         synchronize(device)
         step_ms.append((time.perf_counter() - start) * 1e3)
+        grad_norms.append(grad_norm.item())
         if name == RUN_FUSEMOE:
             fusemoe.check_expert_ids(synchronize=False)  # the step already synchronised
         losses.append(loss_value)
-        if not math.isfinite(loss_value):
-            log(f"[{name}] step {step + 1}: loss {loss_value}: stopping this run")
-            finite = False
+        finite = report_step(log, f"[{name}] ", step, loss_value, "", step_ms, args)
+        if not finite:
             break
-        if (step + 1) % args.print_every == 0 or step + 1 == args.steps or step == 0:
-            timed = timed_steps(step_ms, args)
-            log(f"[{name}] step {step + 1}/{args.steps} loss {loss_value:.4f} "
-                f"step {step_ms[-1]:.1f} ms (median {statistics.median(timed):.1f} ms)")
     if profiler is not None:
         profiler.__exit__(None, None, None)
         profile = summarize_profile(profiler, args.profile_steps, step_ms[-args.profile_steps:])
@@ -283,6 +324,7 @@ def train(name, model, corpus_N, offsets_SMB, args):
     record = {
         "profile": profile,
         "losses": losses,
+        "grad_norms": grad_norms,  # before clipping
         "step_ms": step_ms,
         "median_step_ms": statistics.median(timed),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if is_cuda else None,
@@ -401,16 +443,10 @@ def main(argv=None):
             log(f"libfusemoe_c.so not found at {fusemoe.library_path()}: build the CMake target "
                 "fusemoe_c or set FUSEMOE_LIBRARY")
             return 2
-    with open(args.data, "rb") as f:
-        corpus = f.read()
-    if len(corpus) <= args.seq_len + 1:
-        log(f"{args.data} has {len(corpus)} bytes: fewer than --seq-len + 1")
+    corpus_N, offsets_SMB = load_data(args)
+    if corpus_N is None:
         return 2
     os.makedirs(args.out, exist_ok=True)
-    corpus_N = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).to(args.device)
-    offsets_SMB = torch.randint(0, len(corpus) - args.seq_len,
-                                (args.steps, args.micro_batches, args.batch_size),
-                               generator=torch.Generator().manual_seed(args.seed + 1))
 
     log(f"building Qwen3-MoE: {args.layers} layers, H={args.hidden}, I={args.moe_intermediate}, "
         f"E={args.experts}, top-{args.top_k}, {args.micro_batches} micro-batches x {args.batch_size} x "
@@ -419,7 +455,7 @@ def main(argv=None):
     num_params = sum(prm.numel() for prm in model.parameters())
     hf_experts = model.config._experts_implementation
     log(f"{num_params / 1e9:.2f} B parameters; transformers {transformers.__version__} experts "
-        f"implementation: {hf_experts}; corpus {len(corpus)} bytes")
+        f"implementation: {hf_experts}; corpus {corpus_N.numel()} bytes")
     initial = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
     # The model's own experts modules, to put back for an "hf" run after a "fusemoe" one.
@@ -450,7 +486,7 @@ def main(argv=None):
         "config": {k: v for k, v in vars(args).items()},
         "environment": environment(args),
         "num_parameters": num_params,
-        "corpus_bytes": len(corpus),
+        "corpus_bytes": corpus_N.numel(),
         "runs": runs,
     }
     if RUN_HF in runs and RUN_FUSEMOE in runs:

@@ -21,8 +21,10 @@ extern "C" {
 
 /* Raised whenever a function's signature, a struct or a meaning changes; bindings refuse other
  * versions. 5: one struct per call instead of positional arguments, the SwiGLU clamp.
- * 6: blockwise FP8 (FusemoeCLayer.precision, the args' fp8_weights, the FP8 weight buffer). */
-#define FUSEMOE_C_ABI_VERSION 6
+ * 6: blockwise FP8 (FusemoeCLayer.precision, the args' fp8_weights, the FP8 weight buffer).
+ * 7: expert parallelism (FusemoeCEpConfig, FusemoeCEpForwardArgs, FusemoeCEpBackwardArgs and the
+ * fusemoe_c_ep_* functions). */
+#define FUSEMOE_C_ABI_VERSION 7
 
 typedef enum {
   FUSEMOE_C_OK = 0,
@@ -120,6 +122,70 @@ typedef struct FusemoeCFp8QuantizeArgs {
   void* stream;           /* cudaStream_t */
 } FusemoeCFp8QuantizeArgs;
 
+/* ---- Expert parallelism (fusemoe/expert_parallel.h): the experts of one layer over R ranks ----
+ * Every rank passes its own tokens and its local experts' weights; expert e lives on rank
+ * e / (E / R). The symmetric workspace (fusemoe_c_ep_symmetric_bytes, zeroed once) and the
+ * peer table are described in expert_parallel.h and docs/expert_parallel.md. Every rank makes
+ * the same calls in the same order with the same config except the rank. */
+
+/* One rank's view of an expert-parallel layer (fusemoe::EpConfig). */
+typedef struct FusemoeCEpConfig {
+  uint32_t struct_size;  /* sizeof(FusemoeCEpConfig) */
+  int32_t world_size;    /* R in {1, 2, 4, 8}; layer.num_experts % R == 0 */
+  int32_t rank;          /* 0 <= rank < R */
+  /* The layer with GLOBAL num_experts; max_tokens bounds every rank's T. impl_code is not used
+   * (the fused kernels run); precision must be FUSEMOE_C_PRECISION_BF16. */
+  FusemoeCLayer layer;
+} FusemoeCEpConfig;
+
+/* y for this rank's tokens: fusemoe::EpForwardArgs. */
+typedef struct FusemoeCEpForwardArgs {
+  uint32_t struct_size;          /* sizeof(FusemoeCEpForwardArgs) */
+  int32_t num_sms;               /* SMs the persistent GEMMs use (0: all; co-resident ranks: a share) */
+  const void* x;                 /* [T, H] bf16, this rank's tokens */
+  const int32_t* topk_idx;       /* [T, K] GLOBAL expert ids, -1 masks a slot */
+  const float* topk_weights;     /* [T, K] */
+  const void* w13;               /* [E/R, 2I, H] bf16: this rank's experts */
+  const void* w2;                /* [E/R, H, I] bf16 */
+  void* y;                       /* [T, H] bf16 (output) */
+  int64_t num_tokens;            /* T of this rank, 0 <= T <= layer.max_tokens (may differ by rank) */
+  void* const* peer_symmetric;   /* [R] host array: every rank's symmetric workspace, as mapped here */
+  void* workspace;               /* fusemoe_c_ep_workspace_bytes_for(FORWARD) bytes, 256-byte aligned */
+  uint64_t workspace_bytes;
+  /* As FusemoeCForwardArgs.expert_id_report (ids checked against the GLOBAL E). NULL: the call
+   * synchronises its stream to check, which waits for the other ranks' calls too. */
+  int32_t* expert_id_report;
+  /* NULL, or fusemoe_c_ep_saved_state_bytes() bytes the backward of the same inputs reads. */
+  void* saved_state;
+  void* stream;                  /* cudaStream_t */
+} FusemoeCEpForwardArgs;
+
+/* dx, d_topk_weights for this rank's tokens and dw13, dw2 for its experts:
+ * fusemoe::EpBackwardArgs. */
+typedef struct FusemoeCEpBackwardArgs {
+  uint32_t struct_size;              /* sizeof(FusemoeCEpBackwardArgs) */
+  int32_t weight_grad_dtype;         /* FUSEMOE_C_WEIGHT_GRAD_* */
+  const void* x;                     /* the forward's inputs */
+  const int32_t* topk_idx;
+  const float* topk_weights;
+  const void* w13;
+  const void* w2;
+  const void* dy;                    /* [T, H] bf16 */
+  void* dx;                          /* [T, H] bf16 (output) */
+  float* d_topk_weights;             /* [T, K] fp32 (output) */
+  void* dw13;                        /* [E/R, 2I, H] weight_grad_dtype (output) */
+  void* dw2;                         /* [E/R, H, I] weight_grad_dtype (output) */
+  int32_t accumulate_weight_grads;   /* != 0: add to dw13/dw2 instead of overwriting them */
+  int32_t num_sms;                   /* as in FusemoeCEpForwardArgs */
+  int64_t num_tokens;
+  void* const* peer_symmetric;
+  void* workspace;                   /* fusemoe_c_ep_workspace_bytes_for(BACKWARD or BACKWARD_SAVED_Z) */
+  uint64_t workspace_bytes;
+  int32_t* expert_id_report;         /* as in FusemoeCEpForwardArgs */
+  const void* saved_state;           /* NULL, or the forward's saved_state of these same inputs */
+  void* stream;
+} FusemoeCEpBackwardArgs;
+
 FUSEMOE_C_API int32_t fusemoe_c_abi_version(void);
 
 /* Message of the last failed call on this thread ("" if none); valid until the next failure on
@@ -153,6 +219,25 @@ FUSEMOE_C_API int32_t fusemoe_c_forward(const FusemoeCLayer* layer,
 FUSEMOE_C_API int32_t fusemoe_c_backward(const FusemoeCLayer* layer,
                                          const FusemoeCBackwardArgs* args);
 
+/* Bytes of the symmetric workspace every rank allocates (the same on every rank; zero it once). */
+FUSEMOE_C_API int32_t fusemoe_c_ep_symmetric_bytes(const FusemoeCEpConfig* config, uint64_t* bytes);
+
+/* Bytes of private workspace every call of the rank accepts, and what one kind of call
+ * (FUSEMOE_C_WORKSPACE_*) needs. */
+FUSEMOE_C_API int32_t fusemoe_c_ep_workspace_bytes(const FusemoeCEpConfig* config, uint64_t* bytes);
+FUSEMOE_C_API int32_t fusemoe_c_ep_workspace_bytes_for(const FusemoeCEpConfig* config, int32_t use,
+                                                       uint64_t* bytes);
+
+/* Bytes of FusemoeCEpForwardArgs.saved_state (per rank, sized for the worst case: every slot of
+ * every rank routed to this rank's experts). */
+FUSEMOE_C_API int32_t fusemoe_c_ep_saved_state_bytes(const FusemoeCEpConfig* config, uint64_t* bytes);
+
+/* See fusemoe::ep_forward and fusemoe::ep_backward. */
+FUSEMOE_C_API int32_t fusemoe_c_ep_forward(const FusemoeCEpConfig* config,
+                                           const FusemoeCEpForwardArgs* args);
+FUSEMOE_C_API int32_t fusemoe_c_ep_backward(const FusemoeCEpConfig* config,
+                                            const FusemoeCEpBackwardArgs* args);
+
 /* FUSEMOE_C_ERROR with the message naming the first bad id if `report` (host-readable: a host
  * copy or pinned memory) holds one; FUSEMOE_C_OK for an empty report. Reads, never writes. */
 FUSEMOE_C_API int32_t fusemoe_c_check_expert_id_report(const int32_t* report, int64_t num_experts,
@@ -160,7 +245,8 @@ FUSEMOE_C_API int32_t fusemoe_c_check_expert_id_report(const int32_t* report, in
 
 /* The layout of the structs above as this library was compiled, so a binding can check its own
  * declarations ("FusemoeCLayer", "FusemoeCForwardArgs", "FusemoeCBackwardArgs",
- * "FusemoeCFp8QuantizeArgs"):
+ * "FusemoeCFp8QuantizeArgs", "FusemoeCEpConfig", "FusemoeCEpForwardArgs",
+ * "FusemoeCEpBackwardArgs"):
  * fusemoe_c_struct_layout gives sizeof and the number of fields; fusemoe_c_struct_field gives
  * field `field_index` (declaration order): its name (static storage), offsetof and sizeof. */
 FUSEMOE_C_API int32_t fusemoe_c_struct_layout(const char* struct_name, uint64_t* struct_size,

@@ -11,13 +11,17 @@ CUDA library is the CMake target fusemoe_c (libfusemoe_c.so): FUSEMOE_LIBRARY, e
     y = experts(hidden_states, top_k_index, top_k_weights)          # like Qwen3MoeExperts
     report = fusemoe.patch_hf_experts(hf_model)                      # swap, weights shared
     print(report)                                                   # swapped / left and why
+
+Expert parallelism over a torch.distributed group (fusemoe.expert_parallel has the rules):
+    experts = fusemoe.ExpertParallelMoEExperts.from_experts(hf_experts, max_tokens_per_rank=8192)
 """
 from ._capi import FusemoeError, is_available, library_path
+from .expert_parallel import ExpertParallelMoEExperts
 from .hf import PatchReport, patch_hf_experts, plan_hf_experts, replace_qwen3_moe_experts
 from .modules import MoEExperts
 from .ops import DEFAULT_IMPL, check_expert_ids, moe_experts
 
-__all__ = ["DEFAULT_IMPL", "FusemoeError", "MoEExperts", "PatchReport", "check_expert_ids",
-           "is_available", "library_path", "moe_experts", "patch_hf_experts", "plan_hf_experts",
-           "replace_qwen3_moe_experts"]
+__all__ = ["DEFAULT_IMPL", "ExpertParallelMoEExperts", "FusemoeError", "MoEExperts",
+           "PatchReport", "check_expert_ids", "is_available", "library_path", "moe_experts",
+           "patch_hf_experts", "plan_hf_experts", "replace_qwen3_moe_experts"]
 __version__ = "0.1.0"

@@ -8,14 +8,15 @@ Every C function returns a status; a non-zero one becomes FusemoeError carrying
 fusemoe_c_last_error(). Calls pass one struct each (FusemoeCLayer, built once per layer,
 implementation and precision by layer(); FusemoeCForwardArgs / FusemoeCBackwardArgs /
 FusemoeCFp8QuantizeArgs, filled per call), whose struct_size lets the library refuse a binding
-written for another layout.
+written for another layout. Expert parallelism has its own three (FusemoeCEpConfig, built once
+per rank and layer by ep_config(); FusemoeCEpForwardArgs / FusemoeCEpBackwardArgs).
 """
 import ctypes
 import functools
 import os
 import threading
 
-ABI_VERSION = 6  # FUSEMOE_C_ABI_VERSION this binding is written for
+ABI_VERSION = 7  # FUSEMOE_C_ABI_VERSION this binding is written for
 WEIGHT_GRAD_FLOAT32 = 0
 WEIGHT_GRAD_BFLOAT16 = 1
 EXPERT_ID_REPORT_INTS = 3  # fusemoe::kExpertIdReportInts
@@ -77,13 +78,58 @@ class Fp8QuantizeArgs(ctypes.Structure):
                 ("buffer_bytes", _u64), ("stream", _ptr)]
 
 
+class EpConfig(ctypes.Structure):
+    """FusemoeCEpConfig: one rank's view of an expert-parallel layer. Build it with ep_config()."""
+    _fields_ = [("struct_size", _u32), ("world_size", _i32), ("rank", _i32), ("layer", Layer)]
+
+    def workspace_bytes(self, use=None):
+        """As Layer.workspace_bytes, for this rank's private workspace. Cached."""
+        sizes = self.__dict__.setdefault("_workspace_sizes", {})
+        num_bytes = sizes.get(use)
+        if num_bytes is None:
+            num_bytes = sizes.setdefault(use, _ep_workspace_bytes(self, use))
+        return num_bytes
+
+    def __getattr__(self, name):
+        # The layer's dims (hidden, ..., max_tokens) read through, for the workspace messages.
+        if name in ("hidden", "intermediate", "num_experts", "top_k", "max_tokens"):
+            return getattr(self.layer, name)
+        raise AttributeError(name)
+
+
+class EpForwardArgs(ctypes.Structure):
+    """FusemoeCEpForwardArgs: pointers are ints (data_ptr()) or None; peer_symmetric is the
+    address of a host array of R pointers."""
+    _fields_ = [("struct_size", _u32), ("num_sms", _i32), ("x", _ptr), ("topk_idx", _ptr),
+                ("topk_weights", _ptr), ("w13", _ptr), ("w2", _ptr), ("y", _ptr),
+                ("num_tokens", _i64), ("peer_symmetric", _ptr), ("workspace", _ptr),
+                ("workspace_bytes", _u64), ("expert_id_report", _ptr), ("saved_state", _ptr),
+                ("stream", _ptr)]
+
+
+class EpBackwardArgs(ctypes.Structure):
+    """FusemoeCEpBackwardArgs: as EpForwardArgs."""
+    _fields_ = [("struct_size", _u32), ("weight_grad_dtype", _i32), ("x", _ptr),
+                ("topk_idx", _ptr), ("topk_weights", _ptr), ("w13", _ptr), ("w2", _ptr),
+                ("dy", _ptr), ("dx", _ptr), ("d_topk_weights", _ptr), ("dw13", _ptr),
+                ("dw2", _ptr), ("accumulate_weight_grads", _i32), ("num_sms", _i32),
+                ("num_tokens", _i64), ("peer_symmetric", _ptr), ("workspace", _ptr),
+                ("workspace_bytes", _u64), ("expert_id_report", _ptr), ("saved_state", _ptr),
+                ("stream", _ptr)]
+
+
 STRUCTS = {"FusemoeCLayer": Layer, "FusemoeCForwardArgs": ForwardArgs,
-           "FusemoeCBackwardArgs": BackwardArgs, "FusemoeCFp8QuantizeArgs": Fp8QuantizeArgs}
+           "FusemoeCBackwardArgs": BackwardArgs, "FusemoeCFp8QuantizeArgs": Fp8QuantizeArgs,
+           "FusemoeCEpConfig": EpConfig, "FusemoeCEpForwardArgs": EpForwardArgs,
+           "FusemoeCEpBackwardArgs": EpBackwardArgs}
 _FORWARD_SIZE = ctypes.sizeof(ForwardArgs)
 _BACKWARD_SIZE = ctypes.sizeof(BackwardArgs)
 _FP8_QUANTIZE_SIZE = ctypes.sizeof(Fp8QuantizeArgs)
+_EP_FORWARD_SIZE = ctypes.sizeof(EpForwardArgs)
+_EP_BACKWARD_SIZE = ctypes.sizeof(EpBackwardArgs)
 
 _LAYER_P, _OUT_U64 = ctypes.POINTER(Layer), ctypes.POINTER(_u64)
+_EP_CONFIG_P = ctypes.POINTER(EpConfig)
 _SIGNATURES = {
     "fusemoe_c_abi_version": ([], _i32),
     "fusemoe_c_last_error": ([], ctypes.c_char_p),
@@ -95,6 +141,12 @@ _SIGNATURES = {
     "fusemoe_c_quantize_weights_fp8": ([_LAYER_P, ctypes.POINTER(Fp8QuantizeArgs)], _i32),
     "fusemoe_c_forward": ([_LAYER_P, ctypes.POINTER(ForwardArgs)], _i32),
     "fusemoe_c_backward": ([_LAYER_P, ctypes.POINTER(BackwardArgs)], _i32),
+    "fusemoe_c_ep_symmetric_bytes": ([_EP_CONFIG_P, _OUT_U64], _i32),
+    "fusemoe_c_ep_workspace_bytes": ([_EP_CONFIG_P, _OUT_U64], _i32),
+    "fusemoe_c_ep_workspace_bytes_for": ([_EP_CONFIG_P, _i32, _OUT_U64], _i32),
+    "fusemoe_c_ep_saved_state_bytes": ([_EP_CONFIG_P, _OUT_U64], _i32),
+    "fusemoe_c_ep_forward": ([_EP_CONFIG_P, ctypes.POINTER(EpForwardArgs)], _i32),
+    "fusemoe_c_ep_backward": ([_EP_CONFIG_P, ctypes.POINTER(EpBackwardArgs)], _i32),
     # report (host-readable), num_experts, top_k
     "fusemoe_c_check_expert_id_report": ([_ptr, _i64, _i64], _i32),
     "fusemoe_c_struct_layout": ([ctypes.c_char_p, _OUT_U64, ctypes.POINTER(_i32)], _i32),
@@ -197,17 +249,23 @@ def layer(hidden, intermediate, num_experts, top_k, max_tokens, impl, swiglu_cla
     return built
 
 
-def _workspace_bytes(layer_, use):
+def _workspace_bytes(layer_, use, prefix="fusemoe_c"):
+    """The workspace size queries of a Layer (prefix "fusemoe_c") or an EpConfig
+    ("fusemoe_c_ep")."""
     lib = load()
     out = _u64()
     if use is None:
-        _check(lib.fusemoe_c_workspace_bytes(ctypes.byref(layer_), ctypes.byref(out)))
+        _check(getattr(lib, f"{prefix}_workspace_bytes")(ctypes.byref(layer_), ctypes.byref(out)))
     else:
         if use not in WORKSPACE_USES:
             raise FusemoeError(f"use must be one of {sorted(WORKSPACE_USES)} or None, got {use!r}")
-        _check(lib.fusemoe_c_workspace_bytes_for(ctypes.byref(layer_), WORKSPACE_USES[use],
-                                                 ctypes.byref(out)))
+        _check(getattr(lib, f"{prefix}_workspace_bytes_for")(
+            ctypes.byref(layer_), WORKSPACE_USES[use], ctypes.byref(out)))
     return out.value
+
+
+def _ep_workspace_bytes(config, use):
+    return _workspace_bytes(config, use, "fusemoe_c_ep")
 
 
 def saved_z_bytes(layer_):
@@ -254,6 +312,46 @@ def quantize_weights_fp8(layer_, w13, w2, buffer, buffer_bytes, stream):
     lib = load()
     args = Fp8QuantizeArgs(_FP8_QUANTIZE_SIZE, w13, w2, buffer, buffer_bytes, stream)
     _check(lib.fusemoe_c_quantize_weights_fp8(ctypes.byref(layer_), args))
+
+
+@functools.lru_cache(maxsize=64)
+def ep_config(hidden, intermediate, num_experts, top_k, max_tokens, world_size, rank,
+              swiglu_clamp=None):
+    """The FusemoeCEpConfig of one rank of an expert-parallel layer (GLOBAL num_experts;
+    max_tokens bounds every rank's T), built once and cached. The library checks the values when
+    a call uses it; symmetric_bytes and saved_state_bytes are queried here, so a bad config fails
+    now with the library's message."""
+    clamp_on = swiglu_clamp is not None
+    built = EpConfig(ctypes.sizeof(EpConfig), world_size, rank,
+                     Layer(ctypes.sizeof(Layer), 0, hidden, intermediate, num_experts, top_k,
+                           max_tokens, int(clamp_on), float(swiglu_clamp) if clamp_on else 0.0,
+                           PRECISIONS["bf16"]))
+    lib = load()
+    for name in ("symmetric_bytes", "saved_state_bytes"):
+        out = _u64()
+        _check(getattr(lib, f"fusemoe_c_ep_{name}")(ctypes.byref(built), ctypes.byref(out)))
+        setattr(built, name, out.value)
+    return built
+
+
+def ep_forward(config, x, topk_idx, topk_weights, w13, w2, y, num_tokens, peer_symmetric,
+               workspace, workspace_bytes_, expert_id_report, saved_state, stream, num_sms=0):
+    """Pointers are ints (data_ptr(); expert_id_report and saved_state may be None);
+    peer_symmetric is the address of the host array of the R ranks' symmetric workspaces."""
+    args = EpForwardArgs(_EP_FORWARD_SIZE, num_sms, x, topk_idx, topk_weights, w13, w2, y,
+                         num_tokens, peer_symmetric, workspace, workspace_bytes_,
+                         expert_id_report, saved_state, stream)
+    _check(load().fusemoe_c_ep_forward(config, args))
+
+
+def ep_backward(config, x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights, dw13, dw2,
+                weight_grad_dtype, accumulate, num_tokens, peer_symmetric, workspace,
+                workspace_bytes_, expert_id_report, saved_state, stream, num_sms=0):
+    args = EpBackwardArgs(_EP_BACKWARD_SIZE, weight_grad_dtype, x, topk_idx, topk_weights, w13,
+                          w2, dy, dx, d_topk_weights, dw13, dw2, 1 if accumulate else 0, num_sms,
+                          num_tokens, peer_symmetric, workspace, workspace_bytes_,
+                          expert_id_report, saved_state, stream)
+    _check(load().fusemoe_c_ep_backward(config, args))
 
 
 def check_expert_id_report(report, num_experts, top_k):

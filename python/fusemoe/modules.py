@@ -22,6 +22,32 @@ def _check_impl_name(impl):
         _capi.impl_code(impl)  # raises FusemoeError listing the known names
 
 
+def op_weights(w13, w2):
+    """The experts' weights as the ops take them: bf16 (fp32 master weights are cast, through
+    autograd, so their gradients come back in fp32)."""
+    if w13.dtype != torch.bfloat16:
+        return w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+    return w13, w2
+
+
+def op_inputs(hidden_states, top_k_index, top_k_weights, hidden_dim):
+    """What the ops are strict about, from a caller's tensors (any leading shape, index and
+    weight dtypes): x [T, H] bf16, topk_idx [T, K] int32, topk_weights [T, K] fp32, contiguous,
+    converted through autograd."""
+    top_k = top_k_index.shape[-1]
+    x_TH = hidden_states.reshape(-1, hidden_dim).to(torch.bfloat16).contiguous()
+    topk_idx_TK = top_k_index.reshape(-1, top_k).to(torch.int32).contiguous()
+    topk_weights_TK = top_k_weights.reshape(-1, top_k).to(torch.float32).contiguous()
+    return x_TH, topk_idx_TK, topk_weights_TK
+
+
+def output_like(y_TH, hidden_states):
+    """y in hidden_states' dtype and shape."""
+    y = y_TH.to(hidden_states.dtype)
+    # A view only where the caller's shape needs one (FSDP2 warns about views it returns).
+    return y if y.shape == hidden_states.shape else y.reshape(hidden_states.shape)
+
+
 def _invalidate_fp8_caches(module, incompatible_keys):
     from .fp8 import invalidate_fp8_caches
     invalidate_fp8_caches()
@@ -90,13 +116,9 @@ class MoEExperts(nn.Module):
     def forward(self, hidden_states, top_k_index, top_k_weights):
         """hidden_states [..., H], top_k_index [..., K] (int; -1 masks a slot), top_k_weights
         [..., K] (any float dtype) -> [..., H] in hidden_states' dtype."""
-        w13_EFH, w2_EHI = self.gate_up_proj, self.down_proj
-        if w13_EFH.dtype != torch.bfloat16:  # fp32 master weights: compute in bf16
-            w13_EFH, w2_EHI = w13_EFH.to(torch.bfloat16), w2_EHI.to(torch.bfloat16)
-        top_k = top_k_index.shape[-1]
-        x_TH = hidden_states.reshape(-1, self.hidden_dim).to(torch.bfloat16).contiguous()
-        topk_idx_TK = top_k_index.reshape(-1, top_k).to(torch.int32).contiguous()
-        topk_weights_TK = top_k_weights.reshape(-1, top_k).to(torch.float32).contiguous()
+        w13_EFH, w2_EHI = op_weights(self.gate_up_proj, self.down_proj)
+        x_TH, topk_idx_TK, topk_weights_TK = op_inputs(hidden_states, top_k_index, top_k_weights,
+                                                       self.hidden_dim)
         fp8_weights = None
         if self.precision == "fp8":
             from .fp8 import cached_fp8_weights
@@ -107,9 +129,7 @@ class MoEExperts(nn.Module):
                            grad_in_place=self.grad_in_place, recompute_z=self.recompute_z,
                            swiglu_clamp=self.swiglu_clamp, precision=self.precision,
                            fp8_weights=fp8_weights)
-        y = y_TH.to(hidden_states.dtype)
-        # A view only where the caller's shape needs one (FSDP2 warns about views it returns).
-        return y if y.shape == hidden_states.shape else y.reshape(hidden_states.shape)
+        return output_like(y_TH, hidden_states)
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "

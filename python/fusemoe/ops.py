@@ -41,13 +41,14 @@ _reports_lock = threading.Lock()
 _reports = {}
 
 
-def _expert_id_report(device, num_experts, top_k):
-    """Raises any bad id reported on this device so far; returns the address of the report for
-    a call of this layer shape."""
+def _expert_id_report(device, num_experts, top_k, raise_pending=True):
+    """Raises any bad id reported on this device so far (unless not raise_pending: the
+    expert-parallel ops, whose peers would wait for a call this rank then never makes); returns
+    the address of the report for a call of this layer shape."""
     key = (device.index, num_experts, top_k)
     with _reports_lock:
         for (index, experts, k), report in _reports.items():
-            if index == device.index:
+            if raise_pending and index == device.index:
                 _raise_if_reported(report, experts, k)
         report = _reports.get(key)
         if report is None:
@@ -79,61 +80,67 @@ def check_expert_ids(synchronize=True):
             _raise_if_reported(report, num_experts, top_k)
 
 
-def _fail(message):
-    raise ValueError(f"fusemoe.moe_experts: {message}")
+API = "fusemoe.moe_experts"  # what the ops' argument errors start with
 
 
-def _check_tensor(t, name, ndim, dtype):
+def _fail(message, api=API):
+    """api: the function the user called, which the message names (fusemoe.expert_parallel passes
+    its own)."""
+    raise ValueError(f"{api}: {message}")
+
+
+def _check_tensor(t, name, ndim, dtype, api=API):
     if not isinstance(t, Tensor):
-        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}", api)
     if t.dim() != ndim:
-        _fail(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+        _fail(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}", api)
     if t.dtype != dtype:
-        _fail(f"{name} must be {dtype}, got {t.dtype}")
+        _fail(f"{name} must be {dtype}, got {t.dtype}", api)
     if not t.is_contiguous():
-        _fail(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
+        _fail(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}", api)
 
 
-def _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH=None):
+def _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH=None, api=API):
     """Checks dtypes, ranks, contiguity, shapes and devices; returns the layer's dims
     (H, I, E, K, T) (the C layer takes max_tokens = T: the workspace is sized per call)."""
-    _check_tensor(x_TH, "x (hidden_states)", 2, torch.bfloat16)
-    _check_tensor(topk_idx_TK, "topk_idx", 2, torch.int32)
-    _check_tensor(topk_weights_TK, "topk_weights", 2, torch.float32)
-    _check_tensor(w13_EFH, "w13 (gate_up_proj)", 3, torch.bfloat16)
-    _check_tensor(w2_EHI, "w2 (down_proj)", 3, torch.bfloat16)
+    _check_tensor(x_TH, "x (hidden_states)", 2, torch.bfloat16, api=api)
+    _check_tensor(topk_idx_TK, "topk_idx", 2, torch.int32, api=api)
+    _check_tensor(topk_weights_TK, "topk_weights", 2, torch.float32, api=api)
+    _check_tensor(w13_EFH, "w13 (gate_up_proj)", 3, torch.bfloat16, api=api)
+    _check_tensor(w2_EHI, "w2 (down_proj)", 3, torch.bfloat16, api=api)
     num_tokens, hidden = x_TH.shape
     num_experts, two_intermediate, w13_hidden = w13_EFH.shape
     intermediate = two_intermediate // 2
     if two_intermediate % 2 != 0 or w13_hidden != hidden:
         _fail(f"w13 (gate_up_proj) must be [E, 2I, H] with H = x.shape[1] = {hidden}, "
-              f"got {tuple(w13_EFH.shape)}")
+              f"got {tuple(w13_EFH.shape)}", api)
     if tuple(w2_EHI.shape) != (num_experts, hidden, intermediate):
         _fail(f"w2 (down_proj) must be [E, H, I] = {(num_experts, hidden, intermediate)} to match "
-              f"w13 {tuple(w13_EFH.shape)}, got {tuple(w2_EHI.shape)}")
+              f"w13 {tuple(w13_EFH.shape)}, got {tuple(w2_EHI.shape)}", api)
     if topk_idx_TK.shape[0] != num_tokens:
         _fail(f"topk_idx must be [T, K] with T = x.shape[0] = {num_tokens}, "
-              f"got {tuple(topk_idx_TK.shape)}")
+              f"got {tuple(topk_idx_TK.shape)}", api)
     if topk_weights_TK.shape != topk_idx_TK.shape:
         _fail(f"topk_weights must have the shape of topk_idx {tuple(topk_idx_TK.shape)}, "
-              f"got {tuple(topk_weights_TK.shape)}")
+              f"got {tuple(topk_weights_TK.shape)}", api)
     named = [("topk_idx", topk_idx_TK), ("topk_weights", topk_weights_TK),
              ("w13 (gate_up_proj)", w13_EFH), ("w2 (down_proj)", w2_EHI)]
     if dy_TH is not None:
-        _check_tensor(dy_TH, "dy (grad of the output)", 2, torch.bfloat16)
+        _check_tensor(dy_TH, "dy (grad of the output)", 2, torch.bfloat16, api=api)
         if dy_TH.shape != x_TH.shape:
-            _fail(f"dy must have the shape of x {tuple(x_TH.shape)}, got {tuple(dy_TH.shape)}")
+            _fail(f"dy must have the shape of x {tuple(x_TH.shape)}, got {tuple(dy_TH.shape)}",
+                  api)
         named.append(("dy", dy_TH))
     for name, t in named:
         if t.device != x_TH.device:
             _fail(f"{name} is on {t.device} but x is on {x_TH.device}: all tensors must be on "
-                  "one CUDA device")
+                  "one CUDA device", api)
     return (hidden, intermediate, num_experts, topk_idx_TK.shape[1], num_tokens)
 
 
-def _check_cuda(x_TH):
+def _check_cuda(x_TH, api=API):
     if x_TH.device.type != "cuda":
-        _fail(f"tensors must be on a CUDA device, got {x_TH.device}")
+        _fail(f"tensors must be on a CUDA device, got {x_TH.device}", api)
 
 
 def _check_impl(impl):
@@ -360,18 +367,18 @@ def _moe_experts_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w
                           saved_z_SF, swiglu_clamp, weight_grads=(dw13_EFH, dw2_EHI))
 
 
-def _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI):
+def _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI, api=API):
     """The C library's weight_grad_dtype code for gradient buffers dw13/dw2."""
     codes = {torch.float32: _capi.WEIGHT_GRAD_FLOAT32, torch.bfloat16: _capi.WEIGHT_GRAD_BFLOAT16}
     for name, grad, weight in (("dw13", dw13_EFH, w13_EFH), ("dw2", dw2_EHI, w2_EHI)):
         if not isinstance(grad, Tensor) or grad.dtype not in codes:
             _fail(f"{name} must be a float32 or bfloat16 tensor, got "
-                  f"{getattr(grad, 'dtype', type(grad).__name__)}")
+                  f"{getattr(grad, 'dtype', type(grad).__name__)}", api)
         if grad.shape != weight.shape or not grad.is_contiguous() or grad.device != weight.device:
             _fail(f"{name} must be contiguous, on {weight.device}, of shape {tuple(weight.shape)}; "
-                  f"got {tuple(grad.shape)} on {grad.device}, strides {grad.stride()}")
+                  f"got {tuple(grad.shape)} on {grad.device}, strides {grad.stride()}", api)
     if dw13_EFH.dtype != dw2_EHI.dtype:
-        _fail(f"dw13 and dw2 must have one dtype, got {dw13_EFH.dtype} and {dw2_EHI.dtype}")
+        _fail(f"dw13 and dw2 must have one dtype, got {dw13_EFH.dtype} and {dw2_EHI.dtype}", api)
     return codes[dw13_EFH.dtype]
 
 

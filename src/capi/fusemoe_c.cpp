@@ -12,6 +12,7 @@
 #include <new>
 #include <string>
 
+#include "fusemoe/expert_parallel.h"
 #include "fusemoe/fusemoe.h"
 
 namespace {
@@ -98,22 +99,49 @@ fusemoe::LayerConfig config_of(const FusemoeCLayer& l) {
   return config;
 }
 
-// The fields the forward and backward args share (C and C++ spell them alike).
+fusemoe::EpConfig ep_config_of(const FusemoeCEpConfig& c) {
+  fusemoe::EpConfig config;
+  config.layer = config_of(checked_struct(&c.layer, "config.layer", "FusemoeCLayer"));
+  config.world_size = c.world_size;
+  config.rank = c.rank;
+  return config;
+}
+
+// The fields every call's C args and C++ args share (they spell them alike): the single-GPU
+// forward and backward args, the expert-parallel EpCall.
 template <typename Args, typename CArgs>
-Args call_args_of(const CArgs& a) {
-  Args args;
+void copy_call_fields(Args& args, const CArgs& a) {
   args.x = a.x;
   args.topk_idx = a.topk_idx;
   args.topk_weights = a.topk_weights;
   args.w13 = a.w13;
   args.w2 = a.w2;
-  args.fp8_weights = a.fp8_weights;
   args.num_tokens = a.num_tokens;
   args.workspace = a.workspace;
   args.workspace_bytes = a.workspace_bytes;
   args.expert_id_report = a.expert_id_report;
-  args.saved_z = a.saved_z;
   args.stream = static_cast<cudaStream_t>(a.stream);
+}
+
+// dy and the gradient outputs of a backward's C args (single-GPU and expert-parallel alike).
+template <typename Args, typename CArgs>
+void copy_gradient_fields(Args& b, const CArgs& a) {
+  b.dy = a.dy;
+  b.dx = a.dx;
+  b.d_topk_weights = a.d_topk_weights;
+  b.dw13 = a.dw13;
+  b.dw2 = a.dw2;
+  b.weight_grad_dtype = static_cast<fusemoe::WeightGradDtype>(a.weight_grad_dtype);
+  b.accumulate_weight_grads = a.accumulate_weight_grads != 0;
+}
+
+// The fields the single-GPU forward and backward args share.
+template <typename Args, typename CArgs>
+Args call_args_of(const CArgs& a) {
+  Args args;
+  copy_call_fields(args, a);
+  args.fp8_weights = a.fp8_weights;
+  args.saved_z = a.saved_z;
   return args;
 }
 
@@ -126,6 +154,39 @@ int32_t layer_call(const FusemoeCLayer* layer, const CArgs* args, const char* ar
     const CArgs& a = checked_struct(args, "args", args_type);
     const Impl impl = impl_from_code(l.impl_code);
     fn(config_of(l), impl, a, call_args_of<Args>(a));
+  });
+}
+
+// The EpCall of an expert-parallel call's C args (forward and backward spell these alike). A
+// call without an expert-id report checks the ids with a stream sync, as the single-GPU calls do.
+template <typename CArgs>
+fusemoe::EpCall ep_call_of(const CArgs& a) {
+  fusemoe::EpCall call;
+  copy_call_fields(call, a);
+  call.peer_symmetric = a.peer_symmetric;
+  call.sync_check_expert_ids = a.expert_id_report == nullptr;
+  call.num_sms = a.num_sms;
+  return call;
+}
+
+// An expert-parallel call's entry point: checks the config and args structs, then
+// fn(config, C args, the EpCall).
+template <typename CArgs, typename Fn>
+int32_t ep_call(const FusemoeCEpConfig* config, const CArgs* args, const char* args_type, Fn&& fn) {
+  return guarded([&] {
+    const fusemoe::EpConfig c = ep_config_of(checked_struct(config, "config", "FusemoeCEpConfig"));
+    const CArgs& a = checked_struct(args, "args", args_type);
+    fn(c, a, ep_call_of(a));
+  });
+}
+
+// A size query of an expert-parallel config: *bytes = size(config).
+template <typename Size>
+int32_t ep_bytes(const FusemoeCEpConfig* config, uint64_t* bytes, Size&& size) {
+  return guarded([&] {
+    const fusemoe::EpConfig c = ep_config_of(checked_struct(config, "config", "FusemoeCEpConfig"));
+    FUSEMOE_CHECK(bytes != nullptr, "bytes (output) must not be null");
+    *bytes = size(c);
   });
 }
 
@@ -218,6 +279,52 @@ constexpr FieldLayout kFp8QuantizeFields[] = {
     FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, buffer_bytes),
     FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, stream),
 };
+constexpr FieldLayout kEpConfigFields[] = {
+    FUSEMOE_C_FIELD(FusemoeCEpConfig, struct_size),
+    FUSEMOE_C_FIELD(FusemoeCEpConfig, world_size),
+    FUSEMOE_C_FIELD(FusemoeCEpConfig, rank),
+    FUSEMOE_C_FIELD(FusemoeCEpConfig, layer),
+};
+constexpr FieldLayout kEpForwardFields[] = {
+    FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, struct_size),
+    FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, num_sms),
+    FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, x),
+    FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, topk_idx),
+    FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, topk_weights),
+    FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, w13),
+    FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, w2),
+    FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, y),
+    FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, num_tokens),
+    FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, peer_symmetric),
+    FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, workspace),
+    FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, workspace_bytes),
+    FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, expert_id_report),
+    FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, saved_state),
+    FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, stream),
+};
+constexpr FieldLayout kEpBackwardFields[] = {
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, struct_size),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, weight_grad_dtype),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, x),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, topk_idx),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, topk_weights),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, w13),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, w2),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, dy),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, dx),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, d_topk_weights),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, dw13),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, dw2),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, accumulate_weight_grads),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, num_sms),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, num_tokens),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, peer_symmetric),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, workspace),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, workspace_bytes),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, expert_id_report),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, saved_state),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, stream),
+};
 #undef FUSEMOE_C_FIELD
 
 struct StructLayout {
@@ -237,16 +344,27 @@ const StructLayout kStructs[] = {
     struct_layout("FusemoeCForwardArgs", sizeof(FusemoeCForwardArgs), kForwardFields),
     struct_layout("FusemoeCBackwardArgs", sizeof(FusemoeCBackwardArgs), kBackwardFields),
     struct_layout("FusemoeCFp8QuantizeArgs", sizeof(FusemoeCFp8QuantizeArgs), kFp8QuantizeFields),
+    struct_layout("FusemoeCEpConfig", sizeof(FusemoeCEpConfig), kEpConfigFields),
+    struct_layout("FusemoeCEpForwardArgs", sizeof(FusemoeCEpForwardArgs), kEpForwardFields),
+    struct_layout("FusemoeCEpBackwardArgs", sizeof(FusemoeCEpBackwardArgs), kEpBackwardFields),
 };
+
+// "FusemoeCLayer, ..." for the unknown-struct message.
+std::string struct_names() {
+  std::string names;
+  for (const StructLayout& s : kStructs) {
+    names += names.empty() ? "" : ", ";
+    names += s.name;
+  }
+  return names;
+}
 
 const StructLayout& find_struct(const char* name) {
   FUSEMOE_CHECK(name != nullptr, "struct_name must not be null");
   for (const StructLayout& s : kStructs) {
     if (std::strcmp(s.name, name) == 0) return s;
   }
-  FUSEMOE_CHECK(false, "struct_name: unknown struct \"" << name
-                                                        << "\" (FusemoeCLayer, FusemoeCForwardArgs, "
-                                                           "FusemoeCBackwardArgs, FusemoeCFp8QuantizeArgs)");
+  FUSEMOE_CHECK(false, "struct_name: unknown struct \"" << name << "\" (" << struct_names() << ")");
   return kStructs[0];  // not reached
 }
 
@@ -317,15 +435,49 @@ int32_t fusemoe_c_backward(const FusemoeCLayer* layer, const FusemoeCBackwardArg
   return layer_call<fusemoe::BackwardArgs>(
       layer, args, "FusemoeCBackwardArgs",
       [](const fusemoe::LayerConfig& config, Impl impl, const FusemoeCBackwardArgs& a, fusemoe::BackwardArgs b) {
-        b.dy = a.dy;
-        b.dx = a.dx;
-        b.d_topk_weights = a.d_topk_weights;
-        b.dw13 = a.dw13;
-        b.dw2 = a.dw2;
-        b.weight_grad_dtype = static_cast<fusemoe::WeightGradDtype>(a.weight_grad_dtype);
-        b.accumulate_weight_grads = a.accumulate_weight_grads != 0;
+        copy_gradient_fields(b, a);
         fusemoe::backward(config, impl, b);
       });
+}
+
+int32_t fusemoe_c_ep_symmetric_bytes(const FusemoeCEpConfig* config, uint64_t* bytes) {
+  return ep_bytes(config, bytes, [](const fusemoe::EpConfig& c) { return fusemoe::ep_symmetric_bytes(c); });
+}
+
+int32_t fusemoe_c_ep_workspace_bytes(const FusemoeCEpConfig* config, uint64_t* bytes) {
+  return ep_bytes(config, bytes, [](const fusemoe::EpConfig& c) { return fusemoe::ep_workspace_bytes(c); });
+}
+
+int32_t fusemoe_c_ep_workspace_bytes_for(const FusemoeCEpConfig* config, int32_t use, uint64_t* bytes) {
+  return ep_bytes(config, bytes, [use](const fusemoe::EpConfig& c) {
+    return fusemoe::ep_workspace_bytes(c, static_cast<fusemoe::WorkspaceUse>(use));
+  });
+}
+
+int32_t fusemoe_c_ep_saved_state_bytes(const FusemoeCEpConfig* config, uint64_t* bytes) {
+  return ep_bytes(config, bytes, [](const fusemoe::EpConfig& c) { return fusemoe::ep_saved_state_bytes(c); });
+}
+
+int32_t fusemoe_c_ep_forward(const FusemoeCEpConfig* config, const FusemoeCEpForwardArgs* args) {
+  return ep_call(config, args, "FusemoeCEpForwardArgs",
+                 [](const fusemoe::EpConfig& c, const FusemoeCEpForwardArgs& a, const fusemoe::EpCall& call) {
+                   fusemoe::EpForwardArgs f;
+                   f.call = call;
+                   f.y = a.y;
+                   f.saved_state = a.saved_state;
+                   fusemoe::ep_forward(c, f);
+                 });
+}
+
+int32_t fusemoe_c_ep_backward(const FusemoeCEpConfig* config, const FusemoeCEpBackwardArgs* args) {
+  return ep_call(config, args, "FusemoeCEpBackwardArgs",
+                 [](const fusemoe::EpConfig& c, const FusemoeCEpBackwardArgs& a, const fusemoe::EpCall& call) {
+                   fusemoe::EpBackwardArgs b;
+                   b.call = call;
+                   copy_gradient_fields(b, a);
+                   b.saved_state = a.saved_state;
+                   fusemoe::ep_backward(c, b);
+                 });
 }
 
 int32_t fusemoe_c_check_expert_id_report(const int32_t* report, int64_t num_experts,

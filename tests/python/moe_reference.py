@@ -245,3 +245,60 @@ def assert_within_noise(rows, atol, noise_name, prefix=""):
             failures.append(report[-1])
     print("\n".join(report))
     assert not failures, "\n".join(failures)
+
+
+def cpu_connect(group, device, num_bytes):
+    """Stands in for fusemoe.expert_parallel._connect on the CPU (tests monkeypatch it): no
+    symmetric memory, null peers; the CPU expert-parallel kernels below talk over the group."""
+    import torch.distributed as dist
+    if device.type != "cpu":
+        raise ValueError(f"cpu_connect serves CPU modules only, got {device}")
+    return torch.empty(0, dtype=torch.uint8), None, [0] * dist.get_world_size(group)
+
+
+def register_cpu_ep_kernels():
+    """CPU kernels for the expert-parallel ops (with cpu_connect): every rank gathers every
+    rank's tokens and experts over the context's gloo group, computes the whole layer on the
+    concatenated batch (rank 0's tokens first) in fp32 as the CPU kernels above do, and keeps its
+    own tokens' rows and its own experts' weight gradients: the contract of the CUDA layer, so
+    the module, autograd, the fake kernels and the training example can be tested without a GPU.
+    They validate their arguments with the ops' own checks first."""
+    import torch.distributed as dist
+    from fusemoe import expert_parallel as ep
+
+    def clamp_of(ctx):
+        layer = ctx.config.layer
+        return layer.swiglu_clamp if layer.use_swiglu_clamp else None
+
+    def gathered(ctx, *tensors):
+        """Every rank's tensors, concatenated in rank order (dim 0), and this rank's first row."""
+        per_rank = [None] * dist.get_world_size(ctx.group)
+        dist.all_gather_object(per_rank, tensors, group=ctx.group)
+        rank = dist.get_rank(ctx.group)
+        first = sum(ts[0].shape[0] for ts in per_rank[:rank])
+        return [torch.cat([ts[i] for ts in per_rank]) for i in range(len(tensors))], first
+
+    @torch.library.register_kernel("fusemoe::ep_moe_experts_forward", "cpu")
+    def _forward_cpu(x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context, save_z):
+        ctx, num_tokens = ep._check_call(context, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH,
+                                         w2_LHI)
+        (x, idx, w), first = gathered(ctx, x_TH, topk_idx_TK, topk_weights_TK)
+        (w13, w2), _ = gathered(ctx, w13_LFH, w2_LHI)
+        y_TH = moe_experts_torch(x.float(), idx, w, w13.float(), w2.float(),
+                                 clamp_of(ctx))[first:first + num_tokens]
+        return y_TH.to(x_TH.dtype), ep._empty_saved_state(x_TH, ctx, save_z).zero_()
+
+    @torch.library.register_kernel("fusemoe::ep_moe_experts_backward", "cpu")
+    def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context,
+                      saved_state=None):
+        ctx, num_tokens = ep._check_call(context, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH,
+                                         w2_LHI, dy_TH)
+        ep._check_saved_state(ctx, saved_state, x_TH)
+        (dy, x, idx, w), first = gathered(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK)
+        (w13, w2), _ = gathered(ctx, w13_LFH, w2_LHI)
+        dx, dw, dw13, dw2 = moe_experts_backward_fp32(dy, x, idx, w, w13, w2, clamp_of(ctx))
+        local = w13_LFH.shape[0]
+        experts = slice(dist.get_rank(ctx.group) * local, (dist.get_rank(ctx.group) + 1) * local)
+        tokens = slice(first, first + num_tokens)
+        return (dx[tokens].to(x_TH.dtype), dw[tokens], dw13[experts].to(w13_LFH.dtype),
+                dw2[experts].to(w2_LHI.dtype))

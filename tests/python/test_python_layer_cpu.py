@@ -356,6 +356,41 @@ def test_struct_layout_matches_the_library(struct_name):
     assert library[1][0][0] == "struct_size"
 
 
+def test_struct_layout_matches_a_c_compiler(tmp_path):
+    """fusemoe_c.h compiled as C (not C++, as the library is): every struct's sizeof and every
+    field's offsetof / sizeof as a C compiler lays them out equal the library's tables, so a C
+    caller and the library agree, and the header is valid C99."""
+    import shutil
+    import subprocess
+    from conftest import REPO
+    require_library()
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        pytest.skip("skipped: no C compiler (cc, gcc or clang) on PATH")
+    expected, lines = {}, []
+    for name in sorted(_capi.STRUCTS):
+        size, fields = _capi.library_struct_layout(name)
+        expected[name] = (size, fields)
+        lines.append(f'  printf("{name} %zu\\n", sizeof({name}));')
+        lines += [f'  printf("{name}.{field} %zu %zu\\n", offsetof({name}, {field}), '
+                  f'sizeof((({name}*)0)->{field}));' for field, _, _ in fields]
+    source = tmp_path / "layout.c"
+    source.write_text("#include <stddef.h>\n#include <stdio.h>\n#include \"fusemoe/fusemoe_c.h\"\n"
+                      "int main(void) {\n" + "\n".join(lines) + "\n  return 0;\n}\n")
+    binary = tmp_path / "layout"
+    build = subprocess.run([compiler, "-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic",
+                            "-I", f"{REPO}/include", str(source), "-o", str(binary)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, f"fusemoe_c.h does not compile as C:\n{build.stderr}"
+    printed = subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout
+    got = dict(line.split(" ", 1) for line in printed.splitlines())
+    for name, (size, fields) in expected.items():
+        assert got[name] == str(size), f"sizeof({name}): C {got[name]}, library {size}"
+        for field, offset, field_size in fields:
+            assert got[f"{name}.{field}"] == f"{offset} {field_size}", \
+                f"{name}.{field}: C (offset size) {got[f'{name}.{field}']}, library {offset} {field_size}"
+
+
 def test_struct_layout_query_errors():
     require_library()
     with pytest.raises(fusemoe.FusemoeError, match='struct_name: unknown struct "FusemoeCNope"'):
@@ -407,6 +442,38 @@ def fp8_quantize_args(**changes):
     return _capi.Fp8QuantizeArgs(**fields)
 
 
+def ep_config_struct(layer=None, **changes):
+    fields = dict(struct_size=ctypes.sizeof(_capi.EpConfig), world_size=2, rank=1,
+                  layer=layer if layer is not None else layer_struct(num_experts=8))
+    fields.update(changes)
+    return _capi.EpConfig(**fields)
+
+
+FAKE_PEERS = (ctypes.c_void_p * 2)(FAKE_DEVICE_ADDRESS, 2 * FAKE_DEVICE_ADDRESS)
+MISALIGNED_PEERS = (ctypes.c_void_p * 2)(FAKE_DEVICE_ADDRESS, FAKE_DEVICE_ADDRESS + 64)
+
+
+def ep_forward_args(**changes):
+    fields = dict(struct_size=ctypes.sizeof(_capi.EpForwardArgs), num_tokens=16,
+                  peer_symmetric=ctypes.addressof(FAKE_PEERS), workspace_bytes=1 << 40,
+                  **{name: FAKE_DEVICE_ADDRESS for name in ("x", "topk_idx", "topk_weights",
+                                                            "w13", "w2", "y", "workspace")})
+    fields.update(changes)
+    return _capi.EpForwardArgs(**fields)
+
+
+def ep_backward_args(**changes):
+    fields = dict(struct_size=ctypes.sizeof(_capi.EpBackwardArgs), weight_grad_dtype=0,
+                  num_tokens=16, peer_symmetric=ctypes.addressof(FAKE_PEERS),
+                  workspace_bytes=1 << 40,
+                  **{name: FAKE_DEVICE_ADDRESS for name in ("x", "topk_idx", "topk_weights",
+                                                            "w13", "w2", "dy", "dx",
+                                                            "d_topk_weights", "dw13", "dw2",
+                                                            "workspace")})
+    fields.update(changes)
+    return _capi.EpBackwardArgs(**fields)
+
+
 def c_error(fn, *args):
     """The status and message of one C call (no GPU needed: each fails before the device)."""
     lib = _capi.load()
@@ -419,7 +486,7 @@ def c_error(fn, *args):
      r"layer \(FusemoeCLayer\*\) must not be null"),
     (lambda: ("fusemoe_c_workspace_bytes", layer_struct(struct_size=56),
               ctypes.byref(ctypes.c_uint64())),
-     r"FusemoeCLayer.struct_size: 56, but this library \(C ABI 6\) has sizeof\(FusemoeCLayer\) = 64"),
+     r"FusemoeCLayer.struct_size: 56, but this library \(C ABI 7\) has sizeof\(FusemoeCLayer\) = 64"),
     (lambda: ("fusemoe_c_workspace_bytes", layer_struct(impl_code=99),
               ctypes.byref(ctypes.c_uint64())),
      r"impl_code: 99 is not a code from fusemoe_c_impl_code"),
@@ -483,6 +550,56 @@ def c_error(fn, *args):
      r"w2 must not be null"),
     (lambda: ("fusemoe_c_quantize_weights_fp8", layer_struct(), fp8_quantize_args(buffer_bytes=1000)),
      r"fp8 weight buffer: 1000 bytes given, \d+ needed"),
+    # Expert parallelism (C ABI 7): the config, its layer, the peer table, the args.
+    (lambda: ("fusemoe_c_ep_symmetric_bytes", None, ctypes.byref(ctypes.c_uint64())),
+     r"config \(FusemoeCEpConfig\*\) must not be null"),
+    (lambda: ("fusemoe_c_ep_symmetric_bytes", ep_config_struct(struct_size=64),
+              ctypes.byref(ctypes.c_uint64())),
+     r"FusemoeCEpConfig.struct_size: 64, but .* has sizeof\(FusemoeCEpConfig\) = 80"),
+    (lambda: ("fusemoe_c_ep_symmetric_bytes", ep_config_struct(layer_struct(struct_size=8)),
+              ctypes.byref(ctypes.c_uint64())),
+     r"FusemoeCLayer.struct_size: 8"),
+    (lambda: ("fusemoe_c_ep_symmetric_bytes", ep_config_struct(world_size=3),
+              ctypes.byref(ctypes.c_uint64())),
+     r"world_size must be 1, 2, 4 or 8, got 3"),
+    (lambda: ("fusemoe_c_ep_workspace_bytes", ep_config_struct(rank=2),
+              ctypes.byref(ctypes.c_uint64())),
+     r"rank must be in \[0, world_size=2\), got 2"),
+    (lambda: ("fusemoe_c_ep_saved_state_bytes",
+              ep_config_struct(layer_struct(num_experts=6), world_size=4),
+              ctypes.byref(ctypes.c_uint64())),
+     r"num_experts \(6\) must be divisible by world_size \(4\)"),
+    (lambda: ("fusemoe_c_ep_symmetric_bytes", ep_config_struct(layer_struct(precision=FP8)),
+              ctypes.byref(ctypes.c_uint64())),
+     r"layer.precision must be bf16 for expert parallelism"),
+    (lambda: ("fusemoe_c_ep_workspace_bytes_for", ep_config_struct(), 9,
+              ctypes.byref(ctypes.c_uint64())),
+     r"use: unknown WorkspaceUse value 9"),
+    (lambda: ("fusemoe_c_ep_symmetric_bytes", ep_config_struct(), None),
+     r"bytes \(output\) must not be null"),
+    (lambda: ("fusemoe_c_ep_forward", ep_config_struct(), None),
+     r"args \(FusemoeCEpForwardArgs\*\) must not be null"),
+    (lambda: ("fusemoe_c_ep_forward", ep_config_struct(), ep_forward_args(struct_size=8)),
+     r"FusemoeCEpForwardArgs.struct_size: 8"),
+    (lambda: ("fusemoe_c_ep_forward", ep_config_struct(), ep_forward_args(peer_symmetric=None)),
+     r"peer_symmetric must point to world_size \(2\) symmetric workspaces"),
+    (lambda: ("fusemoe_c_ep_forward", ep_config_struct(),
+              ep_forward_args(peer_symmetric=ctypes.addressof(MISALIGNED_PEERS))),
+     r"peer_symmetric\[1\] must be a non-null 256-byte aligned pointer"),
+    (lambda: ("fusemoe_c_ep_forward", ep_config_struct(), ep_forward_args(num_tokens=65)),
+     r"num_tokens must be in \[0, max_tokens=64\], got 65"),
+    (lambda: ("fusemoe_c_ep_forward", ep_config_struct(), ep_forward_args(workspace_bytes=1000)),
+     r"workspace_bytes: 1000 bytes given, \d+ needed"),
+    (lambda: ("fusemoe_c_ep_forward", ep_config_struct(), ep_forward_args(y=None)),
+     r": y must not be null"),
+    (lambda: ("fusemoe_c_ep_backward", ep_config_struct(), ep_backward_args(struct_size=8)),
+     r"FusemoeCEpBackwardArgs.struct_size: 8"),
+    (lambda: ("fusemoe_c_ep_backward", ep_config_struct(), ep_backward_args(weight_grad_dtype=7)),
+     r"weight_grad_dtype: unknown value 7"),
+    (lambda: ("fusemoe_c_ep_backward", ep_config_struct(), ep_backward_args(dw2=None)),
+     r": dw2 must not be null"),
+    (lambda: ("fusemoe_c_ep_backward", ep_config_struct(), ep_backward_args(dy=None)),
+     r": dy must not be null"),
 ])
 def test_c_errors_name_the_field(call, message):
     import re
@@ -496,8 +613,8 @@ def test_c_errors_name_the_field(call, message):
 def test_abi_version_mismatch_is_refused(monkeypatch):
     require_library()
     monkeypatch.setattr(_capi, "_lib", None)
-    monkeypatch.setattr(_capi, "ABI_VERSION", 5)
-    with pytest.raises(fusemoe.FusemoeError, match="has C ABI version 6, this package needs 5"):
+    monkeypatch.setattr(_capi, "ABI_VERSION", 6)
+    with pytest.raises(fusemoe.FusemoeError, match="has C ABI version 7, this package needs 6"):
         _capi.load()
 
 

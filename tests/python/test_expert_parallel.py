@@ -1,0 +1,374 @@
+"""fusemoe.ExpertParallelMoEExperts over R = 2 processes (torch.multiprocessing spawn, a gloo
+group), against the single-GPU op on the concatenated batch.
+
+GPU (an sm_90 GPU and the library, else skipped; a failure under FUSEMOE_REQUIRE_GPU=1): both
+processes on GPU 0 with TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 (the GPU time-slices between
+them; correctness only).
+(a) y, dx and d_topk_weights of each rank's tokens and dw13/dw2 of its experts are bitwise those
+    of fusemoe.moe_experts (impl "fused") on every rank's tokens concatenated, rank 0's first:
+    even, uneven and empty ranks, saved and recomputed z, two calls in a row, the Qwen3-30B-A3B
+    shape, torch.compile(fullgraph=True) and activation checkpointing; a bad expert id on one
+    rank is raised by fusemoe.check_expert_ids() on that rank only.
+(b) examples/train_qwen3_moe_ep.py under torchrun (2 processes) trains within bf16 noise of the
+    single-GPU run of examples/train_qwen3_moe.py: per-step loss and gradient norm within twice
+    the noise floor that run measures (Hugging Face experts in two micro-batch orders) plus a
+    small bound.
+CPU (no GPU needed): the argument checks, the refusal of ranks whose GPUs cannot map each
+other's memory (torch.cuda stand-ins), and (a) and (b) over the CPU stand-ins of
+moe_reference.py (register_cpu_ep_kernels, cpu_connect), which test the module, the ops'
+autograd and fake kernels and the example's data-parallel loop without the CUDA layer.
+Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, L = E / R local
+experts, K top-k.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import fusemoe  # noqa: E402
+from fusemoe import expert_parallel  # noqa: E402
+from conftest import REPO, require_gpu  # noqa: E402
+from moe_reference import (OUTPUTS, cpu_connect, make_problem,  # noqa: E402
+                           register_cpu_ep_kernels, register_cpu_kernels, run_layer)
+
+WORLD_SIZE = 2
+RANKS_TIMEOUT_S = 300  # every rank's whole job; a hung collective fails the test, not the round
+# The layer's cross-rank wait bound (default 30 s) must cover the ranks' skew on the host: here
+# two torch.compile runs, one per process, that can finish seconds apart.
+WAIT_TIMEOUT_S = "120"
+EXAMPLES = os.path.join(REPO, "examples")
+
+
+# ---- running R ranks ----
+
+def _rank_main(rank, fn, world_size, store, args):
+    """One spawned rank: a gloo group through a file store, fn, then the group's teardown."""
+    if store is not None:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, tmp_path, *args, init_group=True, timeout=RANKS_TIMEOUT_S):
+    """fn(rank, WORLD_SIZE, *args) in WORLD_SIZE spawned processes (fn at module level). A rank
+    that raises fails the test with its traceback (the others are killed); so does a job that
+    outlives timeout seconds."""
+    import torch.multiprocessing as mp
+    store = str(tmp_path / "store") if init_group else None
+    context = mp.start_processes(_rank_main, args=(fn, WORLD_SIZE, store, args),
+                                 nprocs=WORLD_SIZE, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            pytest.fail(f"the {WORLD_SIZE} ranks did not finish within {timeout} s")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- (a) the op against the single-GPU op ----
+
+def assert_bitwise(rank, name, got, want):
+    """Equal bits (-0 and +0 differ), and a finite reference (a NaN on both sides fails)."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (
+        f"rank {rank} {name}: {got.dtype} {tuple(got.shape)}, "
+        f"expected {want.dtype} {tuple(want.shape)}")
+    assert torch.isfinite(want).all(), f"rank {rank} {name}: the reference is not finite"
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[want.dtype]
+    same = got.contiguous().view(bits) == want.contiguous().view(bits)
+    if not bool(same.all()):
+        diff = (got.float() - want.float()).abs()
+        raise AssertionError(f"rank {rank} {name}: {int((~same).sum())} of {same.numel()} "
+                             f"elements differ, max |diff| {diff.max().item():.3e}")
+
+
+# tokens per rank, (H, I, E, K), seed, recompute_z
+OP_CASES = {
+    "even": ((96, 96), (256, 128, 8, 2), 11, False),
+    "uneven_recompute_z": ((150, 41), (256, 128, 8, 2), 12, True),
+    "empty_rank": ((64, 0), (256, 128, 8, 2), 13, False),
+    "qwen3_30b_a3b": ((256, 200), (2048, 768, 128, 8), 14, False),
+}
+
+
+def ep_outputs(rank, p, tokens, dims, recompute_z, device, call="eager", calls=1):
+    """OUTPUTS of this rank's ExpertParallelMoEExperts share (from_experts of the whole layer
+    p) on its tokens of p; call: "eager", "compiled" (torch.compile fullgraph) or
+    "checkpointed" (non-reentrant activation checkpointing). calls > 1 repeats the forward and
+    backward and returns the last outputs."""
+    hidden, intermediate, num_experts, top_k = dims
+    first, count = sum(tokens[:rank]), tokens[rank]
+    whole = types.SimpleNamespace(gate_up_proj=p["w13_EFH"], down_proj=p["w2_EHI"])
+    module = fusemoe.ExpertParallelMoEExperts.from_experts(
+        whole, max_tokens_per_rank=max(tokens), top_k=top_k, recompute_z=recompute_z)
+    forward = module
+    if call == "compiled":
+        forward = torch.compile(module, fullgraph=True)
+    elif call == "checkpointed":
+        def forward(*inputs):
+            return torch.utils.checkpoint.checkpoint(module, *inputs, use_reentrant=False)
+    rows = slice(first, first + count)
+    for _ in range(calls):
+        module.zero_grad(set_to_none=True)
+        x_TH = p["x_TH"][rows].clone().requires_grad_()
+        topk_weights_TK = p["topk_weights_TK"][rows].clone().requires_grad_()
+        y_TH = forward(x_TH, p["topk_idx_TK"][rows], topk_weights_TK)
+        y_TH.backward(p["dy_TH"][rows])
+    return dict(zip(OUTPUTS, (y_TH.detach(), x_TH.grad, topk_weights_TK.grad,
+                              module.gate_up_proj.grad, module.down_proj.grad))), module
+
+
+def check_case(rank, case, device, call="eager", calls=1):
+    tokens, dims, seed, recompute_z = OP_CASES[case]
+    p = make_problem(sum(tokens), *dims, device, seed=seed)
+    single = run_layer(fusemoe.moe_experts, p, torch.bfloat16)
+    got, module = ep_outputs(rank, p, tokens, dims, recompute_z, device, call, calls)
+    first, count = sum(tokens[:rank]), tokens[rank]
+    experts = slice(module.first_expert, module.first_expert + module.num_local_experts)
+    rows = slice(first, first + count)
+    for name in OUTPUTS:
+        want = single[name][experts] if name in ("dw13", "dw2") else single[name][rows]
+        assert_bitwise(rank, f"{case} ({call}, {calls} call(s)) {name}", got[name], want)
+
+
+def op_worker(rank, world_size, device):
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    else:
+        expert_parallel._connect = cpu_connect
+        register_cpu_kernels()
+        register_cpu_ep_kernels()
+    for case in OP_CASES:
+        if device == "cpu" and case == "qwen3_30b_a3b":
+            continue  # the CPU stand-ins' fp32 loops: slow, and nothing more to see
+        check_case(rank, case, device)
+    check_case(rank, "even", device, calls=2)  # the symmetric workspace serves call after call
+    check_case(rank, "uneven_recompute_z", device, call="compiled")
+    check_case(rank, "even", device, call="checkpointed")
+    if device == "cuda":
+        check_bad_id_is_reported_on_its_rank(rank)
+
+
+def check_bad_id_is_reported_on_its_rank(rank):
+    """Rank 0 routes token 5's slot 1 to expert E: the calls complete on both ranks (the ops
+    never raise a pending report, so no peer waits for a call that is not made), and
+    fusemoe.check_expert_ids() raises it on rank 0 only."""
+    tokens, dims, seed, _ = OP_CASES["even"]
+    p = make_problem(sum(tokens), *dims, "cuda", seed=seed)
+    p["topk_idx_TK"][5, 1] = dims[2]
+    ep_outputs(rank, p, tokens, dims, False, "cuda")
+    if rank == 0:
+        with pytest.raises(fusemoe.FusemoeError, match=rf"token 5, slot 1, value {dims[2]}"):
+            fusemoe.check_expert_ids()
+    else:
+        fusemoe.check_expert_ids()
+
+
+def test_op_matches_single_gpu_op_gpu(tmp_path, monkeypatch):
+    require_gpu()
+    monkeypatch.setenv(expert_parallel.ALLOW_OVERLAPPING_DEVICES, "1")
+    monkeypatch.setenv("FUSEMOE_WAIT_TIMEOUT_S", WAIT_TIMEOUT_S)
+    run_ranks(op_worker, tmp_path, "cuda")
+
+
+def test_op_matches_single_op_cpu_stand_ins(tmp_path):
+    run_ranks(op_worker, tmp_path, "cpu")
+
+
+# ---- (b) the training example against the single-GPU run ----
+
+# A small Qwen3-MoE, a learning rate that moves the loss within a few steps.
+EXAMPLE_ARGS = ["--steps", "6", "--layers", "2", "--hidden", "256", "--moe-intermediate", "128",
+                "--experts", "16", "--top-k", "4", "--heads", "4", "--kv-heads", "2",
+                "--head-dim", "64", "--seq-len", "128", "--batch-size", "4",
+                "--micro-batches", "2", "--lr", "1e-3", "--lr-warmup", "2",
+                "--timing-warmup", "0", "--print-every", "1"]
+# Step 1 (before any update) differs only by the dense layers' batch shapes: a loss that far off
+# is another model. Gradient norms: the single run reports its norm in bf16 (8 bits).
+FIRST_STEP_REL_TOL = 1e-3
+LOSS_ATOL = 1e-3
+GRAD_NORM_RTOL = 2e-2
+
+
+def noise_floor(runs):
+    """(max |loss diff|, max relative grad-norm diff) between the single run's Hugging Face runs
+    in two micro-batch orders, or (0, 0) without them (the CPU)."""
+    if "hf" not in runs or "hf_reordered" not in runs:
+        return 0.0, 0.0
+    a, b = runs["hf"], runs["hf_reordered"]
+    return (max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
+            max(abs(x - y) / y for x, y in zip(a["grad_norms"], b["grad_norms"])))
+
+
+def check_example_against_single(ep, runs):
+    """ep: train_qwen3_moe_ep.json; runs: train_qwen3_moe.json's runs. Every step's loss within
+    2 x the loss noise floor + LOSS_ATOL of the single-GPU fusemoe run (step 1 within
+    FIRST_STEP_REL_TOL), its gradient norm within 2 x the norm noise floor + GRAD_NORM_RTOL."""
+    reference = runs["fusemoe"]
+    assert ep["finite"] and reference["finite"]
+    steps = len(reference["losses"])
+    assert len(ep["losses"]) == steps
+    loss_noise, norm_noise = noise_floor(runs)
+    loss_tol, norm_rtol = 2 * loss_noise + LOSS_ATOL, 2 * norm_noise + GRAD_NORM_RTOL
+    report = [f"step {s + 1}: loss ep {a:.5f} single {b:.5f} (|diff| {abs(a - b):.2e}, tol "
+              f"{loss_tol:.2e}); grad norm ep {g:.4f} single {h:.4f} (rel diff "
+              f"{abs(g - h) / h:.2e}, tol {norm_rtol:.2e})"
+              for s, (a, b, g, h) in enumerate(zip(ep["losses"], reference["losses"],
+                                                   ep["grad_norms"], reference["grad_norms"]))]
+    print(f"noise floor: loss {loss_noise:.2e}, grad norm {norm_noise:.2e} (relative)")
+    print("\n".join(report))
+    first, first_ref = ep["losses"][0], reference["losses"][0]
+    assert abs(first - first_ref) <= FIRST_STEP_REL_TOL * abs(first_ref), report[0]
+    for s in range(steps):
+        assert abs(ep["losses"][s] - reference["losses"][s]) <= loss_tol, report[s]
+        g, h = ep["grad_norms"][s], reference["grad_norms"][s]
+        assert abs(g - h) <= norm_rtol * h, report[s]
+    # The training moved: a loop that never stepped would match too easily.
+    assert reference["losses"][-1] < reference["losses"][0] - 0.05
+
+
+def test_example_trains_like_the_single_gpu_run_gpu(tmp_path):
+    require_gpu()
+    pytest.importorskip("transformers")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", FUSEMOE_WAIT_TIMEOUT_S=WAIT_TIMEOUT_S)
+    ep = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc_per_node={WORLD_SIZE}", os.path.join(EXAMPLES, "train_qwen3_moe_ep.py"),
+         *EXAMPLE_ARGS, "--out", str(tmp_path / "ep")],
+        env=env, capture_output=True, text=True, timeout=RANKS_TIMEOUT_S)
+    print(ep.stdout[-4000:], ep.stderr[-4000:])
+    assert ep.returncode == 0, f"the EP example failed:\n{ep.stderr[-4000:]}"
+    single = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "train_qwen3_moe.py"), *EXAMPLE_ARGS,
+         "--runs", "hf,fusemoe,hf_reordered", "--out", str(tmp_path / "single")],
+        env=env, capture_output=True, text=True, timeout=RANKS_TIMEOUT_S)
+    print(single.stdout[-4000:])
+    assert single.returncode == 0, f"the single-GPU example failed:\n{single.stderr[-4000:]}"
+    with open(tmp_path / "ep" / "train_qwen3_moe_ep.json") as f:
+        ep_result = json.load(f)
+    with open(tmp_path / "single" / "train_qwen3_moe.json") as f:
+        single_result = json.load(f)
+    assert ep_result["world_size"] == WORLD_SIZE
+    check_example_against_single(ep_result, single_result["runs"])
+
+
+def example_worker(rank, world_size, port, args):
+    """One rank of the EP example on the CPU, as torchrun would start it."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    expert_parallel._connect = cpu_connect
+    register_cpu_kernels()
+    register_cpu_ep_kernels()
+    sys.path.insert(0, EXAMPLES)
+    import train_qwen3_moe_ep
+    assert train_qwen3_moe_ep.main(args) == 0
+
+
+CPU_EXAMPLE_STEPS = ["--steps", "3"]  # the CPU's bf16 is slow
+
+
+def test_example_trains_like_the_single_run_cpu_stand_ins(tmp_path):
+    pytest.importorskip("transformers")
+    register_cpu_kernels()
+    sys.path.insert(0, EXAMPLES)
+    import train_qwen3_moe
+    out = str(tmp_path / "ep")
+    args = [*EXAMPLE_ARGS, *CPU_EXAMPLE_STEPS, "--device", "cpu"]
+    run_ranks(example_worker, tmp_path, free_port(), [*args, "--out", out], init_group=False)
+    assert train_qwen3_moe.main([*args, "--runs", "fusemoe", "--out",
+                                 str(tmp_path / "single")]) == 0
+    with open(os.path.join(out, "train_qwen3_moe_ep.json")) as f:
+        ep_result = json.load(f)
+    with open(tmp_path / "single" / "train_qwen3_moe.json") as f:
+        single_runs = json.load(f)["runs"]
+    # No noise-floor runs on the CPU (Hugging Face's experts there: not tried): the fixed bounds.
+    check_example_against_single(ep_result, single_runs)
+
+
+# ---- argument checks (no GPU, no group) ----
+
+@pytest.mark.parametrize("args, message", [
+    ((3, 8, 256, 128, 2, 64),
+     r"the process group has 3 ranks; expert parallelism needs 1, 2, 4, 8"),
+    ((4, 6, 256, 128, 2, 64), r"num_experts \(6\) must be divisible by the group's size \(4\)"),
+    ((2, 8, 256, 128, 0, 64), r"top_k must be a positive int, got 0"),
+    ((2, 8, 256, 128, 2, 0), r"max_tokens_per_rank must be a positive int, got 0"),
+    ((2, 8, 256.0, 128, 2, 64), r"hidden_dim must be a positive int, got 256.0"),
+    ((2, 8, 256, 128, 9, 64), r"top_k \(9\) must be <= num_experts \(8\)"),
+])
+def test_layer_checks_name_the_argument(args, message):
+    with pytest.raises(ValueError, match=rf"^fusemoe.ExpertParallelMoEExperts: {message}"):
+        expert_parallel.check_layer(*args)
+
+
+# (hosts, GPU uuid per rank, ALLOW_OVERLAPPING_DEVICES per rank, peer access, error or None)
+REACH_CASES = {
+    "two_hosts": (("node0", "node1"), ("A", "B"), (False, False), True,
+                  r"the group's ranks are on 2 hosts \(node0, node1\)"),
+    "shared_gpu_without_the_variable": (("n", "n"), ("A", "A"), (True, False), True,
+                                        r"rank 1 shares its GPU with rank\(s\) \[0\]; .*"
+                                        r"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1"),
+    "shared_gpu": (("n", "n"), ("A", "A"), (True, True), True, None),
+    "no_peer_access": (("n", "n"), ("A", "B"), (False, False), False,
+                       r"rank 0's GPU \(cuda:0 there\) cannot access the memory of rank 1's GPU "
+                       r"\(cuda:1 there\)"),
+    "peers": (("n", "n"), ("A", "B"), (False, False), True, None),
+}
+
+
+def reach_worker(rank, world_size, case):
+    """_check_ranks_reach_each_other with the host, the GPUs and peer access of `case` (torch.cuda
+    and socket stand-ins): every rank raises the same error, or none does."""
+    hosts, gpus, allow, access, error = REACH_CASES[case]
+    visible = sorted(set(gpus))  # each rank sees every GPU of the case, as on one node
+    torch.cuda.device_count = lambda: len(visible)
+    torch.cuda.get_device_properties = lambda d: types.SimpleNamespace(
+        uuid=visible[torch.device(d).index if isinstance(d, torch.device) else d])
+    torch.cuda.can_device_access_peer = lambda i, j: access
+    socket.gethostname = lambda: hosts[rank]
+    if allow[rank]:
+        os.environ[expert_parallel.ALLOW_OVERLAPPING_DEVICES] = "1"
+    else:
+        os.environ.pop(expert_parallel.ALLOW_OVERLAPPING_DEVICES, None)
+    device = torch.device("cuda", visible.index(gpus[rank]))
+    if error is None:
+        expert_parallel._check_ranks_reach_each_other(dist.group.WORLD, device)
+    else:
+        with pytest.raises(fusemoe.FusemoeError, match=error):
+            expert_parallel._check_ranks_reach_each_other(dist.group.WORLD, device)
+
+
+@pytest.mark.parametrize("case", REACH_CASES)
+def test_ranks_that_cannot_reach_each_other_are_refused_on_every_rank(case, tmp_path):
+    run_ranks(reach_worker, tmp_path, case)
+
+
+def test_module_needs_an_initialized_group():
+    if dist.is_initialized():
+        pytest.skip("skipped: a process group is already initialized in this process")
+    with pytest.raises(ValueError, match="torch.distributed is not initialized"):
+        fusemoe.ExpertParallelMoEExperts(8, 256, 128, 2, 64, device="cpu")
+
+
+def test_unknown_context_is_refused():
+    with pytest.raises(ValueError, match="context 12345 is not an expert-parallel context"):
+        expert_parallel._context(12345)
