@@ -21,8 +21,9 @@ extern "C" {
 
 /* Raised whenever a function's signature, a struct or a meaning changes; bindings refuse other
  * versions. 5: one struct per call instead of positional arguments, the SwiGLU clamp.
- * 6: blockwise FP8 (FusemoeCLayer.precision, the args' fp8_weights, the FP8 weight buffer). */
-#define FUSEMOE_C_ABI_VERSION 6
+ * 6: blockwise FP8 (FusemoeCLayer.precision, the args' fp8_weights, the FP8 weight buffer).
+ * 7: the args' caller_checked_pointers. */
+#define FUSEMOE_C_ABI_VERSION 7
 
 typedef enum {
   FUSEMOE_C_OK = 0,
@@ -83,6 +84,11 @@ typedef struct FusemoeCForwardArgs {
    * pre-activations there for the backward of the same inputs. */
   void* saved_z;
   void* stream;                    /* cudaStream_t */
+  /* != 0: the caller has checked that every pointer is device memory of the current device
+   * (expert_id_report: memory the device reads at the same address), as a framework's tensors
+   * carry their device; the call skips its CUDA pointer queries (fusemoe::ForwardArgs::
+   * caller_checked_pointers) and keeps its host checks. 0: each pointer is queried. */
+  int32_t caller_checked_pointers;
 } FusemoeCForwardArgs;
 
 /* dx, d_topk_weights, dw13, dw2 from dy: fusemoe::BackwardArgs. */
@@ -107,6 +113,7 @@ typedef struct FusemoeCBackwardArgs {
   int32_t* expert_id_report;         /* as in FusemoeCForwardArgs */
   const void* saved_z;               /* NULL, or the forward's saved_z of these same inputs */
   void* stream;
+  int32_t caller_checked_pointers;   /* as in FusemoeCForwardArgs */
 } FusemoeCBackwardArgs;
 
 /* Blockwise FP8: quantizes the bf16 weights into the FP8 weight buffer (fusemoe::

@@ -114,6 +114,7 @@ Args call_args_of(const CArgs& a) {
   args.expert_id_report = a.expert_id_report;
   args.saved_z = a.saved_z;
   args.stream = static_cast<cudaStream_t>(a.stream);
+  args.caller_checked_pointers = a.caller_checked_pointers != 0;
   return args;
 }
 
@@ -187,6 +188,7 @@ constexpr FieldLayout kForwardFields[] = {
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, expert_id_report),
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, saved_z),
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, stream),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, caller_checked_pointers),
 };
 constexpr FieldLayout kBackwardFields[] = {
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, struct_size),
@@ -209,6 +211,7 @@ constexpr FieldLayout kBackwardFields[] = {
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, expert_id_report),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, saved_z),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, stream),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, caller_checked_pointers),
 };
 constexpr FieldLayout kFp8QuantizeFields[] = {
     FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, struct_size),

@@ -419,7 +419,7 @@ def c_error(fn, *args):
      r"layer \(FusemoeCLayer\*\) must not be null"),
     (lambda: ("fusemoe_c_workspace_bytes", layer_struct(struct_size=56),
               ctypes.byref(ctypes.c_uint64())),
-     r"FusemoeCLayer.struct_size: 56, but this library \(C ABI 6\) has sizeof\(FusemoeCLayer\) = 64"),
+     r"FusemoeCLayer.struct_size: 56, but this library \(C ABI 7\) has sizeof\(FusemoeCLayer\) = 64"),
     (lambda: ("fusemoe_c_workspace_bytes", layer_struct(impl_code=99),
               ctypes.byref(ctypes.c_uint64())),
      r"impl_code: 99 is not a code from fusemoe_c_impl_code"),
@@ -439,8 +439,8 @@ def c_error(fn, *args):
      r"use: unknown WorkspaceUse value 9"),
     (lambda: ("fusemoe_c_forward", layer_struct(), None),
      r"args \(FusemoeCForwardArgs\*\) must not be null"),
-    (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(struct_size=104)),
-     r"FusemoeCForwardArgs.struct_size: 104, but .* has sizeof\(FusemoeCForwardArgs\) = 112"),
+    (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(struct_size=112)),
+     r"FusemoeCForwardArgs.struct_size: 112, but .* has sizeof\(FusemoeCForwardArgs\) = 120"),
     (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(x=None)), r": x must not be null"),
     (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(num_tokens=65)),
      r"num_tokens must be in \[0, max_tokens=64\], got 65"),
@@ -496,8 +496,8 @@ def test_c_errors_name_the_field(call, message):
 def test_abi_version_mismatch_is_refused(monkeypatch):
     require_library()
     monkeypatch.setattr(_capi, "_lib", None)
-    monkeypatch.setattr(_capi, "ABI_VERSION", 5)
-    with pytest.raises(fusemoe.FusemoeError, match="has C ABI version 6, this package needs 5"):
+    monkeypatch.setattr(_capi, "ABI_VERSION", 6)
+    with pytest.raises(fusemoe.FusemoeError, match="has C ABI version 7, this package needs 6"):
         _capi.load()
 
 
