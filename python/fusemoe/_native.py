@@ -9,9 +9,10 @@ libfusemoe_c.so by name, so it uses that very copy. Without it (built where torc
 importable, FUSEMOE_NATIVE=0, or it cannot be loaded) fusemoe.ops defines the same ops in Python
 over ctypes; status() says which path is in use and why, in one line.
 
-A native op raises ValueError for a bad argument (the messages of ops.py's checks) and
-RuntimeError for the rest; the binding keeps the latter as its thread's last error, so fusemoe's
-entry points can re-raise it as FusemoeError (ops._call).
+A native op's error reaches Python as PyTorch translates it, which depends on the release (2.11:
+ValueError for a bad argument, RuntimeError for the rest; 2.15: RuntimeError for all); the
+binding keeps each as its thread's last error with its kind, so fusemoe's entry points re-raise
+the class the ctypes path raises: ValueError, FusemoeError, FusemoeOutOfMemoryError (ops._call).
 """
 import ctypes
 import os
@@ -22,7 +23,7 @@ import torch  # noqa: F401  (the binding needs torch's libraries loaded)
 from . import _capi
 
 LIBRARY_NAME = "libfusemoe_torch.so"
-ERROR_KINDS = {1: "fusemoe", 2: "out of memory"}  # torch_binding::ErrorKind
+ERROR_KINDS = {1: "fusemoe", 2: "out of memory", 3: "argument"}  # torch_binding::ErrorKind
 
 LOADED = False
 _STATUS = "ctypes: the native binding was not looked for"

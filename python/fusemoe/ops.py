@@ -174,22 +174,24 @@ class FusemoeOutOfMemoryError(_capi.FusemoeError, torch.OutOfMemoryError):
     handles PyTorch's out-of-memory errors (e.g. by shrinking the batch) still does."""
 
 
+_NATIVE_ERROR_CLASSES = {1: _capi.FusemoeError, 2: FusemoeOutOfMemoryError, 3: ValueError}
+
+
 def _call(op, *args):
     """op(*args) for fusemoe's entry points (moe_experts, the autograd formula, the FP8 weight
-    cache). A native op raises its failures other than bad arguments as RuntimeError: the
-    binding's own (its last error on this thread) is re-raised as the FusemoeError, or
-    FusemoeOutOfMemoryError, that the ctypes path raises. A direct torch.ops.fusemoe.* call on the
-    native path sees the RuntimeError (FusemoeError's base class)."""
+    cache). A native op's error may reach Python as RuntimeError whatever it was (fusemoe._native):
+    the binding's own (its last error on this thread) is re-raised as the ValueError,
+    FusemoeError or FusemoeOutOfMemoryError that the ctypes path raises. A direct
+    torch.ops.fusemoe.* call on the native path sees what PyTorch raised."""
     try:
         return op(*args)
     except RuntimeError as e:
         if not _native.LOADED or isinstance(e, _capi.FusemoeError):
             raise
         kind, message = _native.last_error()
-        if kind == 0 or message != str(e):
+        if kind not in _NATIVE_ERROR_CLASSES or message != str(e):
             raise
-        error_class = FusemoeOutOfMemoryError if kind == 2 else _capi.FusemoeError
-        raise error_class(message) from None
+        raise _NATIVE_ERROR_CLASSES[kind](message) from None
 
 
 _CTYPES_OPS = {}  # name -> (Python definition, mutates_args): what the ctypes path registers

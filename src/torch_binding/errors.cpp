@@ -32,6 +32,7 @@ const char* status_name(int32_t status) {
 
 void throw_error(ErrorKind kind, const std::string& message) {
   last_error() = LastError{kind, message};
+  if (kind == ErrorKind::kArgument) throw std::invalid_argument(message);
   throw std::runtime_error(message);
 }
 

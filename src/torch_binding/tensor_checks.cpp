@@ -6,9 +6,9 @@
 #include <torch/headeronly/util/shim_utils.h>
 
 #include <sstream>
-#include <stdexcept>
 
 #include "fusemoe/fusemoe_c.h"
+#include "torch_binding/errors.h"
 
 namespace fusemoe::torch_binding {
 namespace {
@@ -90,7 +90,7 @@ int32_t dtype_float32() { return aoti_torch_dtype_float32(); }
 int32_t dtype_int32() { return aoti_torch_dtype_int32(); }
 int32_t dtype_uint8() { return aoti_torch_dtype_uint8(); }
 
-void fail(const std::string& message) { throw std::invalid_argument("fusemoe.moe_experts: " + message); }
+void fail(const std::string& message) { throw_error(ErrorKind::kArgument, "fusemoe.moe_experts: " + message); }
 
 std::string device_string(const Tensor& t) {
   const DeviceId d = device_of(t);

@@ -1,7 +1,7 @@
 // The checks of the PyTorch ops' tensor arguments (dtype, rank, contiguity, shapes, devices) with
 // the messages of python/fusemoe/ops.py and fp8.py, which run the same checks on the ctypes path
-// and in the fake kernels. A bad argument throws std::invalid_argument, which PyTorch raises in
-// Python as ValueError, as the Python checks do. Values are spelled in messages as Python prints
+// and in the fake kernels. A bad argument throws std::invalid_argument (ErrorKind::kArgument,
+// errors.h): Python sees ValueError, as from the Python checks, at fusemoe's entry points. Values are spelled in messages as Python prints
 // them (torch.bfloat16, cuda:0, (37, 128)), so tests/python checks one set of messages for both
 // paths. Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, K top-k.
 #pragma once
@@ -32,7 +32,8 @@ int32_t dtype_float32();
 int32_t dtype_int32();
 int32_t dtype_uint8();
 
-// Throws std::invalid_argument("fusemoe.moe_experts: " + message), as ops.py's _fail.
+// Throws std::invalid_argument("fusemoe.moe_experts: " + message), as ops.py's _fail raises
+// ValueError.
 [[noreturn]] void fail(const std::string& message);
 
 // str(t.device): "cuda:0", "cpu".

@@ -66,12 +66,13 @@ def test_schemas_match_the_ctypes_definitions():
 
 def both_raise_the_same(name, *args):
     """Runs op `name` on args through the C++ kernel and through its ctypes path's Python
-    definition: both must raise ValueError with the same message, which is returned."""
+    definition, each as fusemoe's entry points call ops (ops._call): both must raise ValueError
+    with the same message, which is returned."""
     messages = []
     for run in (lambda: getattr(torch.ops.fusemoe, name).default.redispatch(NATIVE_KEYS, *args),
                 lambda: ops._CTYPES_OPS[name][0](*args)):
         with pytest.raises(ValueError) as raised:
-            run()
+            ops._call(run)
         messages.append(str(raised.value))
     assert messages[0] == messages[1]
     return messages[0]
@@ -155,7 +156,8 @@ def test_cpp_checks_of_the_weight_quantization(shape, expected):
 
 def test_native_failures_reach_the_entry_points_as_fusemoe_errors(monkeypatch):
     """ops._call re-raises the binding's own RuntimeError (its thread's last error) as the
-    FusemoeError, or FusemoeOutOfMemoryError, of the ctypes path; any other error passes."""
+    FusemoeError, FusemoeOutOfMemoryError or ValueError of the ctypes path (PyTorch 2.15 raises
+    every error of a stable-ABI kernel as RuntimeError); any other error passes."""
     require_native()
 
     def failing(message):
@@ -163,7 +165,8 @@ def test_native_failures_reach_the_entry_points_as_fusemoe_errors(monkeypatch):
             raise RuntimeError(message)
         return op
 
-    for kind, error_class in ((1, fusemoe.FusemoeError), (2, ops.FusemoeOutOfMemoryError)):
+    for kind, error_class in ((1, fusemoe.FusemoeError), (2, ops.FusemoeOutOfMemoryError),
+                              (3, ValueError)):
         monkeypatch.setattr(_native, "last_error", lambda kind=kind: (kind, "fusemoe error at x: no"))
         with pytest.raises(error_class, match="^fusemoe error at x: no$") as raised:
             ops._call(failing("fusemoe error at x: no"))
