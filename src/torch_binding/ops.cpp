@@ -80,12 +80,11 @@ constexpr const char* kTorchSays = "PyTorch: its caching allocator failed (see t
 Tensor empty_cuda(std::initializer_list<int64_t> sizes, int32_t dtype, int32_t device, const char* what) {
   int64_t strides[3] = {};
   const int64_t ndim = static_cast<int64_t>(sizes.size());
-  int64_t stride = 1, numel = 1;
+  int64_t numel = 1;  // the row-major strides, then the product of the sizes
   for (int64_t i = ndim - 1; i >= 0; --i) {
-    strides[i] = stride;
-    stride *= sizes.begin()[i];
+    strides[i] = numel;
+    numel *= sizes.begin()[i];
   }
-  numel = stride;
   AtenTensorHandle handle = nullptr;
   if (aoti_torch_empty_strided(ndim, sizes.begin(), strides, dtype, aoti_torch_device_type_cuda(), device,
                                &handle) != AOTI_TORCH_SUCCESS) {
@@ -142,43 +141,68 @@ void* data(const Tensor& t) { return t.data_ptr(); }
 
 // ---- launch ----
 
-// The forward ops: on the bf16 weights, or on the FP8 weight buffer when given (a layer of
-// precision FP8, whose calls get null bf16 weights: their values are not read).
-std::tuple<Tensor, Tensor> launch_forward(const Tensor& x_TH, const Tensor& topk_idx_TK,
-                                          const Tensor& topk_weights_TK, const Tensor& w13_EFH,
-                                          const Tensor& w2_EHI, const Tensor* fp8_weights,
-                                          const std::string& impl, bool save_z,
+// The tensors both directions read; fp8_weights: the FP8 weight buffer, or null for bf16.
+struct Inputs {
+  const Tensor& x_TH;
+  const Tensor& topk_idx_TK;
+  const Tensor& topk_weights_TK;
+  const Tensor& w13_EFH;
+  const Tensor& w2_EHI;
+  const Tensor* fp8_weights;
+};
+
+// The call's C layer: precision FP8 when the buffer is given, which is then checked against it.
+FusemoeCLayer call_layer(const LayerDims& d, const Inputs& in, const std::string& impl,
+                         std::optional<double> swiglu_clamp) {
+  const bool fp8 = in.fp8_weights != nullptr;
+  const FusemoeCLayer layer =
+      c_layer(d, impl, swiglu_clamp, fp8 ? FUSEMOE_C_PRECISION_FP8_BLOCKWISE : FUSEMOE_C_PRECISION_BF16);
+  if (fp8) check_fp8_buffer(*in.fp8_weights, in.w13_EFH, layer);
+  return layer;
+}
+
+// The fields the forward and backward args share (the C structs name them alike). An FP8 call
+// gets null bf16 weights: their values are not read. Every tensor's device was checked, so the
+// library skips its pointer queries.
+template <typename CArgs>
+CArgs shared_args(const Inputs& in, const LayerDims& d, const Workspace& workspace, int32_t* report,
+                  int32_t device) {
+  const bool fp8 = in.fp8_weights != nullptr;
+  CArgs a{};
+  a.struct_size = sizeof(CArgs);
+  a.x = data(in.x_TH);
+  a.topk_idx = static_cast<const int32_t*>(data(in.topk_idx_TK));
+  a.topk_weights = static_cast<const float*>(data(in.topk_weights_TK));
+  a.w13 = fp8 ? nullptr : data(in.w13_EFH);
+  a.w2 = fp8 ? nullptr : data(in.w2_EHI);
+  a.fp8_weights = fp8 ? data(*in.fp8_weights) : nullptr;
+  a.num_tokens = d.num_tokens;
+  a.workspace = data(workspace.buffer);
+  a.workspace_bytes = workspace.num_bytes;
+  a.expert_id_report = report;
+  a.stream = current_stream(device);
+  a.caller_checked_pointers = 1;
+  return a;
+}
+
+// The forward ops. Returns (y, z): z [S, 2I] bf16 is the pre-activations the backward reuses
+// (an opaque buffer) when save_z, else empty.
+std::tuple<Tensor, Tensor> launch_forward(const Inputs& in, const std::string& impl, bool save_z,
                                           std::optional<double> swiglu_clamp) {
-  const LayerDims d = check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, nullptr);
-  check_cuda(x_TH);
+  const LayerDims d = check_inputs(in.x_TH, in.topk_idx_TK, in.topk_weights_TK, in.w13_EFH, in.w2_EHI, nullptr);
+  check_cuda(in.x_TH);
   check_save_z(save_z, impl);
-  const int32_t precision = fp8_weights != nullptr ? FUSEMOE_C_PRECISION_FP8_BLOCKWISE : FUSEMOE_C_PRECISION_BF16;
-  const FusemoeCLayer layer = c_layer(d, impl, swiglu_clamp, precision);
-  if (fp8_weights != nullptr) check_fp8_buffer(*fp8_weights, w13_EFH, layer);
-  const int32_t device = x_TH.get_device_index();
-  Tensor y_TH = empty_like_cuda(x_TH, device, "y");
-  // z [S, 2I] bf16: the pre-activations the backward reuses (an opaque buffer), or empty.
+  const FusemoeCLayer layer = call_layer(d, in, impl, swiglu_clamp);
+  const int32_t device = in.x_TH.get_device_index();
+  Tensor y_TH = empty_like_cuda(in.x_TH, device, "y");
   Tensor z_SF = save_z ? empty_cuda({d.num_tokens * d.top_k, 2 * d.intermediate}, dtype_bfloat16(), device, "z")
                        : empty_cuda({0}, dtype_bfloat16(), device, "z");
   torch::stable::accelerator::DeviceGuard guard(device);
   int32_t* report = expert_id_report_for_call(device, d.num_experts, d.top_k);
   const Workspace workspace = workspace_for(layer, FUSEMOE_C_WORKSPACE_FORWARD, "forward", device);
-  FusemoeCForwardArgs a{};
-  a.struct_size = sizeof(FusemoeCForwardArgs);
-  a.x = data(x_TH);
-  a.topk_idx = static_cast<const int32_t*>(data(topk_idx_TK));
-  a.topk_weights = static_cast<const float*>(data(topk_weights_TK));
-  a.w13 = fp8_weights != nullptr ? nullptr : data(w13_EFH);
-  a.w2 = fp8_weights != nullptr ? nullptr : data(w2_EHI);
-  a.fp8_weights = fp8_weights != nullptr ? data(*fp8_weights) : nullptr;
+  auto a = shared_args<FusemoeCForwardArgs>(in, d, workspace, report, device);
   a.y = data(y_TH);
-  a.num_tokens = d.num_tokens;
-  a.workspace = data(workspace.buffer);
-  a.workspace_bytes = workspace.num_bytes;
-  a.expert_id_report = report;
   a.saved_z = z_SF.numel() > 0 ? data(z_SF) : nullptr;
-  a.stream = current_stream(device);
-  a.caller_checked_pointers = 1;
   check_c_status(fusemoe_c_forward(&layer, &a));
   return {y_TH, z_SF};
 }
@@ -193,51 +217,35 @@ struct Gradients {
 
 // The backward ops: the weight gradients are written into fresh tensors of the weights' dtype
 // (weight_grads null), or written (accumulate false) or added into the given (dw13, dw2).
-Gradients launch_backward(const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK,
-                          const Tensor& topk_weights_TK, const Tensor& w13_EFH, const Tensor& w2_EHI,
+Gradients launch_backward(const Tensor& dy_TH, const Inputs& in,
                           const std::pair<const Tensor&, const Tensor&>* weight_grads, bool accumulate,
-                          const Tensor* fp8_weights, const std::string& impl, const OptionalTensor& saved_z_SF,
+                          const std::string& impl, const OptionalTensor& saved_z_SF,
                           std::optional<double> swiglu_clamp) {
-  const LayerDims d = check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &dy_TH);
-  check_cuda(x_TH);
-  const int32_t device = x_TH.get_device_index();
-  Tensor dw13_EFH = weight_grads != nullptr ? weight_grads->first : empty_like_cuda(w13_EFH, device, "dw13");
-  Tensor dw2_EHI = weight_grads != nullptr ? weight_grads->second : empty_like_cuda(w2_EHI, device, "dw2");
-  const int32_t grad_dtype = check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI);
-  const Tensor* saved_z = check_saved_z(saved_z_SF, d, x_TH, impl);
-  const int32_t precision = fp8_weights != nullptr ? FUSEMOE_C_PRECISION_FP8_BLOCKWISE : FUSEMOE_C_PRECISION_BF16;
-  const FusemoeCLayer layer = c_layer(d, impl, swiglu_clamp, precision);
-  if (fp8_weights != nullptr) check_fp8_buffer(*fp8_weights, w13_EFH, layer);
-  Tensor dx_TH = empty_like_cuda(x_TH, device, "dx");
-  Tensor d_topk_weights_TK = empty_like_cuda(topk_weights_TK, device, "d_topk_weights");
+  const LayerDims d = check_inputs(in.x_TH, in.topk_idx_TK, in.topk_weights_TK, in.w13_EFH, in.w2_EHI, &dy_TH);
+  check_cuda(in.x_TH);
+  const int32_t device = in.x_TH.get_device_index();
+  Tensor dw13_EFH = weight_grads != nullptr ? weight_grads->first : empty_like_cuda(in.w13_EFH, device, "dw13");
+  Tensor dw2_EHI = weight_grads != nullptr ? weight_grads->second : empty_like_cuda(in.w2_EHI, device, "dw2");
+  const int32_t grad_dtype = check_weight_grads(dw13_EFH, dw2_EHI, in.w13_EFH, in.w2_EHI);
+  const Tensor* saved_z = check_saved_z(saved_z_SF, d, in.x_TH, impl);
+  const FusemoeCLayer layer = call_layer(d, in, impl, swiglu_clamp);
+  Tensor dx_TH = empty_like_cuda(in.x_TH, device, "dx");
+  Tensor d_topk_weights_TK = empty_like_cuda(in.topk_weights_TK, device, "d_topk_weights");
   torch::stable::accelerator::DeviceGuard guard(device);
   int32_t* report = expert_id_report_for_call(device, d.num_experts, d.top_k);
   const Workspace workspace =
       saved_z == nullptr
           ? workspace_for(layer, FUSEMOE_C_WORKSPACE_BACKWARD, "backward", device)
           : workspace_for(layer, FUSEMOE_C_WORKSPACE_BACKWARD_SAVED_Z, "backward_saved_z", device);
-  FusemoeCBackwardArgs a{};
-  a.struct_size = sizeof(FusemoeCBackwardArgs);
+  auto a = shared_args<FusemoeCBackwardArgs>(in, d, workspace, report, device);
   a.weight_grad_dtype = grad_dtype;
-  a.x = data(x_TH);
-  a.topk_idx = static_cast<const int32_t*>(data(topk_idx_TK));
-  a.topk_weights = static_cast<const float*>(data(topk_weights_TK));
-  a.w13 = fp8_weights != nullptr ? nullptr : data(w13_EFH);
-  a.w2 = fp8_weights != nullptr ? nullptr : data(w2_EHI);
-  a.fp8_weights = fp8_weights != nullptr ? data(*fp8_weights) : nullptr;
   a.dy = data(dy_TH);
   a.dx = data(dx_TH);
   a.d_topk_weights = static_cast<float*>(data(d_topk_weights_TK));
   a.dw13 = data(dw13_EFH);
   a.dw2 = data(dw2_EHI);
   a.accumulate_weight_grads = accumulate ? 1 : 0;
-  a.num_tokens = d.num_tokens;
-  a.workspace = data(workspace.buffer);
-  a.workspace_bytes = workspace.num_bytes;
-  a.expert_id_report = report;
   a.saved_z = saved_z != nullptr ? data(*saved_z) : nullptr;
-  a.stream = current_stream(device);
-  a.caller_checked_pointers = 1;
   check_c_status(fusemoe_c_backward(&layer, &a));
   return Gradients{dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI};
 }
@@ -249,7 +257,7 @@ std::tuple<Tensor, Tensor> moe_experts_forward(const Tensor& x_TH, const Tensor&
                                                const Tensor& w2_EHI, const std::string& impl,
                                                bool /*grad_in_place: autograd's*/, bool save_z,
                                                std::optional<double> swiglu_clamp) {
-  return launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, nullptr, impl, save_z, swiglu_clamp);
+  return launch_forward({x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, nullptr}, impl, save_z, swiglu_clamp);
 }
 
 std::tuple<Tensor, Tensor> moe_experts_fp8_forward(const Tensor& x_TH, const Tensor& topk_idx_TK,
@@ -257,7 +265,7 @@ std::tuple<Tensor, Tensor> moe_experts_fp8_forward(const Tensor& x_TH, const Ten
                                                    const Tensor& w2_EHI, const Tensor& fp8_weights,
                                                    const std::string& impl, bool /*grad_in_place*/, bool save_z,
                                                    std::optional<double> swiglu_clamp) {
-  return launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &fp8_weights, impl, save_z,
+  return launch_forward({x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &fp8_weights}, impl, save_z,
                         swiglu_clamp);
 }
 
@@ -267,8 +275,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> moe_experts_backward(const Tensor& dy
                                                                 const Tensor& w2_EHI, const std::string& impl,
                                                                 const OptionalTensor& saved_z_SF,
                                                                 std::optional<double> swiglu_clamp) {
-  Gradients g = launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, nullptr, false, nullptr,
-                                impl, saved_z_SF, swiglu_clamp);
+  Gradients g = launch_backward(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, nullptr}, nullptr,
+                                false, impl, saved_z_SF, swiglu_clamp);
   return {g.dx_TH, g.d_topk_weights_TK, g.dw13_EFH, g.dw2_EHI};
 }
 
@@ -276,8 +284,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> moe_experts_fp8_backward(
     const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
     const Tensor& w13_EFH, const Tensor& w2_EHI, const Tensor& fp8_weights, const std::string& impl,
     const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
-  Gradients g = launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, nullptr, false,
-                                &fp8_weights, impl, saved_z_SF, swiglu_clamp);
+  Gradients g = launch_backward(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &fp8_weights},
+                                nullptr, false, impl, saved_z_SF, swiglu_clamp);
   return {g.dx_TH, g.d_topk_weights_TK, g.dw13_EFH, g.dw2_EHI};
 }
 
@@ -288,8 +296,8 @@ std::tuple<Tensor, Tensor> moe_experts_backward_into(const Tensor& dy_TH, const 
                                                      const std::string& impl, const OptionalTensor& saved_z_SF,
                                                      std::optional<double> swiglu_clamp) {
   const std::pair<const Tensor&, const Tensor&> weight_grads{dw13_EFH, dw2_EHI};
-  Gradients g = launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &weight_grads,
-                                accumulate, nullptr, impl, saved_z_SF, swiglu_clamp);
+  Gradients g = launch_backward(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, nullptr},
+                                &weight_grads, accumulate, impl, saved_z_SF, swiglu_clamp);
   return {g.dx_TH, g.d_topk_weights_TK};
 }
 
@@ -299,8 +307,8 @@ std::tuple<Tensor, Tensor> moe_experts_fp8_backward_into(
     const Tensor& dw2_EHI, bool accumulate, const std::string& impl, const OptionalTensor& saved_z_SF,
     std::optional<double> swiglu_clamp) {
   const std::pair<const Tensor&, const Tensor&> weight_grads{dw13_EFH, dw2_EHI};
-  Gradients g = launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &weight_grads,
-                                accumulate, &fp8_weights, impl, saved_z_SF, swiglu_clamp);
+  Gradients g = launch_backward(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &fp8_weights},
+                                &weight_grads, accumulate, impl, saved_z_SF, swiglu_clamp);
   return {g.dx_TH, g.d_topk_weights_TK};
 }
 
