@@ -28,7 +28,7 @@ from torch import Tensor
 from . import _capi
 from .ops import (_backward_fake, _call, _check_cuda, _check_tensor, _check_w2_matches_w13, _fail,
                   _forward_fake, _gradients, _launch_backward, _launch_forward, _op,
-                  _save_for_backward, _wants_saved_z)
+                  _register_autograd, _save_for_backward, _wants_saved_z)
 
 _BLOCK = 128       # E4M3 scale block: 1 x 128 for activations, 128 x 128 for weights
 _ALIGNMENT = 256   # each array of the weight buffer starts 256-byte aligned
@@ -256,8 +256,7 @@ def _backward(ctx, dy_TH, _dz_unused):
     return _gradients(ctx, dy_TH, moe_experts_fp8_backward, moe_experts_fp8_backward_into)
 
 
-torch.library.register_autograd("fusemoe::moe_experts_fp8_forward", _backward,
-                                setup_context=_setup_context)
+_register_autograd("moe_experts_fp8_forward", _backward, _setup_context)
 
 
 def moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl="fused",
