@@ -3,8 +3,11 @@
 #   ctest label cpu : fp64 reference and API validation (no GPU needed)
 #   ctest label gpu : GPU suites; reported "Skipped" (exit 77) where there is no sm_90 GPU
 #   tests/python    : pytest; PyTorch from PyPI into build/test-venv where python3 has none; the
-#                     GPU tests report skipped where there is no sm_90 GPU
-#   the package     : scripts/check_wheel.sh (pip wheel ., import fusemoe from the wheel)
+#                     GPU tests report skipped where there is no sm_90 GPU. Twice: on the native
+#                     binding (libfusemoe_torch.so, built here against that PyTorch; required in
+#                     CI) and on the ctypes path (FUSEMOE_NATIVE=0)
+#   the package     : scripts/check_wheel.sh (pip wheel . with and without build isolation,
+#                     import fusemoe from each wheel)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR="${FUSEMOE_BUILD_DIR:-build}"
@@ -38,15 +41,40 @@ if ! "$PY" -c "import torch, pytest" 2>/dev/null; then
   if [ "${CI:-}" = true ]; then exit 1; fi
   exit 0
 fi
-echo "[tests] pytest tests/python ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
+# The native binding needs the headers of the PyTorch the tests use: configure the build for
+# that interpreter (CMake says why when it cannot build it) and build what the package loads.
+echo "[tests] the native binding against $PY"
+cmake -S . -B "$BUILD_DIR" -DFUSEMOE_PYTHON="$PY" >"$BUILD_DIR.binding.log" 2>&1 ||
+  { cat "$BUILD_DIR.binding.log"; exit 1; }
+grep "fusemoe: PyTorch binding" "$BUILD_DIR.binding.log" || true
+ninja -C "$BUILD_DIR" -j"${FUSEMOE_BUILD_JOBS:-2}" fusemoe_package
+native=0
+if grep -q "fusemoe: PyTorch binding against" "$BUILD_DIR.binding.log"; then
+  native=1
+elif [ "${CI:-}" = true ]; then
+  echo "[tests] CI must test the native binding, and it was not built (see above)" >&2
+  exit 1
+fi
 export FUSEMOE_LIBRARY="${FUSEMOE_LIBRARY:-$(cd "$BUILD_DIR" && pwd -P)/libfusemoe_c.so}"
-set +e
-"$PY" -m pytest -q -rs tests/python
-status=$?
-set -e
-# Any non-zero exit is a failure, 5 included: pytest exits 5 when it collected no tests, and a
-# suite that runs nothing must not pass.
-if [ $status -eq 5 ]; then echo "[tests] pytest collected no tests in tests/python" >&2; fi
-if [ $status -ne 0 ]; then exit $status; fi
+torch_version="$("$PY" -c 'import torch; print("torch", torch.__version__)')"
+# run_pytest WHAT [ENV=VALUE...]: any non-zero exit is a failure, 5 included: pytest exits 5 when
+# it collected no tests, and a suite that runs nothing must not pass.
+run_pytest() {
+  local what="$1"
+  shift
+  echo "[tests] pytest tests/python, $what ($torch_version)"
+  set +e
+  env "$@" "$PY" -m pytest -q -rs tests/python
+  local status=$?
+  set -e
+  if [ $status -eq 5 ]; then echo "[tests] pytest collected no tests in tests/python" >&2; fi
+  if [ $status -ne 0 ]; then exit $status; fi
+}
+if [ $native = 1 ]; then
+  run_pytest "native binding" FUSEMOE_REQUIRE_NATIVE=1
+else
+  echo "[tests] no native binding to test (see above): the ctypes path only"
+fi
+run_pytest "ctypes path" FUSEMOE_NATIVE=0
 echo "[tests] the package: pip wheel . and import fusemoe from it (scripts/check_wheel.sh)"
 bash scripts/check_wheel.sh "$PY"

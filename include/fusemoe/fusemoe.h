@@ -134,6 +134,12 @@ struct ForwardArgs {
   void* saved_z = nullptr;
   // Precision::kFp8Blockwise: the quantize_weights_fp8 buffer of w13 and w2 (required).
   const void* fp8_weights = nullptr;
+  // true: the caller has already checked that every pointer is device memory of the current
+  // device (expert_id_report: memory the device reads at the same address), as a framework whose
+  // tensors carry their device does (the PyTorch op). The call then skips its CUDA pointer
+  // queries (one cudaPointerGetAttributes per pointer) and keeps every host check (null,
+  // alignment, sizes). false (default): the call queries each pointer.
+  bool caller_checked_pointers = false;
 };
 
 struct BackwardArgs {
@@ -168,6 +174,8 @@ struct BackwardArgs {
   // Precision::kFp8Blockwise: the quantize_weights_fp8 buffer of w13 and w2 (required; w13 and w2
   // themselves are then not read).
   const void* fp8_weights = nullptr;
+  // As ForwardArgs::caller_checked_pointers.
+  bool caller_checked_pointers = false;
 };
 
 // Throws fusemoe::Error naming the first field that breaks a limit above.

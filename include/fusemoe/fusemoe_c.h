@@ -23,7 +23,7 @@ extern "C" {
  * versions. 5: one struct per call instead of positional arguments, the SwiGLU clamp.
  * 6: blockwise FP8 (FusemoeCLayer.precision, the args' fp8_weights, the FP8 weight buffer).
  * 7: expert parallelism (FusemoeCEpConfig, FusemoeCEpForwardArgs, FusemoeCEpBackwardArgs and the
- * fusemoe_c_ep_* functions). */
+ * fusemoe_c_ep_* functions); the single-GPU args' caller_checked_pointers. */
 #define FUSEMOE_C_ABI_VERSION 7
 
 typedef enum {
@@ -85,6 +85,11 @@ typedef struct FusemoeCForwardArgs {
    * pre-activations there for the backward of the same inputs. */
   void* saved_z;
   void* stream;                    /* cudaStream_t */
+  /* != 0: the caller has checked that every pointer is device memory of the current device
+   * (expert_id_report: memory the device reads at the same address), as a framework's tensors
+   * carry their device; the call skips its CUDA pointer queries (fusemoe::ForwardArgs::
+   * caller_checked_pointers) and keeps its host checks. 0: each pointer is queried. */
+  int32_t caller_checked_pointers;
 } FusemoeCForwardArgs;
 
 /* dx, d_topk_weights, dw13, dw2 from dy: fusemoe::BackwardArgs. */
@@ -109,6 +114,7 @@ typedef struct FusemoeCBackwardArgs {
   int32_t* expert_id_report;         /* as in FusemoeCForwardArgs */
   const void* saved_z;               /* NULL, or the forward's saved_z of these same inputs */
   void* stream;
+  int32_t caller_checked_pointers;   /* as in FusemoeCForwardArgs */
 } FusemoeCBackwardArgs;
 
 /* Blockwise FP8: quantizes the bf16 weights into the FP8 weight buffer (fusemoe::

@@ -59,7 +59,8 @@ class ForwardArgs(ctypes.Structure):
     _fields_ = [("struct_size", _u32), ("x", _ptr), ("topk_idx", _ptr), ("topk_weights", _ptr),
                 ("w13", _ptr), ("w2", _ptr), ("fp8_weights", _ptr), ("y", _ptr),
                 ("num_tokens", _i64), ("workspace", _ptr), ("workspace_bytes", _u64),
-                ("expert_id_report", _ptr), ("saved_z", _ptr), ("stream", _ptr)]
+                ("expert_id_report", _ptr), ("saved_z", _ptr), ("stream", _ptr),
+                ("caller_checked_pointers", _i32)]
 
 
 class BackwardArgs(ctypes.Structure):
@@ -69,7 +70,8 @@ class BackwardArgs(ctypes.Structure):
                 ("fp8_weights", _ptr), ("dy", _ptr), ("dx", _ptr), ("d_topk_weights", _ptr),
                 ("dw13", _ptr), ("dw2", _ptr), ("accumulate_weight_grads", _i32),
                 ("num_tokens", _i64), ("workspace", _ptr), ("workspace_bytes", _u64),
-                ("expert_id_report", _ptr), ("saved_z", _ptr), ("stream", _ptr)]
+                ("expert_id_report", _ptr), ("saved_z", _ptr), ("stream", _ptr),
+                ("caller_checked_pointers", _i32)]
 
 
 class Fp8QuantizeArgs(ctypes.Structure):
@@ -277,22 +279,27 @@ def saved_z_bytes(layer_):
 
 
 def forward(layer_, x, topk_idx, topk_weights, w13, w2, y, num_tokens, workspace,
-            workspace_bytes_, expert_id_report, saved_z, stream, fp8_weights=None):
+            workspace_bytes_, expert_id_report, saved_z, stream, fp8_weights=None,
+            caller_checked_pointers=False):
     """Pointers are ints (data_ptr(); expert_id_report and saved_z may be None); stream is a
     cudaStream_t as an int. A layer of precision "fp8" takes fp8_weights (the buffer of
-    quantize_weights_fp8) and w13 = w2 = None."""
+    quantize_weights_fp8) and w13 = w2 = None. caller_checked_pointers: every pointer is known to
+    be device memory of the current device (tensors whose devices were checked), so the library
+    skips its CUDA pointer queries."""
     args = ForwardArgs(_FORWARD_SIZE, x, topk_idx, topk_weights, w13, w2, fp8_weights, y,
-                       num_tokens, workspace, workspace_bytes_, expert_id_report, saved_z, stream)
+                       num_tokens, workspace, workspace_bytes_, expert_id_report, saved_z, stream,
+                       int(caller_checked_pointers))
     _check(load().fusemoe_c_forward(layer_, args))
 
 
 def backward(layer_, x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights, dw13, dw2,
              weight_grad_dtype, accumulate, num_tokens, workspace, workspace_bytes_,
-             expert_id_report, saved_z, stream, fp8_weights=None):
+             expert_id_report, saved_z, stream, fp8_weights=None, caller_checked_pointers=False):
+    """As forward()."""
     args = BackwardArgs(_BACKWARD_SIZE, weight_grad_dtype, x, topk_idx, topk_weights, w13, w2,
                         fp8_weights, dy, dx, d_topk_weights, dw13, dw2, 1 if accumulate else 0,
                         num_tokens, workspace, workspace_bytes_, expert_id_report, saved_z,
-                        stream)
+                        stream, int(caller_checked_pointers))
     _check(load().fusemoe_c_backward(layer_, args))
 
 

@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 
 from . import _capi
-from .ops import (_backward_fake, _check_cuda, _check_tensor, _fail, _forward_fake, _gradients,
-                  _launch_backward, _launch_forward, _save_for_backward, _wants_saved_z)
+from .ops import (_backward_fake, _call, _check_cuda, _check_tensor, _check_w2_matches_w13, _fail,
+                  _forward_fake, _gradients, _launch_backward, _launch_forward, _op,
+                  _register_autograd, _save_for_backward, _wants_saved_z)
 
 _BLOCK = 128       # E4M3 scale block: 1 x 128 for activations, 128 x 128 for weights
 _ALIGNMENT = 256   # each array of the weight buffer starts 256-byte aligned
@@ -74,12 +75,13 @@ def _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI, layer=None):
 
 # ------------------------------------------------------------------------------ weight buffer
 
-@torch.library.custom_op("fusemoe::quantize_weights_fp8", mutates_args=())
+@_op("quantize_weights_fp8")
 def quantize_weights_fp8(w13_EFH: Tensor, w2_EHI: Tensor) -> Tensor:
     """The FP8 weight buffer of bf16 w13 [E, 2I, H] and w2 [E, H, I] (uint8, fp8_weights_bytes)."""
     _check_tensor(w13_EFH, "w13 (gate_up_proj)", 3, torch.bfloat16)
     _check_tensor(w2_EHI, "w2 (down_proj)", 3, torch.bfloat16)
     num_experts, hidden, intermediate = _check_fp8_shapes(w13_EFH, w2_EHI)
+    _check_w2_matches_w13(w13_EFH, w2_EHI)  # the library takes every size from w13
     _check_cuda(w13_EFH)
     # The buffer depends on the weights' shape only (top_k, max_tokens: any valid values).
     layer = _capi.layer(hidden, intermediate, num_experts, 1, 0, "fused", None, "fp8")
@@ -91,9 +93,10 @@ def quantize_weights_fp8(w13_EFH: Tensor, w2_EHI: Tensor) -> Tensor:
     return buffer
 
 
-@quantize_weights_fp8.register_fake
+@torch.library.register_fake("fusemoe::quantize_weights_fp8")
 def _quantize_weights_fp8_fake(w13_EFH, w2_EHI):
     num_experts, hidden, intermediate = _check_fp8_shapes(w13_EFH, w2_EHI)
+    _check_w2_matches_w13(w13_EFH, w2_EHI)
     return w13_EFH.new_empty(fp8_weights_bytes(num_experts, hidden, intermediate),
                              dtype=torch.uint8)
 
@@ -148,8 +151,9 @@ class Fp8WeightCache:
             with torch.no_grad():
                 w13 = w13_EFH if w13_EFH is not None else w13_source
                 w2 = w2_EHI if w2_EHI is not None else w2_source
-                self._buffer = quantize_weights_fp8(w13.detach().to(torch.bfloat16).contiguous(),
-                                                    w2.detach().to(torch.bfloat16).contiguous())
+                self._buffer = _call(quantize_weights_fp8,
+                                     w13.detach().to(torch.bfloat16).contiguous(),
+                                     w2.detach().to(torch.bfloat16).contiguous())
             self._key = key
             self.quantizations += 1
         return self._buffer
@@ -170,7 +174,7 @@ def cached_fp8_weights(w13_EFH, w2_EHI, cache=None, sources=None):
     on every call."""
     w13_source, w2_source = (w13_EFH, w2_EHI) if sources is None else sources
     if traced(w13_source):
-        return quantize_weights_fp8(w13_EFH.detach(), w2_EHI.detach())
+        return _call(quantize_weights_fp8, w13_EFH.detach(), w2_EHI.detach())
     if cache is None:
         cache = getattr(w13_EFH, "_fusemoe_fp8_cache", None)
         if cache is None:
@@ -183,7 +187,7 @@ def cached_fp8_weights(w13_EFH, w2_EHI, cache=None, sources=None):
 
 # ---------------------------------------------------------------------------------------- ops
 
-@torch.library.custom_op("fusemoe::moe_experts_fp8_forward", mutates_args=())
+@_op("moe_experts_fp8_forward")
 def moe_experts_fp8_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
                             w13_EFH: Tensor, w2_EHI: Tensor, fp8_weights: Tensor, impl: str,
                             grad_in_place: bool = False, save_z: bool = False,
@@ -194,14 +198,14 @@ def moe_experts_fp8_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: 
                            swiglu_clamp, fp8_weights)
 
 
-@moe_experts_fp8_forward.register_fake
+@torch.library.register_fake("fusemoe::moe_experts_fp8_forward")
 def _moe_experts_fp8_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights,
                                   impl, grad_in_place=False, save_z=False, swiglu_clamp=None):
     return _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
                          swiglu_clamp, fp8_weights=fp8_weights)
 
 
-@torch.library.custom_op("fusemoe::moe_experts_fp8_backward", mutates_args=())
+@_op("moe_experts_fp8_backward")
 def moe_experts_fp8_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                              topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
                              fp8_weights: Tensor, impl: str, saved_z_SF: Optional[Tensor] = None,
@@ -216,15 +220,14 @@ def moe_experts_fp8_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
     return dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI
 
 
-@moe_experts_fp8_backward.register_fake
+@torch.library.register_fake("fusemoe::moe_experts_fp8_backward")
 def _moe_experts_fp8_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                                    fp8_weights, impl, saved_z_SF=None, swiglu_clamp=None):
     return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
                           saved_z_SF, swiglu_clamp, fp8_weights=fp8_weights)
 
 
-@torch.library.custom_op("fusemoe::moe_experts_fp8_backward_into",
-                         mutates_args=("dw13_EFH", "dw2_EHI"))
+@_op("moe_experts_fp8_backward_into", mutates_args=("dw13_EFH", "dw2_EHI"))
 def moe_experts_fp8_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                                   topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
                                   fp8_weights: Tensor, dw13_EFH: Tensor, dw2_EHI: Tensor,
@@ -236,7 +239,7 @@ def moe_experts_fp8_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tens
                             dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp, fp8_weights)
 
 
-@moe_experts_fp8_backward_into.register_fake
+@torch.library.register_fake("fusemoe::moe_experts_fp8_backward_into")
 def _moe_experts_fp8_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                                         fp8_weights, dw13_EFH, dw2_EHI, accumulate, impl,
                                         saved_z_SF=None, swiglu_clamp=None):
@@ -253,7 +256,7 @@ def _backward(ctx, dy_TH, _dz_unused):
     return _gradients(ctx, dy_TH, moe_experts_fp8_backward, moe_experts_fp8_backward_into)
 
 
-moe_experts_fp8_forward.register_autograd(_backward, setup_context=_setup_context)
+_register_autograd("moe_experts_fp8_forward", _backward, _setup_context)
 
 
 def moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl="fused",
@@ -265,5 +268,5 @@ def moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl="f
     if fp8_weights is None:
         fp8_weights = cached_fp8_weights(w13_EFH, w2_EHI)
     save_z = _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI)
-    return moe_experts_fp8_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
-                                   fp8_weights, impl, grad_in_place, save_z, swiglu_clamp)[0]
+    return _call(moe_experts_fp8_forward, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
+                 fp8_weights, impl, grad_in_place, save_z, swiglu_clamp)[0]

@@ -1,6 +1,13 @@
-"""fusemoe's PyTorch ops over the C library: fusemoe::moe_experts_forward and
-fusemoe::moe_experts_backward (torch.library custom ops), their fake kernels and the autograd
-formula that links them.
+"""fusemoe's PyTorch ops over the C library: fusemoe::moe_experts_forward,
+fusemoe::moe_experts_backward and fusemoe::moe_experts_backward_into, their fake kernels and the
+autograd formula that links them.
+
+Two definitions of the same ops, one per process: the native binding's (fusemoe._native: C++
+kernels registered through PyTorch's stable ABI, which check the tensors and call the C library
+with no Python per call) when it is built and loads, else the Python functions below as
+torch.library custom ops over ctypes (same schemas, same checks and messages). Either way the
+fake kernels and the autograd formula below are registered on them by name.
+fusemoe.native_binding_status() says which is in use.
 
     y_t = sum_j w[t,j] * W2_e (silu(g) * u),  g = Wg_e x_t, u = Wu_e x_t,  e = topk_idx[t,j]
     (-1: masked); with swiglu_clamp = c: g <- min(g, c), u <- clamp(u, -c, c) first.
@@ -31,7 +38,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _capi
+from . import _capi, _native
 
 DEFAULT_IMPL = "fused"  # sm_90a kernels; "unfused" (cuBLAS grouped GEMMs) is the baseline
 
@@ -71,13 +78,17 @@ def _raise_if_reported(report, num_experts, top_k):
 def check_expert_ids(synchronize=True):
     """Raises FusemoeError if an earlier fusemoe call on any device had expert ids outside
     [-1, E). synchronize=True first waits for the devices' queued work, so every call made so far
-    is covered; False checks only what has already run (no wait)."""
+    is covered; False checks only what has already run (no wait). Covers the native binding's
+    reports (fusemoe._native) and those of the ctypes path."""
     with _reports_lock:
         if synchronize:
-            for index in sorted({key[0] for key in _reports}):
+            for index in sorted({key[0] for key in _reports} | set(_native.report_devices())):
                 torch.cuda.synchronize(index)
         for (_, num_experts, top_k), report in _reports.items():
             _raise_if_reported(report, num_experts, top_k)
+        message = _native.take_reported_error()
+        if message is not None:
+            raise _capi.FusemoeError(message)
 
 
 API = "fusemoe.moe_experts"  # what the ops' argument errors start with
@@ -114,9 +125,7 @@ def _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH=Non
     if two_intermediate % 2 != 0 or w13_hidden != hidden:
         _fail(f"w13 (gate_up_proj) must be [E, 2I, H] with H = x.shape[1] = {hidden}, "
               f"got {tuple(w13_EFH.shape)}", api)
-    if tuple(w2_EHI.shape) != (num_experts, hidden, intermediate):
-        _fail(f"w2 (down_proj) must be [E, H, I] = {(num_experts, hidden, intermediate)} to match "
-              f"w13 {tuple(w13_EFH.shape)}, got {tuple(w2_EHI.shape)}", api)
+    _check_w2_matches_w13(w13_EFH, w2_EHI, api)
     if topk_idx_TK.shape[0] != num_tokens:
         _fail(f"topk_idx must be [T, K] with T = x.shape[0] = {num_tokens}, "
               f"got {tuple(topk_idx_TK.shape)}", api)
@@ -136,6 +145,14 @@ def _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH=Non
             _fail(f"{name} is on {t.device} but x is on {x_TH.device}: all tensors must be on "
                   "one CUDA device", api)
     return (hidden, intermediate, num_experts, topk_idx_TK.shape[1], num_tokens)
+
+
+def _check_w2_matches_w13(w13_EFH, w2_EHI, api=API):
+    num_experts, two_intermediate, hidden = w13_EFH.shape
+    expected = (num_experts, hidden, two_intermediate // 2)
+    if tuple(w2_EHI.shape) != expected:
+        _fail(f"w2 (down_proj) must be [E, H, I] = {expected} to match w13 "
+              f"{tuple(w13_EFH.shape)}, got {tuple(w2_EHI.shape)}", api)
 
 
 def _check_cuda(x_TH, api=API):
@@ -164,6 +181,43 @@ class FusemoeOutOfMemoryError(_capi.FusemoeError, torch.OutOfMemoryError):
     handles PyTorch's out-of-memory errors (e.g. by shrinking the batch) still does."""
 
 
+_NATIVE_ERROR_CLASSES = {1: _capi.FusemoeError, 2: FusemoeOutOfMemoryError, 3: ValueError}
+
+
+def _call(op, *args):
+    """op(*args) for fusemoe's entry points (moe_experts, the autograd formula, the FP8 weight
+    cache). A native op's error may reach Python as RuntimeError whatever it was (fusemoe._native):
+    the binding's own (its last error on this thread) is re-raised as the ValueError,
+    FusemoeError or FusemoeOutOfMemoryError that the ctypes path raises. A direct
+    torch.ops.fusemoe.* call on the native path sees what PyTorch raised."""
+    try:
+        return op(*args)
+    except RuntimeError as e:
+        if not _native.LOADED or isinstance(e, _capi.FusemoeError):
+            raise
+        kind, message = _native.last_error()
+        if kind not in _NATIVE_ERROR_CLASSES or message != str(e):
+            raise
+        raise _NATIVE_ERROR_CLASSES[kind](message) from None
+
+
+_CTYPES_OPS = {}  # name -> (Python definition, mutates_args): what the ctypes path registers
+_AUTOGRAD_LIBRARY = torch.library.Library("fusemoe", "FRAGMENT")  # the native ops' autograd
+
+
+def _op(name, mutates_args=()):
+    """Decorator of an op's Python definition (its schema and the ctypes launch): returns
+    torch.ops.fusemoe.<name>, the native binding's op when it is loaded, else the definition
+    registered as the custom op fusemoe::<name>. The fake kernel and autograd are registered on
+    the name by the caller, for both."""
+    def define(fn):
+        _CTYPES_OPS[name] = (fn, mutates_args)
+        if _native.LOADED:
+            return getattr(torch.ops.fusemoe, name)
+        return torch.library.custom_op(f"fusemoe::{name}", mutates_args=mutates_args)(fn)
+    return define
+
+
 def _workspace(layer, device, use):
     """A workspace for one call of kind `use` (_capi.WORKSPACE_USES) of a _capi.Layer: each call
     gets only what it needs (a backward given saved z needs no room for z). When torch cannot
@@ -189,7 +243,7 @@ def _empty_saved_z(x_TH, dims, save_z):
     return x_TH.new_empty(shape)
 
 
-@torch.library.custom_op("fusemoe::moe_experts_forward", mutates_args=())
+@_op("moe_experts_forward")
 def moe_experts_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
                         w13_EFH: Tensor, w2_EHI: Tensor, impl: str,
                         grad_in_place: bool = False, save_z: bool = False,
@@ -232,11 +286,14 @@ def _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, s
     with torch.cuda.device(x_TH.device):
         report = _expert_id_report(x_TH.device, dims[2], dims[3])
         workspace, num_bytes = _workspace(layer, x_TH.device, "forward")
+        # Every tensor is on x's CUDA device (checked above, or allocated there) and the report is
+        # mapped pinned memory: the library need not query each pointer (caller_checked_pointers).
         _capi.forward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
                       topk_weights_TK.data_ptr(), w13, w2, y_TH.data_ptr(), dims[-1],
                       workspace.data_ptr(), num_bytes, report,
                       z_SF.data_ptr() if save_z and z_SF.numel() else None,
-                      torch.cuda.current_stream(x_TH.device).cuda_stream, fp8_weights=fp8)
+                      torch.cuda.current_stream(x_TH.device).cuda_stream, fp8_weights=fp8,
+                      caller_checked_pointers=True)
     return y_TH, z_SF
 
 
@@ -253,7 +310,7 @@ def _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, sav
     return torch.empty_like(x_TH), _empty_saved_z(x_TH, dims, save_z)
 
 
-@moe_experts_forward.register_fake
+@torch.library.register_fake("fusemoe::moe_experts_forward")
 def _moe_experts_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
                               grad_in_place=False, save_z=False, swiglu_clamp=None):
     return _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
@@ -279,7 +336,7 @@ def _check_saved_z(saved_z_SF, dims, x_TH, impl):
     return saved_z_SF
 
 
-@torch.library.custom_op("fusemoe::moe_experts_backward", mutates_args=())
+@_op("moe_experts_backward")
 def moe_experts_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                          topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
                          impl: str, saved_z_SF: Optional[Tensor] = None,
@@ -316,7 +373,8 @@ def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                        d_topk_weights_TK.data_ptr(), dw13_EFH.data_ptr(), dw2_EHI.data_ptr(),
                        grad_dtype, accumulate, dims[-1], workspace.data_ptr(), num_bytes, report,
                        saved_z_SF.data_ptr() if saved_z_SF is not None else None,
-                       torch.cuda.current_stream(x_TH.device).cuda_stream, fp8_weights=fp8)
+                       torch.cuda.current_stream(x_TH.device).cuda_stream, fp8_weights=fp8,
+                       caller_checked_pointers=True)
     return dx_TH, d_topk_weights_TK
 
 
@@ -339,15 +397,14 @@ def _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, i
     return grads
 
 
-@moe_experts_backward.register_fake
+@torch.library.register_fake("fusemoe::moe_experts_backward")
 def _moe_experts_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
                                saved_z_SF=None, swiglu_clamp=None):
     return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
                           saved_z_SF, swiglu_clamp)
 
 
-@torch.library.custom_op("fusemoe::moe_experts_backward_into",
-                         mutates_args=("dw13_EFH", "dw2_EHI"))
+@_op("moe_experts_backward_into", mutates_args=("dw13_EFH", "dw2_EHI"))
 def moe_experts_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                               topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
                               dw13_EFH: Tensor, dw2_EHI: Tensor, accumulate: bool,
@@ -359,7 +416,7 @@ def moe_experts_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                             dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp)
 
 
-@moe_experts_backward_into.register_fake
+@torch.library.register_fake("fusemoe::moe_experts_backward_into")
 def _moe_experts_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                                     dw13_EFH, dw2_EHI, accumulate, impl, saved_z_SF=None,
                                     swiglu_clamp=None):
@@ -410,14 +467,14 @@ def _gradients(ctx, dy_TH, backward_op, backward_into_op):
     dy_TH = dy_TH.contiguous()
     if ctx.params is not None:
         dx_TH, d_topk_weights_TK = _backward_into_grads(
-            ctx, lambda dw13, dw2, accumulate: backward_into_op(
-                dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights, dw13, dw2, accumulate,
-                ctx.impl, saved_z_SF, ctx.swiglu_clamp))
+            ctx, lambda dw13, dw2, accumulate: _call(
+                backward_into_op, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights, dw13, dw2,
+                accumulate, ctx.impl, saved_z_SF, ctx.swiglu_clamp))
         dw13_EFH = dw2_EHI = None
     else:
-        dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI = backward_op(
-            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights, ctx.impl, saved_z_SF,
-            ctx.swiglu_clamp)
+        dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI = _call(
+            backward_op, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights, ctx.impl,
+            saved_z_SF, ctx.swiglu_clamp)
     return (dx_TH, None, d_topk_weights_TK, dw13_EFH, dw2_EHI) + (None,) * (ctx.num_inputs - 5)
 
 
@@ -444,6 +501,42 @@ def _backward_into_grads(ctx, backward_into):
     return dx_TH, d_topk_weights_TK
 
 
+def _register_autograd(name, backward, setup_context):
+    """Registers the autograd formula of the forward op fusemoe::<name>. The ctypes path's custom
+    ops take torch.library.register_autograd. The native ops get the kernel it would make
+    (torch._library.autograd.make_autograd_impl: an autograd.Function around a redispatch below
+    autograd, registered for the Autograd key) less its per-call fill_defaults, which reads the
+    schema's argument list from C++ twice per argument to pass setup_context the defaults the
+    dispatcher dropped: 41 us per forward on the CPU machine, more than the rest of the forward's
+    host time. Here the defaults are read once."""
+    if not _native.LOADED:
+        torch.library.register_autograd(f"fusemoe::{name}", backward, setup_context=setup_context)
+        return
+    op = getattr(torch.ops.fusemoe, name).default
+    defaults = tuple(argument.default_value for argument in op._schema.arguments)
+    below_autograd = torch._C._after_autograd_keyset
+
+    class Generated(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, keyset, *args):
+            with torch._C._AutoDispatchBelowAutograd():
+                output = op.redispatch(keyset & below_autograd, *args)
+            setup_context(ctx, args + defaults[len(args):], output)
+            return output
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return (None, *backward(ctx, *grads))  # no gradient for the keyset
+
+    def autograd_kernel(keyset, *args):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return Generated.apply(keyset, *args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & below_autograd, *args)
+
+    _AUTOGRAD_LIBRARY.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+
+
 def _setup_context(ctx, inputs, output):
     _save_for_backward(ctx, inputs[:5], *inputs[5:], output[1])
 
@@ -452,7 +545,7 @@ def _backward(ctx, dy_TH, _dz_unused):
     return _gradients(ctx, dy_TH, moe_experts_backward, moe_experts_backward_into)
 
 
-moe_experts_forward.register_autograd(_backward, setup_context=_setup_context)
+_register_autograd("moe_experts_forward", _backward, _setup_context)
 
 
 def _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI):
@@ -495,5 +588,5 @@ def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAUL
         return moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
                                grad_in_place, recompute_z, fp8_weights, swiglu_clamp)
     save_z = _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI)
-    return moe_experts_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                               grad_in_place, save_z, swiglu_clamp)[0]
+    return _call(moe_experts_forward, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+                 grad_in_place, save_z, swiglu_clamp)[0]

@@ -346,13 +346,16 @@ void checked_layer_call(const LayerConfig& config, Impl impl, const Args& a,
   check_tensors(outputs_always, outputs_always + num_outputs_always);
   if (a.num_tokens > 0) check_tensors(token_tensors.begin(), token_tensors.end());
   check_saved_z(impl, a.saved_z);
+  if (a.expert_id_report != nullptr) check_tensor(a.expert_id_report, "expert_id_report", 4);
   check_workspace(config, impl, use, a.workspace, a.workspace_bytes);
   check_device();
-  check_weight_device_pointers(config, a.w13, a.w2, a.fp8_weights);
-  check_device_pointers(outputs_always, outputs_always + num_outputs_always);
-  check_device_pointer(a.workspace, "workspace");
-  if (a.num_tokens > 0) check_device_pointers(token_tensors.begin(), token_tensors.end());
-  check_optional_pointers(a.expert_id_report, a.saved_z);
+  if (!a.caller_checked_pointers) {
+    check_weight_device_pointers(config, a.w13, a.w2, a.fp8_weights);
+    check_device_pointers(outputs_always, outputs_always + num_outputs_always);
+    check_device_pointer(a.workspace, "workspace");
+    if (a.num_tokens > 0) check_device_pointers(token_tensors.begin(), token_tensors.end());
+    check_optional_pointers(a.expert_id_report, a.saved_z);
+  }
   if (impl != Impl::kFused) {
     if constexpr (kBackward) unfused_backward(config, impl, a);
     else unfused_forward(config, impl, a);

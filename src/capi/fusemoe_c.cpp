@@ -142,6 +142,7 @@ Args call_args_of(const CArgs& a) {
   copy_call_fields(args, a);
   args.fp8_weights = a.fp8_weights;
   args.saved_z = a.saved_z;
+  args.caller_checked_pointers = a.caller_checked_pointers != 0;
   return args;
 }
 
@@ -248,6 +249,7 @@ constexpr FieldLayout kForwardFields[] = {
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, expert_id_report),
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, saved_z),
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, stream),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, caller_checked_pointers),
 };
 constexpr FieldLayout kBackwardFields[] = {
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, struct_size),
@@ -270,6 +272,7 @@ constexpr FieldLayout kBackwardFields[] = {
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, expert_id_report),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, saved_z),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, stream),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, caller_checked_pointers),
 };
 constexpr FieldLayout kFp8QuantizeFields[] = {
     FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, struct_size),

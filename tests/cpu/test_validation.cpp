@@ -113,11 +113,17 @@ TEST(Validation, ForwardArgumentsNamed) {
       {[](ForwardArgs& a) { a.workspace_bytes -= 1; }, "workspace_bytes"},
       {[](ForwardArgs& a) { a.saved_z = reinterpret_cast<void*>(0x90000); },
        "saved_z is supported by Impl::kFused only"},
+      {[](ForwardArgs& a) { a.expert_id_report = reinterpret_cast<int32_t*>(0xa0002); },
+       "expert_id_report must be 4-byte aligned"},
   };
-  for (const Case& tc : cases) {
-    ForwardArgs a = plausible_forward_args(c, Impl::kUnfused);
-    tc.mutate(a);
-    expect_error_mentioning([&] { forward(c, Impl::kUnfused, a); }, tc.needle);
+  // The host checks run whether or not the caller vouches for its pointers.
+  for (bool caller_checked_pointers : {false, true}) {
+    for (const Case& tc : cases) {
+      ForwardArgs a = plausible_forward_args(c, Impl::kUnfused);
+      a.caller_checked_pointers = caller_checked_pointers;
+      tc.mutate(a);
+      expect_error_mentioning([&] { forward(c, Impl::kUnfused, a); }, tc.needle);
+    }
   }
   ForwardArgs a = plausible_forward_args(c, Impl::kUnfused);
   expect_error_mentioning([&] { forward(c, static_cast<Impl>(42), a); }, "impl");
@@ -146,10 +152,13 @@ TEST(Validation, BackwardArgumentsNamed) {
       {[](BackwardArgs& a) { a.saved_z = reinterpret_cast<const void*>(0xc0000); },
        "saved_z is supported by Impl::kFused only"},
   };
-  for (const Case& tc : cases) {
-    BackwardArgs a = base;
-    tc.mutate(a);
-    expect_error_mentioning([&] { backward(c, Impl::kUnfused, a); }, tc.needle);
+  for (bool caller_checked_pointers : {false, true}) {
+    for (const Case& tc : cases) {
+      BackwardArgs a = base;
+      a.caller_checked_pointers = caller_checked_pointers;
+      tc.mutate(a);
+      expect_error_mentioning([&] { backward(c, Impl::kUnfused, a); }, tc.needle);
+    }
   }
 }
 

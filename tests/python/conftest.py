@@ -4,6 +4,9 @@ tests the installed package instead, e.g. a wheel from `pip install .`), and the
 GPU tests call require_gpu(): it skips (never passes) where there is no torch, no CUDA device,
 no Hopper (sm_90) GPU or no built libfusemoe_c.so. With FUSEMOE_REQUIRE_GPU=1 (the GPU round
 sets it) each of those is a failure instead, so a round on the H200 cannot pass by skipping.
+Likewise FUSEMOE_REQUIRE_NATIVE=1 (scripts/run_tests.sh sets it where it built the native binding)
+turns test_native_binding.py's skips for want of the binding into failures; FUSEMOE_NATIVE=0 runs
+the suite on the ctypes path.
 """
 import os
 import sys

@@ -82,10 +82,25 @@ def moe_experts_backward_fp32(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH
     return dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI
 
 
+_registered = set()  # PyTorch refuses a second Python kernel for an op defined in C++ (native)
+
+
+def _once(register):
+    """register() runs once per process, whichever test modules ask for it."""
+    def run():
+        if register.__name__ not in _registered:
+            _registered.add(register.__name__)
+            register()
+    run.__doc__ = register.__doc__
+    return run
+
+
+@_once
 def register_cpu_kernels():
     """CPU kernels for the fusemoe ops (fp32 math, outputs in the op's dtypes), so the Python
     layer (autograd, fake kernels, torch.compile, checkpointing) can be tested without a GPU.
-    Like the CUDA kernels they validate their arguments with fusemoe.ops._check_inputs first."""
+    Like the CUDA kernels they validate their arguments with fusemoe.ops._check_inputs first.
+    The ops' own kernels (native or ctypes) serve every backend; these take CPU tensors."""
     from fusemoe.ops import _check_inputs, _empty_saved_z
 
     @torch.library.register_kernel("fusemoe::moe_experts_forward", "cpu")
@@ -117,6 +132,7 @@ def register_cpu_kernels():
         return dx_TH.to(x_TH.dtype), dw_TK
 
 
+@_once
 def register_cpu_fp8_kernels():
     """CPU stand-ins for the FP8 ops (precision="fp8"), for the CPU tests of the Python layer's
     FP8 weight cache: fusemoe::quantize_weights_fp8 stores the bf16 weights themselves in the

@@ -1,0 +1,251 @@
+// The ops' tensor checks with ops.py's messages (tensor_checks.h). The happy path builds no
+// string: messages are formatted only when a check fails.
+#include "torch_binding/tensor_checks.h"
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/headeronly/util/shim_utils.h>
+
+#include <sstream>
+
+#include "fusemoe/fusemoe_c.h"
+#include "torch_binding/errors.h"
+
+namespace fusemoe::torch_binding {
+namespace {
+
+constexpr int64_t kFp8Block = 128;  // E4M3 scale block: H and I are multiples of it (fusemoe.fp8)
+
+using Ints = torch::headeronly::IntHeaderOnlyArrayRef;
+
+// tuple(t.shape) as Python prints it: (37, 128), (5,), ().
+std::string py_tuple(Ints values) {
+  std::ostringstream out;
+  out << "(";
+  for (size_t i = 0; i < values.size(); ++i) out << (i ? ", " : "") << values[i];
+  out << (values.size() == 1 ? ",)" : ")");
+  return out.str();
+}
+
+// repr() of a string: 'fused'.
+std::string py_repr(const std::string& text) {
+  const bool double_quotes = text.find('\'') != std::string::npos && text.find('"') == std::string::npos;
+  const char quote = double_quotes ? '"' : '\'';
+  std::string out(1, quote);
+  for (char c : text) {
+    if (c == quote || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + quote;
+}
+
+// str(dtype): torch.bfloat16.
+std::string dtype_string(int32_t dtype) {
+  struct Name {
+    int32_t (*code)();
+    const char* name;
+  };
+  static const Name kNames[] = {
+      {aoti_torch_dtype_bfloat16, "torch.bfloat16"}, {aoti_torch_dtype_float16, "torch.float16"},
+      {aoti_torch_dtype_float32, "torch.float32"},   {aoti_torch_dtype_float64, "torch.float64"},
+      {aoti_torch_dtype_uint8, "torch.uint8"},       {aoti_torch_dtype_int8, "torch.int8"},
+      {aoti_torch_dtype_int16, "torch.int16"},       {aoti_torch_dtype_int32, "torch.int32"},
+      {aoti_torch_dtype_int64, "torch.int64"},       {aoti_torch_dtype_bool, "torch.bool"},
+      {aoti_torch_dtype_complex64, "torch.complex64"},
+      {aoti_torch_dtype_complex128, "torch.complex128"},
+      {aoti_torch_dtype_float8_e4m3fn, "torch.float8_e4m3fn"},
+      {aoti_torch_dtype_float8_e5m2, "torch.float8_e5m2"},
+  };
+  for (const Name& n : kNames) {
+    if (n.code() == dtype) return n.name;
+  }
+  return "dtype code " + std::to_string(dtype);
+}
+
+struct DeviceId {
+  int32_t type = 0;
+  int32_t index = -1;
+  bool operator==(const DeviceId& o) const { return type == o.type && index == o.index; }
+};
+
+DeviceId device_of(const Tensor& t) {
+  DeviceId d;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(t.get(), &d.type));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(t.get(), &d.index));
+  return d;
+}
+
+std::string shape_string(const Tensor& t) { return py_tuple(t.sizes()); }
+
+bool same_shape(const Tensor& a, const Tensor& b) { return a.sizes().equals(b.sizes()); }
+
+}  // namespace
+
+int32_t dtype_of(const Tensor& t) {
+  int32_t dtype = 0;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(t.get(), &dtype));
+  return dtype;
+}
+int32_t dtype_bfloat16() { return aoti_torch_dtype_bfloat16(); }
+int32_t dtype_float32() { return aoti_torch_dtype_float32(); }
+int32_t dtype_int32() { return aoti_torch_dtype_int32(); }
+int32_t dtype_uint8() { return aoti_torch_dtype_uint8(); }
+
+void fail(const std::string& message) { throw_error(ErrorKind::kArgument, "fusemoe.moe_experts: " + message); }
+
+std::string device_string(const Tensor& t) {
+  const DeviceId d = device_of(t);
+  std::string type;
+  if (d.type == aoti_torch_device_type_cpu()) type = "cpu";
+  else if (d.type == aoti_torch_device_type_cuda()) type = "cuda";
+  else if (d.type == aoti_torch_device_type_meta()) type = "meta";
+  else type = "device type " + std::to_string(d.type);
+  return d.index < 0 ? type : type + ":" + std::to_string(d.index);
+}
+
+bool same_device(const Tensor& a, const Tensor& b) { return device_of(a) == device_of(b); }
+
+bool is_cuda(const Tensor& t) { return device_of(t).type == aoti_torch_device_type_cuda(); }
+
+void check_tensor(const Tensor& t, const char* name, int64_t ndim, int32_t dtype) {
+  if (t.dim() != ndim) {
+    fail(std::string(name) + " must have " + std::to_string(ndim) + " dimensions, got shape " +
+         shape_string(t));
+  }
+  if (dtype_of(t) != dtype) {
+    fail(std::string(name) + " must be " + dtype_string(dtype) + ", got " + dtype_string(dtype_of(t)));
+  }
+  if (!t.is_contiguous()) {
+    fail(std::string(name) + " must be contiguous (call .contiguous()), got strides " +
+         py_tuple(t.strides()));
+  }
+}
+
+LayerDims check_inputs(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
+                       const Tensor& w13_EFH, const Tensor& w2_EHI, const Tensor* dy_TH) {
+  check_tensor(x_TH, "x (hidden_states)", 2, dtype_bfloat16());
+  check_tensor(topk_idx_TK, "topk_idx", 2, dtype_int32());
+  check_tensor(topk_weights_TK, "topk_weights", 2, dtype_float32());
+  check_tensor(w13_EFH, "w13 (gate_up_proj)", 3, dtype_bfloat16());
+  check_tensor(w2_EHI, "w2 (down_proj)", 3, dtype_bfloat16());
+  LayerDims d;
+  d.num_tokens = x_TH.size(0);
+  d.hidden = x_TH.size(1);
+  d.num_experts = w13_EFH.size(0);
+  const int64_t two_intermediate = w13_EFH.size(1);
+  d.intermediate = two_intermediate / 2;
+  if (two_intermediate % 2 != 0 || w13_EFH.size(2) != d.hidden) {
+    fail("w13 (gate_up_proj) must be [E, 2I, H] with H = x.shape[1] = " + std::to_string(d.hidden) +
+         ", got " + shape_string(w13_EFH));
+  }
+  check_w2_matches_w13(w13_EFH, w2_EHI);
+  if (topk_idx_TK.size(0) != d.num_tokens) {
+    fail("topk_idx must be [T, K] with T = x.shape[0] = " + std::to_string(d.num_tokens) + ", got " +
+         shape_string(topk_idx_TK));
+  }
+  if (!same_shape(topk_weights_TK, topk_idx_TK)) {
+    fail("topk_weights must have the shape of topk_idx " + shape_string(topk_idx_TK) + ", got " +
+         shape_string(topk_weights_TK));
+  }
+  d.top_k = topk_idx_TK.size(1);
+  if (dy_TH != nullptr) {
+    check_tensor(*dy_TH, "dy (grad of the output)", 2, dtype_bfloat16());
+    if (!same_shape(*dy_TH, x_TH)) {
+      fail("dy must have the shape of x " + shape_string(x_TH) + ", got " + shape_string(*dy_TH));
+    }
+  }
+  struct Named {
+    const char* name;
+    const Tensor* t;
+  };
+  const Named named[] = {{"topk_idx", &topk_idx_TK},
+                         {"topk_weights", &topk_weights_TK},
+                         {"w13 (gate_up_proj)", &w13_EFH},
+                         {"w2 (down_proj)", &w2_EHI},
+                         {"dy", dy_TH}};
+  for (const Named& n : named) {
+    if (n.t != nullptr && !same_device(*n.t, x_TH)) {
+      fail(std::string(n.name) + " is on " + device_string(*n.t) + " but x is on " + device_string(x_TH) +
+           ": all tensors must be on one CUDA device");
+    }
+  }
+  return d;
+}
+
+void check_w2_matches_w13(const Tensor& w13_EFH, const Tensor& w2_EHI) {
+  const int64_t num_experts = w13_EFH.size(0), intermediate = w13_EFH.size(1) / 2, hidden = w13_EFH.size(2);
+  if (w2_EHI.size(0) != num_experts || w2_EHI.size(1) != hidden || w2_EHI.size(2) != intermediate) {
+    fail("w2 (down_proj) must be [E, H, I] = (" + std::to_string(num_experts) + ", " + std::to_string(hidden) +
+         ", " + std::to_string(intermediate) + ") to match w13 " + shape_string(w13_EFH) + ", got " +
+         shape_string(w2_EHI));
+  }
+}
+
+void check_cuda(const Tensor& x_TH) {
+  if (!is_cuda(x_TH)) fail("tensors must be on a CUDA device, got " + device_string(x_TH));
+}
+
+void check_save_z(bool save_z, const std::string& impl) {
+  if (save_z && impl != "fused") fail("save_z needs impl=\"fused\" (got " + py_repr(impl) + ")");
+}
+
+const Tensor* check_saved_z(const std::optional<Tensor>& saved_z_SF, const LayerDims& dims,
+                            const Tensor& x_TH, const std::string& impl) {
+  if (!saved_z_SF.has_value() || saved_z_SF->numel() == 0) return nullptr;
+  check_save_z(true, impl);
+  const Tensor& z = *saved_z_SF;
+  const int64_t rows = dims.num_tokens * dims.top_k, cols = 2 * dims.intermediate;
+  if (z.dim() != 2 || z.size(0) != rows || z.size(1) != cols || dtype_of(z) != dtype_bfloat16() ||
+      !z.is_contiguous() || !same_device(z, x_TH)) {
+    fail("saved_z must be the forward's z: contiguous bf16 (" + std::to_string(rows) + ", " +
+         std::to_string(cols) + ") on " + device_string(x_TH) + ", got " + dtype_string(dtype_of(z)) + " " +
+         shape_string(z) + " on " + device_string(z));
+  }
+  return &z;
+}
+
+int32_t check_weight_grads(const Tensor& dw13_EFH, const Tensor& dw2_EHI, const Tensor& w13_EFH,
+                           const Tensor& w2_EHI) {
+  struct Pair {
+    const char* name;
+    const Tensor* grad;
+    const Tensor* weight;
+  };
+  const Pair pairs[] = {{"dw13", &dw13_EFH, &w13_EFH}, {"dw2", &dw2_EHI, &w2_EHI}};
+  for (const Pair& p : pairs) {
+    const int32_t dtype = dtype_of(*p.grad);
+    if (dtype != dtype_float32() && dtype != dtype_bfloat16()) {
+      fail(std::string(p.name) + " must be a float32 or bfloat16 tensor, got " + dtype_string(dtype));
+    }
+    if (!same_shape(*p.grad, *p.weight) || !p.grad->is_contiguous() || !same_device(*p.grad, *p.weight)) {
+      fail(std::string(p.name) + " must be contiguous, on " + device_string(*p.weight) + ", of shape " +
+           shape_string(*p.weight) + "; got " + shape_string(*p.grad) + " on " + device_string(*p.grad) +
+           ", strides " + py_tuple(p.grad->strides()));
+    }
+  }
+  if (dtype_of(dw13_EFH) != dtype_of(dw2_EHI)) {
+    fail("dw13 and dw2 must have one dtype, got " + dtype_string(dtype_of(dw13_EFH)) + " and " +
+         dtype_string(dtype_of(dw2_EHI)));
+  }
+  return dtype_of(dw13_EFH) == dtype_float32() ? FUSEMOE_C_WEIGHT_GRAD_FLOAT32 : FUSEMOE_C_WEIGHT_GRAD_BFLOAT16;
+}
+
+void check_fp8_shapes(const Tensor& w13_EFH) {
+  const int64_t hidden = w13_EFH.size(2), intermediate = w13_EFH.size(1) / 2;
+  if (hidden % kFp8Block != 0 || intermediate % kFp8Block != 0) {
+    fail("precision=\"fp8\" needs hidden and intermediate to be multiples of " + std::to_string(kFp8Block) +
+         ", got H=" + std::to_string(hidden) + ", I=" + std::to_string(intermediate));
+  }
+}
+
+void check_fp8_weights(const Tensor& fp8_weights, const Tensor& w13_EFH, uint64_t expected_bytes) {
+  if (dtype_of(fp8_weights) != dtype_uint8() || fp8_weights.dim() != 1 ||
+      static_cast<uint64_t>(fp8_weights.numel()) != expected_bytes || !fp8_weights.is_contiguous() ||
+      !same_device(fp8_weights, w13_EFH)) {
+    fail("fp8_weights must be the buffer fusemoe.fp8.quantize_weights_fp8(w13, w2) returned: "
+         "contiguous uint8 [" +
+         std::to_string(expected_bytes) + "] on " + device_string(w13_EFH) + ", got " +
+         dtype_string(dtype_of(fp8_weights)) + " " + shape_string(fp8_weights));
+  }
+}
+
+}  // namespace fusemoe::torch_binding
