@@ -5,12 +5,10 @@
 //   GEMM        FLOPs (R routed rows)   fusemoe instances
 //   x W13^T     2 R H 2I                gate/up + SwiGLU (with and without the z store), recompute z
 //   h W2^T      2 R I H                 down + routing weight
-//   dy W2       2 R H I                 dgrad + SwiGLU backward at tile width 128 and 256
+//   dys W2      2 R H I                 dgrad + SwiGLU backward at tile width 128 and 256
 //   dz W13      2 R 2I H                dgrad of x into the slot rows
-//   dy^T wh     2 R H I                 dW2 (fp32, bf16, fp32 accumulated)
-//   dz^T x      2 R 2I H                dW13 (fp32, bf16, fp32 accumulated)
-// The fusemoe instances read x and dy rows in place; cuBLAS reads them gathered into pools (xs,
-// dys), outside its timing.
+//   dys^T wh    2 R H I                 dW2 (fp32, bf16, fp32 accumulated)
+//   dz^T xs     2 R 2I H                dW13 (fp32, bf16, fp32 accumulated)
 // One run: GPU facts → bf16 GEMM ceiling (cuBLAS 8192³) → per preset and T: routing, a
 // correctness check of every instance against the fp32 GPU reference (the first T of each
 // preset, tests/common/sm90_gemm_problem.h), then per GEMM its fusemoe instances and the cuBLAS
@@ -88,14 +86,16 @@ struct Row {
 };
 
 // The non-GEMM steps of the fused pipelines, on their own buffers: routing (topk_idx -> the
-// expert-sorted rows), the router-gradient reduce and the k-way combine of the slot rows.
+// expert-sorted rows), the x gather of the backward, the router-gradient reduce and the k-way
+// combine of the slot rows.
 struct PipelineSteps {
-  DeviceBuffer idx, plan_memory, y;
+  DeviceBuffer idx, plan_memory, xs, y;
   RoutingPlan plan;
 
   PipelineSteps(const harness::MoeShape& s, const std::vector<int32_t>& idx_TK)
       : idx(DeviceBuffer::from(idx_TK)),
         plan_memory(routing_plan_bytes(s.T, s.K, s.E)),
+        xs(s.T * s.K * s.H * 2),
         y(s.T * s.H * 2) {
     carve_routing_plan(plan_memory.as<char>(), s.T, s.K, s.E, &plan);
   }
@@ -184,7 +184,7 @@ std::vector<Row> KernelBench::time_case(const Sm90GemmProblem& p, const std::vec
              with({{"down + weight", [&] { p.launch_down(); }}},
                   cublas_ops(expert_gemms(er, o.h_in, o.w2, true, c, H, I), {o.h_in, false, o.w2, true, c, R, H, I})),
              &out);
-  time_group("dy W2", 2 * rows * H * I,
+  time_group("dys W2", 2 * rows * H * I,
              with({{"dgrad + SwiGLU, block_n 128", [&] { p.launch_dgrad_swiglu(128, false); }},
                    {"dgrad + SwiGLU, block_n 256", [&] { p.launch_dgrad_swiglu(256, false); }}},
                   cublas_ops(expert_gemms(er, o.dys, o.w2, false, c, I, H), {o.dys, false, o.w2, false, c, R, I, H})),
@@ -199,7 +199,7 @@ std::vector<Row> KernelBench::time_case(const Sm90GemmProblem& p, const std::vec
     const int64_t m = w2 ? H : 2 * I, n = w2 ? I : H;
     const void* act_m = w2 ? o.dys : o.dz_in;
     const void* act_n = w2 ? o.wh_in : o.xs;
-    time_group(w2 ? "dy^T wh (dW2)" : "dz^T x (dW13)", 2 * rows * m * n,
+    time_group(w2 ? "dys^T wh (dW2)" : "dz^T xs (dW13)", 2 * rows * m * n,
                with({{"weight grad fp32", [&p, which] { p.launch_weight_grad(which, false, false); }},
                      {"weight grad bf16", [&p, which] { p.launch_weight_grad(which, true, false); }},
                      {"weight grad fp32 accumulate", [&p, which] { p.launch_weight_grad(which, false, true); }}},
@@ -211,6 +211,11 @@ std::vector<Row> KernelBench::time_case(const Sm90GemmProblem& p, const std::vec
   const int block_n = sm90_dgrad_block_n(H);
   time_group("other steps", 0,
              {{"routing", [&] { launch_routing(steps.idx.as<int32_t>(), s.T, s.K, E, steps.plan, nullptr, stream_); }},
+              {"gather x rows",
+               [&] {
+                 launch_gather_rows_device_count(o.x, o.row_slot, o.offsets + E, s.T * s.K, s.K, H, steps.xs.get(),
+                                                 stream_);
+               }},
               {"router gradient reduce", [&] { p.launch_router_reduce(block_n); }},
               {"combine slots", [&] { launch_combine_slots(o.ys, o.slot_row, s.T, s.K, H, steps.y.get(), stream_); }}},
              &out);

@@ -20,7 +20,8 @@
 //     Fp8WeightsB               [128 rows][128 k] of one expert's weight
 //     Fp8GateUpWeightsB         a tile is one 128-column block of h in two passes: pass p loads
 //                               gate rows [128 n + 64 p, +64) and the up rows I below them
-// The scales of B ride in A's Args (B's Args is its tensor map, as for every TMA B policy).
+// The scales of B ride in A's Args (GemmParams has one argument slot per operand source, and B's
+// is its tensor map).
 #pragma once
 
 #include <cuda.h>
@@ -98,14 +99,14 @@ struct Fp8PoolRowsA {
   }
 };
 
-// Whether every producer thread takes part in filling a stage (gathered rows of A or B, or per-row
-// scales copied by the threads); otherwise thread 0 alone issues the stage's TMA loads.
+// Whether every producer thread takes part in filling a stage (gathered rows, or per-row scales
+// copied by the threads); otherwise thread 0 alone issues the stage's TMA loads.
 template <class A, class = void>
 struct ScalesPerThread : std::false_type {};
 template <class A>
 struct ScalesPerThread<A, std::void_t<decltype(A::kScalesPerThread)>> : std::bool_constant<A::kScalesPerThread> {};
-template <class A, class B>
-constexpr bool kAllProducerThreads = A::kGathered || B::kGathered || ScalesPerThread<A>::value;
+template <class A>
+constexpr bool kAllProducerThreads = A::kGathered || ScalesPerThread<A>::value;
 
 // Main loops over K per tile: B::kPasses for the FP8 B policies (two for Fp8GateUpWeightsB),
 // one for the BF16 ones, which have no such member.
@@ -150,14 +151,14 @@ struct Fp8GatheredTokenRowsA {
 
 // ------------------------------------------------------------------------------------- B
 
-struct Fp8WeightsB : TmaB {
+struct Fp8WeightsB {
   static constexpr int kBlockN = 128, kTileCols = 128, kPasses = 1, kNumBScales = 1;
   static constexpr bool kMnMajor = false;
   static constexpr uint32_t kBoxRows = kBlockN;
   __device__ static uint32_t bytes(const Tile&, const BShape&) { return kBlockN * kSwizzleRowBytes; }
-  __device__ static void load(const Args& b, uint64_t* full, uint8_t* dst, const Tile& tile, int /*pass*/,
+  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int /*pass*/,
                               int32_t kb, const BShape& s) {
-    tma_load_2d(&b.map, full, dst, kb * kFp8BlockK, tile.expert * s.b_rows_per_expert + tile.n_tile * kTileCols);
+    tma_load_2d(map, full, dst, kb * kFp8BlockK, tile.expert * s.b_rows_per_expert + tile.n_tile * kTileCols);
   }
   // One 128 x 128 block covers the whole tile.
   __device__ static void load_scales(const WeightScales& w, uint32_t dst, const Tile& tile, int32_t kb) {
@@ -165,7 +166,7 @@ struct Fp8WeightsB : TmaB {
   }
 };
 
-struct Fp8GateUpWeightsB : TmaB {
+struct Fp8GateUpWeightsB {
   static constexpr int kBlockN = 128, kPasses = 2, kNumBScales = 2;
   static constexpr int kTileCols = kBlockN / 2 * kPasses;  // h columns per tile: one 128-block of h
   static constexpr bool kMnMajor = false;
@@ -174,12 +175,12 @@ struct Fp8GateUpWeightsB : TmaB {
   __device__ static uint32_t bytes(const Tile&, const BShape&) { return kBlockN * kSwizzleRowBytes; }
   // Rows [gate n0 + 64 p .. +64 | up the same, I below], read as one [128, 128 k] K-major operand:
   // accumulator columns c (gate) and c + 64 (up) hold h column 64 p + c of the tile.
-  __device__ static void load(const Args& b, uint64_t* full, uint8_t* dst, const Tile& tile, int pass,
+  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int pass,
                               int32_t kb, const BShape& s) {
     const int32_t k = kb * kFp8BlockK;
     const int32_t gate_row = tile.expert * s.b_rows_per_expert + tile.n_tile * kTileCols + pass * (kBlockN / 2);
-    tma_load_2d(&b.map, full, dst, k, gate_row);
-    tma_load_2d(&b.map, full, dst + kBlockN / 2 * kSwizzleRowBytes, k, gate_row + s.n_valid);
+    tma_load_2d(map, full, dst, k, gate_row);
+    tma_load_2d(map, full, dst + kBlockN / 2 * kSwizzleRowBytes, k, gate_row + s.n_valid);
   }
   // Gate rows of the tile lie in gate block n_tile, up rows in block I/128 + n_tile (w.second).
   __device__ static void load_scales(const WeightScales& w, uint32_t dst, const Tile& tile, int32_t kb) {

@@ -4,8 +4,8 @@
 //   producer: wait empty[s] (parity phase ^ 1), fill stage s, signal full[s]
 //   consumer: wait full[s] (parity phase), run the MMAs of stage s, arrive on empty[s]
 //
-// full[s] expects one arrival (the thread that posts the TMA byte count) plus, when an operand
-// is gathered by cp.async, one arrival per producer thread; empty[s] expects one
+// full[s] expects one arrival (the thread that posts the TMA byte count) plus, when the A
+// operand is gathered by cp.async, one arrival per producer thread; empty[s] expects one
 // arrival per consumer warp. A fresh barrier counts as having completed the phase of parity 1,
 // so the producer's first pass over the ring does not wait. Each role walks the ring with its
 // own cursor; both see the same (tile, k-block) sequence, so their stages and phases agree.

@@ -26,8 +26,9 @@ constexpr int64_t kMaxGrid = 65535LL * 16;
 // all 32 lanes.
 __global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, const int32_t* __restrict__ row_slot,
                                          const int32_t* __restrict__ num_rows_device, int64_t max_rows, int64_t top_k,
-                                         int64_t hidden, uint8_t* __restrict__ dst_fp8,
-                                         float* __restrict__ scales, Fp8ScaleLayout layout) {
+                                         int64_t hidden, __nv_bfloat16* __restrict__ dst_bf16,
+                                         uint8_t* __restrict__ dst_fp8, float* __restrict__ scales,
+                                         Fp8ScaleLayout layout) {
   const int64_t rows = num_rows_device ? static_cast<int64_t>(*num_rows_device) : max_rows;
   const int64_t blocks_per_row = hidden / kFp8Block;
   const int64_t items = rows * blocks_per_row;
@@ -42,9 +43,11 @@ __global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, 
     const int64_t block = valid ? item - row * blocks_per_row : 0;
     const int64_t col = block * kFp8Block + sub * 8;
     float v[8] = {};
+    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
     if (valid) {
       const int64_t src_row = row_slot ? __ldg(row_slot + row) / top_k : row;
-      sm90::unpack_bf16x8(*reinterpret_cast<const uint4*>(src + src_row * hidden + col), v);
+      raw = *reinterpret_cast<const uint4*>(src + src_row * hidden + col);
+      sm90::unpack_bf16x8(raw, v);
     }
     float amax = sm90::amax8(v);
 #pragma unroll
@@ -54,6 +57,7 @@ __global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, 
     if (!valid) continue;
     const sm90::Fp8Scale s = sm90::fp8_block_scale(amax);
     *reinterpret_cast<uint2*>(dst_fp8 + row * hidden + col) = sm90::quantize_e4m3x8(v, s.inv);
+    if (dst_bf16) *reinterpret_cast<uint4*>(dst_bf16 + row * hidden + col) = raw;
     if (sub == 0) scales[row * layout.row_stride + block * layout.block_stride] = s.scale;
   }
 }
@@ -131,8 +135,8 @@ __global__ void __launch_bounds__(kThreads) quantize_weights_fp8_kernel(const __
 }  // namespace
 
 void launch_quantize_rows_fp8(const void* src_bf16, const int32_t* row_slot, const int32_t* num_rows_device,
-                              int64_t max_rows, int64_t top_k, int64_t hidden, void* fp8_RH, float* scales,
-                              Fp8ScaleLayout layout, cudaStream_t stream) {
+                              int64_t max_rows, int64_t top_k, int64_t hidden, void* dst_bf16_RH, void* fp8_RH,
+                              float* scales, Fp8ScaleLayout layout, cudaStream_t stream) {
   FUSEMOE_CHECK(hidden > 0 && hidden % kFp8Block == 0, "internal error: FP8 rows need hidden % 128 == 0");
   FUSEMOE_CHECK(row_slot == nullptr || top_k >= 1, "internal error: a gather needs top_k >= 1");
   if (max_rows == 0) return;
@@ -140,7 +144,7 @@ void launch_quantize_rows_fp8(const void* src_bf16, const int32_t* row_slot, con
   const int64_t grid = std::max<int64_t>(1, std::min(kMaxGrid, (warps * 32 + kThreads - 1) / kThreads));
   quantize_rows_fp8_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(src_bf16), row_slot, num_rows_device, max_rows, top_k, hidden,
-      static_cast<uint8_t*>(fp8_RH), scales, layout);
+      static_cast<__nv_bfloat16*>(dst_bf16_RH), static_cast<uint8_t*>(fp8_RH), scales, layout);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -72,10 +72,13 @@ int grid_for(int64_t work_items) {
   return static_cast<int>(std::max<int64_t>(1, std::min(kMaxBlocks, (work_items + kThreads - 1) / kThreads)));
 }
 
+// Rows in use: *num_rows_device when given (the count lives on the device only), else num_rows.
 template <typename Src, typename Dst>
 __global__ void gather_rows_kernel(const Src* __restrict__ src, const int32_t* __restrict__ row_slot,
-                                   int64_t num_rows, int64_t top_k, int64_t hidden, Dst* __restrict__ dst) {
-  for_each_vec8(num_rows, hidden, [&](int64_t row, int64_t col) {
+                                   const int32_t* __restrict__ num_rows_device, int64_t num_rows,
+                                   int64_t top_k, int64_t hidden, Dst* __restrict__ dst) {
+  const int64_t rows = num_rows_device ? int64_t(*num_rows_device) : num_rows;
+  for_each_vec8(rows, hidden, [&](int64_t row, int64_t col) {
     const int64_t token = row_slot[row] / top_k;
     if constexpr (std::is_same<Src, Dst>::value) {  // a plain 16-byte copy, no conversion
       *reinterpret_cast<uint4*>(dst + row * hidden + col) =
@@ -264,7 +267,18 @@ void launch_gather_rows(const Src* src_TH, const int32_t* row_slot, int64_t num_
                         int64_t top_k, int64_t hidden, Dst* dst_RH, cudaStream_t stream) {
   if (num_rows == 0) return;
   gather_rows_kernel<<<grid_for(num_rows * hidden / kVec), kThreads, 0, stream>>>(
-      src_TH, row_slot, num_rows, top_k, hidden, dst_RH);
+      src_TH, row_slot, nullptr, num_rows, top_k, hidden, dst_RH);
+  FUSEMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_gather_rows_device_count(const void* src_TH_bf16, const int32_t* row_slot,
+                                     const int32_t* num_rows_device, int64_t max_rows,
+                                     int64_t top_k, int64_t hidden, void* dst_RH_bf16,
+                                     cudaStream_t stream) {
+  if (max_rows == 0) return;
+  gather_rows_kernel<<<grid_for(max_rows * hidden / kVec), kThreads, 0, stream>>>(
+      static_cast<const bf16*>(src_TH_bf16), row_slot, num_rows_device, max_rows, top_k, hidden,
+      static_cast<bf16*>(dst_RH_bf16));
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -21,6 +21,14 @@ template <typename Src, typename Dst>
 void launch_gather_rows(const Src* src_TH, const int32_t* row_slot, int64_t num_rows,
                         int64_t top_k, int64_t hidden, Dst* dst_RH, cudaStream_t stream);
 
+// As launch_gather_rows, but the row count is read on the device (*num_rows_device, e.g.
+// expert_offsets[E]) and the grid is sized for max_rows: no host synchronisation. The fused
+// backward's x/dy pools.
+void launch_gather_rows_device_count(const void* src_TH_bf16, const int32_t* row_slot,
+                                     const int32_t* num_rows_device, int64_t max_rows,
+                                     int64_t top_k, int64_t hidden, void* dst_RH_bf16,
+                                     cudaStream_t stream);
+
 // d_topk_w[s] = sum_{n < num_n_tiles} router_partials[slot_row[s] * num_n_tiles + n], n in
 // increasing order (deterministic); 0 where slot_row[s] < 0 (masked or invalid slot). The
 // fused backward's router-weight gradient from the dgrad epilogue's per-tile partials.

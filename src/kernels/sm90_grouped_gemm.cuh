@@ -4,25 +4,23 @@
 //   instance        A (activations)        B                     scheduler       epilogue
 //   gate/up+SwiGLU  x rows gathered         w13 gate/up boxes     row tiles       SwiGLU (+ z)
 //   down            h pool                  w2 rows               row tiles       weighted slot rows
-//   recompute z     x rows gathered         w13 rows              row tiles       sorted rows
-//   dgrad+SwiGLU    dy rows gathered        w2 N-major            row tiles       dgrad SwiGLU
+//   recompute z     xs pool                 w13 rows              row tiles       sorted rows
+//   dgrad+SwiGLU    dys pool                w2 N-major            row tiles       dgrad SwiGLU
 //   dgrad of x      dz pool                 w13 N-major           row tiles       slot rows
-//   dW2             dy rows^T gathered      wh pool N-major       expert output   TMA-store tiles
-//   dW13            dz^T pool               x rows gathered       expert output   TMA-store tiles
+//   weight grads    act_m^T pool            act_n pool N-major    expert output   TMA-store tiles
 //
 // Thread roles (384 threads, one CTA per SM, tiles t = blockIdx.x + i * gridDim.x):
 //   warpgroup 0 (producer, 40 registers): fills the kStages-deep stage ring for every (tile,
 //     k-block), running ahead across tiles so the next tile's loads overlap this tile's
-//     epilogue. Thread 0 issues the TMA loads; a gathered operand (A, or B) is copied by all 128
-//     threads with cp.async.
+//     epilogue. Thread 0 issues the TMA loads; a gathered A is copied by all 128 threads.
 //   warpgroups 1, 2 (consumers, 232 registers): consumer c issues wgmma m64 x kBlockN x k16 on
 //     tile rows [64c, 64c + 64) into fp32 registers, then runs the epilogue from them.
 // Shared memory: [kStages x A tile][kStages x B tile][epilogue staging][full, empty][tile table].
 // Rows of a row tile at or past its expert's end are computed but never stored. Weight
 // gradients reduce over an expert's rows in 64-row K-blocks from its first row; the k-rows of
-// the last block that belong to the next expert (or lie past the pool, or were not gathered) are
-// zeroed in shared memory before the MMA, both operands, so no foreign row enters the sum and
-// 0 * NaN never occurs; the pools need no padding.
+// the last block that belong to the next expert (or lie past the pool) are zeroed in shared
+// memory before the MMA, both operands, so no foreign row enters the sum and 0 * NaN never
+// occurs; the pools need no padding.
 //
 // Arguments: one GemmParams per instance, a __grid_constant__ kernel parameter read in place,
 // so each instance's code does not depend on the size of the argument block (a by-value
@@ -62,7 +60,6 @@ struct GroupedGemm {
   static constexpr int kAccRegs = kBlockN / 2;
   // Blockwise FP8 (sm90_block_scaled.cuh): its own consumer loop and a scale record per stage.
   static constexpr bool kBlockScaled = IsBlockScaled<A>::value;
-  static constexpr bool kGathers = A::kGathered || B::kGathered;  // cp.async rows into the stages
   static constexpr int kScaleRingBytes = kBlockScaled ? kStages * kStageScalesBytes : 0;
   using Mma = Wgmma<kBlockN, A::kMnMajor ? 1 : 0, B::kMnMajor ? 1 : 0>;
   using LayoutA = OperandLayout<A::kMnMajor>;
@@ -72,10 +69,8 @@ struct GroupedGemm {
   static_assert(kStages >= 3, "a ring of at least 3 stages keeps TMA ahead of the MMAs");
   static_assert(kTileABytes % kSmemAlign == 0 && kTileBBytes % kSmemAlign == 0, "stage alignment");
   static_assert(Epilogue::kStagingBytes % kSmemAlign == 0, "staging alignment");
-  static_assert(!Scheduler::kReducesOverRows || (A::kMnMajor && B::kMnMajor),
-                "a reduction over rows reads both operands MN-major (pool boxes or gathered token rows)");
-  static_assert(Scheduler::kReducesOverRows || !(A::kGathered && A::kMnMajor) && !B::kGathered,
-                "gathered MN-major operands take the K-blocks of an expert's rows");
+  static_assert(!Scheduler::kReducesOverRows || (!A::kGathered && A::kMnMajor && B::kMnMajor),
+                "a reduction over rows reads both operands as transposed pool boxes");
 
   static constexpr size_t smem_bytes(int num_experts) {
     return kSmemAlign + static_cast<size_t>(kStages) * kStageBytes + Epilogue::kStagingBytes + kScaleRingBytes +
@@ -96,7 +91,7 @@ struct GemmShape {
 
 template <class Gemm>
 struct GemmParams {
-  typename Gemm::B::Args b;
+  CUtensorMap map_b;
   typename Gemm::A::Args a;
   typename Gemm::Epilogue::Args epilogue;
   GemmShape shape;
@@ -119,13 +114,10 @@ __device__ __forceinline__ typename Gemm::Scheduler make_scheduler(const GemmSha
 
 // ------------------------------------------------------------------------------- producer
 
-// Fills the ring for every (tile, pass, k-block). Thread 0 posts the stage's TMA byte count and
-// issues its TMA loads; a gathered operand (A or B) is copied by every producer thread, each of
-// which then makes one arrival on the stage's full barrier as its copies land. A block-scaled
-// instance also fills each stage's scales: thread 0 copies the B scales with a cp.async whose own
-// arrival it adds to the stage's full barrier before posting the TMA byte count (so the phase
-// cannot complete without them), and A's row scales come with its gathered rows or from every
-// producer thread.
+// Fills the ring for every (tile, pass, k-block). A block-scaled instance also fills each
+// stage's scales: thread 0 copies the B scales with a cp.async whose own arrival it adds to the
+// stage's full barrier before posting the TMA byte count (so the phase cannot complete without
+// them), and A's row scales come with its gathered rows or from every producer thread.
 template <class Gemm>
 __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
                                         const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a, uint8_t* tiles_b,
@@ -138,9 +130,7 @@ __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm
   for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const Tile tile = sched.tile(t);
     typename A::ThreadRows rows{};
-    typename B::ThreadRows rows_b{};
     if constexpr (A::kGathered) rows = A::rows_of(p.a, tile, tile.num_k_blocks, thread);
-    if constexpr (B::kGathered) rows_b = B::rows_of(p.b, tile, tile.num_k_blocks, thread);
     const uint32_t stage_bytes = announced_stage_bytes(A::kTmaBytes + B::bytes(tile, b_shape), p.shape.wait);
     for (int pass = 0; pass < PassesPerTile<B>::value; ++pass) {
       for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
@@ -156,9 +146,9 @@ __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm
           if constexpr (!A::kGathered) A::load(p.a, &ring.full[stage], tiles_a + stage * kTileABytes, tile, kb);
           uint8_t* tile_b = tiles_b + stage * Gemm::kTileBBytes;
           if constexpr (Gemm::kBlockScaled) {
-            B::load(p.b, &ring.full[stage], tile_b, tile, pass, kb, b_shape);
-          } else if constexpr (!B::kGathered) {
-            B::load(p.b, &ring.full[stage], tile_b, tile, kb, b_shape);
+            B::load(&p.map_b, &ring.full[stage], tile_b, tile, pass, kb, b_shape);
+          } else {
+            B::load(&p.map_b, &ring.full[stage], tile_b, tile, kb, b_shape);
           }
         }
         if constexpr (A::kGathered) {
@@ -168,16 +158,16 @@ __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm
           } else {
             A::gather(p.a, rows, tile_a, kb, thread);
           }
+          cp_async_mbarrier_arrive_noinc(&ring.full[stage]);
         } else if constexpr (ScalesPerThread<A>::value) {
           A::copy_scale(p.a, tile, kb, smem_addr(scales[stage].a), thread);
+          cp_async_mbarrier_arrive_noinc(&ring.full[stage]);
         }
-        if constexpr (B::kGathered) B::gather(p.b, rows_b, smem_addr(tiles_b + stage * Gemm::kTileBBytes), kb, thread);
-        if constexpr (kAllProducerThreads<A, B>) cp_async_mbarrier_arrive_noinc(&ring.full[stage]);
         cursor.advance();
       }
     }
   }
-  if constexpr (kAllProducerThreads<A, B> || Gemm::kBlockScaled) cp_async_wait_all();  // no copy outlives its thread
+  if constexpr (A::kGathered || Gemm::kBlockScaled) cp_async_wait_all();  // no copy outlives its thread
 }
 
 // ------------------------------------------------------------------------------- consumers
@@ -213,7 +203,7 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
                    Gemm::A::kTmaBytes + Gemm::kTileBBytes);
       uint8_t* tile_a = tiles_a + stage * kTileABytes;
       uint8_t* tile_b = tiles_b + stage * Gemm::kTileBBytes;
-      if constexpr (Gemm::kGathers) fence_proxy_async_shared();  // cp.async rows -> wgmma reads
+      if constexpr (Gemm::A::kGathered) fence_proxy_async_shared();  // cp.async rows -> wgmma reads
       if constexpr (Gemm::Scheduler::kReducesOverRows) {
         const int32_t valid_rows = tile.row_end - tile.row_begin - kb * kBlockK;
         if (valid_rows < kBlockK) {  // the expert's last, partial K-block: the same for both consumers
@@ -273,16 +263,16 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
   const int warpgroup = threadIdx.x / kThreadsPerWarpgroup;
   if (threadIdx.x == 0) {
     if constexpr (!Gemm::A::kGathered) prefetch_tensor_map(&p.a.map);
-    if constexpr (!Gemm::B::kGathered) prefetch_tensor_map(&p.b.map);
+    prefetch_tensor_map(&p.map_b);
     Gemm::Epilogue::prefetch(p.epilogue);
-    ring.init(kAllProducerThreads<typename Gemm::A, typename Gemm::B>);
+    ring.init(kAllProducerThreads<typename Gemm::A>);
   }
   typename Gemm::Scheduler sched = make_scheduler<Gemm>(p.shape, table);
   build_expert_tile_table(p.shape.expert_offsets, sched.table);  // ends with __syncthreads()
 
   if (warpgroup == 0) {
     setmaxnreg_dec<kProducerRegs>();
-    if (kAllProducerThreads<typename Gemm::A, typename Gemm::B> || threadIdx.x == 0) {
+    if (kAllProducerThreads<typename Gemm::A> || threadIdx.x == 0) {
       produce<Gemm>(p, sched, ring, tiles_a, tiles_b, stage_scales, threadIdx.x);
     }
   } else {

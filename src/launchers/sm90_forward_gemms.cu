@@ -9,6 +9,7 @@ namespace fusemoe {
 namespace {
 
 using sm90::GroupedGemm;
+using sm90::GemmParams;
 
 constexpr int kBlockN = 256;
 
@@ -21,12 +22,15 @@ using DownGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsB<kBlockN>, sm90::Row
 
 template <bool kClamp, bool kStoreZ>
 void launch_gate_up(const Sm90GateUpParams& p) {
+  using Gemm = GateUpGemm<kClamp, kStoreZ>;
   const Sm90Rows& rows = p.rows;
-  // z = x W13_e^T: w13 [E, 2I, H] read as [E*2I rows, H]; a tile's gate rows and the up rows I below.
-  sm90::launch_rows_gemm<GateUpGemm<kClamp, kStoreZ>>(
-      WaitKernel::kGateUp, rows, sm90::token_rows_a({p.x, p.row_slot, p.top_k}), rows.hidden, p.w13,
-      2 * rows.intermediate, rows.intermediate,
-      {static_cast<__nv_bfloat16*>(p.h), static_cast<__nv_bfloat16*>(p.z), p.swiglu_clamp}, "w13");
+  GemmParams<Gemm> params{};
+  params.map_b = sm90::make_tensor_map_bf16(p.w13, rows.hidden, rows.num_experts * 2 * rows.intermediate,
+                                            Gemm::B::kBoxRows, "w13");
+  params.a = {static_cast<const __nv_bfloat16*>(p.x), p.row_slot, static_cast<int32_t>(p.top_k)};
+  params.epilogue = {static_cast<__nv_bfloat16*>(p.h), static_cast<__nv_bfloat16*>(p.z), p.swiglu_clamp};
+  params.shape = sm90::rows_shape(rows, rows.hidden, rows.intermediate, 2 * rows.intermediate);
+  sm90::launch_grouped_gemm(params, rows, WaitKernel::kGateUp);
 }
 
 }  // namespace

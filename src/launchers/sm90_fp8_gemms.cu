@@ -75,7 +75,7 @@ void launch_gate_up(const Sm90Fp8GateUpParams& p) {
   const Sm90Rows& rows = p.rows;
   const int64_t H = rows.hidden, I = rows.intermediate;
   GemmParams<Gemm> params{};
-  params.b.map = sm90::make_tensor_map_fp8(p.weights.w13, H, rows.num_experts * 2 * I, Gemm::B::kBoxRows, "w13_fp8");
+  params.map_b = sm90::make_tensor_map_fp8(p.weights.w13, H, rows.num_experts * 2 * I, Gemm::B::kBoxRows, "w13_fp8");
   params.a.rows = {static_cast<const __nv_bfloat16*>(p.x_fp8), p.row_slot, static_cast<int32_t>(p.top_k)};
   params.a.x_scales = p.x_scales;
   // Gate block n_tile and the up block I/128 below it.
@@ -95,7 +95,7 @@ void launch_row_store(WaitKernel kernel_name, const Sm90Rows& rows, const void* 
                       int64_t n, const typename Gemm::Epilogue::Args& epilogue, const char* a_name,
                       const char* b_name) {
   GemmParams<Gemm> params{};
-  params.b.map = sm90::make_tensor_map_fp8(b, k, rows.num_experts * b_rows_per_expert, Gemm::B::kBoxRows, b_name);
+  params.map_b = sm90::make_tensor_map_fp8(b, k, rows.num_experts * b_rows_per_expert, Gemm::B::kBoxRows, b_name);
   params.a = pool_a(rows, a_pool, a_scales, k, b_scales, a_name);
   params.epilogue = epilogue;
   params.shape = fp8_rows_shape(rows, k, n, b_rows_per_expert);

@@ -5,11 +5,11 @@
 //   gate/up + SwiGLU  z_r = x[s / K] W13_e^T, h_r = silu(g) * u (g = z[:I], u = z[I:], clamped
 //                     when set); optionally z_r itself (before the clamp) into z
 //   down + weight     ys[s] = w * (h_r W2_e^T)
-//   recompute z       z_r = x[s / K] W13_e^T
-//   dgrad + SwiGLU    a = dy[s / K] W2_e; dz_r = [w a u silu'(g) | w a silu(g)] (clamp masks),
+//   recompute z       z_r = xs_r W13_e^T
+//   dgrad + SwiGLU    a = dys_r W2_e; dz_r = [w a u silu'(g) | w a silu(g)] (clamp masks),
 //                     wh_r = w h, router_partials[r, n] = <h, a> over output tile n of I
 //   dgrad of x        dx_slots[s] = dz_r W13_e
-//   weight gradient   dW2_e = sum_{r in e} dy[s / K]^T wh_r, dW13_e = sum_{r in e} dz_r^T x[s / K],
+//   weight gradient   grad_e = sum_{r in e} act_m_r^T act_n_r  (dW2: dys, wh; dW13: dz, xs),
 //                     fp32 or bf16, overwritten or added to; one CTA per output tile
 //
 // Shapes: R_max = rows.max_rows (the rows in use, expert_offsets[E], live on the device only),
@@ -63,15 +63,6 @@ inline Sm90Rows make_sm90_rows(const int32_t* expert_offsets, int64_t max_rows, 
   return rows;
 }
 
-// Token rows that an instance reads in place, gathering them itself (no pool): row r of the
-// expert-sorted rows is row row_slot[r] / top_k of x (the fused layer: the slot's token; expert
-// parallelism: the row of the owner's pulled pool, with top_k 1).
-struct Sm90TokenRows {
-  const void* x = nullptr;            // [T, H] bf16 (x or dy)
-  const int32_t* row_slot = nullptr;  // [R_max]
-  int64_t top_k = 0;                  // K
-};
-
 struct Sm90GateUpParams {
   Sm90Rows rows;
   const void* x = nullptr;             // [T, H] bf16 token rows, gathered by the kernel
@@ -97,17 +88,17 @@ struct Sm90DownParams {
 
 struct Sm90RecomputeZParams {
   Sm90Rows rows;
-  Sm90TokenRows x;            // x rows, gathered by the kernel
+  const void* xs = nullptr;   // [R_max, H] bf16
   const void* w13 = nullptr;  // [E, 2I, H] bf16
   void* z = nullptr;          // [R_max, 2I] bf16 (output)
 };
 
 struct Sm90DgradSwigluParams {
   Sm90Rows rows;
-  Sm90TokenRows dy;                     // dy rows, gathered by the kernel
+  const void* dys = nullptr;            // [R_max, H] bf16
   const void* w2 = nullptr;             // [E, H, I] bf16
   const void* z = nullptr;              // [R_max, 2I] bf16
-  const int32_t* row_slot = nullptr;    // [R_max] the row's index into topk_weights
+  const int32_t* row_slot = nullptr;    // [R_max]
   const float* topk_weights = nullptr;  // [S]
   void* dz = nullptr;                   // [R_max, 2I] bf16 (output)
   void* wh = nullptr;                   // [R_max, I] bf16 (output)
@@ -127,17 +118,13 @@ struct Sm90DgradScatterParams {
   const Sm90PeerRows* to_peers = nullptr;
 };
 
-// Which weight gradient, and so which operand is token rows read in place:
-//   kW2   dW2_e  [H, I]  = dy rows^T wh   (act_m = dy rows, act_n = the wh pool [R_max, I])
-//   kW13  dW13_e [2I, H] = dz^T x rows    (act_m = the dz pool [R_max, 2I], act_n = x rows)
-enum class Sm90WeightGrad { kW2, kW13 };
-
 struct Sm90WeightGradParams {
-  Sm90Rows rows;
-  Sm90WeightGrad which = Sm90WeightGrad::kW2;
-  Sm90TokenRows tokens;         // dy (kW2) or x (kW13) rows, [T, H], gathered by the kernel
-  const void* pool = nullptr;   // wh (kW2) or dz (kW13), expert-sorted rows
-  void* grad = nullptr;         // [E, H, I] (kW2) or [E, 2I, H] (kW13), fp32 or bf16 (output)
+  Sm90Rows rows;                // hidden and intermediate unused: m and n give the shape
+  const void* act_m = nullptr;  // [R_max, M] bf16 (dys for dW2, dz for dW13)
+  const void* act_n = nullptr;  // [R_max, N] bf16 (wh for dW2, xs for dW13)
+  void* grad = nullptr;         // [E, M, N] fp32 or bf16 (output)
+  int64_t m = 0;                // M, multiple of 128
+  int64_t n = 0;                // N, multiple of 64
   bool bf16_grad = false;       // false: fp32
   // false: grad_e is overwritten (experts with no rows get zeros); true: grad_e += result
   // (experts with no rows untouched).

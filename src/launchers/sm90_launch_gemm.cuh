@@ -78,30 +78,19 @@ void with_bool_constants(bool a, bool b, Launch&& launch) {
   }
 }
 
-// A row-tile instance with A's arguments given, whose B is an expert's weight stored as
-// [E * b_rows_per_expert, K] (K-major) or [E * b_rows_per_expert, N] (read MN-major).
+// A row-tile instance whose A is a bf16 pool [R_max, K] by TMA and whose B is an expert's weight
+// stored as [E * b_rows_per_expert, K] (K-major) or [E * b_rows_per_expert, N] (read MN-major).
 template <class Gemm>
-void launch_rows_gemm(WaitKernel kernel_name, const Sm90Rows& rows, const typename Gemm::A::Args& a, int64_t k,
-                      const void* b, int64_t b_rows_per_expert, int64_t n,
-                      const typename Gemm::Epilogue::Args& epilogue, const char* b_name) {
+void launch_pool_rows_gemm(WaitKernel kernel_name, const Sm90Rows& rows, const void* a_pool, int64_t k, const void* b,
+                           int64_t b_rows_per_expert, int64_t n, const typename Gemm::Epilogue::Args& epilogue,
+                           const char* a_name, const char* b_name) {
   GemmParams<Gemm> params{};
-  params.b.map = make_tensor_map_bf16(b, Gemm::B::kMnMajor ? n : k, rows.num_experts * b_rows_per_expert,
-                                     Gemm::B::kBoxRows, b_name);
-  params.a = a;
+  params.map_b = make_tensor_map_bf16(b, Gemm::B::kMnMajor ? n : k, rows.num_experts * b_rows_per_expert,
+                                      Gemm::B::kBoxRows, b_name);
+  params.a.map = make_tensor_map_bf16(a_pool, k, rows.max_rows, kBlockM, a_name);
   params.epilogue = epilogue;
   params.shape = rows_shape(rows, k, n, b_rows_per_expert);
   launch_grouped_gemm(params, rows, kernel_name);
-}
-
-// A as a bf16 pool [R_max, K] read by TMA (PoolRowsA).
-inline PoolRowsA::Args pool_rows_a(const Sm90Rows& rows, const void* pool, int64_t k, const char* name) {
-  return {make_tensor_map_bf16(pool, k, rows.max_rows, kBlockM, name)};
-}
-
-// A as token rows that the kernel gathers (GatheredTokenRowsA).
-inline GatheredTokenRowsA::Args token_rows_a(const Sm90TokenRows& t) {
-  FUSEMOE_ASSERT(t.x != nullptr && t.row_slot != nullptr && t.top_k >= 1);
-  return {static_cast<const __nv_bfloat16*>(t.x), t.row_slot, static_cast<int32_t>(t.top_k)};
 }
 
 // The pool-row instances that write slot rows (down, dgrad of x): row r to row row_slot[r] of
@@ -124,8 +113,7 @@ void launch_to_slots(WaitKernel kernel_name, const Sm90Rows& rows, const void* a
       epilogue.row_slot = row_slot;
       epilogue.topk_weights = topk_weights;
     }
-    launch_rows_gemm<Gemm>(kernel_name, rows, pool_rows_a(rows, a_pool, k, a_name), k, b, b_rows_per_expert, n,
-                           epilogue, b_name);
+    launch_pool_rows_gemm<Gemm>(kernel_name, rows, a_pool, k, b, b_rows_per_expert, n, epilogue, a_name, b_name);
   };
   if (to_peers != nullptr) {
     FUSEMOE_ASSERT(to_peers->row_src && to_peers->row_slot);

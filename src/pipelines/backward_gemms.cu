@@ -4,16 +4,17 @@
 namespace fusemoe {
 
 void BackwardPools::carve_pools(WorkspaceCarver& carver, int64_t rows, int64_t hidden, int64_t intermediate) {
+  xs_RH = carver.take(rows * hidden * 2);
+  dys_RH = carver.take(rows * hidden * 2);
   dz_RF = carver.take(rows * 2 * intermediate * 2);
   wh_RI = carver.take(rows * intermediate * 2);
   dx_slots_SH = carver.take(rows * hidden * 2);
 }
 
-BackwardRows BackwardPools::weight_grad_rows(const void* x, const void* dy, const int32_t* row_slot,
-                                             int64_t top_k) const {
+BackwardRows BackwardPools::weight_grad_rows() const {
   BackwardRows b{};
-  b.x = {x, row_slot, top_k};
-  b.dy = {dy, row_slot, top_k};
+  b.xs = xs_RH;
+  b.dys = dys_RH;
   b.dz = dz_RF;
   b.wh = wh_RI;
   return b;
@@ -26,7 +27,7 @@ int64_t launch_backward_dgrad(const Sm90Rows& rows, const LayerConfig& c, const 
   if (z == nullptr) {
     Sm90RecomputeZParams rz;
     rz.rows = rows;
-    rz.x = b.x;
+    rz.xs = b.xs;
     rz.w13 = w13;
     rz.z = b.z_scratch;
     launch_sm90_recompute_z(rz);
@@ -34,7 +35,7 @@ int64_t launch_backward_dgrad(const Sm90Rows& rows, const LayerConfig& c, const 
   }
   Sm90DgradSwigluParams d1;
   d1.rows = rows;
-  d1.dy = b.dy;
+  d1.dys = b.dys;
   d1.w2 = w2;
   d1.z = z;
   d1.row_slot = b.weight_index;
@@ -53,18 +54,20 @@ void launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, v
                                   WeightGradDtype dtype, bool accumulate) {
   Sm90WeightGradParams w2g;
   w2g.rows = rows;
-  w2g.which = Sm90WeightGrad::kW2;
-  w2g.tokens = b.dy;
-  w2g.pool = b.wh;
+  w2g.act_m = b.dys;
+  w2g.act_n = b.wh;
   w2g.grad = dw2;
+  w2g.m = rows.hidden;
+  w2g.n = rows.intermediate;
   w2g.bf16_grad = dtype == WeightGradDtype::kBFloat16;
   w2g.accumulate = accumulate;
   launch_sm90_weight_grad(w2g);
   Sm90WeightGradParams w13g = w2g;
-  w13g.which = Sm90WeightGrad::kW13;
-  w13g.tokens = b.x;
-  w13g.pool = b.dz;
+  w13g.act_m = b.dz;
+  w13g.act_n = b.xs;
   w13g.grad = dw13;
+  w13g.m = 2 * rows.intermediate;
+  w13g.n = rows.hidden;
   launch_sm90_weight_grad(w13g);
 }
 

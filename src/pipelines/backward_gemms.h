@@ -12,8 +12,8 @@
 namespace fusemoe {
 
 struct BackwardRows {
-  Sm90TokenRows x;               // x rows, read in place (z recompute, dW13)
-  Sm90TokenRows dy;              // dy rows, read in place (dgrad + SwiGLU, dW2)
+  const void* xs;                // [R_max, H] bf16 x rows in expert order
+  const void* dys;               // [R_max, H] bf16 dy rows
   const void* saved_z;           // [R_max, 2I] the forward's z, or null (recomputed into z_scratch)
   void* z_scratch;               // [R_max, 2I] (unused with saved_z)
   void* dz;                      // [R_max, 2I] (output)
@@ -23,25 +23,25 @@ struct BackwardRows {
   const float* weights;          // routing weights
 };
 
-// The bf16 pools of a single-GPU fused backward (BF16 and FP8), carved from its workspace after
-// the routing plan; dz and wh are the weight gradients' operands beside the x and dy rows.
+// The bf16 pools of a fused backward (BF16 and FP8), carved from its workspace after the routing
+// plan; xs, dys, dz and wh are the weight gradients' operands.
 struct BackwardPools {
+  void* xs_RH = nullptr;        // gathered x
+  void* dys_RH = nullptr;       // gathered dy
   void* dz_RF = nullptr;        // F = 2I
   void* wh_RI = nullptr;        // w * h
   void* dx_slots_SH = nullptr;  // per-slot dx rows (t*K + j)
 
   void carve_pools(WorkspaceCarver& carver, int64_t rows, int64_t hidden, int64_t intermediate);
-  // The rows of the weight gradients: x and dy [T, H] read at row_slot[r] / top_k, and the pools
-  // dz and wh; every other field null.
-  BackwardRows weight_grad_rows(const void* x, const void* dy, const int32_t* row_slot, int64_t top_k) const;
+  // The rows of the weight gradients: the four operand pools, every other field null.
+  BackwardRows weight_grad_rows() const;
 };
 
 // z (recomputed unless saved) and dgrad + SwiGLU; returns the router partials per row.
 int64_t launch_backward_dgrad(const Sm90Rows& rows, const LayerConfig& config, const BackwardRows& b, const void* w13,
                               const void* w2);
 
-// dW2 = dy rows^T wh and dW13 = dz^T x rows for every expert of rows (zeroed or untouched when
-// empty).
+// dW2 = dys^T wh and dW13 = dz^T xs for every expert of rows (zeroed or untouched when empty).
 void launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, void* dw13, void* dw2,
                                   WeightGradDtype dtype, bool accumulate);
 

@@ -10,8 +10,8 @@
 //            6. gate/up + SwiGLU (gathering pool rows), down + weight pushed into the source's
 //               slot buffer; signal "rows ready" to every source
 //   source   7. wait for every owner's rows; combine its slots in slot order -> y
-// Backward: 1-5 again (x and dy staged, both pulled; the GEMMs read the pools' rows in place by
-// row_pool), z (saved or recomputed), dgrad + SwiGLU with per-row weights, router gradients and dgrad-of-x rows
+// Backward: 1-5 again (x and dy staged, both pulled), the expert-sorted xs/dys pools, z (saved
+// or recomputed), dgrad + SwiGLU with per-row weights, router gradients and dgrad-of-x rows
 // pushed to the sources, "rows ready", the local weight gradients; the source combines its dx
 // slots and takes its router gradients. The owner's rows follow the single GPU's order on the
 // concatenated batch, so every output is bitwise the single-GPU fused layer's.
@@ -138,9 +138,14 @@ void ep_layer_backward(const EpConfig& c, const EpBackwardArgs& a) {
   exchange(c, peers, own, ws, a.call, /*with_dy=*/true, a.dy);
 
   const Sm90Rows rows = owner_rows(c, ws, a.call.num_sms, a.call.stream);
+  const int32_t* num_rows_device = ws.owner.expert_offsets + El;
+  launch_gather_rows_device_count(ws.x_pool, ws.owner.row_pool, num_rows_device, rows.max_rows, 1, H, ws.xs,
+                                  a.call.stream);
+  launch_gather_rows_device_count(ws.dy_pool, ws.owner.row_pool, num_rows_device, rows.max_rows, 1, H, ws.dys,
+                                  a.call.stream);
   BackwardRows b;
-  b.x = {ws.x_pool, ws.owner.row_pool, 1};  // row r reads pool row row_pool[r] in place
-  b.dy = {ws.dy_pool, ws.owner.row_pool, 1};
+  b.xs = ws.xs;
+  b.dys = ws.dys;
   b.saved_z = a.saved_state;  // the forward of the same inputs: the same plan, so the same row order
   b.z_scratch = ws.z;
   b.dz = ws.dz;

@@ -83,7 +83,7 @@ struct EpOwnerPlan {
 };
 
 // A rank's private workspace. Forward: routing, owner plan, pool, h. Backward adds the dy pool,
-// dz, wh, router partials and (unless saved) z.
+// the expert-sorted x and dy rows, dz, wh, router partials and (unless saved) z.
 struct EpPrivate {
   RoutingPlan plan;         // source side: this rank's slots by global expert
   int32_t* dest_TR;         // [T, R]: d if token t has a slot on rank d, else -1
@@ -92,6 +92,8 @@ struct EpPrivate {
   void* x_pool;             // [P, H] bf16
   void* h;                  // [Q, I] bf16 (forward)
   void* dy_pool = nullptr;  // [P, H] bf16 (backward)
+  void* xs = nullptr;       // [Q, H] bf16
+  void* dys = nullptr;      // [Q, H] bf16
   void* dz = nullptr;       // [Q, 2I] bf16
   void* wh = nullptr;       // [Q, I] bf16
   float* partials = nullptr;  // [Q, router partials per row]
@@ -123,6 +125,8 @@ struct EpPrivate {
     } else {
       h = nullptr;
       dy_pool = carver.take(P * H * 2);
+      xs = carver.take(Q * H * 2);
+      dys = carver.take(Q * H * 2);
       dz = carver.take(Q * 2 * I * 2);
       wh = carver.take(Q * I * 2);
       partials = carver.take<float>(Q * sm90_router_partials_per_row(I) * 4);

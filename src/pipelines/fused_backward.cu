@@ -1,17 +1,17 @@
 // The fused backward (Impl::kFused): every step on the device, no host synchronisation, so the
 // call can be captured in a CUDA graph. The forward saved its inputs and, optionally, z
-// (BackwardArgs::saved_z). The GEMMs read the x and dy rows of each routed row in place (token
-// row_slot[r] / K, gathered by their producer threads): no x or dy pool. Stream order:
+// (BackwardArgs::saved_z). Stream order:
 //   1. routing            the forward's stable counting sort, recomputed (kernels/routing.cu)
-//   2. recompute z        z = x rows W13_e^T (skipped with saved_z)          -> z [R, 2I] bf16
-//   3. dgrad + SwiGLU     a = dy rows W2_e; dz, w*h, per-tile <h, a>         -> dz, wh, partials
-//   4. router reduce      d_topk_w[s] = sum of the row's partials (0 for masked slots)
-//   5. dgrad scatter      dxs = dz W13_e written to the slot row dx_slots[t*K + j]
-//   6. combine            dx_t = sum_j dx_slots[t*K + j] in slot order (deterministic)
-//   7. weight gradients   dW2_e = dy rows^T wh, dW13_e = dz^T x rows, one CTA per output tile
-// Memory per routed row (bf16): dx_slots [H] + dz [2I] + wh [I] + z [2I] (only when recomputed:
-// with the forward's saved z the workspace ends before it), plus one fp32 per row and dgrad tile
-// at width 128 (Qwen3-30B-A3B: 8728 bytes, 11800 recomputing).
+//   2. dispatch           gather x and dy rows into the expert-sorted pools xs, dys [R, H]
+//   3. recompute z        z = xs W13_e^T (skipped with saved_z)            -> z [R, 2I] bf16
+//   4. dgrad + SwiGLU     a = dys W2_e; dz, w*h, per-tile <h, a>           -> dz, wh, partials
+//   5. router reduce      d_topk_w[s] = sum of the row's partials (0 for masked slots)
+//   6. dgrad scatter      dxs = dz W13_e written to the slot row dx_slots[t*K + j]
+//   7. combine            dx_t = sum_j dx_slots[t*K + j] in slot order (deterministic)
+//   8. weight gradients   dW2_e = dys^T wh, dW13_e = dz^T xs, one CTA per output tile
+// Memory per routed row (bf16): xs, dys, dx_slots [H] each + dz [2I] + wh [I] + z [2I] (only
+// when recomputed: with the forward's saved z the workspace ends before it), plus one fp32 per
+// row and dgrad tile.
 #include "pipelines/fused_backward.h"
 
 #include "kernels/moe_elementwise.h"
@@ -55,7 +55,7 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
                  stream);
 
   const Sm90Rows rows = make_sm90_rows(ws.plan.expert_offsets, num_slots, E, H, I, 0, stream);
-  BackwardRows b = ws.weight_grad_rows(args.x, args.dy, ws.plan.row_slot, c.top_k);
+  BackwardRows b = ws.weight_grad_rows();
   b.saved_z = args.saved_z;  // the forward's (the same routing: the same row order), or null
   b.z_scratch = ws.z_RF;
   b.router_partials = ws.router_partials;
@@ -63,6 +63,11 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
   b.weights = args.topk_weights;
 
   if (num_slots > 0) {
+    const int32_t* num_rows_device = ws.plan.expert_offsets + E;
+    launch_gather_rows_device_count(args.x, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H,
+                                    ws.xs_RH, stream);
+    launch_gather_rows_device_count(args.dy, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H,
+                                    ws.dys_RH, stream);
     const int64_t num_n_tiles = launch_backward_dgrad(rows, c, b, args.w13, args.w2);
     launch_router_grad_reduce(ws.router_partials, num_n_tiles, ws.plan.slot_row, num_slots, args.d_topk_weights,
                               stream);

@@ -7,14 +7,13 @@
 //                scales (and bf16 z when saved)
 //             4. down + weight -> bf16 slot rows ys      5. combine (fp32, slot order)
 //   backward  1. routing
-//             2. dy gathered and quantized per routed row -> dys_fp8 + scales; when z is
-//                recomputed, x likewise -> xs_fp8 + scales
+//             2. dy gathered and quantized per routed row -> dys (bf16) + dys_fp8 + scales;
+//                x gathered -> xs (bf16) and, when z is recomputed, xs_fp8 + scales
 //             3. recompute z (FP8 GEMM, the forward's operands: bitwise the saved z) unless saved
 //             4. dgrad + SwiGLU on W2^T, dz quantized in the epilogue -> dz (bf16), dz_fp8 +
 //                scales, wh, router partials       5. router reduce
 //             6. dgrad of x on W13^T -> bf16 slot rows       7. combine
-//             8. weight gradients in BF16 (the BF16 path's kernels: x and dy rows read in place,
-//                the bf16 dz and wh pools)
+//             8. weight gradients from the bf16 pools (the BF16 path's kernels)
 // Scale pools are block-major [K/128, rows_pad] with rows_pad = sm90_fp8_rows_pad(T*K) of the
 // call (sized for max_tokens*K).
 #include "pipelines/fused_fp8.h"
@@ -134,7 +133,7 @@ void fused_fp8_forward(const LayerConfig& c, const ForwardArgs& args) {
                  args.stream);
   if (num_slots == 0) return;
   const int64_t H = c.hidden;
-  launch_quantize_rows_fp8(args.x, nullptr, nullptr, args.num_tokens, 1, H, ws.x_fp8_TH, ws.x_scales,
+  launch_quantize_rows_fp8(args.x, nullptr, nullptr, args.num_tokens, 1, H, nullptr, ws.x_fp8_TH, ws.x_scales,
                            Fp8ScaleLayout{H / 128, 1}, args.stream);
 
   const Sm90Rows rows = rows_problem(c, ws.plan, num_slots, args.stream);
@@ -177,12 +176,12 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
 
   if (num_slots > 0) {
     const int32_t* num_rows_device = ws.plan.expert_offsets + E;
-    launch_quantize_rows_fp8(args.dy, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, ws.dys_fp8_RH,
-                             ws.dys_scales, Fp8ScaleLayout{1, rows_pad}, stream);
+    launch_quantize_rows_fp8(args.dy, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, ws.dys_RH,
+                             ws.dys_fp8_RH, ws.dys_scales, Fp8ScaleLayout{1, rows_pad}, stream);
     const void* z_RF = args.saved_z;
     if (z_RF == nullptr) {
-      launch_quantize_rows_fp8(args.x, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, ws.xs_fp8_RH,
-                               ws.xs_scales, Fp8ScaleLayout{1, rows_pad}, stream);
+      launch_quantize_rows_fp8(args.x, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, ws.xs_RH,
+                               ws.xs_fp8_RH, ws.xs_scales, Fp8ScaleLayout{1, rows_pad}, stream);
       Sm90Fp8RecomputeZParams z;
       z.rows = rows;
       z.xs_fp8 = ws.xs_fp8_RH;
@@ -191,6 +190,9 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
       z.z = ws.z_RF;
       launch_sm90_fp8_recompute_z(z);
       z_RF = ws.z_RF;
+    } else {
+      launch_gather_rows_device_count(args.x, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, ws.xs_RH,
+                                      stream);
     }
 
     Sm90Fp8DgradSwigluParams d1;
@@ -223,9 +225,8 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
     launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream);
   }
 
-  // Weight gradients with the BF16 path's step (no rows: zeroed, or untouched).
-  launch_backward_weight_grads(rows, ws.weight_grad_rows(args.x, args.dy, ws.plan.row_slot, c.top_k), args.dw13,
-                               args.dw2, args.weight_grad_dtype, args.accumulate_weight_grads);
+  // Weight gradients from the bf16 pools with the BF16 path's step (no rows: zeroed, or untouched).
+  launch_backward_weight_grads(rows, ws.weight_grad_rows(), args.dw13, args.dw2, args.weight_grad_dtype, args.accumulate_weight_grads);
 }
 
 }  // namespace fusemoe

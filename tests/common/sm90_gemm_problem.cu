@@ -111,7 +111,6 @@ Sm90GemmProblem::Sm90GemmProblem(const MoeShape& shape, const std::vector<int32_
   slot_keep_ = DeviceBuffer::from(slot_keep);
 
   x_ = bf16_buffer(shape.T * H);
-  dy_ = bf16_buffer(shape.T * H);
   xs_ = bf16_buffer(S * H);
   dys_ = bf16_buffer(S * H);
   z_in_ = bf16_buffer(S * 2 * I);
@@ -126,7 +125,6 @@ Sm90GemmProblem::Sm90GemmProblem(const MoeShape& shape, const std::vector<int32_
   const float inv_sqrt_i = 1.0f / std::sqrt(static_cast<float>(I));
   uint64_t stream_seed = seed * 16;
   fill_normal_bf16(x_.get(), shape.T * H, ++stream_seed, 1.0f, stream_);
-  fill_normal_bf16(dy_.get(), shape.T * H, ++stream_seed, 1.0f, stream_);
   fill_normal_bf16(xs_.get(), S * H, ++stream_seed, 1.0f, stream_);
   fill_normal_bf16(dys_.get(), S * H, ++stream_seed, 1.0f, stream_);
   fill_normal_bf16(z_in_.get(), S * 2 * I, ++stream_seed, 1.0f, stream_);
@@ -135,9 +133,7 @@ Sm90GemmProblem::Sm90GemmProblem(const MoeShape& shape, const std::vector<int32_
   fill_normal_bf16(h_in_.get(), S * I, ++stream_seed, 1.0f, stream_);
   fill_normal_bf16(w13_.get(), E * 2 * I * H, ++stream_seed, inv_sqrt_h, stream_);
   fill_normal_bf16(w2_.get(), E * H * I, ++stream_seed, inv_sqrt_i, stream_);
-  // Rows < R of the pools; the rest stay random.
-  launch_gather_rows(x_.as<bf16>(), row_slot_.as<int32_t>(), R, shape.K, H, xs_.as<bf16>(), stream_);
-  launch_gather_rows(dy_.as<bf16>(), row_slot_.as<int32_t>(), R, shape.K, H, dys_.as<bf16>(), stream_);
+  launch_gather_x();  // rows < R of xs; the rest stay random
 
   h_ = bf16_buffer(S * I);
   z_ = bf16_buffer(S * 2 * I);
@@ -164,11 +160,17 @@ Sm90Rows Sm90GemmProblem::sm90_rows() const {
 }
 
 Sm90GemmProblem::Operands Sm90GemmProblem::operands() const {
-  return Operands{x_.get(),  dy_.get(), xs_.get(), dys_.get(), z_in_.get(), dz_in_.get(), wh_in_.get(),
+  return Operands{x_.get(),  xs_.get(), dys_.get(), z_in_.get(), dz_in_.get(), wh_in_.get(),
                   h_in_.get(), w13_.get(), w2_.get(), h_.get(), z_.get(), ys_.get(),
                   dz_.get(), wh_.get(), dx_slots_.get(), dw2_.get(), dw13_.get(), offsets_.as<int32_t>(),
                   row_slot_.as<int32_t>(), slot_row_.as<int32_t>(), topk_w_.as<float>(), partials_.as<float>(),
                   d_topk_w_.as<float>()};
+}
+
+void Sm90GemmProblem::launch_gather_x() const {
+  if (num_slots() == 0) return;
+  launch_gather_rows_device_count(x_.get(), row_slot_.as<int32_t>(), offsets_.as<int32_t>() + shape_.E, num_slots(),
+                                  shape_.K, shape_.H, xs_.get(), stream_);
 }
 
 // The params structs are filled in their declaration order (src/launchers/sm90_grouped_gemm.h).
@@ -183,11 +185,11 @@ void Sm90GemmProblem::launch_down() const {
 }
 
 void Sm90GemmProblem::launch_recompute_z() const {
-  launch_sm90_recompute_z({sm90_rows(), {x_.get(), row_slot_.as<int32_t>(), shape_.K}, w13_.get(), z_.get()});
+  launch_sm90_recompute_z({sm90_rows(), xs_.get(), w13_.get(), z_.get()});
 }
 
 void Sm90GemmProblem::launch_dgrad_swiglu(int block_n, bool clamp) const {
-  launch_sm90_dgrad_swiglu({sm90_rows(), {dy_.get(), row_slot_.as<int32_t>(), shape_.K}, w2_.get(), z_in_.get(), row_slot_.as<int32_t>(),
+  launch_sm90_dgrad_swiglu({sm90_rows(), dys_.get(), w2_.get(), z_in_.get(), row_slot_.as<int32_t>(),
                             topk_w_.as<float>(), dz_.get(), wh_.get(), partials_.as<float>(), block_n, clamp,
                             clamp ? kClampLimit : 0.0f});
 }
@@ -203,9 +205,9 @@ void Sm90GemmProblem::launch_dgrad_scatter() const {
 
 void Sm90GemmProblem::launch_weight_grad(WeightGrad which, bool bf16_grad, bool accumulate) const {
   const bool w2 = which == WeightGrad::kW2;
-  launch_sm90_weight_grad({sm90_rows(), w2 ? Sm90WeightGrad::kW2 : Sm90WeightGrad::kW13,
-                           {w2 ? dy_.get() : x_.get(), row_slot_.as<int32_t>(), shape_.K},
-                           w2 ? wh_in_.get() : dz_in_.get(), w2 ? dw2_.get() : dw13_.get(), bf16_grad, accumulate});
+  launch_sm90_weight_grad({sm90_rows(), w2 ? dys_.get() : dz_in_.get(), w2 ? wh_in_.get() : xs_.get(),
+                           w2 ? dw2_.get() : dw13_.get(), w2 ? shape_.H : 2 * shape_.I, w2 ? shape_.I : shape_.H,
+                           bf16_grad, accumulate});
 }
 
 Check Sm90GemmProblem::kept_poison(const std::string& what, const DeviceBuffer& buffer, int64_t row_bytes,
@@ -294,7 +296,7 @@ std::vector<Check> Sm90GemmProblem::check_down(bool determinism) {
 }
 
 std::vector<Check> Sm90GemmProblem::check_recompute_z(bool determinism) {
-  return check_rows_output("recompute z = x rows W13^T", [&] { launch_recompute_z(); }, z_,
+  return check_rows_output("recompute z = xs W13^T", [&] { launch_recompute_z(); }, z_,
                            rows_reference(xs_, w13_, WeightLayout::kNK, shape_.H, 2 * shape_.I), 2 * shape_.I,
                            bf16_options(), row_keep_, determinism);
 }
@@ -329,7 +331,7 @@ std::vector<Check> Sm90GemmProblem::check_dgrad_swiglu(int block_n, bool clamp, 
     FUSEMOE_CUDA_CHECK(cudaGetLastError());
   }
   const CompareOptions options = bf16_options();
-  checks.push_back(compared(what + " dz = SwiGLU'(z) (dy rows W2) w",
+  checks.push_back(compared(what + " dz = SwiGLU'(z) (dys W2) w",
                             compare(bf16_tensor(dz_.get()), fp32_tensor(dz_ref.get()), R, 2 * I, options), 2 * I));
   checks.push_back(compared(what + " wh = w h",
                             compare(bf16_tensor(wh_.get()), fp32_tensor(wh_ref.get()), R, I, options), I));
@@ -354,7 +356,7 @@ std::vector<Check> Sm90GemmProblem::check_weight_grad(WeightGrad which, bool det
   const bool w2 = which == WeightGrad::kW2;
   const int64_t E = shape_.E, M = w2 ? shape_.H : 2 * shape_.I, N = w2 ? shape_.I : shape_.H;
   const int64_t count = E * M * N;
-  const std::string name = w2 ? "dW2 = dy rows^T wh" : "dW13 = dz^T x rows";
+  const std::string name = w2 ? "dW2 = dys^T wh" : "dW13 = dz^T xs";
   const DeviceBuffer& grad = w2 ? dw2_ : dw13_;
   std::vector<Check> checks;
   DeviceBuffer ref = fp32_buffer(count);

@@ -6,11 +6,10 @@
 // Every instance reads inputs of its own (random, pool rows >= R random too, so a row past its
 // expert's end that leaked into a sum would show): the GEMMs are checked one by one.
 //   gate/up   x [T, H] -> h [S, I], z [S, 2I]      down      h_in -> ys [S, H]
-//   recompute x rows -> z                           dgrad     dy rows, z_in -> dz, wh, d_topk_w
+//   recompute xs -> z                               dgrad     dys, z_in -> dz, wh, d_topk_w
 //   scatter   dz_in -> dx_slots [S, H]              weight    dW2 = dys^T wh_in [E, H, I],
 //                                                   grads     dW13 = dz_in^T xs [E, 2I, H]
-// xs, dys = x, dy [T, H] gathered by row_slot: the rows the kernels that read x or dy gather
-// themselves, as pools for the references and the cuBLAS baselines.
+// xs = x gathered by row_slot (the operand the gate/up kernel gathers itself).
 // A check passes when every element satisfies |out - ref| <= rtol |ref| + atol (NaN fails),
 // rows of no expert keep their poison and, where asked, a second launch is bitwise equal.
 // Legend: T tokens, K top-k, E experts, H hidden, I intermediate, S = T*K slots (R_max), R rows.
@@ -67,6 +66,7 @@ class Sm90GemmProblem {
   void launch_router_reduce(int block_n) const;
   void launch_dgrad_scatter() const;
   void launch_weight_grad(WeightGrad which, bool bf16_grad, bool accumulate) const;
+  void launch_gather_x() const;  // xs = x gathered by row_slot (library kernel)
 
   // ---- checks: outputs poisoned, launched, compared; `determinism`: launched again on
   // poisoned outputs, bitwise equal. Each returns its checks in order.
@@ -85,7 +85,7 @@ class Sm90GemmProblem {
 
   // Operands, for baselines that run the same GEMMs (cuBLAS in the kernel benchmark).
   struct Operands {
-    const void *x, *dy, *xs, *dys, *z_in, *dz_in, *wh_in, *h_in, *w13, *w2;
+    const void *x, *xs, *dys, *z_in, *dz_in, *wh_in, *h_in, *w13, *w2;
     void *h, *z, *ys, *dz, *wh, *dx_slots, *dw2, *dw13;
     const int32_t *offsets, *row_slot, *slot_row;
     const float* topk_w;
@@ -118,7 +118,7 @@ class Sm90GemmProblem {
   cudaStream_t stream_;
   DeviceBuffer offsets_, row_slot_, slot_row_, topk_w_;
   DeviceBuffer row_keep_, slot_keep_;  // [S] uint8: 1 where the row (r >= R) / slot (no row) is never written
-  DeviceBuffer x_, dy_, xs_, dys_, z_in_, dz_in_, wh_in_, h_in_, w13_, w2_;
+  DeviceBuffer x_, xs_, dys_, z_in_, dz_in_, wh_in_, h_in_, w13_, w2_;
   DeviceBuffer h_, z_, ys_, dz_, wh_, partials_, d_topk_w_, dx_slots_, dw2_, dw13_;
 };
 

@@ -1,6 +1,6 @@
 // GPU tests of the FP8 quantization kernels (src/kernels/fp8_quantize.h) against the host recipe
-// (reference/fp8_host.h), bit for bit: E4M3 codes, scales, the transposed weight copies, gathered
-// rows and both scale layouts. Edge blocks: all zeros, one huge value among
+// (reference/fp8_host.h), bit for bit: E4M3 codes, scales, the transposed weight copies, the
+// gathered rows' bf16 copies and both scale layouts. Edge blocks: all zeros, one huge value among
 // small ones, denormals only, a NaN element. Outputs are poisoned (0xFF) first; rows past the
 // device-side row count must keep the poison.
 #include <cstring>
@@ -56,7 +56,7 @@ TEST(Fp8Quantize, TokenRowsMatchHostRecipe) {
   DeviceBuffer x_dev = DeviceBuffer::from(x), q_dev(T * H), s_dev(T * blocks * 4);
   q_dev.poison();
   s_dev.poison();
-  launch_quantize_rows_fp8(x_dev.get(), nullptr, nullptr, T, 1, H, q_dev.get(),
+  launch_quantize_rows_fp8(x_dev.get(), nullptr, nullptr, T, 1, H, nullptr, q_dev.get(),
                            static_cast<float*>(s_dev.get()), Fp8ScaleLayout{blocks, 1}, nullptr);
   TEST_CUDA(cudaDeviceSynchronize());
   std::vector<uint8_t> q_want(T * H);
@@ -71,8 +71,8 @@ TEST(Fp8Quantize, TokenRowsMatchHostRecipe) {
   for (float s : s_got) EXPECT_TRUE(std::isfinite(s) && s > 0.0f) << "scale " << s;
 }
 
-// The backward's pools: rows gathered by row_slot / K, scales block-major [H/128, R_pad]; the row
-// count is read on the device, rows past it stay untouched.
+// The backward's pools: rows gathered by row_slot / K, bf16 copies beside the FP8 rows, scales
+// block-major [H/128, R_pad]; the row count is read on the device, rows past it stay untouched.
 TEST(Fp8Quantize, GatheredRowsMatchHostRecipe) {
   const int64_t T = 50, H = 256, K = 3, max_rows = T * K, blocks = H / 128;
   const int64_t rows_pad = (max_rows + 3) / 4 * 4;
@@ -83,22 +83,27 @@ TEST(Fp8Quantize, GatheredRowsMatchHostRecipe) {
   const int32_t num_rows = 101;
   DeviceBuffer x_dev = DeviceBuffer::from(x), slot_dev = DeviceBuffer::from(row_slot),
                count_dev = DeviceBuffer::from(std::vector<int32_t>{num_rows});
-  DeviceBuffer q_dev(max_rows * H), s_dev(blocks * rows_pad * 4);
-  for (DeviceBuffer* b : {&q_dev, &s_dev}) b->poison();
+  DeviceBuffer bf16_dev(max_rows * H * 2), q_dev(max_rows * H), s_dev(blocks * rows_pad * 4);
+  for (DeviceBuffer* b : {&bf16_dev, &q_dev, &s_dev}) b->poison();
   launch_quantize_rows_fp8(x_dev.get(), static_cast<const int32_t*>(slot_dev.get()),
-                           static_cast<const int32_t*>(count_dev.get()), max_rows, K, H, q_dev.get(),
+                           static_cast<const int32_t*>(count_dev.get()), max_rows, K, H, bf16_dev.get(), q_dev.get(),
                            static_cast<float*>(s_dev.get()), Fp8ScaleLayout{1, rows_pad}, nullptr);
   TEST_CUDA(cudaDeviceSynchronize());
   std::vector<uint8_t> q_want(max_rows * H, 0xFF);
+  std::vector<uint16_t> bf16_want(max_rows * H, 0xFFFF);
   std::vector<float> s_want(blocks * rows_pad), row(H), s_row(blocks);
   std::memset(s_want.data(), 0xFF, s_want.size() * sizeof(float));
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t t = row_slot[r] / K;
-    for (int64_t c = 0; c < H; ++c) row[c] = host::bf16_bits_to_float(x[t * H + c]);
+    for (int64_t c = 0; c < H; ++c) {
+      row[c] = host::bf16_bits_to_float(x[t * H + c]);
+      bf16_want[r * H + c] = x[t * H + c];
+    }
     host::fp8_quantize_row(row.data(), H, q_want.data() + r * H, s_row.data());
     for (int64_t b = 0; b < blocks; ++b) s_want[b * rows_pad + r] = s_row[b];
   }
   expect_codes_equal("xs_fp8", q_dev.to_host<uint8_t>(), q_want);
+  EXPECT_TRUE(bf16_dev.to_host<uint16_t>() == bf16_want) << "bf16 copies differ (or rows past the count written)";
   expect_floats_bitwise("xs_scales", s_dev.to_host<float>(), s_want);
 }
 
