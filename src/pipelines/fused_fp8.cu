@@ -18,6 +18,9 @@
 // call (sized for max_tokens*K).
 #include "pipelines/fused_fp8.h"
 
+#include <array>
+#include <utility>
+
 #include "common/workspace_carver.h"
 #include "pipelines/plan_workspace.h"
 #include "kernels/fp8_quantize.h"
@@ -33,15 +36,23 @@ namespace {
 struct Fp8WeightsLayout {
   Fp8Weights w;
   size_t total_bytes = 0;
+  // Each array's start and bytes in use: what follows up to the next array is alignment padding.
+  std::array<std::pair<char*, size_t>, 6> arrays{};
   Fp8WeightsLayout(const LayerConfig& c, const void* base) {
     const int64_t E = c.num_experts, H = c.hidden, I = c.intermediate;
     WorkspaceCarver carver(const_cast<void*>(base), 0);
-    w.w13 = carver.take(E * 2 * I * H);
-    w.w13_t = carver.take(E * 2 * I * H);
-    w.w13_scales = carver.take<float>(E * (2 * I / 128) * (H / 128) * sizeof(float));
-    w.w2 = carver.take(E * H * I);
-    w.w2_t = carver.take(E * H * I);
-    w.w2_scales = carver.take<float>(E * (H / 128) * (I / 128) * sizeof(float));
+    int next = 0;
+    auto take = [&](size_t bytes) {
+      void* region = carver.take(bytes);
+      arrays[next++] = {static_cast<char*>(region), bytes};
+      return region;
+    };
+    w.w13 = take(E * 2 * I * H);
+    w.w13_t = take(E * 2 * I * H);
+    w.w13_scales = static_cast<const float*>(take(E * (2 * I / 128) * (H / 128) * sizeof(float)));
+    w.w2 = take(E * H * I);
+    w.w2_t = take(E * H * I);
+    w.w2_scales = static_cast<const float*>(take(E * (H / 128) * (I / 128) * sizeof(float)));
     total_bytes = carver.bytes();
   }
 };
@@ -110,7 +121,14 @@ size_t fp8_weights_buffer_bytes(const LayerConfig& config) { return Fp8WeightsLa
 Fp8Weights fp8_weights_in(const LayerConfig& config, const void* buffer) { return Fp8WeightsLayout(config, buffer).w; }
 
 void quantize_fp8_weights(const LayerConfig& c, const void* w13, const void* w2, void* buffer, cudaStream_t stream) {
-  const Fp8Weights w = fp8_weights_in(c, buffer);
+  const Fp8WeightsLayout layout(c, buffer);
+  const Fp8Weights& w = layout.w;
+  // The padding is zeroed too, so every byte of the buffer follows from the weights: two buffers
+  // of the same weights compare equal (the PyTorch weight caches' tests do), and it hashes alike.
+  for (const auto& [start, bytes] : layout.arrays) {
+    const size_t pad = align_workspace(bytes) - bytes;
+    if (pad > 0) FUSEMOE_CUDA_CHECK(cudaMemsetAsync(start + bytes, 0, pad, stream));
+  }
   launch_quantize_weights_fp8(w13, c.num_experts, 2 * c.intermediate, c.hidden, const_cast<void*>(w.w13),
                               const_cast<void*>(w.w13_t), const_cast<float*>(w.w13_scales), stream);
   launch_quantize_weights_fp8(w2, c.num_experts, c.hidden, c.intermediate, const_cast<void*>(w.w2),
