@@ -41,6 +41,7 @@
 #include "common/device.h"
 #include "common/device_checks.h"
 #include "common/layer_device.h"
+#include "common/tool_main.h"
 #include "fusemoe/fusemoe.h"
 
 namespace fusemoe::pressure {
@@ -1001,12 +1002,5 @@ int run(const Options& opt) {
 }  // namespace fusemoe::pressure
 
 int main(int argc, char** argv) {
-  fusemoe::pressure::Options options;
-  if (!fusemoe::pressure::parse(argc, argv, &options)) return 2;
-  try {
-    return fusemoe::pressure::run(options);
-  } catch (const std::exception& e) {
-    std::printf("FAIL: %s\n", e.what());
-    return 1;
-  }
+  return fusemoe::harness::tool_main<fusemoe::pressure::Options>(argc, argv, fusemoe::pressure::parse, fusemoe::pressure::run);
 }

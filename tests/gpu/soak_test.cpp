@@ -20,6 +20,7 @@
 #include "common/device.h"
 #include "common/layer_config.h"
 #include "common/layer_device.h"
+#include "common/tool_main.h"
 #include "common/routing.h"
 #include "fusemoe/error.h"
 #include "fusemoe/fusemoe.h"
@@ -276,12 +277,5 @@ int run(const Options& opt) {
 }  // namespace fusemoe::soak
 
 int main(int argc, char** argv) {
-  fusemoe::soak::Options options;
-  if (!fusemoe::soak::parse(argc, argv, &options)) return 2;
-  try {
-    return fusemoe::soak::run(options);
-  } catch (const std::exception& e) {
-    std::printf("FAIL: %s\n", e.what());
-    return 1;
-  }
+  return fusemoe::harness::tool_main<fusemoe::soak::Options>(argc, argv, fusemoe::soak::parse, fusemoe::soak::run);
 }
