@@ -105,7 +105,8 @@ std::string expert_fit_note(const ExpertFit& fit) {
     return note;
   }
   if (!fit.reduced()) return "";
-  std::snprintf(note, sizeof(note), "E reduced %lld -> %lld: %.1f GiB needed at E=%lld, %.1f GiB free (%.1f GiB at E=%lld)",
+  std::snprintf(note, sizeof(note),
+                "E reduced %lld -> %lld: %.1f GiB needed at E=%lld, %.1f GiB free (%.1f GiB at E=%lld)",
                 static_cast<long long>(fit.preset_experts), static_cast<long long>(fit.num_experts),
                 gib(fit.preset_bytes), static_cast<long long>(fit.preset_experts), gib(fit.free_bytes),
                 gib(fit.bytes), static_cast<long long>(fit.num_experts));
