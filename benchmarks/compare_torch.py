@@ -6,7 +6,8 @@ pass and token count beside it ("vs PyTorch": PyTorch's median / fusemoe's, > 1 
 
     python3 benchmarks/compare_torch.py --bench build/fusemoe_bench [fusemoe_bench options]
 scripts/run_main.sh calls this where PyTorch with CUDA is installed. PyTorch's backward makes
-bf16 weight gradients (bf16 parameters); fusemoe's lines say which dtype they write.
+bf16 weight gradients (bf16 parameters); fusemoe's lines say which dtype they write. PyTorch runs
+the E fusemoe_bench ran (--num-experts: fewer than the preset's where the GPU could not hold them).
 Exit: fusemoe_bench's code when it fails (3: no Hopper GPU, ...); else 5 when the PyTorch run
 failed (the fusemoe figures above stand, the comparison is missing); else 0.
 """
@@ -45,6 +46,13 @@ def split_options(bench_args):
                 shared += [name, value]
         i += 1
     return shared, json_path
+
+
+def experts_option(fusemoe):
+    """["--num-experts", E] with the E fusemoe_bench ran (fewer than the preset's where the GPU
+    could not hold them), so that PyTorch runs the same layer; [] if its JSON does not say."""
+    num_experts = fusemoe.get("meta", {}).get("num_experts")
+    return ["--num-experts", str(num_experts)] if num_experts else []
 
 
 def ratio_line(line, torch_line):
@@ -93,6 +101,13 @@ def main():
         code = subprocess.call([args.bench, *bench_args, *extra])
         if code != 0:
             return code
+        try:
+            with open(bench_json) as f:
+                fusemoe = json.load(f)
+        except (OSError, ValueError) as error:
+            print(f"[main] no PyTorch comparison: {error}", file=sys.stderr)
+            return EXIT_TORCH_FAILED
+        shared += experts_option(fusemoe)
         torch_json = (os.path.splitext(user_json)[0] + "_torch.json" if user_json
                       else os.path.join(scratch, "torch.json"))
         print("\n[main] the PyTorch path on the same GPU: benchmarks/torch_baseline.py "
@@ -100,8 +115,6 @@ def main():
         torch_code = subprocess.call([sys.executable, os.path.join(HERE, "torch_baseline.py"),
                                       *shared, "--json", torch_json])
         try:
-            with open(bench_json) as f:
-                fusemoe = json.load(f)
             with open(torch_json) as f:
                 torch_result = json.load(f)
         except (OSError, ValueError) as error:

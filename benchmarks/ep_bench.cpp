@@ -4,7 +4,7 @@
 // same tokens and experts, timed interleaved in the same run. On one GPU the "link" is HBM, so
 // the ratio prices the pulls, pushes, signals and waits, not NVLink (docs/perf.md has the model
 // of real EP). Forward, and forward + backward (saved z, bf16 weight gradients).
-//   usage: fusemoe_ep_bench [--preset qwen3-30b-a3b|qwen3-235b-a22b] [--tokens N] [--ranks 2,4]
+//   usage: fusemoe_ep_bench [--preset NAME (fusemoe_bench's)] [--tokens N] [--ranks 2,4]
 //                           [--routing uniform|skewed] [--iters N] [--warmup N] [--json PATH]
 // Exit 0 ok, 2 bad arguments, 3 no sm_90 GPU, 4 runtime error.
 #include <cuda_runtime_api.h>
@@ -57,7 +57,7 @@ struct Options {
 };
 
 [[noreturn]] void usage(const std::string& error) {
-  std::fprintf(stderr, "fusemoe_ep_bench: %s\nusage: fusemoe_ep_bench [--preset qwen3-30b-a3b|qwen3-235b-a22b] "
+  std::fprintf(stderr, "fusemoe_ep_bench: %s\nusage: fusemoe_ep_bench [--preset qwen3-30b-a3b|qwen3-235b-a22b|qwen3-next|deepseek-v3] "
                "[--tokens N] [--ranks 2,4] [--routing uniform|skewed] [--iters N] [--warmup N] [--json PATH]\n",
                error.c_str());
   std::exit(2);

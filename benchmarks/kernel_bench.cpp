@@ -44,7 +44,8 @@ using harness::Sm90GemmProblem;
 const char* const kKernelUsage =
     "usage: fusemoe_kernel_bench [--preset NAME[,NAME]] [--tokens N[,N...]] [--routing NAME]\n"
     "                            [--iters N] [--warmup N] [--json PATH] [--seed N] [--no-check]\n"
-    "  --preset            qwen3-30b-a3b, qwen3-235b-a22b (default both)\n"
+    "  --preset            fusemoe_bench's presets, comma separated (default\n"
+    "                      qwen3-30b-a3b,qwen3-235b-a22b; also qwen3-next, deepseek-v3)\n"
     "  --tokens            token counts, comma separated (default 4096,16384)\n"
     "  --routing           a routing of tests/common/routing.h (default uniform)\n"
     "  --iters, --warmup   timed runs (median reported) and untimed runs before (20, 5)\n"

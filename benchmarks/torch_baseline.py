@@ -13,7 +13,8 @@ timed call. Useful FLOPs: 6*H*I per routed row forward, 12*H*I backward, 18*H*I 
 --fp8 also times the FP8 path a PyTorch user can pick today (torchao-style): both grouped GEMMs as
 torch._scaled_grouped_mm on E4M3 operands with rowwise scales (activations per row, weights per
 output row; dgrad on E4M3 dy and weights; weight gradients bf16), every quantization inside the
-timed call, expert groups padded to 16 rows.
+timed call, expert groups padded to 16 rows. --num-experts runs a preset with fewer experts
+(fusemoe_bench's E where it halved it to fit the GPU; benchmarks/compare_torch.py passes it).
 Shape legend: T tokens, H hidden, I expert intermediate, F = 2I (gate rows then up rows),
 E experts, K top-k, S = T*K flat slots, R routed rows (expert-sorted slots), N rows of one expert.
 Exit: 0 ok, 1 self-check failed, 2 bad arguments, 3 no Hopper GPU, 4 runtime error.
@@ -38,6 +39,8 @@ PRESETS = {
     # name: (short name, H, I, E, K)
     "qwen3-30b-a3b": ("30B", 2048, 768, 128, 8),
     "qwen3-235b-a22b": ("235B", 4096, 1536, 128, 8),
+    "qwen3-next": ("Next", 2048, 512, 512, 10),
+    "deepseek-v3": ("DSv3", 7168, 2048, 256, 8),
 }
 SKEW_EXPONENT = 1.2  # Zipf exponent of --routing skewed, as in fusemoe_bench
 REL_ERR_TOL = 2e-2  # bf16 level: a few roundings of 8 significant bits
@@ -240,10 +243,23 @@ def rel_err(a, b):
     return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
 
 
-def self_check(layer, combine_dtype, device, seed):
+SELF_CHECK_TOKENS = 203  # odd
+
+
+def self_check_experts(top_k):
+    """~50 rows per expert at T=203: every expert gets rows."""
+    return max(8, 4 * top_k)
+
+
+def self_check_shape(hidden=256, intermediate=128, top_k=2):
+    return (f"T={SELF_CHECK_TOKENS} H={hidden} I={intermediate} E={self_check_experts(top_k)} "
+            f"K={top_k}")
+
+
+def self_check(layer, combine_dtype, device, seed, hidden=256, intermediate=128, top_k=2):
     """Runs `layer` (bf16) and the fp32 loop on the same bf16-rounded inputs, forward and backward;
-    returns {output: relative error}. T=203 (odd), E=8, K=2: every expert gets rows."""
-    num_tokens, hidden, intermediate, num_experts, top_k = 203, 256, 128, 8, 2
+    returns {output: relative error}. Shape: self_check_shape(hidden, intermediate, top_k)."""
+    num_tokens, num_experts = SELF_CHECK_TOKENS, self_check_experts(top_k)
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape, scale=1.0):
@@ -386,25 +402,24 @@ def time_case(layer, impl_name, preset, num_tokens, args, weights, timer, device
 # ------------------------------------------------------------------------------------------------
 
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_shared_arguments(parser):
+    """The options torch_baseline shares with fusemoe_bench (and liger_baseline.py with it)."""
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b")
+    parser.add_argument("--num-experts", type=int,
+                        help="run the preset with this many experts (fusemoe_bench's E where it "
+                             "reduced it to fit the GPU; default the preset's)")
     parser.add_argument("--tokens", default="4096", help="comma-separated token counts")
     parser.add_argument("--routing", choices=["uniform", "skewed"], default="uniform")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", help="write all figures and metadata to this path")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--combine-dtype", choices=["bf16", "fp32"], default="bf16",
-                        help="dtype of the index_add_ accumulation into y (torchtitan: bf16)")
-    parser.add_argument("--force-loop", action="store_true",
-                        help="time the per-expert loop instead of torch._grouped_mm")
-    parser.add_argument("--fp8", action="store_true",
-                        help="also time torch._scaled_grouped_mm with rowwise E4M3 scales (torchao-"
-                             "style; quantization inside the timed calls, weight gradients bf16)")
     parser.add_argument("--device", default="cuda",
                         help="'cpu' only to test this script without a GPU (timings meaningless)")
-    args = parser.parse_args()
+
+
+def check_shared_arguments(parser, args):
+    """args.token_list and args.layer (short name, H, I, E, K), or parser.error."""
     try:
         args.token_list = [int(t) for t in args.tokens.split(",")]
     except ValueError:
@@ -413,10 +428,30 @@ def parse_args():
         parser.error("--tokens must all be >= 1")
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
+    short, hidden, intermediate, num_experts, top_k = PRESETS[args.preset]
+    if args.num_experts is not None:
+        if not top_k <= args.num_experts:
+            parser.error(f"--num-experts must be >= the preset's top-k {top_k}")
+        num_experts = args.num_experts
+    args.layer = (short, hidden, intermediate, num_experts, top_k)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_shared_arguments(parser)
+    parser.add_argument("--combine-dtype", choices=["bf16", "fp32"], default="bf16",
+                        help="dtype of the index_add_ accumulation into y (torchtitan: bf16)")
+    parser.add_argument("--force-loop", action="store_true",
+                        help="time the per-expert loop instead of torch._grouped_mm")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also time torch._scaled_grouped_mm with rowwise E4M3 scales (torchao-"
+                             "style; quantization inside the timed calls, weight gradients bf16)")
+    args = parser.parse_args(argv)
+    check_shared_arguments(parser, args)
     return args
 
 
-def find_device(args):
+def find_device(args, tool="torch_baseline"):
     """The GPU to time on, or exit 3 (no Hopper)."""
     if args.device == "cpu":
         return torch.device("cpu"), {"gpu": "cpu (test mode)", "compute_capability": None}
@@ -428,7 +463,7 @@ def find_device(args):
         if major != 9:
             reason = f"{torch.cuda.get_device_name()} is compute capability {major}.{minor}"
     if reason:
-        print(f"torch_baseline: no Hopper (sm_90) GPU found: {reason}; the benchmark needs an "
+        print(f"{tool}: no Hopper (sm_90) GPU found: {reason}; the benchmark needs an "
               "H100/H200", file=sys.stderr)
         sys.exit(3)
     props = torch.cuda.get_device_properties(0)
@@ -464,9 +499,9 @@ def choose_path(args, device, result):
     passed = all(err <= REL_ERR_TOL for err in errors.values())  # NaN fails
     result["meta"]["path"] = path
     result["meta"]["fallback_reason"] = fallback_reason
-    result["self_check"] = {"shape": "T=203 H=256 I=128 E=8 K=2", "tol": REL_ERR_TOL,
+    result["self_check"] = {"shape": self_check_shape(), "tol": REL_ERR_TOL,
                             "rel_err": errors, "pass": passed}
-    print(f"self-check ({path}) vs fp32 loop, T=203 H=256 I=128 E=8 K=2, tol {REL_ERR_TOL:.0e}: "
+    print(f"self-check ({path}) vs fp32 loop, {self_check_shape()}, tol {REL_ERR_TOL:.0e}: "
           + ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
           + (" -> pass" if passed else " -> FAIL"), flush=True)
     return path, passed
@@ -504,31 +539,51 @@ def print_case(case, meta, ceiling):
     sys.stdout.flush()
 
 
+def run_meta(args, gpu_meta):
+    """The "meta" fields torch_baseline.py and liger_baseline.py share: the GPU, versions, commit,
+    date, the layer run (args.layer) and the timing settings."""
+    _, hidden, intermediate, num_experts, top_k = args.layer
+    return {
+        **gpu_meta,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "commit": project_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "preset": args.preset,
+        "hidden": hidden, "intermediate": intermediate,
+        "num_experts": num_experts, "top_k": top_k,
+        "preset_num_experts": PRESETS[args.preset][3],
+        "routing": args.routing,
+        "skew_exponent": SKEW_EXPONENT if args.routing == "skewed" else 0.0,
+        "seed": args.seed, "iters": args.iters, "warmup": args.warmup,
+        "tokens": args.token_list,
+        "l2_flush_bytes": L2_FLUSH_BYTES,
+        "forward_mode": "autograd recording (as in training)",
+    }
+
+
+def make_weights(layer, seed, device):
+    """w13_EFH ~ N(0, 1/H) and w2_EHI ~ N(0, 1/I), bf16, requiring grad; the same for a seed."""
+    _, hidden, intermediate, num_experts, _ = layer
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w13_EFH = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen, device=device,
+                          dtype=torch.bfloat16)
+    w13_EFH.mul_(hidden ** -0.5).requires_grad_()
+    w2_EHI = torch.randn(num_experts, hidden, intermediate, generator=gen, device=device,
+                         dtype=torch.bfloat16)
+    w2_EHI.mul_(intermediate ** -0.5).requires_grad_()
+    return w13_EFH, w2_EHI
+
+
 def main():
     args = parse_args()
     device, gpu_meta = find_device(args)
-    short, hidden, intermediate, num_experts, top_k = PRESETS[args.preset]
+    short, hidden, intermediate, num_experts, top_k = args.layer
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 self-check oracle stays fp32
     result = {
         "tool": "torch_baseline",
         "schema": 1,
-        "meta": {
-            **gpu_meta,
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "commit": project_commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "preset": args.preset,
-            "hidden": hidden, "intermediate": intermediate,
-            "num_experts": num_experts, "top_k": top_k,
-            "routing": args.routing,
-            "skew_exponent": SKEW_EXPONENT if args.routing == "skewed" else 0.0,
-            "seed": args.seed, "iters": args.iters, "warmup": args.warmup,
-            "tokens": args.token_list,
-            "combine_dtype": args.combine_dtype,
-            "l2_flush_bytes": L2_FLUSH_BYTES,
-            "forward_mode": "autograd recording (as in training)",
-        },
+        "meta": {**run_meta(args, gpu_meta), "combine_dtype": args.combine_dtype},
         "cases": [],
         "error": "",
     }
@@ -553,23 +608,16 @@ def main():
             print(f"bf16 GEMM ceiling ({ceiling['what']}): {ceiling['tflops']:.1f} TFLOP/s",
                   flush=True)
             progress(f"{short}: generating weights ...")
-            gen = torch.Generator(device=device).manual_seed(args.seed)
-            w13_EFH = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen,
-                                  device=device, dtype=torch.bfloat16)
-            w13_EFH.mul_(hidden ** -0.5).requires_grad_()
-            w2_EHI = torch.randn(num_experts, hidden, intermediate, generator=gen, device=device,
-                                 dtype=torch.bfloat16)
-            w2_EHI.mul_(intermediate ** -0.5).requires_grad_()
+            weights = make_weights(args.layer, args.seed, device)
             impl_name = "torch_" + path
             fp8 = args.fp8 and fp8_self_check(args, device, result)
             for num_tokens in args.token_list:
-                case = time_case(LAYERS[path], impl_name, PRESETS[args.preset], num_tokens, args,
-                                 (w13_EFH, w2_EHI), timer, device, ceiling)
+                case = time_case(LAYERS[path], impl_name, args.layer, num_tokens, args, weights,
+                                 timer, device, ceiling)
                 if fp8:
                     try:
-                        fp8_case = time_case(moe_scaled_grouped_mm_fp8, FP8_IMPL,
-                                             PRESETS[args.preset], num_tokens, args,
-                                             (w13_EFH, w2_EHI), timer, device, ceiling)
+                        fp8_case = time_case(moe_scaled_grouped_mm_fp8, FP8_IMPL, args.layer,
+                                             num_tokens, args, weights, timer, device, ceiling)
                         case["timings"] += fp8_case["timings"]
                     except Exception as error:  # the FP8 path is optional: report, keep going
                         traceback.print_exc(file=sys.stderr)

@@ -2,10 +2,15 @@
 figures are compared with (speedups, "vs PyTorch", the chart's PyTorch line): the bf16 path the
 run chose (meta["path"], timings of impl "torch_<path>"), never the FP8 path that --fp8 adds to
 the same case (impl FP8_IMPL). Matching by pass alone let the FP8 timings overwrite the bf16 ones.
+Also the names that tell benchmarks/liger_baseline.py's runs apart.
 Standard library only: scripts/plot_tflops.py, scripts/perf_table.py, scripts/summarize_round.py
 and benchmarks/compare_torch.py import it (the scripts put benchmarks/ on sys.path).
 """
 FP8_IMPL = "torch_scaled_grouped_mm_fp8"  # torch_baseline.py --fp8: torch._scaled_grouped_mm
+# benchmarks/liger_baseline.py: its impl name, and its exit code when liger_kernel is not
+# importable (a skip, which scripts/summarize_round.py reports as one, never as a pass).
+LIGER_IMPL = "liger_fused_moe"
+LIGER_SKIPPED_EXIT = 6
 
 
 def baseline_impl(meta):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One whole GPU round on the H200 machine: GPU facts, the GPU test suites (ctest -L gpu: the layer
 # suite and the sm90 GEMM suite), memcheck over their edge cases, fusemoe_bench and the PyTorch
-# baseline for every case below, the kernel benchmark, pytest and the training example, then
+# baseline for every case below, fusemoe_bench at the qwen3-next and deepseek-v3 presets, the
+# Liger-Kernel baseline (optional), the kernel benchmark, pytest and the training example, then
 # scripts/summarize_round.py.
 #   usage: scripts/gpu_round.sh OUTDIR
 # Uses the carried build folder ($BUILD_DIR, default build/) when it holds fusemoe_bench, else
@@ -12,9 +13,11 @@
 # else the commit the carried build recorded in $BUILD_DIR/fusemoe_commit.txt, else "unknown"),
 # ITERS and WARMUP (20, 5), TEST_TIMEOUT_S (300), CHECK_235B_MAX_TOKENS (unset: check every T;
 # 4096 skips the fp32 reference check at 235B T=16384, the largest one), ROUND_BUDGET_S (480:
-# benchmark steps not started by then are recorded as skipped, a failure). Budget on an H200:
-# about 9.5 min (GPU tests ~2, memcheck ~1, benchmarks ~2, kernel benchmark ~1, pytest ~1, the
-# 200-step three-run training comparison ~3.5), so give the device call its 600 s. results.json
+# benchmark steps not started by then are recorded as skipped, a failure), LIGER_WHEEL and
+# LIGER_TIMEOUT_S (the Liger step in 4). Budget on an H200: about 9.5 min (GPU tests ~2, memcheck ~1,
+# benchmarks ~2, the two presets of issue 19 ~0.5 (estimated, not yet measured), kernel benchmark
+# ~1, pytest ~1, the 200-step three-run training comparison ~3.5; Liger, where it runs, up to
+# LIGER_TIMEOUT_S more), so give the device call its 600 s. results.json
 # and summary.md are rewritten after every step, so a round cut short still leaves what it
 # measured. Exit 0 only if the tests and every correctness check passed.
 set -u -o pipefail
@@ -175,6 +178,41 @@ for spec in "${CASES[@]}"; do
     --routing "$routing" --tokens "$tokens" --iters "$ITERS" --warmup "$WARMUP" \
     --json "$PARTS/${STEP_NUM}_torch_$id.json"
 done
+
+# ---- 4 (cont.). The shapes of issue 19, fusemoe_bench alone: the op's path (saved z), both
+# weight-gradient dtypes. deepseek-v3 runs the E that fits the GPU beside the fp32 reference (the
+# bench says which: "E reduced 256 -> ..."). No PyTorch run here, for time.
+for spec in "qwen3-next|16384" "deepseek-v3|8192"; do
+  IFS='|' read -r preset tokens <<<"$spec"
+  STEP_NUM=$((STEP_NUM + 1))
+  bench_step "fusemoe_bench $preset" "$BENCH" --preset "$preset" --tokens "$tokens" --impl fused_saved_z \
+    --iters "$ITERS" --warmup "$WARMUP" --json "$PARTS/${STEP_NUM}_fusemoe_$preset.json"
+done
+
+# ---- 4 (cont.). Liger-Kernel's Triton fused MoE (optional): where python3 cannot import
+# liger_kernel, the pure-Python wheel LIGER_WHEEL (default: the newest wheels/liger_kernel-*.whl,
+# a folder git ignores: carry it) is unpacked onto PYTHONPATH for this step; with neither,
+# liger_baseline.py says "skipped" and exits 6. Its first call autotunes (time not yet measured):
+# LIGER_TIMEOUT_S (150) caps the step. Its outcome is listed in summary.md, never fails the round.
+liger_pythonpath="${PYTHONPATH:-}"
+if ! python3 -c 'import liger_kernel' >/dev/null 2>&1; then
+  liger_wheel="${LIGER_WHEEL:-$(ls -t wheels/liger_kernel-*.whl 2>/dev/null | head -1)}"
+  if [[ -n "$liger_wheel" ]] && python3 -m zipfile -e "$liger_wheel" "$PARTS/liger_site"; then
+    liger_pythonpath="$PARTS/liger_site${PYTHONPATH:+:$PYTHONPATH}"
+    log "liger_kernel from $liger_wheel"
+  fi
+fi
+STEP_NUM=$((STEP_NUM + 1))
+if ((SECONDS > ROUND_BUDGET_S)); then
+  log "skip liger_baseline: round budget of ${ROUND_BUDGET_S} s spent"
+  printf '%s\t%d\t%d\t%s\n' "liger_baseline 30b-uniform" 99 0 "optional: round budget spent" >>"$PARTS/steps.tsv"
+else
+  step "liger_baseline 30b-uniform" "optional, limit ${LIGER_TIMEOUT_S:-150} s" \
+    env PYTHONPATH="$liger_pythonpath" timeout --kill-after=15 "${LIGER_TIMEOUT_S:-150}" \
+    python3 benchmarks/liger_baseline.py --preset qwen3-30b-a3b --routing uniform --tokens 4096,16384 \
+    --iters "$ITERS" --warmup "$WARMUP" --json "$PARTS/${STEP_NUM}_liger_30b-uniform.json"
+fi
+summarize
 
 # ---- 4a. Kernel benchmark: each sm90 GEMM instance against cuBLAS grouped and dense GEMMs ----
 STEP_NUM=$((STEP_NUM + 1))

@@ -28,7 +28,8 @@ PASSES = ("forward", "backward", "forward+backward")
 # fusemoe_bench implementation name -> legend label. The op's default path: "fused" forward,
 # "fused_saved_z" (the forward saves z) for the backward and forward+backward.
 FUSEMOE_LINES = {"fused": "fusemoe fused", "fused_saved_z": "fusemoe fused, z saved"}
-PRESET_TITLES = {"qwen3-30b-a3b": "Qwen3-30B-A3B layer", "qwen3-235b-a22b": "Qwen3-235B-A22B layer"}
+PRESET_TITLES = {"qwen3-30b-a3b": "Qwen3-30B-A3B layer", "qwen3-235b-a22b": "Qwen3-235B-A22B layer",
+                 "qwen3-next": "Qwen3-Next layer", "deepseek-v3": "DeepSeek-V3 layer"}
 
 
 def load_runs(paths):

@@ -2,13 +2,16 @@
 """Merges one GPU round's JSON files into OUTDIR/results.json and writes OUTDIR/summary.md.
 
 Input (PARTS, default OUTDIR/parts): the --json files of fusemoe_bench (tool "fusemoe_bench"),
-fusemoe_kernel_bench (tool "fusemoe_kernel_bench") and benchmarks/torch_baseline.py (tool
-"torch_baseline"), and steps.tsv (one line per step of scripts/gpu_round.sh: name, exit code,
-seconds, note). Without PARTS, re-renders summary.md from an existing results.json. summary.md:
-one table per case (preset, routing, T) with the fusemoe implementations and the PyTorch path side
-by side (ms, TFLOP/s, % of the cuBLAS ceiling measured by fusemoe_bench in the same round, speedup
-against PyTorch), then the correctness lines; then one table per kernel-benchmark case (each sm90
-GEMM instance against cuBLAS grouped and dense GEMMs of the same size).
+fusemoe_kernel_bench (tool "fusemoe_kernel_bench"), benchmarks/torch_baseline.py (tool
+"torch_baseline") and benchmarks/liger_baseline.py (tool "liger_baseline"), and steps.tsv (one
+line per step of scripts/gpu_round.sh: name, exit code, seconds, note). Without PARTS, re-renders
+summary.md from an existing results.json. summary.md: one table per case (preset, routing, T)
+with the fusemoe implementations, the PyTorch path and Liger-Kernel side by side (ms, TFLOP/s, %
+of the cuBLAS ceiling measured by fusemoe_bench in the same round, speedup against PyTorch and,
+where Liger ran, against Liger), then the correctness lines; then one table per kernel-benchmark
+case (each sm90 GEMM instance against cuBLAS grouped and dense GEMMs of the same size).
+Optional steps (note "optional ...", the Liger baseline) never fail the round: their exit codes
+and a Liger run's skip, error or failed self-check are listed beside the verdict.
 Standard library only. Exit: 0 written, 2 nothing to summarise.
 """
 import argparse
@@ -24,7 +27,7 @@ PASS_ORDER = ["forward", "backward", "forward+backward"]
 
 
 def load_parts(parts_dir):
-    fusemoe_runs, kernel_runs, torch_runs, ep_runs, steps = [], [], [], [], []
+    fusemoe_runs, kernel_runs, torch_runs, ep_runs, liger_runs, steps = [], [], [], [], [], []
     for path in sorted(glob.glob(os.path.join(parts_dir, "*.json"))):
         name = os.path.basename(path)
         try:
@@ -36,7 +39,8 @@ def load_parts(parts_dir):
         data["source_file"] = name
         tool = data.get("tool")
         (torch_runs if tool == "torch_baseline" else kernel_runs if tool == "fusemoe_kernel_bench"
-         else ep_runs if tool == "fusemoe_ep_bench" else fusemoe_runs).append(data)
+         else ep_runs if tool == "fusemoe_ep_bench" else liger_runs if tool == "liger_baseline"
+         else fusemoe_runs).append(data)
     steps_path = os.path.join(parts_dir, "steps.tsv")
     if os.path.exists(steps_path):
         with open(steps_path) as f:
@@ -47,7 +51,7 @@ def load_parts(parts_dir):
                 steps.append({"name": fields[0], "rc": int(fields[1]), "seconds": float(fields[2]),
                               "note": fields[3] if len(fields) > 3 else ""})
     return {"steps": steps, "fusemoe": fusemoe_runs, "kernels": kernel_runs, "torch": torch_runs,
-            "ep": ep_runs}
+            "ep": ep_runs, "liger": liger_runs}
 
 
 def fmt(value, spec):
@@ -58,11 +62,14 @@ def case_key(meta, case):
     return (meta.get("preset"), meta.get("routing"), case.get("tokens"))
 
 
+LIGER_LABEL = "Liger-Kernel (Triton fused MoE)"
+
+
 def collect_cases(results):
-    """{(preset, routing, T): {"fusemoe": (meta, case, ceiling), "torch": (meta, case, ceiling)}}."""
+    """{(preset, routing, T): {tool: (meta, case, ceiling)}}, tool "fusemoe", "torch" or "liger"."""
     cases = {}
-    for tool in ("fusemoe", "torch"):
-        for run in results[tool]:
+    for tool in ("fusemoe", "torch", "liger"):
+        for run in results.get(tool, []):
             meta = run.get("meta", {})
             ceiling = (run.get("ceiling") or {}).get("tflops")
             for case in run.get("cases", []):
@@ -86,12 +93,16 @@ def render_case(key, entry, lines):
     preset, routing, tokens = key
     f_meta, f_case, f_ceiling = entry.get("fusemoe", (None, None, None))
     t_meta, t_case, t_ceiling = entry.get("torch", (None, None, None))
+    _, l_case, _ = entry.get("liger", (None, None, None))
     # One ceiling per table: cuBLAS in fusemoe_bench if it ran, else torch.mm in torch_baseline.
     ceiling, ceiling_src = (f_ceiling, "cuBLAS 8192^3 in fusemoe_bench") if f_ceiling \
         else (t_ceiling, "torch.mm 8192^3 in torch_baseline")
-    any_case = f_case or t_case
+    any_case = f_case or t_case or l_case
     lines.append(f"### {preset}, T={tokens}, routing {routing}")
     lines.append("")
+    if f_meta and f_meta.get("experts_reduced"):
+        lines.append(f"**{f_meta['experts_reduced']}**: fusemoe ran E={f_meta.get('num_experts')}.")
+        lines.append("")
     lines.append(f"{any_case.get('valid_rows')} routed rows; rows per expert min "
                  f"{any_case.get('expert_rows_min')}, mean {fmt(any_case.get('expert_rows_mean'), '.0f')}, "
                  f"max {any_case.get('expert_rows_max')}, {any_case.get('experts_empty')} empty"
@@ -103,6 +114,8 @@ def render_case(key, entry, lines):
     # The speedups are against the bf16 PyTorch path only (benchmarks/torch_timings.py).
     torch_ms = {pass_name: t.get("ms_median") for pass_name, t in
                 baseline_by_pass(t_meta, (t_case or {}).get("timings")).items()}
+    # Liger's bf16 weight gradients: fusemoe rows of either dtype compare with them, as with PyTorch.
+    liger_ms = {t.get("pass"): t.get("ms_median") for t in (l_case or {}).get("timings", [])}
     rows = []
     if f_case:
         for t in f_case.get("timings", []):
@@ -111,17 +124,22 @@ def render_case(key, entry, lines):
         for t in t_case.get("timings", []):
             rows.append((torch_label(t_meta) if is_baseline(t_meta, t) else torch_label(t_meta, t),
                          t))
+    for t in (l_case or {}).get("timings", []):
+        rows.append((LIGER_LABEL, t))
     rows.sort(key=lambda r: PASS_ORDER.index(r[1]["pass"]) if r[1]["pass"] in PASS_ORDER else 99)
-    lines.append("| impl | pass | weight grads | ms | TFLOP/s | % ceiling | vs PyTorch |")
-    lines.append("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    lines.append("| impl | pass | weight grads | ms | TFLOP/s | % ceiling | vs PyTorch |"
+                 + (" vs Liger |" if liger_ms else ""))
+    lines.append("| --- | --- | --- | ---: | ---: | ---: | ---: |" + (" ---: |" if liger_ms else ""))
     for label, t in rows:
         ms, tflops = t.get("ms_median"), t.get("tflops")
         pct = 100.0 * tflops / ceiling if tflops is not None and ceiling else None
-        base = torch_ms.get(t["pass"])
-        speedup = base / ms if base and ms else None
+        cells = ""
+        for base_ms in (torch_ms, liger_ms) if liger_ms else (torch_ms,):
+            base = base_ms.get(t["pass"])
+            speedup = base / ms if base and ms else None
+            cells += f" {fmt(speedup, '.2f') + 'x' if speedup else 'n/a'} |"
         lines.append(f"| {label} | {t['pass']} | {t.get('weight_grad_dtype')} | {fmt(ms, '.3f')} | "
-                     f"{fmt(tflops, '.1f')} | {fmt(pct, '.1f')} | "
-                     f"{fmt(speedup, '.2f') + 'x' if speedup else 'n/a'} |")
+                     f"{fmt(tflops, '.1f')} | {fmt(pct, '.1f')} |{cells}")
     if not f_case:
         lines.append("")
         lines.append("**fusemoe_bench produced no figures for this case.**")
@@ -172,10 +190,34 @@ def render_kernels(run, lines):
         lines.append("")
 
 
+def is_optional(step):
+    return step.get("note", "").startswith("optional")
+
+
+def optional_notes(results):
+    """What the optional steps and the Liger runs did, where it was not a plain success: listed
+    beside the verdict, never counted in it."""
+    notes = []
+    for step in results["steps"]:
+        if is_optional(step) and step["rc"] != 0:
+            notes.append(f"{step['name']} exited {step['rc']} ({step['note']})")
+    for run in results.get("liger", []):
+        source = run.get("source_file")
+        if run.get("skipped"):
+            notes.append(f"Liger-Kernel baseline skipped: {run['skipped']} ({source})")
+            continue
+        check = run.get("self_check")
+        if check is not None and not check.get("pass"):
+            notes.append(f"Liger-Kernel self-check **FAIL**: not timed ({source})")
+        if run.get("error"):
+            notes.append(f"Liger-Kernel error ({source}): {run['error']}")
+    return notes
+
+
 def verdict(results):
     problems = []
     for step in results["steps"]:
-        if step["rc"] != 0:
+        if step["rc"] != 0 and not is_optional(step):
             problems.append(f"{step['name']} exited {step['rc']}" +
                             (f" ({step['note']})" if step.get("note") else ""))
     for run in results["fusemoe"]:
@@ -221,18 +263,27 @@ def render(results):
     for problem in problems:
         lines.append(f"- {problem}")
     lines.append("")
+    notes = optional_notes(results)
+    if notes:
+        lines.append("Optional baselines (not counted in the verdict):")
+        for note in notes:
+            lines.append(f"- {note}")
+        lines.append("")
     if results["steps"]:
         lines.append("| step | exit | seconds | note |")
         lines.append("| --- | ---: | ---: | --- |")
         for step in results["steps"]:
             lines.append(f"| {step['name']} | {step['rc']} | {step['seconds']:.0f} | {step.get('note', '')} |")
         lines.append("")
-    for run in results["torch"]:
+    for run in results["torch"] + results.get("liger", []):
         check = run.get("self_check")
         if check:
             errs = ", ".join(f"{k} {fmt(v, '.1e')}" for k, v in check.get("rel_err", {}).items())
-            lines.append(f"- torch_baseline self-check ({run['meta'].get('preset')} "
-                         f"{run['meta'].get('routing')}, {run['meta'].get('path')}, {check.get('shape')} "
+            what = run["meta"].get("path") if run.get("tool") == "torch_baseline" else \
+                f"liger-kernel {run['meta'].get('liger_kernel')}, first call (autotune) " \
+                f"{fmt(run['meta'].get('autotune_seconds'), '.0f')} s"
+            lines.append(f"- {run.get('tool')} self-check ({run['meta'].get('preset')} "
+                         f"{run['meta'].get('routing')}, {what}, {check.get('shape')} "
                          f"vs fp32 loop): {'pass' if check.get('pass') else '**FAIL**'} ({errs})")
     lines.append("")
     cases = collect_cases(results)

@@ -5,12 +5,16 @@
 namespace fusemoe::bench {
 
 const char* const kUsage =
-    "usage: fusemoe_bench [--preset qwen3-30b-a3b|qwen3-235b-a22b] [--tokens N[,N...]]\n"
+    "usage: fusemoe_bench [--preset NAME] [--tokens N[,N...]]\n"
     "                     [--routing NAME] [--impl NAME[,NAME...]] [--iters N]\n"
     "                     [--warmup N] [--json PATH] [--seed N] [--no-check]\n"
     "                     [--check-max-tokens N]\n"
     "  --preset            layer shape (default qwen3-30b-a3b: H=2048 I=768 E=128 K=8;\n"
-    "                      qwen3-235b-a22b: H=4096 I=1536 E=128 K=8)\n"
+    "                      qwen3-235b-a22b: H=4096 I=1536 E=128 K=8;\n"
+    "                      qwen3-next: H=2048 I=512 E=512 K=10;\n"
+    "                      deepseek-v3: H=7168 I=2048 E=256 K=8). Where the GPU's free memory\n"
+    "                      cannot hold all the run allocates, E is halved until it can, and\n"
+    "                      the output and --json say so (\"E reduced 256 -> 128: ...\")\n"
     "  --tokens            token counts to run, comma separated (default 4096)\n"
     "  --routing           uniform: K distinct experts uniformly at random per token;\n"
     "                      skewed: Zipf popularity p(e) ~ 1/(rank+1)^1.2 (default uniform);\n"
@@ -51,7 +55,9 @@ const Preset& find_preset(const std::string& name) {
   for (const Preset& preset : kPresets) {
     if (name == preset.name) return preset;
   }
-  throw UsageError{"unknown --preset '" + name + "'"};
+  std::string known;
+  for (const Preset& preset : kPresets) known += std::string(" ") + preset.name;
+  throw UsageError{"unknown --preset '" + name + "' (known:" + known + ")"};
 }
 
 void for_each_flag(int argc, char** argv, const std::function<void(const Flag&)>& handle) {

@@ -31,6 +31,10 @@ struct Preset : harness::LayerShape {
 constexpr Preset kPresets[] = {
     {harness::kQwen3_30bA3b, "qwen3-30b-a3b", "30B"},
     {harness::kQwen3_235bA22b, "qwen3-235b-a22b", "235B"},
+    {harness::kQwen3Next, "qwen3-next", "Next"},
+    // E=256 with everything the bench holds may not fit one GPU: fusemoe_bench then halves E
+    // (bench/memory.h) and says so.
+    {harness::kDeepSeekV3, "deepseek-v3", "DSv3"},
 };
 
 // Relative (Frobenius) error an implementation may have against the fp32 reference. bf16 keeps 8

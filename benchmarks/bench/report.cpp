@@ -27,6 +27,10 @@ void print_header(const BenchParams& params, const BenchResult& result) {
               static_cast<long long>(params.preset.hidden), static_cast<long long>(params.preset.intermediate),
               static_cast<long long>(params.preset.num_experts), static_cast<long long>(params.preset.top_k),
               tokens.c_str(), harness::routing_name(params.routing), impls.c_str());
+  const ExpertFit& fit = result.memory;
+  std::printf("device memory: %.1f GiB needed, %.1f GiB free\n", fit.bytes / double(size_t(1) << 30),
+              fit.free_bytes / double(size_t(1) << 30));
+  if (const std::string note = expert_fit_note(fit); !note.empty()) std::printf("%s\n", note.c_str());
   std::printf("timing: median of %d after %d warm-up, CUDA events, %zu MiB L2 flush before each call\n", params.iters,
               params.warmup, result.facts.l2_flush_bytes >> 20);
   std::fflush(stdout);
@@ -108,6 +112,10 @@ bool write_json(const std::string& path, const BenchParams& params, const BenchR
       {"intermediate", params.preset.intermediate},
       {"num_experts", params.preset.num_experts},
       {"top_k", params.preset.top_k},
+      {"preset_num_experts", result.memory.preset_experts},
+      {"experts_reduced", expert_fit_note(result.memory)},
+      {"device_bytes_needed", static_cast<uint64_t>(result.memory.bytes)},
+      {"device_bytes_free", static_cast<uint64_t>(result.memory.free_bytes)},
       {"routing", harness::routing_name(params.routing)},
       {"skew_exponent", params.routing == harness::Routing::kSkewed ? harness::kSkewExponent : 0.0},
       {"seed", params.seed},

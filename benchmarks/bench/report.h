@@ -8,6 +8,7 @@
 
 #include "bench/cublas.h"
 #include "bench/facts.h"
+#include "bench/memory.h"
 #include "bench/options.h"
 #include "common/routing.h"
 #include "common/timer.h"
@@ -48,6 +49,7 @@ struct CaseResult {
 
 struct BenchResult {
   RunFacts facts;
+  ExpertFit memory;  // the E run (params.preset.num_experts) and the bytes it needs
   Ceiling ceiling;
   std::vector<CaseResult> cases;
   std::string error;  // set when a runtime error stopped the run

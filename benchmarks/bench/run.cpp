@@ -18,16 +18,17 @@ namespace {
 // Inputs: x, dy ~ N(0, 1); w13 ~ N(0, 1/H) and w2 ~ N(0, 1/I) so that gate/up, h and each
 // expert's output are O(1) and the errors compare on a natural scale.
 LayerInputs make_inputs(const LayerConfig& c, uint64_t seed, cudaStream_t stream) {
+  const LayerBufferBytes bytes = layer_buffer_bytes(c);
   LayerInputs in;
   const int64_t x_elems = c.max_tokens * c.hidden;
   const int64_t w13_elems = c.num_experts * 2 * c.intermediate * c.hidden;
   const int64_t w2_elems = c.num_experts * c.hidden * c.intermediate;
-  in.x_TH = DeviceBuffer(x_elems * 2);
-  in.dy_TH = DeviceBuffer(x_elems * 2);
-  in.w13_EFH = DeviceBuffer(w13_elems * 2);
-  in.w2_EHI = DeviceBuffer(w2_elems * 2);
-  in.topk_idx_TK = DeviceBuffer(c.max_tokens * c.top_k * sizeof(int32_t));
-  in.topk_w_TK = DeviceBuffer(c.max_tokens * c.top_k * sizeof(float));
+  in.x_TH = DeviceBuffer(bytes.x_TH);
+  in.dy_TH = DeviceBuffer(bytes.x_TH);
+  in.w13_EFH = DeviceBuffer(bytes.w13_EFH);
+  in.w2_EHI = DeviceBuffer(bytes.w2_EHI);
+  in.topk_idx_TK = DeviceBuffer(bytes.topk_idx_TK);
+  in.topk_w_TK = DeviceBuffer(bytes.topk_w_TK);
   harness::fill_normal_bf16(in.x_TH.get(), x_elems, seed * 4 + 1, 1.0f, stream);
   harness::fill_normal_bf16(in.dy_TH.get(), x_elems, seed * 4 + 2, 1.0f, stream);
   harness::fill_normal_bf16(in.w13_EFH.get(), w13_elems, seed * 4 + 3, 1.0f / std::sqrt(static_cast<float>(c.hidden)),
@@ -137,13 +138,15 @@ std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, 
 
 }  // namespace
 
-LayerOutputs::LayerOutputs(const LayerConfig& c, bool save_z)
-    : y_TH(c.max_tokens * c.hidden * 2),
-      dx_TH(c.max_tokens * c.hidden * 2),
-      d_topk_w_TK(c.max_tokens * c.top_k * sizeof(float)),
-      dw13_EFH(c.num_experts * 2 * c.intermediate * c.hidden * sizeof(float)),
-      dw2_EHI(c.num_experts * c.hidden * c.intermediate * sizeof(float)),
-      saved_z_SF(save_z ? saved_z_bytes(c) : 0) {}
+LayerOutputs::LayerOutputs(const LayerConfig& c, bool save_z) {
+  const LayerBufferBytes bytes = layer_buffer_bytes(c);
+  y_TH = DeviceBuffer(bytes.x_TH);
+  dx_TH = DeviceBuffer(bytes.x_TH);
+  d_topk_w_TK = DeviceBuffer(bytes.topk_w_TK);
+  dw13_EFH = DeviceBuffer(bytes.dw13_EFH);
+  dw2_EHI = DeviceBuffer(bytes.dw2_EHI);
+  saved_z_SF = DeviceBuffer(save_z ? bytes.saved_z : 0);
+}
 
 void LayerOutputs::poison(cudaStream_t stream) const {
   for (const DeviceBuffer* buffer : {&y_TH, &dx_TH, &d_topk_w_TK, &dw13_EFH, &dw2_EHI, &saved_z_SF}) {
@@ -158,8 +161,15 @@ LayerConfig impl_config(const LayerConfig& config, const BenchImpl& impl) {
 }
 
 DeviceBuffer allocate_workspace(const LayerConfig& config, const BenchImpl& impl) {
-  // At least one aligned block, so a zero-byte workspace is still a valid pointer.
-  return DeviceBuffer(std::max<size_t>(workspace_bytes(impl_config(config, impl), impl.impl), 256));
+  return DeviceBuffer(bench_workspace_bytes(config, impl));
+}
+
+ExpertFit fit_to_device(BenchParams* params, size_t flush_bytes) {
+  size_t free_bytes = 0, total_bytes = 0;
+  FUSEMOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const ExpertFit fit = fit_experts(*params, flush_bytes, free_bytes);
+  params->preset.num_experts = fit.num_experts;
+  return fit;
 }
 
 namespace {
@@ -243,12 +253,7 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
   // The reference and its outputs exist only while some token count is checked; its config
   // is sized for the largest checked T so a skipped large T does not inflate its workspace.
   LayerConfig reference_config = config;
-  reference_config.max_tokens = 0;
-  for (int64_t t : params.tokens) {
-    if (params.check && t <= params.check_max_tokens) {
-      reference_config.max_tokens = std::max(reference_config.max_tokens, t);
-    }
-  }
+  reference_config.max_tokens = reference_max_tokens(params);
   DeviceBuffer reference_workspace;
   std::unique_ptr<LayerOutputs> reference_outputs;
   if (reference_config.max_tokens > 0) {

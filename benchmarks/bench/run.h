@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "bench/memory.h"
 #include "bench/options.h"
 #include "bench/report.h"
 #include "common/device_buffer.h"
@@ -22,8 +23,8 @@ struct LayerInputs {
   DeviceBuffer fp8_weights;             // quantize_weights_fp8 of w13, w2 (when an FP8 impl runs)
 };
 
-// Every output of forward and backward; the weight gradients are sized for fp32 and hold bf16
-// in their first half when the weight-gradient dtype is bf16.
+// Every output of forward and backward (sizes: layer_buffer_bytes); the weight gradients are
+// sized for fp32 and hold bf16 in their first half when the weight-gradient dtype is bf16.
 struct LayerOutputs {
   DeviceBuffer y_TH, dx_TH, d_topk_w_TK, dw13_EFH, dw2_EHI;
   DeviceBuffer saved_z_SF;  // z of the last forward of an impl with save_z, read by its backward
@@ -39,6 +40,10 @@ struct LayerOutputs {
 LayerConfig impl_config(const LayerConfig& config, const BenchImpl& impl);
 
 DeviceBuffer allocate_workspace(const LayerConfig& config, const BenchImpl& impl);
+
+// fit_experts against what the device has free now; sets params->preset.num_experts to the E
+// chosen.
+ExpertFit fit_to_device(BenchParams* params, size_t flush_bytes);
 
 // As a training loop calls them: no per-call sync (sync_check_expert_ids off).
 void run_forward(const LayerConfig& config, const BenchImpl& impl, const LayerInputs& in, const LayerOutputs& out,

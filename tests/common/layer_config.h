@@ -29,10 +29,14 @@ inline LayerConfig layer_config(const LayerShape& s, int64_t max_tokens = 0) {
   return layer_config(s.hidden, s.intermediate, s.num_experts, s.top_k, max_tokens);
 }
 
-// The Qwen3 MoE layers (all 128 experts, top-8), spelled once: the benchmarks' presets
-// (benchmarks/bench/options.h), the suites' configs below and their Dims (tests/gpu) use these.
+// The model layers, spelled once: the benchmarks' presets (benchmarks/bench/options.h), the
+// suites' configs below and their Dims (tests/gpu) use these.
 constexpr LayerShape kQwen3_30bA3b{2048, 768, 128, 8};
 constexpr LayerShape kQwen3_235bA22b{4096, 1536, 128, 8};
+// Qwen3-Next-80B-A3B's routed experts (many small experts, top-10) and DeepSeek-V3's (wide
+// hidden); their shared experts are dense MLPs, not part of this layer.
+constexpr LayerShape kQwen3Next{2048, 512, 512, 10};
+constexpr LayerShape kDeepSeekV3{7168, 2048, 256, 8};
 inline LayerConfig qwen3_30b_config(int64_t max_tokens = 0) { return layer_config(kQwen3_30bA3b, max_tokens); }
 inline LayerConfig qwen3_235b_config(int64_t max_tokens = 0) { return layer_config(kQwen3_235bA22b, max_tokens); }
 
