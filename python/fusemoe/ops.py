@@ -579,10 +579,14 @@ _forward_call = _register_autograd("moe_experts_forward", _backward, _setup_cont
 
 def _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI):
     """Whether a forward saves z (the bf16 and FP8 ops): impl "fused", recompute_z off and a
-    gradient to compute."""
-    return (impl == "fused" and not recompute_z and torch.is_grad_enabled()
-            and any(isinstance(t, Tensor) and t.requires_grad
-                    for t in (x_TH, topk_weights_TK, w13_EFH, w2_EHI)))
+    gradient to compute. A loop rather than any() over a generator, which costs more per call
+    than the rest of this function (docs/perf.md#host-cost-of-the-op)."""
+    if impl != "fused" or recompute_z or not torch.is_grad_enabled():
+        return False
+    for t in (x_TH, topk_weights_TK, w13_EFH, w2_EHI):
+        if isinstance(t, Tensor) and t.requires_grad:
+            return True
+    return False
 
 
 def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAULT_IMPL,
