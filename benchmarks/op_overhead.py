@@ -6,8 +6,9 @@ ctypes path for comparison.
 1. Host time per call (Qwen3-30B-A3B dims, T = 256, where the GPU finishes first): each burst of
    calls is queued behind a GPU sleep, so the host never waits and wall time is host time. Rows:
    the C ABI alone (ctypes call, ready workspace), the op through torch.ops, moe_experts with and
-   without autograd, backward() of a kept graph. Targets (issue 17): forward with autograd
-   <= 40 us, backward() <= 60 us.
+   without autograd, backward() of a kept graph, and the backward per layer of 8 layers under
+   one backward() (without the fixed cost of a backward() call, as in a model). Targets
+   (issue 17): forward with autograd <= 40 us, backward() <= 60 us.
 2. GPU time per call at Qwen3-30B-A3B, T = 4096, as fusemoe_bench times it: L2 flushed (a memset
    of 4x L2) before each call, CUDA events around it, no sync between calls, the op and the C ABI
    launch of the same kernels (same workspace sizes, saved z, bf16 weight gradients) interleaved;
@@ -107,6 +108,19 @@ def per_call_us(fn, calls, repeats=5):
     return best
 
 
+CHAIN_LAYERS = 8  # layers under one backward() in the per-layer backward row
+
+
+def layer_chain(x_TH, idx_TK, w_TK, w13_EFH, w2_EHI, impl, num_layers):
+    """The op num_layers times in sequence, each layer with its own copy of the weights as a
+    model stacks them; returns the last output (its graph holds every layer)."""
+    y_TH = x_TH
+    for _ in range(num_layers):
+        w13_l, w2_l = (torch.nn.Parameter(w.detach().clone()) for w in (w13_EFH, w2_EHI))
+        y_TH = fusemoe.moe_experts(y_TH, idx_TK, w_TK, w13_l, w2_l, impl=impl)
+    return y_TH
+
+
 def host_rows(impl, calls):
     dev = torch.device("cuda")
     x, idx, w, w13, w2, dy = problem(256, dev)
@@ -116,6 +130,7 @@ def host_rows(impl, calls):
     g13, g2 = torch.zeros_like(w13), torch.zeros_like(w2)
     xg = x.clone().requires_grad_()
     kept = fusemoe.moe_experts(xg, idx, w, w13, w2, impl=impl)
+    kept_chain = layer_chain(xg, idx, w, w13, w2, impl, CHAIN_LAYERS)
 
     def no_grad(fn):
         def run():
@@ -143,10 +158,14 @@ def host_rows(impl, calls):
         ("forward with autograd (graph built)",
          lambda: fusemoe.moe_experts(xg, idx, w, w13, w2, impl=impl)),
         ("backward() of a kept graph", lambda: kept.backward(dy, retain_graph=True)),
+        (f"backward per layer, {CHAIN_LAYERS} layers per backward()",
+         lambda: kept_chain.backward(dy, retain_graph=True), CHAIN_LAYERS),
         ("forward + backward, autograd", step(False)),
         ("forward + backward, grad_in_place", step(True)),
     ]
-    return [(name, per_call_us(fn, calls)) for name, fn in rows]
+    # A row of several layers takes as many fewer calls per burst, so the launch queue never fills.
+    return [(name, per_call_us(fn, max(1, calls // layers[0])) / layers[0] if layers
+             else per_call_us(fn, calls)) for name, fn, *layers in rows]
 
 
 # ---- 2. GPU time ----

@@ -256,7 +256,7 @@ def _backward(ctx, dy_TH, _dz_unused):
     return _gradients(ctx, dy_TH, moe_experts_fp8_backward, moe_experts_fp8_backward_into)
 
 
-_register_autograd("moe_experts_fp8_forward", _backward, _setup_context)
+_forward_call = _register_autograd("moe_experts_fp8_forward", _backward, _setup_context)
 
 
 def moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl="fused",
@@ -268,5 +268,5 @@ def moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl="f
     if fp8_weights is None:
         fp8_weights = cached_fp8_weights(w13_EFH, w2_EHI)
     save_z = _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI)
-    return _call(moe_experts_fp8_forward, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
+    return _call(_forward_call, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                  fp8_weights, impl, grad_in_place, save_z, swiglu_clamp)[0]

@@ -501,17 +501,35 @@ def _backward_into_grads(ctx, backward_into):
     return dx_TH, d_topk_weights_TK
 
 
+# The thread's included dispatch keys when no mode, transform or tracer is active (see _direct).
+_PLAIN_INCLUDE_SET = torch._C.DispatchKeySet(torch._C.DispatchKey.BackendSelect).add(
+    torch._C.DispatchKey.ADInplaceOrView)
+
+
+def _direct(args):
+    """Whether fusemoe's own call of a forward op may skip the dispatcher above autograd: eager
+    (not traced by dynamo), no key above Autograd included for this thread (torch function or
+    dispatch modes, functorch transforms, the Python dispatcher, jit tracing), no
+    __torch_function__ in the arguments. Then nothing runs there but autocast, which falls through
+    for these ops."""
+    return not (torch.compiler.is_compiling()
+                or torch._C._dispatch_tls_local_include_set() != _PLAIN_INCLUDE_SET
+                or torch._C._has_torch_function(args))
+
+
 def _register_autograd(name, backward, setup_context):
-    """Registers the autograd formula of the forward op fusemoe::<name>. The ctypes path's custom
-    ops take torch.library.register_autograd. The native ops get the kernel it would make
-    (torch._library.autograd.make_autograd_impl: an autograd.Function around a redispatch below
-    autograd, registered for the Autograd key) less its per-call fill_defaults, which reads the
-    schema's argument list from C++ twice per argument to pass setup_context the defaults the
-    dispatcher dropped: 41 us per forward on the CPU machine, more than the rest of the forward's
-    host time. Here the defaults are read once."""
+    """Registers the autograd formula of the forward op fusemoe::<name> and returns the function
+    fusemoe's own code calls it by. The ctypes path's custom ops take
+    torch.library.register_autograd, and are called as they are. The native ops get the kernel it
+    would make (torch._library.autograd.make_autograd_impl: an autograd.Function around a
+    redispatch below autograd, registered for the Autograd key) less its per-call fill_defaults,
+    which reads the schema's argument list from C++ twice per argument (41 us per forward on the
+    CPU machine): the defaults are read once here. The returned function runs that kernel's work
+    without entering the dispatcher first where nothing would run above it (_direct): one Python
+    kernel call fewer per forward (docs/perf.md#host-cost-of-the-op)."""
     if not _native.LOADED:
         torch.library.register_autograd(f"fusemoe::{name}", backward, setup_context=setup_context)
-        return
+        return getattr(torch.ops.fusemoe, name)
     op = getattr(torch.ops.fusemoe, name).default
     defaults = tuple(argument.default_value for argument in op._schema.arguments)
     below_autograd = torch._C._after_autograd_keyset
@@ -519,8 +537,10 @@ def _register_autograd(name, backward, setup_context):
     class Generated(torch.autograd.Function):
         @staticmethod
         def forward(ctx, keyset, *args):
+            # keyset None: called from call() below, where the whole call is below autograd.
             with torch._C._AutoDispatchBelowAutograd():
-                output = op.redispatch(keyset & below_autograd, *args)
+                output = (op(*args) if keyset is None
+                          else op.redispatch(keyset & below_autograd, *args))
             setup_context(ctx, args + defaults[len(args):], output)
             return output
 
@@ -534,7 +554,16 @@ def _register_autograd(name, backward, setup_context):
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & below_autograd, *args)
 
+    def call(*args):
+        if not _direct(args):
+            return op(*args)
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return Generated.apply(None, *args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
     _AUTOGRAD_LIBRARY.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    return call
 
 
 def _setup_context(ctx, inputs, output):
@@ -545,15 +574,19 @@ def _backward(ctx, dy_TH, _dz_unused):
     return _gradients(ctx, dy_TH, moe_experts_backward, moe_experts_backward_into)
 
 
-_register_autograd("moe_experts_forward", _backward, _setup_context)
+_forward_call = _register_autograd("moe_experts_forward", _backward, _setup_context)
 
 
 def _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI):
     """Whether a forward saves z (the bf16 and FP8 ops): impl "fused", recompute_z off and a
-    gradient to compute."""
-    return (impl == "fused" and not recompute_z and torch.is_grad_enabled()
-            and any(isinstance(t, Tensor) and t.requires_grad
-                    for t in (x_TH, topk_weights_TK, w13_EFH, w2_EHI)))
+    gradient to compute. A loop rather than any() over a generator, which costs more per call
+    than the rest of this function (docs/perf.md#host-cost-of-the-op)."""
+    if impl != "fused" or recompute_z or not torch.is_grad_enabled():
+        return False
+    for t in (x_TH, topk_weights_TK, w13_EFH, w2_EHI):
+        if isinstance(t, Tensor) and t.requires_grad:
+            return True
+    return False
 
 
 def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAULT_IMPL,
@@ -588,5 +621,5 @@ def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAUL
         return moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
                                grad_in_place, recompute_z, fp8_weights, swiglu_clamp)
     save_z = _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI)
-    return _call(moe_experts_forward, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
+    return _call(_forward_call, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
                  grad_in_place, save_z, swiglu_clamp)[0]

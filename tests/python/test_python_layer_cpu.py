@@ -4,6 +4,7 @@ over CPU kernels from moe_reference.py that stand in for the CUDA library. Needs
 (library tests skip without libfusemoe_c.so). The GPU tests live in test_ops_gpu.py."""
 import ctypes
 import math
+import warnings
 
 import pytest
 
@@ -68,13 +69,13 @@ def test_z_is_saved_only_when_it_can_be_used(problem, monkeypatch):
     recompute_z; never for "unfused" (the library refuses it) or without gradients."""
     from fusemoe import ops
     asked = []
-    real_forward = ops.moe_experts_forward
+    real_forward = ops._forward_call  # what moe_experts calls the forward op by
 
     def spy(*args):
         asked.append(args[7])  # save_z
         return real_forward(*args)
 
-    monkeypatch.setattr(ops, "moe_experts_forward", spy)
+    monkeypatch.setattr(ops, "_forward_call", spy)
     x, idx, w, w13, w2 = op_args(problem)
     w13_leaf = w13.clone().requires_grad_()
     fusemoe.moe_experts(x, idx, w, w13_leaf, w2, impl="fused")
@@ -770,6 +771,62 @@ def check_compile_fullgraph_equals_eager(problem, precision="bf16"):
         for a, b in zip(*outs):
             assert torch.equal(a, b)
     return module
+
+
+def test_direct_forward_call_only_where_nothing_runs_above_autograd(problem):
+    """fusemoe's own forward calls skip the dispatcher above autograd (ops._direct, native path)
+    only in plain eager mode: under a dispatch mode, a torch function mode, a functorch
+    transform, the Python dispatcher or jit tracing they go through torch.ops as before, and a
+    mode sees the op. Results and gradients equal the op's called through torch.ops."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from fusemoe import ops
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    args = op_args(problem)
+    assert ops._direct(args)
+    for mode in (Seen(), Passing(), enable_python_dispatcher()):
+        with mode:
+            assert not ops._direct(args)
+    seen = Seen()
+    with seen:
+        fusemoe.moe_experts(*args)
+    assert seen.ops.count("fusemoe.moe_experts_forward.default") == 1
+    inside = []  # _direct of a call made inside a transform or a trace
+
+    def record(x):
+        inside.append(ops._direct((x,)))
+        return x.sum()
+
+    torch.func.grad(record)(args[0].float())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.trace is deprecated
+        torch.jit.trace(record, args[0].float(), check_trace=False)
+    assert inside == [False, False]
+
+    def through_torch_ops(*a):
+        return torch.ops.fusemoe.moe_experts_forward(*a, "fused", False, True)[0]
+
+    got, want = grads_of(fusemoe.moe_experts, problem), grads_of(through_torch_ops, problem)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    with torch.no_grad():
+        y = fusemoe.moe_experts(*(t.clone().requires_grad_() if t.is_floating_point() else t
+                                  for t in args))
+    assert not y.requires_grad and torch.equal(y, want[0])
 
 
 def _experts_holder(problem):
