@@ -86,6 +86,16 @@ def print_comparison(fusemoe, torch_result):
             print(ratio_line(line, torch_by_pass.get(line["pass"])))
 
 
+def load_json(path):
+    """The JSON a benchmark wrote, or None after saying why there is no comparison."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as error:
+        print(f"[main] no PyTorch comparison: {error}", file=sys.stderr)
+        return None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=True)
     parser.add_argument("--bench", required=True, help="path of fusemoe_bench")
@@ -101,11 +111,8 @@ def main():
         code = subprocess.call([args.bench, *bench_args, *extra])
         if code != 0:
             return code
-        try:
-            with open(bench_json) as f:
-                fusemoe = json.load(f)
-        except (OSError, ValueError) as error:
-            print(f"[main] no PyTorch comparison: {error}", file=sys.stderr)
+        fusemoe = load_json(bench_json)
+        if fusemoe is None:
             return EXIT_TORCH_FAILED
         shared += experts_option(fusemoe)
         torch_json = (os.path.splitext(user_json)[0] + "_torch.json" if user_json
@@ -114,11 +121,8 @@ def main():
               + " ".join(shared), flush=True)
         torch_code = subprocess.call([sys.executable, os.path.join(HERE, "torch_baseline.py"),
                                       *shared, "--json", torch_json])
-        try:
-            with open(torch_json) as f:
-                torch_result = json.load(f)
-        except (OSError, ValueError) as error:
-            print(f"[main] no PyTorch comparison: {error}", file=sys.stderr)
+        torch_result = load_json(torch_json)
+        if torch_result is None:
             return EXIT_TORCH_FAILED
         if torch_code != 0:
             print(f"[main] torch_baseline.py exited {torch_code}: no PyTorch comparison "
