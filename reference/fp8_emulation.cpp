@@ -1,7 +1,7 @@
 // FP8 emulation reference (fp8_emulation.h). Per expert, its weights are quantized 128 x 128 and
-// dequantized once into fp64 matrices; the expert's rows then run in parallel (each row's
-// outputs belong to that row alone), and the weight gradients in parallel over output rows, each
-// summing the expert's rows in slot order. Activation quantization (x, h, dy, dz) is exactly
+// dequantized once into fp64 matrices; the expert's rows then run forward and backward in parallel
+// (each row's outputs belong to that row alone), and the weight gradients in parallel over output
+// rows, each summing the expert's rows in slot order. Activation quantization (x, h, dy, dz) is exactly
 // reference/fp8_host.h's, on the bf16 values the kernels quantize.
 #include "reference/fp8_emulation.h"
 
@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "reference/bf16_host.h"
@@ -49,10 +50,11 @@ void parallel_for(int64_t n, Fn&& fn) {
 
 double bf16(double v) { return host::round_to_bf16(static_cast<float>(v)); }
 
-// The dequantized 128 x 128-block quantization of one expert's [rows, cols] weight (block rows in
-// parallel: each is quantized on its own).
-std::vector<double> dequantized_weight(const std::vector<double>& w, int64_t offset, int64_t rows, int64_t cols) {
-  std::vector<double> out(static_cast<size_t>(rows * cols));
+// The dequantized 128 x 128-block quantization of one expert's [rows, cols] weight into out
+// (block rows in parallel: each is quantized on its own).
+void dequantize_weight(const std::vector<double>& w, int64_t offset, int64_t rows, int64_t cols,
+                       std::vector<double>& out) {
+  out.resize(static_cast<size_t>(rows * cols));
   const int64_t block_cols = cols / host::kFp8Block;
   parallel_for(rows / host::kFp8Block, [&](int64_t br) {
     const int64_t first = br * host::kFp8Block * cols, n = host::kFp8Block * cols;
@@ -65,7 +67,6 @@ std::vector<double> dequantized_weight(const std::vector<double>& w, int64_t off
       out[first + i] = static_cast<double>(host::e4m3_bits_to_float(q[i])) * scales[(i % cols) / host::kFp8Block];
     }
   });
-  return out;
 }
 
 // The dequantized 1 x 128-block quantization of a row of n values.
@@ -84,10 +85,13 @@ void dequantized_row(const double* row, int64_t n, double* out) {
 template <typename Fn>
 void for_each_routed_expert(const Problem& p, const std::vector<std::vector<int64_t>>& slots, Fn&& fn) {
   const int64_t H = p.hidden, I = p.intermediate, F = 2 * I;
+  std::vector<double> w13, w2;  // reused: a fresh 60 MB per expert spent its time faulting pages in
   for (int64_t e = 0; e < p.num_experts; ++e) {
     const std::vector<int64_t>& rows = slots[e];
     if (rows.empty()) continue;
-    fn(e, rows, dequantized_weight(p.w13_EFH, e * F * H, F, H), dequantized_weight(p.w2_EHI, e * H * I, H, I));
+    dequantize_weight(p.w13_EFH, e * F * H, F, H, w13);
+    dequantize_weight(p.w2_EHI, e * H * I, H, I, w2);
+    fn(e, rows, w13, w2);
   }
 }
 
@@ -103,34 +107,28 @@ struct ForwardRows {
   std::vector<double> ys_SH, zb_SF;
 };
 
-ForwardRows forward_rows(const Problem& p, const std::vector<std::vector<int64_t>>& slots) {
-  const int64_t T = p.num_tokens, H = p.hidden, I = p.intermediate, K = p.top_k, F = 2 * I;
-  ForwardRows out;
-  out.ys_SH.assign(static_cast<size_t>(T * K * H), 0.0);
-  out.zb_SF.assign(static_cast<size_t>(T * K * F), 0.0);
-  const std::vector<double> xdq_TH = dequantized_rows(p.x_TH, T, H);
-  for_each_routed_expert(p, slots, [&](int64_t, const std::vector<int64_t>& rows, const std::vector<double>& w13,
-                                       const std::vector<double>& w2) {
-    parallel_for(static_cast<int64_t>(rows.size()), [&](int64_t i) {
-      const int64_t s = rows[i], t = s / K;
-      const double* x = xdq_TH.data() + t * H;
-      std::vector<double> z(F), h(I), hdq(I);
-      for (int64_t f = 0; f < F; ++f) {
-        z[f] = dot(w13.data() + f * H, x, H);
-        out.zb_SF[s * F + f] = bf16(z[f]);
-      }
-      for (int64_t c = 0; c < I; ++c) {
-        double g = z[c], u = z[I + c];
-        bool pass_g = true, pass_u = true;
-        clamp_swiglu(p, g, u, pass_g, pass_u);
-        h[c] = bf16(g * sigmoid(g) * u);
-      }
-      dequantized_row(h.data(), I, hdq.data());
-      const double w = p.topk_w_TK[s];
-      for (int64_t n = 0; n < H; ++n) out.ys_SH[s * H + n] = bf16(w * dot(w2.data() + n * I, hdq.data(), I));
-    });
+// The forward of one expert's rows (slots), into out's rows of those slots.
+void forward_expert_rows(const Problem& p, const std::vector<int64_t>& rows, const std::vector<double>& w13,
+                         const std::vector<double>& w2, const std::vector<double>& xdq_TH, ForwardRows& out) {
+  const int64_t H = p.hidden, I = p.intermediate, K = p.top_k, F = 2 * I;
+  parallel_for(static_cast<int64_t>(rows.size()), [&](int64_t i) {
+    const int64_t s = rows[i], t = s / K;
+    const double* x = xdq_TH.data() + t * H;
+    std::vector<double> z(F), h(I), hdq(I);
+    for (int64_t f = 0; f < F; ++f) {
+      z[f] = dot(w13.data() + f * H, x, H);
+      out.zb_SF[s * F + f] = bf16(z[f]);
+    }
+    for (int64_t c = 0; c < I; ++c) {
+      double g = z[c], u = z[I + c];
+      bool pass_g = true, pass_u = true;
+      clamp_swiglu(p, g, u, pass_g, pass_u);
+      h[c] = bf16(g * sigmoid(g) * u);
+    }
+    dequantized_row(h.data(), I, hdq.data());
+    const double w = p.topk_w_TK[s];
+    for (int64_t n = 0; n < H; ++n) out.ys_SH[s * H + n] = bf16(w * dot(w2.data() + n * I, hdq.data(), I));
   });
-  return out;
 }
 
 // out_t = bf16(sum over the token's valid slots, j in order) of per-slot rows.
@@ -153,79 +151,95 @@ std::vector<double> combine(const Problem& p, const std::vector<double>& rows_SH
 
 namespace {
 
-Gradients backward_rows(const Problem& p, const std::vector<double>& dy_TH,
-                        const std::vector<std::vector<int64_t>>& slots, const ForwardRows& fwd) {
-  const int64_t T = p.num_tokens, H = p.hidden, I = p.intermediate, K = p.top_k, F = 2 * I;
-  require_size(dy_TH.size(), T * H, "dy_TH", "T*H");
-  const std::vector<double> dydq_TH = dequantized_rows(dy_TH, T, H);
-
+// The backward's per-slot buffers (dz, w h, dx rows) beside the gradients.
+struct BackwardRows {
   Gradients g;
-  g.d_topk_w_TK.assign(static_cast<size_t>(T * K), 0.0);
-  g.dw13_EFH.assign(p.w13_EFH.size(), 0.0);
-  g.dw2_EHI.assign(p.w2_EHI.size(), 0.0);
-  std::vector<double> dx_slots_SH(static_cast<size_t>(T * K * H), 0.0);
-  std::vector<double> dz_SF(static_cast<size_t>(T * K * F), 0.0), wh_SI(static_cast<size_t>(T * K * I), 0.0);
+  std::vector<double> dx_slots_SH, dz_SF, wh_SI;
+};
 
-  for_each_routed_expert(p, slots, [&](int64_t e, const std::vector<int64_t>& rows, const std::vector<double>& w13,
-                                       const std::vector<double>& w2) {
-    parallel_for(static_cast<int64_t>(rows.size()), [&](int64_t r) {
-      const int64_t s = rows[r], t = s / K;
-      const double w = p.topk_w_TK[s];
-      const double* dy = dydq_TH.data() + t * H;
-      std::vector<double> a(I, 0.0), dzdq(F);
-      for (int64_t n = 0; n < H; ++n) {
-        for (int64_t c = 0; c < I; ++c) a[c] += w2[n * I + c] * dy[n];
-      }
-      double dot = 0.0;
-      double* dz = dz_SF.data() + s * F;
-      for (int64_t c = 0; c < I; ++c) {
-        double gv = fwd.zb_SF[s * F + c], uv = fwd.zb_SF[s * F + I + c];
-        bool pass_g = true, pass_u = true;
-        clamp_swiglu(p, gv, uv, pass_g, pass_u);
-        const double sg = sigmoid(gv), si = gv * sg;
-        const double hv = bf16(si * uv);
-        dot += hv * a[c];
-        const double dh = w * a[c];
-        dz[c] = bf16(pass_g ? dh * uv * sg * (1.0 + gv * (1.0 - sg)) : 0.0);
-        dz[I + c] = bf16(pass_u ? dh * si : 0.0);
-        wh_SI[s * I + c] = bf16(w * hv);
-      }
-      g.d_topk_w_TK[s] = dot;
-      dequantized_row(dz, F, dzdq.data());
-      std::vector<double> dxs(H, 0.0);
-      for (int64_t f = 0; f < F; ++f) {
-        for (int64_t n = 0; n < H; ++n) dxs[n] += w13[f * H + n] * dzdq[f];
-      }
-      for (int64_t n = 0; n < H; ++n) dx_slots_SH[s * H + n] = bf16(dxs[n]);
-    });
-    // Weight gradients from the bf16 operands, rows in slot order.
-    double* dw2 = g.dw2_EHI.data() + e * H * I;
-    parallel_for(H, [&](int64_t n) {
-      for (const int64_t s : rows) {
-        const double dyv = dy_TH[(s / K) * H + n];
-        for (int64_t c = 0; c < I; ++c) dw2[n * I + c] += dyv * wh_SI[s * I + c];
-      }
-    });
-    double* dw13 = g.dw13_EFH.data() + e * F * H;
-    parallel_for(F, [&](int64_t f) {
-      for (const int64_t s : rows) {
-        const double dzv = dz_SF[s * F + f];
-        const double* x = p.x_TH.data() + (s / K) * H;
-        for (int64_t n = 0; n < H; ++n) dw13[f * H + n] += dzv * x[n];
-      }
-    });
+// The backward of one expert's rows (dz, w h, d_topk_w and dx rows of its slots), then its
+// weight gradients from the bf16 operands, rows in slot order.
+void backward_expert_rows(const Problem& p, int64_t e, const std::vector<int64_t>& rows,
+                          const std::vector<double>& w13, const std::vector<double>& w2,
+                          const std::vector<double>& dy_TH, const std::vector<double>& dydq_TH,
+                          const ForwardRows& fwd, BackwardRows& b) {
+  const int64_t H = p.hidden, I = p.intermediate, K = p.top_k, F = 2 * I;
+  Gradients& g = b.g;
+  parallel_for(static_cast<int64_t>(rows.size()), [&](int64_t r) {
+    const int64_t s = rows[r], t = s / K;
+    const double w = p.topk_w_TK[s];
+    const double* dy = dydq_TH.data() + t * H;
+    std::vector<double> a(I, 0.0), dzdq(F);
+    for (int64_t n = 0; n < H; ++n) {
+      for (int64_t c = 0; c < I; ++c) a[c] += w2[n * I + c] * dy[n];
+    }
+    double dot = 0.0;
+    double* dz = b.dz_SF.data() + s * F;
+    for (int64_t c = 0; c < I; ++c) {
+      double gv = fwd.zb_SF[s * F + c], uv = fwd.zb_SF[s * F + I + c];
+      bool pass_g = true, pass_u = true;
+      clamp_swiglu(p, gv, uv, pass_g, pass_u);
+      const double sg = sigmoid(gv), si = gv * sg;
+      const double hv = bf16(si * uv);
+      dot += hv * a[c];
+      const double dh = w * a[c];
+      dz[c] = bf16(pass_g ? dh * uv * sg * (1.0 + gv * (1.0 - sg)) : 0.0);
+      dz[I + c] = bf16(pass_u ? dh * si : 0.0);
+      b.wh_SI[s * I + c] = bf16(w * hv);
+    }
+    g.d_topk_w_TK[s] = dot;
+    dequantized_row(dz, F, dzdq.data());
+    std::vector<double> dxs(H, 0.0);
+    for (int64_t f = 0; f < F; ++f) {
+      for (int64_t n = 0; n < H; ++n) dxs[n] += w13[f * H + n] * dzdq[f];
+    }
+    for (int64_t n = 0; n < H; ++n) b.dx_slots_SH[s * H + n] = bf16(dxs[n]);
   });
-  g.dx_TH = combine(p, dx_slots_SH);
-  return g;
+  double* dw2 = g.dw2_EHI.data() + e * H * I;
+  parallel_for(H, [&](int64_t n) {
+    for (const int64_t s : rows) {
+      const double dyv = dy_TH[(s / K) * H + n];
+      for (int64_t c = 0; c < I; ++c) dw2[n * I + c] += dyv * b.wh_SI[s * I + c];
+    }
+  });
+  double* dw13 = g.dw13_EFH.data() + e * F * H;
+  parallel_for(F, [&](int64_t f) {
+    for (const int64_t s : rows) {
+      const double dzv = b.dz_SF[s * F + f];
+      const double* x = p.x_TH.data() + (s / K) * H;
+      for (int64_t n = 0; n < H; ++n) dw13[f * H + n] += dzv * x[n];
+    }
+  });
 }
 
 }  // namespace
 
 Fp8Emulation fp8_emulated_layer(const Problem& p, const std::vector<double>& dy_TH) {
   validate_fp8(p);
+  const int64_t T = p.num_tokens, H = p.hidden, I = p.intermediate, K = p.top_k, F = 2 * I;
+  require_size(dy_TH.size(), T * H, "dy_TH", "T*H");
   const auto slots = slots_by_expert(p);
-  const ForwardRows fwd = forward_rows(p, slots);
-  return {combine(p, fwd.ys_SH), backward_rows(p, dy_TH, slots, fwd)};
+  const std::vector<double> xdq_TH = dequantized_rows(p.x_TH, T, H);
+  const std::vector<double> dydq_TH = dequantized_rows(dy_TH, T, H);
+  ForwardRows fwd;
+  fwd.ys_SH.assign(static_cast<size_t>(T * K * H), 0.0);
+  fwd.zb_SF.assign(static_cast<size_t>(T * K * F), 0.0);
+  BackwardRows bwd;
+  bwd.g.d_topk_w_TK.assign(static_cast<size_t>(T * K), 0.0);
+  bwd.g.dw13_EFH.assign(p.w13_EFH.size(), 0.0);
+  bwd.g.dw2_EHI.assign(p.w2_EHI.size(), 0.0);
+  bwd.dx_slots_SH.assign(static_cast<size_t>(T * K * H), 0.0);
+  bwd.dz_SF.assign(static_cast<size_t>(T * K * F), 0.0);
+  bwd.wh_SI.assign(static_cast<size_t>(T * K * I), 0.0);
+  // The backward of an expert's rows needs only their forward (z), not y: both run while the
+  // expert's dequantized weights are at hand, which are made once per expert rather than twice.
+  for_each_routed_expert(p, slots, [&](int64_t e, const std::vector<int64_t>& rows, const std::vector<double>& w13,
+                                       const std::vector<double>& w2) {
+    forward_expert_rows(p, rows, w13, w2, xdq_TH, fwd);
+    backward_expert_rows(p, e, rows, w13, w2, dy_TH, dydq_TH, fwd, bwd);
+  });
+  bwd.g.dx_TH = combine(p, bwd.dx_slots_SH);
+  return {combine(p, fwd.ys_SH), std::move(bwd.g)};
 }
 
 }  // namespace fusemoe::reference

@@ -25,19 +25,31 @@ constexpr int kFp8Block = 128;
 
 // E4M3 (bias 7, no infinities, S.1111.111 is NaN) with round-to-nearest-even and saturation to the
 // largest finite value, as the PTX `cvt.rn.satfinite.e4m3x2.f32` does. NaN gives 0x7F.
+// Powers of two are built from their bits and every scaling is a multiplication by one, which is
+// exact in this range: the same codes as ldexp/ilogb at a fraction of the cost (the FP8 emulation
+// converts every weight of a layer).
+inline float pow2f(int e) {  // 2^e for e in [-126, 127]
+  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 inline uint8_t float_to_e4m3_bits(float value) {
   if (std::isnan(value)) return 0x7F;
   const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
   const float a = std::fabs(value);
   // 464 = 448 + half an ulp: the tie rounds to even (448's mantissa 110); above it saturates.
   if (a > 464.0f) return sign | 0x7E;
-  if (a < std::ldexp(1.0f, -6)) {
+  if (a < 0.015625f) {  // 2^-6
     // Subnormal: units of 2^-9, m in [0, 8]; m = 8 is the smallest normal (bits 0x08).
-    const float m = std::nearbyint(std::ldexp(a, 9));  // exact scaling, ties to even
+    const float m = std::nearbyint(a * 512.0f);  // exact scaling, ties to even
     return sign | static_cast<uint8_t>(m);
   }
-  int e = std::ilogb(a);                                          // 2^e <= a < 2^(e+1), e in [-6, 8]
-  float m = std::nearbyint(std::ldexp(a, 3 - e)) - 8.0f;          // 3 mantissa bits, ties to even
+  uint32_t bits;
+  std::memcpy(&bits, &a, sizeof(bits));
+  int e = static_cast<int>(bits >> 23) - 127;                    // 2^e <= a < 2^(e+1), e in [-6, 8]
+  float m = std::nearbyint(a * pow2f(3 - e)) - 8.0f;              // 3 mantissa bits, ties to even
   if (m == 8.0f) {
     m = 0.0f;
     ++e;
@@ -46,13 +58,26 @@ inline uint8_t float_to_e4m3_bits(float value) {
   return sign | static_cast<uint8_t>(((e + 7) << 3) | static_cast<int>(m));
 }
 
-inline float e4m3_bits_to_float(uint8_t bits) {
+// The value of each E4M3 code, by its definition.
+inline float e4m3_bits_to_float_by_definition(uint8_t bits) {
   const float sign = (bits & 0x80) ? -1.0f : 1.0f;
   const int exponent = (bits >> 3) & 0xF;
   const int mantissa = bits & 0x7;
   if (exponent == 0xF && mantissa == 0x7) return std::nanf("");
   if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -9);
   return sign * std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+}
+
+struct E4m3Table {
+  float value[256];
+  E4m3Table() {
+    for (int b = 0; b < 256; ++b) value[b] = e4m3_bits_to_float_by_definition(static_cast<uint8_t>(b));
+  }
+};
+
+inline float e4m3_bits_to_float(uint8_t bits) {
+  static const E4m3Table table;
+  return table.value[bits];
 }
 
 struct Fp8BlockScale {
