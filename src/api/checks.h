@@ -34,7 +34,8 @@ void check_tensors(const NamedTensor* first, const NamedTensor* last);
 void check_device_pointers(const NamedTensor* first, const NamedTensor* last);
 
 // The expert-id report may be device memory or pinned host memory that kernels can write at
-// the same address (unified addressing), so the host can poll it without a sync.
+// the same address (unified addressing), so the host can poll it without a sync. The device
+// check only: its host check (null, 4-byte alignment) is check_tensor's, run first.
 void check_expert_id_report_pointer(const int32_t* report);
 
 // The current device is the one fusemoe is built for (sm_90a); queried once per device.
