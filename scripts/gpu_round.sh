@@ -13,8 +13,11 @@
 # else the commit the carried build recorded in $BUILD_DIR/fusemoe_commit.txt, else "unknown"),
 # ITERS and WARMUP (20, 5), TEST_TIMEOUT_S (300), CHECK_235B_MAX_TOKENS (unset: check every T;
 # 4096 skips the fp32 reference check at 235B T=16384, the largest one), ROUND_BUDGET_S (480:
-# benchmark steps not started by then are recorded as skipped, a failure), LIGER_WHEEL and
-# LIGER_TIMEOUT_S (the Liger step in 4). Budget on an H200: about 9.5 min (GPU tests ~2, memcheck ~1,
+# benchmark steps not started by then are recorded as skipped, a failure), ROUND_PARTS (a comma
+# list of tests,sanitizers,bench,pytest,train; default all: a round split over several device calls,
+# each under the tool's 600 s, runs some parts per call, and summary.md names those left out), LIGER_WHEEL and
+# LIGER_TIMEOUT_S (the Liger step in 4), TRAIN_STEPS (200), TRAIN_IMPL (fused), TRAIN_PRECISION (bf16).
+# Budget on an H200: about 9.5 min (GPU tests ~2, memcheck ~1,
 # benchmarks ~2, the two presets of issue 19 ~0.5 (estimated, not yet measured), kernel benchmark
 # ~1, pytest ~1, the 200-step three-run training comparison ~3.5; Liger, where it runs, up to
 # LIGER_TIMEOUT_S more), so give the device call its 600 s. results.json
@@ -32,6 +35,13 @@ source "$(dirname "${BASH_SOURCE[0]}")/round_setup.sh" "$@"
 TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-300}"
 CHECK_235B_MAX_TOKENS="${CHECK_235B_MAX_TOKENS:-}"
 ROUND_BUDGET_S="${ROUND_BUDGET_S:-480}"
+ROUND_PARTS="${ROUND_PARTS:-tests,sanitizers,bench,pytest,train}"
+for part in ${ROUND_PARTS//,/ }; do
+  case "$part" in
+    tests | sanitizers | bench | pytest | train) ;;
+    *) echo "ROUND_PARTS: unknown part '$part' (known: tests,sanitizers,bench,pytest,train)" >&2; exit 2 ;;
+  esac
+done
 export PYTHONUNBUFFERED=1
 
 # The JSON parts live outside OUTDIR: only the merged results.json comes back.
@@ -72,7 +82,15 @@ bench_step() {
   summarize
 }
 
-log "fusemoe GPU round: repo $REPO, out $OUTDIR"
+log "fusemoe GPU round: repo $REPO, out $OUTDIR, parts $ROUND_PARTS"
+
+# wants PART: true if PART is in ROUND_PARTS; else records it as left out (summary.md lists it,
+# and the verdict says the round was partial) and returns false.
+wants() {
+  [[ ",$ROUND_PARTS," == *",$1,"* ]] && return 0
+  printf '%s\t%d\t%d\t%s\n' "$1" 0 0 "left out: not in ROUND_PARTS" >>"$PARTS/steps.tsv"
+  return 1
+}
 
 # ---- 1. GPU facts ----
 {
@@ -106,6 +124,7 @@ if [[ -n "$recorded_src" && "$recorded_src" != "$REPO" && ! -e "$recorded_src" ]
 fi
 
 # ---- 3. GPU tests: fusemoe_gpu_tests (the layer) and fusemoe_gemm_tests (the sm90 GEMMs) ----
+if wants tests; then
 tests_note=""
 log "start gpu_tests (log: gpu_tests.log, limit ${TEST_TIMEOUT_S} s)"
 start=$SECONDS
@@ -121,6 +140,7 @@ fi
 printf '%s\t%d\t%d\t%s\n' gpu_tests "$tests_rc" "$((SECONDS - start))" "$tests_note" >>"$PARTS/steps.tsv"
 tail -n 15 "$OUTDIR/gpu_tests.log" | tee -a "$LOG"
 log "end gpu_tests: exit $tests_rc after $((SECONDS - start)) s ${tests_note}"
+fi
 
 # ---- 3b. Sanitizers: memcheck over the edge cases (bad ids, empty experts, T = 0/1/7/199; the GEMM
 # instances on odd expert sizes, a single row, no rows, T = 0, masked slots) ----
@@ -130,7 +150,11 @@ memcheck() {
   timeout --kill-after=15 "${SANITIZER_TIMEOUT_S:-180}" compute-sanitizer --tool memcheck \
     --error-exitcode 1 "$1" --gtest_filter="$2" >>"$OUTDIR/sanitizer.log" 2>&1
 }
-if command -v compute-sanitizer >/dev/null && [[ -x "$BUILD_DIR/fusemoe_gpu_tests" ]]; then
+if ! wants sanitizers; then
+  :
+elif ! command -v compute-sanitizer >/dev/null || [[ ! -x "$BUILD_DIR/fusemoe_gpu_tests" ]]; then
+  printf '%s\t%d\t%d\t%s\n' sanitizers 1 0 "compute-sanitizer or fusemoe_gpu_tests missing" >>"$PARTS/steps.tsv"
+else
   start=$SECONDS
   log "start memcheck (log: sanitizer.log)"
   : >"$OUTDIR/sanitizer.log"
@@ -162,6 +186,7 @@ if command -v compute-sanitizer >/dev/null && [[ -x "$BUILD_DIR/fusemoe_gpu_test
 fi
 
 # ---- 4. Benchmarks: fusemoe and PyTorch, case by case ----
+if wants bench; then
 # id | preset | routing | tokens | extra fusemoe_bench flags
 CASES=(
   "30b-uniform|qwen3-30b-a3b|uniform|4096,16384|"
@@ -223,11 +248,15 @@ bench_step "fusemoe_kernel_bench" "$BUILD_DIR/fusemoe_kernel_bench" --iters "$IT
 STEP_NUM=$((STEP_NUM + 1))
 bench_step "fusemoe_ep_bench" "$BUILD_DIR/fusemoe_ep_bench" --preset qwen3-30b-a3b --tokens 16384 --ranks 2,4 \
   --iters "$ITERS" --warmup "$WARMUP" --json "$PARTS/${STEP_NUM}_ep_bench.json"
+fi
 
 # ---- 4b. PyTorch layer (issue 5): pytest tests/python (a skip is a failure here), a short training run ----
 export FUSEMOE_LIBRARY="${FUSEMOE_LIBRARY:-$(cd "$BUILD_DIR" && pwd -P)/libfusemoe_c.so}" FUSEMOE_REQUIRE_GPU=1
-bench_step pytest timeout --kill-after=15 300 python3 -m pytest -q -rs tests/python
-bench_step train_qwen3_moe timeout --kill-after=15 420 python3 examples/train_qwen3_moe.py --steps "${TRAIN_STEPS:-200}" --impl "${TRAIN_IMPL:-fused}" --runs hf,fusemoe,hf_reordered --profile-steps 2 --out "$OUTDIR"
+wants pytest && bench_step pytest timeout --kill-after=15 300 python3 -m pytest -q -rs tests/python
+# TRAIN_PRECISION fp8: fusemoe's run in blockwise FP8 beside the bf16 Hugging Face runs (issue 16).
+wants train && bench_step train_qwen3_moe timeout --kill-after=15 420 python3 examples/train_qwen3_moe.py \
+  --steps "${TRAIN_STEPS:-200}" --impl "${TRAIN_IMPL:-fused}" --precision "${TRAIN_PRECISION:-bf16}" \
+  --runs hf,fusemoe,hf_reordered --profile-steps 2 --out "$OUTDIR"
 
 # ---- 5. Summary ----
 log "final summary"
