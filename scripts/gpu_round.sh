@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One whole GPU round on the H200 machine: GPU facts, the GPU test suites (ctest -L gpu: the layer
-# suite and the sm90 GEMM suite), memcheck over their edge cases, fusemoe_bench and the PyTorch
-# baseline for every case below, fusemoe_bench at the qwen3-next and deepseek-v3 presets, the
+# suite and the sm90 GEMM suite), the four compute-sanitizer tools over their edge cases,
+# fusemoe_bench and the PyTorch baseline for every case below (blockwise FP8 too in the uniform
+# cases), fusemoe_bench at the qwen3-next and deepseek-v3 presets, the
 # Liger-Kernel baseline (optional), the kernel benchmark, pytest and the training example, then
 # scripts/summarize_round.py.
 #   usage: scripts/gpu_round.sh OUTDIR
@@ -187,21 +188,26 @@ fi
 
 # ---- 4. Benchmarks: fusemoe and PyTorch, case by case ----
 if wants bench; then
-# id | preset | routing | tokens | extra fusemoe_bench flags
+# id | preset | routing | tokens | extra fusemoe_bench flags | extra torch_baseline flags
+# The uniform cases also time blockwise FP8 (issue 16) in the same run: fusemoe's FP8 layer with z
+# saved, and the FP8 path a PyTorch user can pick today (torch._scaled_grouped_mm, rowwise scales,
+# quantization counted; torch_baseline.py --fp8).
+FP8_IMPLS="--impl unfused,fused,fused_saved_z,fused_fp8_saved_z"
 CASES=(
-  "30b-uniform|qwen3-30b-a3b|uniform|4096,16384|"
-  "235b-uniform|qwen3-235b-a22b|uniform|4096,16384|${CHECK_235B_MAX_TOKENS:+--check-max-tokens $CHECK_235B_MAX_TOKENS}"
-  "30b-skewed|qwen3-30b-a3b|skewed|4096,16384|"
+  "30b-uniform|qwen3-30b-a3b|uniform|4096,16384|$FP8_IMPLS|--fp8"
+  "235b-uniform|qwen3-235b-a22b|uniform|4096,16384|$FP8_IMPLS${CHECK_235B_MAX_TOKENS:+ --check-max-tokens $CHECK_235B_MAX_TOKENS}|--fp8"
+  "30b-skewed|qwen3-30b-a3b|skewed|4096,16384||"
 )
 for spec in "${CASES[@]}"; do
-  IFS='|' read -r id preset routing tokens extra <<<"$spec"
+  IFS='|' read -r id preset routing tokens extra torch_extra <<<"$spec"
   STEP_NUM=$((STEP_NUM + 1))
-  # shellcheck disable=SC2086  # $extra is a list of flags
+  # shellcheck disable=SC2086  # $extra and $torch_extra are lists of flags
   bench_step "fusemoe_bench $id" "$BENCH" --preset "$preset" --routing "$routing" --tokens "$tokens" \
     --iters "$ITERS" --warmup "$WARMUP" --json "$PARTS/${STEP_NUM}_fusemoe_$id.json" $extra
+  # shellcheck disable=SC2086
   bench_step "torch_baseline $id" python3 benchmarks/torch_baseline.py --preset "$preset" \
     --routing "$routing" --tokens "$tokens" --iters "$ITERS" --warmup "$WARMUP" \
-    --json "$PARTS/${STEP_NUM}_torch_$id.json"
+    --json "$PARTS/${STEP_NUM}_torch_$id.json" $torch_extra
 done
 
 # ---- 4 (cont.). The shapes of issue 19, fusemoe_bench alone: the op's path (saved z), both
