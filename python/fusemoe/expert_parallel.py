@@ -227,9 +227,10 @@ def _empty_saved_state(x_TH, ctx, save_z):
 @torch.library.custom_op("fusemoe::ep_moe_experts_forward", mutates_args=())
 def ep_moe_experts_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
                            w13_LFH: Tensor, w2_LHI: Tensor, context: int,
-                           save_z: bool) -> tuple[Tensor, Tensor]:
+                           save_z: bool, grad_in_place: bool = False) -> tuple[Tensor, Tensor]:
     """Returns (y [T, H] bf16, saved state): the saved state is what the backward of the same
-    inputs reads instead of recomputing z (uint8, opaque), or empty when not save_z."""
+    inputs reads instead of recomputing z (uint8, opaque), or empty when not save_z.
+    grad_in_place: read by the backward only (fusemoe.moe_experts' grad_in_place)."""
     ctx, num_tokens = _check_call(context, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI)
     ops._check_cuda(x_TH, API)
     y_TH = torch.empty_like(x_TH)
@@ -247,7 +248,8 @@ def ep_moe_experts_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: T
 
 
 @ep_moe_experts_forward.register_fake
-def _ep_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context, save_z):
+def _ep_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context, save_z,
+                     grad_in_place=False):
     ctx, _ = _check_call(context, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI)
     return torch.empty_like(x_TH), _empty_saved_state(x_TH, ctx, save_z)
 
@@ -271,12 +273,22 @@ def ep_moe_experts_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dx [T, H] bf16, d_topk_weights [T, K] fp32, dw13 [L, F, H], dw2 [L, H, I]) in
     the weights' dtype; saved_state: the forward's (skips recomputing z), or None."""
+    dw13_LFH, dw2_LHI = torch.empty_like(w13_LFH), torch.empty_like(w2_LHI)
+    dx_TH, d_topk_weights_TK = _ep_backward_call(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH,
+                                                 w2_LHI, dw13_LFH, dw2_LHI, False, context,
+                                                 saved_state)
+    return dx_TH, d_topk_weights_TK, dw13_LFH, dw2_LHI
+
+
+def _ep_backward_call(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, dw13_LFH,
+                      dw2_LHI, accumulate, context, saved_state):
+    """The C ABI's EP backward into dw13/dw2 (overwritten, or added to with accumulate);
+    returns (dx, d_topk_weights)."""
     ctx, num_tokens = _check_call(context, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI,
                                   dy_TH)
     ops._check_cuda(x_TH, API)
     saved_state = _check_saved_state(ctx, saved_state, x_TH)
     dx_TH, d_topk_weights_TK = torch.empty_like(x_TH), torch.empty_like(topk_weights_TK)
-    dw13_LFH, dw2_LHI = torch.empty_like(w13_LFH), torch.empty_like(w2_LHI)
     grad_dtype = ops._check_weight_grads(dw13_LFH, dw2_LHI, w13_LFH, w2_LHI, API)
     c = ctx.config
     with torch.cuda.device(x_TH.device):
@@ -286,11 +298,11 @@ def ep_moe_experts_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
         _capi.ep_backward(c, x_TH.data_ptr(), topk_idx_TK.data_ptr(), topk_weights_TK.data_ptr(),
                           w13_LFH.data_ptr(), w2_LHI.data_ptr(), dy_TH.data_ptr(),
                           dx_TH.data_ptr(), d_topk_weights_TK.data_ptr(), dw13_LFH.data_ptr(),
-                          dw2_LHI.data_ptr(), grad_dtype, False, num_tokens,
+                          dw2_LHI.data_ptr(), grad_dtype, bool(accumulate), num_tokens,
                           ctx.peer_table_address, workspace.data_ptr(), num_bytes, report,
                           saved_state.data_ptr() if saved_state is not None else None,
                           torch.cuda.current_stream(x_TH.device).cuda_stream)
-    return dx_TH, d_topk_weights_TK, dw13_LFH, dw2_LHI
+    return dx_TH, d_topk_weights_TK
 
 
 @ep_moe_experts_backward.register_fake
@@ -302,37 +314,68 @@ def _ep_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI
             torch.empty_like(w2_LHI))
 
 
+@torch.library.custom_op("fusemoe::ep_moe_experts_backward_into", mutates_args=("dw13_LFH", "dw2_LHI"))
+def ep_moe_experts_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
+                                 topk_weights_TK: Tensor, w13_LFH: Tensor, w2_LHI: Tensor,
+                                 dw13_LFH: Tensor, dw2_LHI: Tensor, accumulate: bool, context: int,
+                                 saved_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """ep_moe_experts_backward with the weight gradients written into dw13/dw2 (the weights'
+    shapes; bf16 or fp32), added to what they hold when accumulate. Returns (dx, d_topk_weights)."""
+    return _ep_backward_call(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, dw13_LFH,
+                             dw2_LHI, accumulate, context, saved_state)
+
+
+@ep_moe_experts_backward_into.register_fake
+def _ep_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, dw13_LFH,
+                           dw2_LHI, accumulate, context, saved_state=None):
+    ctx, _ = _check_call(context, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, dy_TH)
+    _check_saved_state(ctx, saved_state, x_TH)
+    ops._check_weight_grads(dw13_LFH, dw2_LHI, w13_LFH, w2_LHI, API)
+    return torch.empty_like(x_TH), torch.empty_like(topk_weights_TK)
+
+
 def _setup_context(ctx, inputs, output):
-    x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context, _ = inputs
+    x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context, _, grad_in_place = inputs
     saved = output[1]
     ctx.mark_non_differentiable(saved)
     ctx.set_materialize_grads(False)  # no zero-filled gradient of the saved state
     ctx.save_for_backward(x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, saved)
     ctx.context = context
+    # In-place gradients need the leaf Parameters themselves (as fusemoe.moe_experts).
+    ctx.params = ((w13_LFH, w2_LHI) if grad_in_place and w13_LFH.is_leaf and w2_LHI.is_leaf and
+                  w13_LFH.requires_grad and w2_LHI.requires_grad else None)
 
 
 def _backward(ctx, dy_TH, _saved_grad_unused):
     x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, saved = ctx.saved_tensors
     # Every rank must take part in the backward, so a missing gradient is a zero one.
     dy_TH = torch.zeros_like(x_TH) if dy_TH is None else dy_TH.contiguous()
-    dx_TH, d_topk_weights_TK, dw13_LFH, dw2_LHI = ep_moe_experts_backward(
-        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, ctx.context,
-        saved if saved.numel() else None)
-    return dx_TH, None, d_topk_weights_TK, dw13_LFH, dw2_LHI, None, None
+    saved_state = saved if saved.numel() else None
+    if ctx.params is not None:
+        dx_TH, d_topk_weights_TK = ops._backward_into_grads(
+            ctx, lambda dw13, dw2, accumulate: ep_moe_experts_backward_into(
+                dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, dw13, dw2, accumulate,
+                ctx.context, saved_state))
+        dw13_LFH = dw2_LHI = None
+    else:
+        dx_TH, d_topk_weights_TK, dw13_LFH, dw2_LHI = ep_moe_experts_backward(
+            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, ctx.context, saved_state)
+    return dx_TH, None, d_topk_weights_TK, dw13_LFH, dw2_LHI, None, None, None
 
 
 ep_moe_experts_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ep_moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context,
-                   recompute_z=False):
+                   recompute_z=False, grad_in_place=False):
     """The expert-parallel experts block as a differentiable function of this rank's tokens and
     experts (strict inputs as fusemoe.moe_experts; context: ExpertParallelMoEExperts.context).
     recompute_z: as fusemoe.moe_experts (the saved state is sized for the worst case: R times
-    the single-GPU op's z)."""
+    the single-GPU op's z). grad_in_place: as fusemoe.moe_experts (leaf w13/w2: the backward
+    kernels write or add this rank's weight gradients straight into their .grad; eager only)."""
     save_z = ops._wants_saved_z("fused", recompute_z, x_TH, topk_weights_TK, w13_LFH, w2_LHI)
     return ep_moe_experts_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context,
-                                  save_z)[0]
+                                  save_z, bool(grad_in_place))[0]
 
 
 def local_device():
@@ -360,11 +403,13 @@ class ExpertParallelMoEExperts(nn.Module):
 
     def __init__(self, num_experts, hidden_dim, intermediate_dim, top_k, max_tokens_per_rank,
                  group=None, device=None, dtype=torch.bfloat16, init_std=0.02,
-                 recompute_z=False, swiglu_clamp=None):
+                 recompute_z=False, swiglu_clamp=None, grad_in_place=False):
         """num_experts: E of the whole layer. top_k and max_tokens_per_rank (the largest T any
         rank passes) size the symmetric workspace, so they are fixed here. group: a
         torch.distributed process group (None: the default group); its size is R. device: this
-        rank's GPU (None: the current CUDA device). Collective over the group."""
+        rank's GPU (None: the current CUDA device). grad_in_place: as fusemoe.MoEExperts (the
+        backward adds this rank's weight gradients straight into .grad; eager mode, bf16
+        parameters, no gradient hooks on them). Collective over the group."""
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             _fail("torch.distributed is not initialized (call init_process_group first)")
@@ -384,6 +429,7 @@ class ExpertParallelMoEExperts(nn.Module):
         self.world_size, self.rank = world_size, rank
         self.num_local_experts = num_experts // world_size
         self.recompute_z = bool(recompute_z)
+        self.grad_in_place = bool(grad_in_place)
         self.swiglu_clamp = None if swiglu_clamp is None else float(swiglu_clamp)
         self.init_std = init_std
         self.context = _ep_context(group, device, hidden_dim, intermediate_dim, num_experts,
@@ -406,7 +452,7 @@ class ExpertParallelMoEExperts(nn.Module):
 
     @classmethod
     def from_experts(cls, experts, max_tokens_per_rank, top_k=None, group=None,
-                     recompute_z=False, swiglu_clamp=None):
+                     recompute_z=False, swiglu_clamp=None, grad_in_place=False):
         """This rank's share of a whole experts module (a transformers experts module or a
         fusemoe.MoEExperts, gate_up_proj [E, 2I, H], down_proj [E, H, I]): its experts' weights
         copied into new Parameters on the module's device and dtype. Build it on every rank from
@@ -420,7 +466,8 @@ class ExpertParallelMoEExperts(nn.Module):
         num_experts, two_intermediate, hidden_dim = w13_EFH.shape
         module = cls(num_experts, hidden_dim, two_intermediate // 2, top_k, max_tokens_per_rank,
                      group=group, device=w13_EFH.device, dtype=w13_EFH.dtype,
-                     recompute_z=recompute_z, swiglu_clamp=swiglu_clamp)
+                     recompute_z=recompute_z, swiglu_clamp=swiglu_clamp,
+                     grad_in_place=grad_in_place)
         first, count = module.first_expert, module.num_local_experts
         with torch.no_grad():
             module.gate_up_proj.copy_(w13_EFH[first:first + count])
@@ -434,7 +481,7 @@ class ExpertParallelMoEExperts(nn.Module):
         x_TH, topk_idx_TK, topk_weights_TK = op_inputs(hidden_states, top_k_index, top_k_weights,
                                                        self.hidden_dim)
         y_TH = ep_moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, self.context,
-                              self.recompute_z)
+                              self.recompute_z, self.grad_in_place)
         return output_like(y_TH, hidden_states)
 
     def extra_repr(self):
@@ -444,4 +491,5 @@ class ExpertParallelMoEExperts(nn.Module):
                 f"intermediate_dim={self.intermediate_dim}, top_k={self.top_k}, "
                 f"max_tokens_per_rank={self.max_tokens_per_rank}" +
                 (", recompute_z=True" if self.recompute_z else "") +
+                (", grad_in_place=True" if self.grad_in_place else "") +
                 (f", swiglu_clamp={self.swiglu_clamp}" if self.swiglu_clamp is not None else ""))

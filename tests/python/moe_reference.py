@@ -295,7 +295,8 @@ def register_cpu_ep_kernels():
         return [torch.cat([ts[i] for ts in per_rank]) for i in range(len(tensors))], first
 
     @torch.library.register_kernel("fusemoe::ep_moe_experts_forward", "cpu")
-    def _forward_cpu(x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context, save_z):
+    def _forward_cpu(x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context, save_z,
+                     grad_in_place=False):
         ctx, num_tokens = ep._check_call(context, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH,
                                          w2_LHI)
         (x, idx, w), first = gathered(ctx, x_TH, topk_idx_TK, topk_weights_TK)
@@ -304,9 +305,9 @@ def register_cpu_ep_kernels():
                                  clamp_of(ctx))[first:first + num_tokens]
         return y_TH.to(x_TH.dtype), ep._empty_saved_state(x_TH, ctx, save_z).zero_()
 
-    @torch.library.register_kernel("fusemoe::ep_moe_experts_backward", "cpu")
-    def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context,
-                      saved_state=None):
+    def backward_fp32(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context,
+                      saved_state):
+        """This rank's dx, d_topk_weights and (fp32) weight gradients of its experts."""
         ctx, num_tokens = ep._check_call(context, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH,
                                          w2_LHI, dy_TH)
         ep._check_saved_state(ctx, saved_state, x_TH)
@@ -316,5 +317,22 @@ def register_cpu_ep_kernels():
         local = w13_LFH.shape[0]
         experts = slice(dist.get_rank(ctx.group) * local, (dist.get_rank(ctx.group) + 1) * local)
         tokens = slice(first, first + num_tokens)
-        return (dx[tokens].to(x_TH.dtype), dw[tokens], dw13[experts].to(w13_LFH.dtype),
-                dw2[experts].to(w2_LHI.dtype))
+        return dx[tokens].to(x_TH.dtype), dw[tokens], dw13[experts], dw2[experts]
+
+    @torch.library.register_kernel("fusemoe::ep_moe_experts_backward", "cpu")
+    def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context,
+                      saved_state=None):
+        dx, dw, dw13, dw2 = backward_fp32(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH,
+                                          w2_LHI, context, saved_state)
+        return dx, dw, dw13.to(w13_LFH.dtype), dw2.to(w2_LHI.dtype)
+
+    @torch.library.register_kernel("fusemoe::ep_moe_experts_backward_into", "cpu")
+    def _backward_into_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, dw13_LFH,
+                           dw2_LHI, accumulate, context, saved_state=None):
+        from fusemoe import ops
+        ops._check_weight_grads(dw13_LFH, dw2_LHI, w13_LFH, w2_LHI, ep.API)
+        dx, dw, dw13, dw2 = backward_fp32(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH,
+                                          w2_LHI, context, saved_state)
+        for out, grad in ((dw13_LFH, dw13), (dw2_LHI, dw2)):  # one rounding, as the kernels
+            out.copy_(out.float() + grad if accumulate else grad)
+        return dx, dw

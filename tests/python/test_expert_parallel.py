@@ -163,8 +163,59 @@ def op_worker(rank, world_size, device):
     check_case(rank, "even", device, calls=2)  # the symmetric workspace serves call after call
     check_case(rank, "uneven_recompute_z", device, call="compiled")
     check_case(rank, "even", device, call="checkpointed")
+    check_grad_in_place(rank, device)
     if device == "cuda":
         check_bad_id_is_reported_on_its_rank(rank)
+
+
+def grad_in_place_steps(rank, p, tokens, dims, grad_in_place):
+    """Two micro-batches (the second with dy negated and halved) through one module without
+    zero_grad between them: per step (dx, d_topk_weights, gate_up_proj.grad, down_proj.grad)."""
+    hidden, intermediate, num_experts, top_k = dims
+    first, count = sum(tokens[:rank]), tokens[rank]
+    whole = types.SimpleNamespace(gate_up_proj=p["w13_EFH"], down_proj=p["w2_EHI"])
+    module = fusemoe.ExpertParallelMoEExperts.from_experts(
+        whole, max_tokens_per_rank=max(tokens), top_k=top_k, grad_in_place=grad_in_place)
+    rows = slice(first, first + count)
+    steps = []
+    for dy_TH in (p["dy_TH"][rows], (p["dy_TH"][rows] * -0.5).contiguous()):
+        x_TH = p["x_TH"][rows].clone().requires_grad_()
+        topk_weights_TK = p["topk_weights_TK"][rows].clone().requires_grad_()
+        module(x_TH, p["topk_idx_TK"][rows], topk_weights_TK).backward(dy_TH)
+        steps.append((x_TH.grad, topk_weights_TK.grad, module.gate_up_proj.grad.clone(),
+                      module.down_proj.grad.clone()))
+    return steps
+
+
+def check_grad_in_place(rank, device):
+    """grad_in_place=True: the first micro-batch's backward writes .grad bitwise what autograd
+    gives; the second adds in the kernel (one rounding of fp32 gradient + bf16 .grad: close to,
+    not bitwise, autograd's bf16 add); dx and d_topk_weights are autograd's bitwise."""
+    tokens, dims, seed, _ = OP_CASES["uneven_recompute_z"]
+    p = make_problem(sum(tokens), *dims, device, seed=seed)
+    calls = []
+    into = expert_parallel.ep_moe_experts_backward_into
+
+    def counted(*args):  # the backward took the in-place op (and the plain one did not)
+        calls.append(args[8])  # accumulate
+        return into(*args)
+
+    expert_parallel.ep_moe_experts_backward_into = counted
+    try:
+        plain = grad_in_place_steps(rank, p, tokens, dims, grad_in_place=False)
+        assert calls == []
+        in_place = grad_in_place_steps(rank, p, tokens, dims, grad_in_place=True)
+    finally:
+        expert_parallel.ep_moe_experts_backward_into = into
+    assert calls == [False, True], f"rank {rank}: backward_into calls (accumulate) {calls}"
+    names = ("dx", "d_topk_weights", "dw13", "dw2")
+    for step, (got, want) in enumerate(zip(in_place, plain)):
+        for name, a, b in zip(names, got, want):
+            if step == 0 or name in ("dx", "d_topk_weights"):
+                assert_bitwise(rank, f"grad_in_place step {step + 1} {name}", a, b)
+            else:  # both approximate the same sum of two micro-batches' gradients
+                err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+                assert err < 4e-3, f"rank {rank} grad_in_place step 2 {name}: rel err {err:.2e}"
 
 
 def check_bad_id_is_reported_on_its_rank(rank):
