@@ -41,7 +41,29 @@ struct EpCase {
   WeightGradDtype grad_dtype = WeightGradDtype::kBFloat16;
   bool poison_symmetric = false;
   int calls = 1;  // repeated forward + backward calls, each bitwise equal to the first
+  // The backward adds the weight gradients to what dw13/dw2 hold (initial_grads), as gradient
+  // accumulation over micro-batches does, on both sides of the comparison.
+  bool accumulate = false;
 };
+
+// Bytes of the whole layer's initial dw13 or dw2 for an accumulating backward: element i holds
+// ((i % 17) - 8) / 1024, exact in bf16 and fp32.
+std::vector<uint8_t> initial_grads(int64_t elements, WeightGradDtype dtype) {
+  const size_t g = dtype == WeightGradDtype::kBFloat16 ? 2 : 4;
+  std::vector<uint8_t> bytes(elements * g);
+  for (int64_t i = 0; i < elements; ++i) {
+    const float v = static_cast<float>(i % 17 - 8) / 1024.0f;
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    if (g == 2) {
+      const uint16_t half = static_cast<uint16_t>(bits >> 16);  // exact: v has few mantissa bits
+      std::memcpy(&bytes[i * 2], &half, 2);
+    } else {
+      std::memcpy(&bytes[i * 4], &bits, 4);
+    }
+  }
+  return bytes;
+}
 
 constexpr Dims kEpDims{0, 256, 128, 8, 4};
 
@@ -56,6 +78,10 @@ RawOutputs run_single_gpu(const HostProblem& p, const EpCase& c) {
       dw2(d.E * d.H * d.I * g), ws(workspace_bytes(config, Impl::kFused)),
       saved_z(c.save_z ? saved_z_bytes(config) : 0);
   for (DeviceBuffer* b : {&y, &dx, &dtw, &dw13, &dw2, &ws, &saved_z}) b->poison();
+  if (c.accumulate) {
+    dw13.copy_from(DeviceBuffer::from(initial_grads(d.E * 2 * d.I * d.H, c.grad_dtype)));
+    dw2.copy_from(DeviceBuffer::from(initial_grads(d.E * d.H * d.I, c.grad_dtype)));
+  }
   ForwardArgs fa = in.args<ForwardArgs>(d.T, ws);
   fa.y = y.get();
   fa.saved_z = c.save_z ? saved_z.get() : nullptr;
@@ -67,6 +93,7 @@ RawOutputs run_single_gpu(const HostProblem& p, const EpCase& c) {
   ba.dw13 = dw13.get();
   ba.dw2 = dw2.get();
   ba.weight_grad_dtype = c.grad_dtype;
+  ba.accumulate_weight_grads = c.accumulate;
   ba.saved_z = fa.saved_z;
   ba.sync_check_expert_ids = false;
   backward(config, Impl::kFused, ba);
@@ -98,6 +125,9 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
   TEST_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
   std::vector<Rank> ranks(R);
   std::vector<void*> peers(R);
+  // Each rank's slice of the layer's initial weight gradients (c.accumulate).
+  const std::vector<uint8_t> init13 = initial_grads(d.E * 2 * d.I * d.H, c.grad_dtype);
+  const std::vector<uint8_t> init2 = initial_grads(d.E * d.H * d.I, c.grad_dtype);
   for (int r = 0; r < R; ++r) {
     config.rank = r;
     Rank& k = ranks[r];
@@ -138,6 +168,13 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
           for (DeviceBuffer* b : {&k.y, &k.dx, &k.dtw, &k.dw13, &k.dw2, &k.ws}) {
             if (b->bytes()) TEST_CUDA(cudaMemsetAsync(b->get(), 0xFF, b->bytes(), k.stream));
           }
+          if (c.accumulate) {  // pageable host memory: the copies finish before they return
+            const std::vector<uint8_t> s13 = rows_of(init13, r * El, El, 2 * d.I * d.H * g);
+            const std::vector<uint8_t> s2 = rows_of(init2, r * El, El, d.H * d.I * g);
+            TEST_CUDA(cudaMemcpyAsync(k.dw13.get(), s13.data(), s13.size(), cudaMemcpyHostToDevice, k.stream));
+            TEST_CUDA(cudaMemcpyAsync(k.dw2.get(), s2.data(), s2.size(), cudaMemcpyHostToDevice, k.stream));
+            TEST_CUDA(cudaStreamSynchronize(k.stream));
+          }
           EpForwardArgs fa;
           EpCall& call_args = fa.call;
           call_args = k.in.call(c.tokens[r], peers.data(), k.ws);
@@ -154,6 +191,7 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
           ba.dw13 = k.dw13.get();
           ba.dw2 = k.dw2.get();
           ba.weight_grad_dtype = c.grad_dtype;
+          ba.accumulate_weight_grads = c.accumulate;
           ba.saved_state = fa.saved_state;
           ep_backward(rc, ba);
           RawOutputs o{download(k.y, (uint16_t*)nullptr), download(k.dx, (uint16_t*)nullptr),
@@ -245,6 +283,21 @@ TEST(ExpertParallel, EightRanksSkewedFp32GradsRecomputedZ) {
   run_case(c);
 }
 TEST(ExpertParallel, OneRankIsTheWholeLayer) { run_case({1, {333}, Routing::kMasked}); }
+// Gradient accumulation (accumulate_weight_grads): the EP backward adds to dw13/dw2 what the
+// single-GPU backward adds, bitwise; two calls, so the second starts from the same values again.
+TEST(ExpertParallel, TwoRanksAccumulateBf16WeightGrads) {
+  EpCase c{2, {211, 96}, Routing::kUniform};
+  c.accumulate = true;
+  c.calls = 2;
+  run_case(c);
+}
+TEST(ExpertParallel, FourRanksAccumulateFp32WeightGradsRecomputedZ) {
+  EpCase c{4, {64, 0, 150, 33}, Routing::kSkewed};
+  c.accumulate = true;
+  c.save_z = false;
+  c.grad_dtype = WeightGradDtype::kFloat32;
+  run_case(c);
+}
 TEST(ExpertParallel, MaskedSlotsAndEmptyExperts) {
   run_case({2, {200, 150}, Routing::kMasked});
   run_case({4, {100, 100, 100, 100}, Routing::kFewExperts});
