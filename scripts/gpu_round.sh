@@ -53,6 +53,9 @@ STEP_NUM=0
 
 log() { echo "[round $(date -u +%H:%M:%S)] $*" | tee -a "$LOG" >&2; }
 
+# record NAME RC SECONDS NOTE: one line of steps.tsv, the round's step table.
+record() { printf '%s\t%d\t%d\t%s\n' "$1" "$2" "$3" "$4" >>"$PARTS/steps.tsv"; }
+
 # step NAME NOTE CMD...: runs CMD with its output into round.log (and the terminal), records
 # "NAME rc seconds NOTE" in steps.tsv, returns CMD's exit code.
 step() {
@@ -63,7 +66,7 @@ step() {
   "$@" 2>&1 | tee -a "$LOG"
   rc=$?
   log "end $name: exit $rc after $((SECONDS - start)) s"
-  printf '%s\t%d\t%d\t%s\n' "$name" "$rc" "$((SECONDS - start))" "$note" >>"$PARTS/steps.tsv"
+  record "$name" "$rc" "$((SECONDS - start))" "$note"
   return $rc
 }
 
@@ -76,7 +79,7 @@ bench_step() {
   shift
   if ((SECONDS > ROUND_BUDGET_S)); then
     log "skip $name: round budget of ${ROUND_BUDGET_S} s spent"
-    printf '%s\t%d\t%d\t%s\n' "$name" 99 0 "skipped: round budget spent" >>"$PARTS/steps.tsv"
+    record "$name" 99 0 "skipped: round budget spent"
   else
     step "$name" "" "$@"
   fi
@@ -89,7 +92,7 @@ log "fusemoe GPU round: repo $REPO, out $OUTDIR, parts $ROUND_PARTS"
 # and the verdict says the round was partial) and returns false.
 wants() {
   [[ ",$ROUND_PARTS," == *",$1,"* ]] && return 0
-  printf '%s\t%d\t%d\t%s\n' "$1" 0 0 "left out: not in ROUND_PARTS" >>"$PARTS/steps.tsv"
+  record "$1" 0 0 "left out: not in ROUND_PARTS"
   return 1
 }
 
@@ -138,7 +141,7 @@ if [[ $tests_rc -eq 0 ]] && grep -q -E "Skipped|Not Run" "$OUTDIR/gpu_tests.log"
   tests_rc=77
   tests_note="tests skipped on a GPU machine"
 fi
-printf '%s\t%d\t%d\t%s\n' gpu_tests "$tests_rc" "$((SECONDS - start))" "$tests_note" >>"$PARTS/steps.tsv"
+record gpu_tests "$tests_rc" "$((SECONDS - start))" "$tests_note"
 tail -n 15 "$OUTDIR/gpu_tests.log" | tee -a "$LOG"
 log "end gpu_tests: exit $tests_rc after $((SECONDS - start)) s ${tests_note}"
 fi
@@ -154,7 +157,7 @@ memcheck() {
 if ! wants sanitizers; then
   :
 elif ! command -v compute-sanitizer >/dev/null || [[ ! -x "$BUILD_DIR/fusemoe_gpu_tests" ]]; then
-  printf '%s\t%d\t%d\t%s\n' sanitizers 1 0 "compute-sanitizer or fusemoe_gpu_tests missing" >>"$PARTS/steps.tsv"
+  record sanitizers 1 0 "compute-sanitizer or fusemoe_gpu_tests missing"
 else
   start=$SECONDS
   log "start memcheck (log: sanitizer.log)"
@@ -168,7 +171,7 @@ else
     gemm_san_rc=$?
     ((san_rc == 0)) && san_rc=$gemm_san_rc
   fi
-  printf '%s\t%d\t%d\t%s\n' memcheck "$san_rc" "$((SECONDS - start))" "" >>"$PARTS/steps.tsv"
+  record memcheck "$san_rc" "$((SECONDS - start))" ""
   tail -n 4 "$OUTDIR/sanitizer.log" | tee -a "$LOG"
   log "end memcheck: exit $san_rc after $((SECONDS - start)) s"
   # The other three tools over the small fused forward and backward cases (racecheck is the slow
@@ -181,7 +184,7 @@ else
       --gtest_filter='Fused/FusedSmall.MatchesCpuReference/T199_*:Fused/FusedBackwardSmall.MatchesCpuReference/T199_*:Fused/FusedSmall.MatchesCpuReference/T7_*' \
       >>"$OUTDIR/sanitizer.log" 2>&1
     tool_rc=$?
-    printf '%s\t%d\t%d\t%s\n' "$tool" "$tool_rc" "$((SECONDS - start))" "" >>"$PARTS/steps.tsv"
+    record "$tool" "$tool_rc" "$((SECONDS - start))" ""
     log "end $tool: exit $tool_rc after $((SECONDS - start)) s"
   done
 fi
@@ -247,7 +250,7 @@ fi
 STEP_NUM=$((STEP_NUM + 1))
 if ((SECONDS > ROUND_BUDGET_S)); then
   log "skip liger_baseline: round budget of ${ROUND_BUDGET_S} s spent"
-  printf '%s\t%d\t%d\t%s\n' "liger_baseline 30b-uniform" 99 0 "optional: round budget spent" >>"$PARTS/steps.tsv"
+  record "liger_baseline 30b-uniform" 99 0 "optional: round budget spent"
 else
   step "liger_baseline 30b-uniform" "optional, limit ${LIGER_TIMEOUT_S:-420} s" \
     env PYTHONPATH="$liger_pythonpath" timeout --kill-after=15 "${LIGER_TIMEOUT_S:-420}" \

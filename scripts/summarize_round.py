@@ -280,7 +280,8 @@ def render(results):
         lines.append("| step | exit | seconds | note |")
         lines.append("| --- | ---: | ---: | --- |")
         for step in results["steps"]:
-            lines.append(f"| {step['name']} | {step['rc']} | {step['seconds']:.0f} | {step.get('note', '')} |")
+            rc = "-" if is_left_out(step) else step["rc"]  # not run: no exit code to show
+            lines.append(f"| {step['name']} | {rc} | {step['seconds']:.0f} | {step.get('note', '')} |")
         lines.append("")
     for run in results["torch"] + results.get("liger", []):
         check = run.get("self_check")
