@@ -12,8 +12,10 @@ with CUDA events, median over --iters after --warmup, a 256 MiB write flushing L
 timed call. Useful FLOPs: 6*H*I per routed row forward, 12*H*I backward, 18*H*I both.
 --fp8 also times the FP8 path a PyTorch user can pick today (torchao-style): both grouped GEMMs as
 torch._scaled_grouped_mm on E4M3 operands with rowwise scales (activations per row, weights per
-output row; dgrad on E4M3 dy and weights; weight gradients bf16), every quantization inside the
-timed call, expert groups padded to 16 rows. --num-experts runs a preset with fewer experts
+output row; dgrad on E4M3 dy and weights; weight gradients bf16), the activations' and dy's
+quantization inside the timed call, the weights' E4M3 copies made once per weight version (as
+fusemoe's FP8 path makes its own: once per optimizer step, not per call), expert groups padded to
+16 rows. --num-experts runs a preset with fewer experts
 (fusemoe_bench's E where it halved it to fit the GPU; benchmarks/compare_torch.py passes it).
 Shape legend: T tokens, H hidden, I expert intermediate, F = 2I (gate rows then up rows),
 E experts, K top-k, S = T*K flat slots, R routed rows (expert-sorted slots), N rows of one expert.
@@ -169,15 +171,30 @@ def rowwise_fp8(t_MK):
     return q, (amax / E4M3_MAX).squeeze(-1)
 
 
+_FP8_WEIGHT_CACHE = {}  # (which, data_ptr, _version, shape) -> rowwise E4M3 copy and its scales
+
+
+def cached_weight_fp8(b_ENK, transposed):
+    """rowwise_fp8 of the weight b [E, N, K] (or of b^T [E, K, N] for the dgrad), made once per
+    weight version: an optimizer step bumps _version and so makes new copies."""
+    key = (transposed, b_ENK.data_ptr(), b_ENK._version, tuple(b_ENK.shape))
+    if key not in _FP8_WEIGHT_CACHE:
+        if len(_FP8_WEIGHT_CACHE) >= 8:  # stale versions and other layers' shapes
+            _FP8_WEIGHT_CACHE.clear()
+        source = b_ENK.detach()
+        _FP8_WEIGHT_CACHE[key] = rowwise_fp8(source.transpose(-2, -1).contiguous() if transposed else source)
+    return _FP8_WEIGHT_CACHE[key]
+
+
 class Fp8RowwiseGroupedMM(torch.autograd.Function):
     """out[rows of e] = a[rows of e] @ b[e]^T with a [M, K] and b [E, N, K] (bf16) quantized to E4M3
-    per row along K; backward: grad_a from E4M3 grad_out (rows) and b^T (per (e, k) along N), grad_b
+    per row along K (b's copies cached per weight version: cached_weight_fp8); backward: grad_a from E4M3 grad_out (rows) and b^T (per (e, k) along N), grad_b
     as torch._grouped_mm's own bf16 formula."""
 
     @staticmethod
     def forward(ctx, a_MK, b_ENK, offs_E):
         qa_MK, sa_M = rowwise_fp8(a_MK)
-        qb_ENK, sb_EN = rowwise_fp8(b_ENK)
+        qb_ENK, sb_EN = cached_weight_fp8(b_ENK, transposed=False)
         ctx.save_for_backward(a_MK, b_ENK, offs_E)
         return torch._scaled_grouped_mm(qa_MK, qb_ENK.transpose(-2, -1), sa_M, sb_EN, offs=offs_E,
                                         out_dtype=torch.bfloat16, use_fast_accum=True)
@@ -187,7 +204,7 @@ class Fp8RowwiseGroupedMM(torch.autograd.Function):
         a_MK, b_ENK, offs_E = ctx.saved_tensors
         grad_MN = grad_MN.contiguous()
         qg_MN, sg_M = rowwise_fp8(grad_MN)
-        qbt_EKN, sbt_EK = rowwise_fp8(b_ENK.transpose(-2, -1).contiguous())
+        qbt_EKN, sbt_EK = cached_weight_fp8(b_ENK, transposed=True)
         grad_a = torch._scaled_grouped_mm(qg_MN, qbt_EKN.transpose(-2, -1), sg_M, sbt_EK,
                                           offs=offs_E, out_dtype=torch.bfloat16, use_fast_accum=True)
         grad_b = torch._grouped_mm(a_MK.t(), grad_MN, offs=offs_E).transpose(-2, -1)
