@@ -310,16 +310,21 @@ bool check_gate_up_grads_arg(const LayerConfig& config, WeightGradDtype dtype, c
   return true;
 }
 
-// Until the pipelines read two gate/up bases, the separate form is accepted and checked but
-// refused here, after every host check and before any device work.
+// The fused kernels read w1 and w3 through two tensor maps and write dW1 and dW3 as two launches
+// of 128-row weight-gradient tiles (so I % 128 == 0). The cuBLAS pipelines (kUnfused,
+// kReferenceFp32) read w13 only: the separate form is refused there, after every host check and
+// before any device work.
 void check_separate_gate_up_supported(Impl impl, const LayerConfig& config, bool separate_weights,
                                       bool separate_grads) {
-  FUSEMOE_CHECK(!separate_weights && !separate_grads,
+  FUSEMOE_CHECK(impl == Impl::kFused || (!separate_weights && !separate_grads),
                 (separate_weights ? "w1/w3" : "dw1/dw3")
                     << " (separate gate and up " << (separate_weights ? "weights" : "weight gradients")
-                    << ") are not supported yet by impl " << impl_name(impl) << " at precision "
-                    << precision_name(config.precision) << ": pass " << (separate_weights ? "w13" : "dw13")
-                    << " [E, 2I, H]");
+                    << ") are not supported yet by impl " << impl_name(impl) << " (Impl::kFused reads them): pass "
+                    << (separate_weights ? "w13" : "dw13") << " [E, 2I, H]");
+  FUSEMOE_CHECK(!separate_grads || config.intermediate % 128 == 0,
+                "dw1/dw3 (separate gate and up weight gradients) need intermediate (I) to be a multiple of 128 "
+                "(128-row weight-gradient tiles), got "
+                    << config.intermediate << ": pass dw13 [E, 2I, H]");
 }
 
 void check_weight_device_pointers(const LayerConfig& config, const void* w13, const void* w1, const void* w3,
@@ -373,9 +378,12 @@ void quantize_weights_fp8(const LayerConfig& config, const void* w1, const void*
                           size_t buffer_bytes, cudaStream_t stream) {
   FUSEMOE_CHECK(w1 != nullptr || w3 != nullptr, "w1 and w3 must not be null");
   check_quantize_args(config, nullptr, w1, w3, w2, buffer, buffer_bytes);
-  FUSEMOE_CHECK(false, "w1/w3 (separate gate and up weights) are not supported yet by quantize_weights_fp8: pass "
-                       "w13 [E, 2I, H]");
-  (void)stream;
+  check_device();
+  check_device_pointer(w1, "w1");
+  check_device_pointer(w3, "w3");
+  check_device_pointer(w2, "w2");
+  check_device_pointer(buffer, "fp8 weight buffer");
+  quantize_fp8_weights(config, w1, w3, w2, buffer, stream);
 }
 
 void quantize_weights_fp8(const LayerConfig& config, const void* w13, const void* w2, void* buffer,
@@ -386,7 +394,7 @@ void quantize_weights_fp8(const LayerConfig& config, const void* w13, const void
   check_device_pointer(w13, "w13");
   check_device_pointer(w2, "w2");
   check_device_pointer(buffer, "fp8 weight buffer");
-  quantize_fp8_weights(config, w13, w2, buffer, stream);
+  quantize_fp8_weights(config, w13, nullptr, w2, buffer, stream);
 }
 
 namespace {
