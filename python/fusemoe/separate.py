@@ -11,9 +11,11 @@ Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k. x, 
 w2 bf16 [E, H, I]. The rest (z saved for the backward unless recompute_z, the expert-id report,
 workspaces from torch's allocator, errors) is fusemoe.ops' (see its docstring).
 
-These ops are Python over ctypes in every process: the native binding (fusemoe._native) does not
-register them yet, so they cost the ctypes path's host time per call. Not yet here: grad_in_place,
-precision="fp8" (the library takes w1/w3 for quantize_weights_fp8; fusemoe.fp8's cache does not).
+Like fusemoe.ops' ops, each has two definitions: the native binding's C++ kernel
+(src/torch_binding/ops.cpp, the same schema and messages) when it is loaded, else the Python
+function below over ctypes; the fake kernels and the autograd formula are registered on the name.
+Not yet here: grad_in_place, precision="fp8" (the library takes w1/w3 for quantize_weights_fp8;
+fusemoe.fp8's cache does not).
 """
 from typing import Optional
 
@@ -23,7 +25,7 @@ from torch import Tensor
 from . import _capi
 from .ops import (DEFAULT_IMPL, _call, _check_cuda, _check_impl, _check_routing, _check_save_z,
                   _check_saved_z, _check_swiglu_clamp, _check_tensor, _empty_saved_z,
-                  _expert_id_report, _fail, _workspace)
+                  _expert_id_report, _fail, _op, _register_autograd, _workspace)
 
 API = "fusemoe.moe_experts_w1w3"
 
@@ -54,8 +56,7 @@ def _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EH
     return (hidden, intermediate, num_experts, topk_idx_TK.shape[1], num_tokens)
 
 
-# Always registered as Python custom ops (the native binding has no w1/w3 ops yet).
-@torch.library.custom_op("fusemoe::moe_experts_w1w3_forward", mutates_args=())
+@_op("moe_experts_w1w3_forward")
 def moe_experts_w1w3_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
                              w1_EIH: Tensor, w3_EIH: Tensor, w2_EHI: Tensor, impl: str,
                              save_z: bool = False,
@@ -79,7 +80,7 @@ def moe_experts_w1w3_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK:
     return y_TH, z_SF
 
 
-@moe_experts_w1w3_forward.register_fake
+@torch.library.register_fake("fusemoe::moe_experts_w1w3_forward")
 def _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl, save_z=False,
                   swiglu_clamp=None):
     dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI)
@@ -89,7 +90,7 @@ def _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, im
     return torch.empty_like(x_TH), _empty_saved_z(x_TH, dims, save_z)
 
 
-@torch.library.custom_op("fusemoe::moe_experts_w1w3_backward", mutates_args=())
+@_op("moe_experts_w1w3_backward")
 def moe_experts_w1w3_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                               topk_weights_TK: Tensor, w1_EIH: Tensor, w3_EIH: Tensor,
                               w2_EHI: Tensor, impl: str, saved_z_SF: Optional[Tensor] = None,
@@ -121,7 +122,7 @@ def moe_experts_w1w3_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
     return dx_TH, d_topk_weights_TK, dw1_EIH, dw3_EIH, dw2_EHI
 
 
-@moe_experts_w1w3_backward.register_fake
+@torch.library.register_fake("fusemoe::moe_experts_w1w3_backward")
 def _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
                    saved_z_SF=None, swiglu_clamp=None):
     dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, dy_TH)
@@ -152,7 +153,7 @@ def _backward(ctx, dy_TH, _dz_unused):
     return dx_TH, None, d_topk_weights_TK, dw1_EIH, dw3_EIH, dw2_EHI, None, None, None
 
 
-moe_experts_w1w3_forward.register_autograd(_backward, setup_context=_setup_context)
+_forward_call = _register_autograd("moe_experts_w1w3_forward", _backward, _setup_context)
 
 
 def moe_experts_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
@@ -165,5 +166,5 @@ def moe_experts_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
     save_z = (impl == "fused" and not recompute_z and torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad
         for t in (x_TH, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI)))
-    return _call(moe_experts_w1w3_forward, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH,
-                 w2_EHI, impl, save_z, swiglu_clamp)[0]
+    return _call(_forward_call, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
+                 save_z, swiglu_clamp)[0]
