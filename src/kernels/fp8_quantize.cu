@@ -91,14 +91,16 @@ __global__ void __launch_bounds__(kThreads) quantize_weights_fp8_kernel(const __
   const __nv_bfloat16* half_block = nullptr;
   if constexpr (kSeparateHalves) {
     const int64_t half_rows = rows / 2, row0 = br * kFp8Block;
-    half_block = row0 < half_rows ? w + (e * half_rows + row0) * cols : w_up + (e * half_rows + row0 - half_rows) * cols;
+    half_block = row0 < half_rows ? w + (e * half_rows + row0) * cols
+                                  : w_up + (e * half_rows + row0 - half_rows) * cols;
   }
   uint4 raw[kPasses];
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     if constexpr (kSeparateHalves) {
-      raw[i] = *reinterpret_cast<const uint4*>(half_block + (r0 + kRowsPerPass * i) * cols + bc * kFp8Block + chunk * 8);
+      const int64_t r = r0 + kRowsPerPass * i;  // within the block
+      raw[i] = *reinterpret_cast<const uint4*>(half_block + r * cols + bc * kFp8Block + chunk * 8);
     } else {
       const int64_t r = br * kFp8Block + r0 + kRowsPerPass * i;
       raw[i] = *reinterpret_cast<const uint4*>(w + matrix + r * cols + bc * kFp8Block + chunk * 8);

@@ -124,6 +124,7 @@ void check_tensor(const Tensor& t, const char* name, int64_t ndim, int32_t dtype
   }
 }
 
+
 namespace {
 
 struct NamedTensor {
@@ -218,36 +219,8 @@ LayerDims check_inputs(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tens
          ", got " + shape_string(w13_EFH));
   }
   check_w2_matches_w13(w13_EFH, w2_EHI);
-  if (topk_idx_TK.size(0) != d.num_tokens) {
-    fail("topk_idx must be [T, K] with T = x.shape[0] = " + std::to_string(d.num_tokens) + ", got " +
-         shape_string(topk_idx_TK));
-  }
-  if (!same_shape(topk_weights_TK, topk_idx_TK)) {
-    fail("topk_weights must have the shape of topk_idx " + shape_string(topk_idx_TK) + ", got " +
-         shape_string(topk_weights_TK));
-  }
-  d.top_k = topk_idx_TK.size(1);
-  if (dy_TH != nullptr) {
-    check_tensor(*dy_TH, "dy (grad of the output)", 2, dtype_bfloat16());
-    if (!same_shape(*dy_TH, x_TH)) {
-      fail("dy must have the shape of x " + shape_string(x_TH) + ", got " + shape_string(*dy_TH));
-    }
-  }
-  struct Named {
-    const char* name;
-    const Tensor* t;
-  };
-  const Named named[] = {{"topk_idx", &topk_idx_TK},
-                         {"topk_weights", &topk_weights_TK},
-                         {"w13 (gate_up_proj)", &w13_EFH},
-                         {"w2 (down_proj)", &w2_EHI},
-                         {"dy", dy_TH}};
-  for (const Named& n : named) {
-    if (n.t != nullptr && !same_device(*n.t, x_TH)) {
-      fail(std::string(n.name) + " is on " + device_string(*n.t) + " but x is on " + device_string(x_TH) +
-           ": all tensors must be on one CUDA device");
-    }
-  }
+  check_routing(x_TH, topk_idx_TK, topk_weights_TK, dy_TH,
+                {{"w13 (gate_up_proj)", &w13_EFH}, {"w2 (down_proj)", &w2_EHI}}, d, kApi);
   return d;
 }
 

@@ -204,8 +204,8 @@ TEST(SeparateGateUp, Fp8CallsAndQuantize) {
                           "w2 must not be null");
   expect_error_mentioning(
       [&] { quantize_weights_fp8(c, at(kW1), at(kW3), at(0x40000), buffer, bytes - 1, nullptr); }, "needed");
-  expect_well_formed(Impl::kFused, [&] { quantize_weights_fp8(c, at(kW1), at(kW3), at(0x40000), buffer, bytes, nullptr); },
-                     nullptr);
+  expect_well_formed(
+      Impl::kFused, [&] { quantize_weights_fp8(c, at(kW1), at(kW3), at(0x40000), buffer, bytes, nullptr); }, nullptr);
 }
 
 }  // namespace
