@@ -41,6 +41,18 @@ if ! "$PY" -c "import torch, pytest" 2>/dev/null; then
   if [ "${CI:-}" = true ]; then exit 1; fi
   exit 0
 fi
+# torchtitan for tests/python/test_torchtitan.py (its MoE module is what the adapter is checked
+# against): without its dependencies, whose pins (torchdata's torch) would replace the test
+# interpreter's PyTorch, plus the two its models import (spmd_types, tyro). Where it does not
+# install or import, those tests report skipped.
+if ! "$PY" -c "import torchtitan.models.common.moe" 2>/dev/null; then
+  if "$PY" -m pip install -q --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" &&
+     "$PY" -m pip install -q tyro && "$PY" -c "import torchtitan.models.common.moe" 2>/dev/null; then
+    echo "[tests] installed torchtitan 0.3.0 (tests/python/test_torchtitan.py)"
+  else
+    echo "[tests] torchtitan did not install or import: tests/python/test_torchtitan.py reports skipped"
+  fi
+fi
 # The native binding needs the headers of the PyTorch the tests use: configure the build for
 # that interpreter (CMake says why when it cannot build it) and build what the package loads.
 echo "[tests] the native binding against $PY"

@@ -1,5 +1,6 @@
 #include "bench/checks.h"
 
+#include <algorithm>
 #include <cstdio>
 
 #include "common/device_checks.h"
@@ -46,6 +47,16 @@ std::vector<CheckLine> check_case(const LayerConfig& config, const LayerConfig& 
                stream);
   FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
 
+  // A separate_gate_up impl writes dw1, dw3 as the two halves of dw13's buffer: its reference is
+  // the reference's dw13 split the same way.
+  DeviceBuffer ref_dw13_split;
+  if (std::any_of(impls.begin(), impls.end(), [](const BenchImpl& impl) { return impl.separate_gate_up; })) {
+    ref_dw13_split = DeviceBuffer(out.dw13_EFH.bytes());
+    const size_t half = static_cast<size_t>(w13_elems / 2) * sizeof(float);
+    split_gate_up(config, ref.dw13_EFH.get(), ref_dw13_split.get(), static_cast<char*>(ref_dw13_split.get()) + half,
+                  sizeof(float), stream);
+  }
+
   std::vector<CheckLine> lines;
   for (size_t i = 0; i < impls.size(); ++i) {
     const std::string name = impls[i].name;
@@ -68,6 +79,7 @@ std::vector<CheckLine> check_case(const LayerConfig& config, const LayerConfig& 
       workspace.poison(stream);
       run_backward(config, impls[i], in, out, workspace, num_tokens, dtype, stream);
       const std::string wgrad = wgrad_name(dtype);
+      // dw13, or dw1 then dw3 (each [E, I, H]) from the buffer's start: w13_elems elements either way.
       const harness::DeviceTensor dw13{out.dw13_EFH.get(), dtype == WeightGradDtype::kFloat32 ? harness::DType::kFp32
                                                                                               : harness::DType::kBf16};
       const harness::DeviceTensor dw2{out.dw2_EHI.get(), dw13.dtype};
@@ -78,8 +90,10 @@ std::vector<CheckLine> check_case(const LayerConfig& config, const LayerConfig& 
         lines.push_back(compare_output(impls[i], "d_topk_weights", "-", fp32_tensor(out.d_topk_w_TK.get()),
                                        fp32_tensor(ref.d_topk_w_TK.get()), topk_elems, stream));
       }
-      lines.push_back(
-          compare_output(impls[i], "dw13", wgrad, dw13, fp32_tensor(ref.dw13_EFH.get()), w13_elems, stream));
+      const bool split = impls[i].separate_gate_up;
+      lines.push_back(compare_output(impls[i], split ? "dw1,dw3" : "dw13", wgrad, dw13,
+                                     fp32_tensor(split ? ref_dw13_split.get() : ref.dw13_EFH.get()), w13_elems,
+                                     stream));
       lines.push_back(compare_output(impls[i], "dw2", wgrad, dw2, fp32_tensor(ref.dw2_EHI.get()), w2_elems, stream));
     }
   }

@@ -49,11 +49,12 @@ size_t bench_device_bytes(const BenchParams& params, size_t flush_bytes) {
   const LayerConfig config =
       harness::layer_config(params.preset, *std::max_element(params.tokens.begin(), params.tokens.end()));
   const LayerBufferBytes b = layer_buffer_bytes(config);
-  bool any_fp8 = false, any_saves_z = false;
+  bool any_fp8 = false, any_saves_z = false, any_separate = false;
   size_t total = flush_bytes;
   for (const BenchImpl& impl : params.impls) {
     any_fp8 = any_fp8 || impl.precision == Precision::kFp8Blockwise;
     any_saves_z = any_saves_z || impl.save_z;
+    any_separate = any_separate || impl.separate_gate_up;
     total += bench_workspace_bytes(config, impl);
   }
   // Inputs: x and dy, routing, weights.
@@ -63,10 +64,12 @@ size_t bench_device_bytes(const BenchParams& params, size_t flush_bytes) {
     fp8.precision = Precision::kFp8Blockwise;
     total += fp8_weights_bytes(fp8);
   }
+  if (any_separate) total += b.w13_EFH;  // w1 and w3
   total += outputs_bytes(b, any_saves_z);
   if (const int64_t checked = reference_max_tokens(params); checked > 0) {
     const LayerConfig reference = harness::layer_config(params.preset, checked);
     total += bench_workspace_bytes(reference, kReferenceImpl) + outputs_bytes(layer_buffer_bytes(reference), false);
+    if (any_separate) total += b.dw13_EFH;  // the reference's dw13 split as dw1, dw3 (check_case)
   }
   return total;
 }

@@ -55,6 +55,9 @@ struct BenchImpl {
   // In the default --impl list. FP8 is not until it has passed its GPU suites (docs/design.md,
   // Blockwise FP8, status): a failing or trapping FP8 path would otherwise fail every round.
   bool by_default = true;
+  // Gate and up weights as two tensors w1, w3 [E, I, H] (torchtitan's layout) and the gradients
+  // as dw1, dw3, instead of w13 / dw13: copies of the same values, so the results should match.
+  bool separate_gate_up = false;
 };
 
 // Implementations the benchmark can time (the fp32 reference is the oracle, never timed).
@@ -68,6 +71,8 @@ constexpr BenchImpl kBenchImpls[] = {
     // per optimizer step.
     {"fused_fp8", Impl::kFused, true, false, Precision::kFp8Blockwise, kFp8RelErrTol, false},
     {"fused_fp8_saved_z", Impl::kFused, true, true, Precision::kFp8Blockwise, kFp8RelErrTol, false},
+    // fused_saved_z with separate gate and up weights (w1, w3) and gradients (dw1, dw3).
+    {"fused_separate_saved_z", Impl::kFused, true, true, Precision::kBf16, kRelErrTol, false, true},
 };
 // The fp32 GPU oracle every implementation is checked against.
 constexpr BenchImpl kReferenceImpl = {"reference_fp32", Impl::kReferenceFp32, true, false};

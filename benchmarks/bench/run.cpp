@@ -186,6 +186,11 @@ Args layer_args(const BenchImpl& impl, const LayerInputs& in, const LayerOutputs
   args.sync_check_expert_ids = false;
   args.saved_z = out.saved_z(impl);  // the backward's: written by the forward of these inputs just before
   args.fp8_weights = in.fp8_weights.get();  // read at FP8 only
+  if (impl.separate_gate_up) {
+    args.w13 = nullptr;
+    args.w1 = in.w1_EIH.get();
+    args.w3 = in.w3_EIH.get();
+  }
   return args;
 }
 
@@ -206,10 +211,34 @@ void run_backward(const LayerConfig& config, const BenchImpl& impl, const LayerI
   args.dx = out.dx_TH.get();
   args.d_topk_weights = out.d_topk_w_TK.as<float>();
   args.dw13 = out.dw13_EFH.get();
+  if (impl.separate_gate_up) {
+    args.dw13 = nullptr;
+    args.dw1 = dw1_of(config, out.dw13_EFH, weight_grad_dtype);
+    args.dw3 = dw3_of(config, out.dw13_EFH, weight_grad_dtype);
+  }
   args.dw2 = out.dw2_EHI.get();
   args.weight_grad_dtype = weight_grad_dtype;
   args.accumulate_weight_grads = false;
   backward(impl_config(config, impl), impl.impl, args);
+}
+
+void split_gate_up(const LayerConfig& config, const void* src, void* gate, void* up, size_t elem_bytes,
+                   cudaStream_t stream) {
+  const size_t half_bytes = static_cast<size_t>(config.intermediate) * config.hidden * elem_bytes;
+  const auto* bytes = static_cast<const char*>(src);
+  // One 2D copy per half: E rows of I*H elements, 2I*H elements apart in src.
+  FUSEMOE_CUDA_CHECK(cudaMemcpy2DAsync(gate, half_bytes, bytes, 2 * half_bytes, half_bytes, config.num_experts,
+                                       cudaMemcpyDeviceToDevice, stream));
+  FUSEMOE_CUDA_CHECK(cudaMemcpy2DAsync(up, half_bytes, bytes + half_bytes, 2 * half_bytes, half_bytes,
+                                       config.num_experts, cudaMemcpyDeviceToDevice, stream));
+}
+
+void* dw1_of(const LayerConfig&, const DeviceBuffer& dw13, WeightGradDtype) { return dw13.get(); }
+
+void* dw3_of(const LayerConfig& config, const DeviceBuffer& dw13, WeightGradDtype dtype) {
+  const size_t elem_bytes = dtype == WeightGradDtype::kFloat32 ? 4 : 2;
+  return static_cast<char*>(dw13.get()) +
+         static_cast<size_t>(config.num_experts) * config.intermediate * config.hidden * elem_bytes;
 }
 
 const char* wgrad_name(WeightGradDtype dtype) { return dtype == WeightGradDtype::kFloat32 ? "fp32" : "bf16"; }
@@ -243,6 +272,13 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
     inputs.fp8_weights = DeviceBuffer(fp8_weights_bytes(fp8));
     quantize_weights_fp8(fp8, inputs.w13_EFH.get(), inputs.w2_EHI.get(), inputs.fp8_weights.get(),
                          inputs.fp8_weights.bytes(), stream);
+  }
+  if (std::any_of(params.impls.begin(), params.impls.end(),
+                  [](const BenchImpl& impl) { return impl.separate_gate_up; })) {
+    const size_t half_bytes = layer_buffer_bytes(config).w13_EFH / 2;
+    inputs.w1_EIH = DeviceBuffer(half_bytes);
+    inputs.w3_EIH = DeviceBuffer(half_bytes);
+    split_gate_up(config, inputs.w13_EFH.get(), inputs.w1_EIH.get(), inputs.w3_EIH.get(), 2, stream);
   }
   const bool any_saves_z =
       std::any_of(params.impls.begin(), params.impls.end(), [](const BenchImpl& impl) { return impl.save_z; });

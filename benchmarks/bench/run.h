@@ -21,7 +21,16 @@ struct LayerInputs {
   DeviceBuffer w13_EFH, w2_EHI;         // bf16
   DeviceBuffer topk_idx_TK, topk_w_TK;  // [max T, K]; rewritten per token count
   DeviceBuffer fp8_weights;             // quantize_weights_fp8 of w13, w2 (when an FP8 impl runs)
+  DeviceBuffer w1_EIH, w3_EIH;          // w13's gate and up rows apart (when a separate_gate_up impl runs)
 };
+
+// Copies the gate rows [0, I) and up rows [I, 2I) of each expert of w13-laid `src` [E, 2I, H]
+// into `gate` and `up` [E, I, H] (elem_bytes per element): the separate form of the same values.
+void split_gate_up(const LayerConfig& config, const void* src, void* gate, void* up, size_t elem_bytes,
+                   cudaStream_t stream);
+// Where a separate_gate_up impl's backward puts dw1 and dw3: the two halves of out.dw13_EFH.
+void* dw1_of(const LayerConfig& config, const DeviceBuffer& dw13, WeightGradDtype dtype);
+void* dw3_of(const LayerConfig& config, const DeviceBuffer& dw13, WeightGradDtype dtype);
 
 // Every output of forward and backward (sizes: layer_buffer_bytes); the weight gradients are
 // sized for fp32 and hold bf16 in their first half when the weight-gradient dtype is bf16.

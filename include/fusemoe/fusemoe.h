@@ -13,6 +13,12 @@
 //   w2       [E, H, I]   bf16
 //   y, dy, dx [T, H]     bf16
 //   dw13 [E, 2I, H], dw2 [E, H, I]  fp32 or bf16 (WeightGradDtype)
+// The gate and up weights come either concatenated (w13, Hugging Face's gate_up_proj) or as two
+// tensors (w1 gate [E, I, H] and w3 up [E, I, H], torchtitan's GroupedExperts layout), read in
+// place, never concatenated; the gradients go to dw13, or to dw1 and dw3, whichever the caller
+// passes (independently of the weights' form).
+//   w1, w3       [E, I, H]  bf16      gate rows, up rows
+//   dw1, dw3     [E, I, H]  fp32 or bf16
 //
 // Errors: every function throws fusemoe::Error (file, line, message naming the argument) on bad
 // input or a failed CUDA/cuBLAS call; nothing calls exit().
@@ -107,6 +113,9 @@ Fp8Weights fp8_weights_view(const LayerConfig& config, const void* buffer);
 // not once per call.
 void quantize_weights_fp8(const LayerConfig& config, const void* w13, const void* w2, void* buffer,
                           size_t buffer_bytes, cudaStream_t stream);
+// The same buffer (byte for byte) from separate gate and up weights w1, w3 [E, I, H] (bf16).
+void quantize_weights_fp8(const LayerConfig& config, const void* w1, const void* w3, const void* w2, void* buffer,
+                          size_t buffer_bytes, cudaStream_t stream);
 
 struct ForwardArgs {
   const void* x = nullptr;              // [T, H] bf16
@@ -114,6 +123,10 @@ struct ForwardArgs {
   const float* topk_weights = nullptr;  // [T, K]
   const void* w13 = nullptr;            // [E, 2I, H] bf16 (not read, and may be null, in FP8)
   const void* w2 = nullptr;             // [E, H, I] bf16 (not read, and may be null, in FP8)
+  // Separate gate and up weights instead of w13 (w13 null): both or neither, [E, I, H] bf16 each
+  // (not read, and may be null, in FP8). They may alias each other (they are only read).
+  const void* w1 = nullptr;
+  const void* w3 = nullptr;
   void* y = nullptr;                    // [T, H] bf16 (output)
   int64_t num_tokens = 0;               // T, 0 <= T <= max_tokens
   void* workspace = nullptr;            // workspace_bytes(config, impl[, use]) bytes, 256-byte aligned
@@ -149,15 +162,22 @@ struct BackwardArgs {
   const float* topk_weights = nullptr;
   const void* w13 = nullptr;
   const void* w2 = nullptr;
+  const void* w1 = nullptr;  // as ForwardArgs::w1, w3: instead of w13
+  const void* w3 = nullptr;
   const void* dy = nullptr;  // [T, H] bf16
   // Outputs.
   void* dx = nullptr;                // [T, H] bf16
   float* d_topk_weights = nullptr;   // [T, K] fp32; 0 for masked slots
   void* dw13 = nullptr;              // [E, 2I, H] weight_grad_dtype
   void* dw2 = nullptr;               // [E, H, I]  weight_grad_dtype
+  // Separate gate and up gradients instead of dw13 (dw13 null): both or neither, [E, I, H]
+  // weight_grad_dtype each, not overlapping each other. The form of the gradients is the
+  // caller's choice, independent of the form of the weights (w13 or w1/w3).
+  void* dw1 = nullptr;
+  void* dw3 = nullptr;
   WeightGradDtype weight_grad_dtype = WeightGradDtype::kFloat32;
-  // false: dw13/dw2 are overwritten (experts with no rows get zeros).
-  // true : the gradients are added to what dw13/dw2 hold (gradient accumulation).
+  // false: dw13 (or dw1, dw3) and dw2 are overwritten (experts with no rows get zeros).
+  // true : the gradients are added to what they hold (gradient accumulation).
   bool accumulate_weight_grads = false;
   int64_t num_tokens = 0;
   void* workspace = nullptr;

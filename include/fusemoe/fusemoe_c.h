@@ -23,8 +23,10 @@ extern "C" {
  * versions. 5: one struct per call instead of positional arguments, the SwiGLU clamp.
  * 6: blockwise FP8 (FusemoeCLayer.precision, the args' fp8_weights, the FP8 weight buffer).
  * 7: expert parallelism (FusemoeCEpConfig, FusemoeCEpForwardArgs, FusemoeCEpBackwardArgs and the
- * fusemoe_c_ep_* functions); the single-GPU args' caller_checked_pointers. */
-#define FUSEMOE_C_ABI_VERSION 7
+ * fusemoe_c_ep_* functions); the single-GPU args' caller_checked_pointers.
+ * 8: separate gate and up weights and gradients (the single-GPU args' and FusemoeCFp8QuantizeArgs'
+ * w1, w3; FusemoeCBackwardArgs' dw1, dw3). */
+#define FUSEMOE_C_ABI_VERSION 8
 
 typedef enum {
   FUSEMOE_C_OK = 0,
@@ -71,6 +73,10 @@ typedef struct FusemoeCForwardArgs {
   const float* topk_weights;       /* [T, K] */
   const void* w13;                 /* [E, 2I, H] bf16 (not read, and may be NULL, at FP8) */
   const void* w2;                  /* [E, H, I] bf16 (not read, and may be NULL, at FP8) */
+  /* Instead of w13 (then NULL): separate gate and up weights [E, I, H] bf16 each (torchtitan's
+   * layout), read in place; both or neither; they may alias. */
+  const void* w1;
+  const void* w3;
   const void* fp8_weights;         /* FP8: the quantized weight buffer (required); else NULL */
   void* y;                         /* [T, H] bf16 (output) */
   int64_t num_tokens;              /* T */
@@ -101,13 +107,19 @@ typedef struct FusemoeCBackwardArgs {
   const float* topk_weights;
   const void* w13;
   const void* w2;
+  const void* w1;                    /* as in FusemoeCForwardArgs */
+  const void* w3;
   const void* fp8_weights;           /* as in FusemoeCForwardArgs */
   const void* dy;                    /* [T, H] bf16 */
   void* dx;                          /* [T, H] bf16 (output) */
   float* d_topk_weights;             /* [T, K] fp32 (output) */
   void* dw13;                        /* [E, 2I, H] weight_grad_dtype (output) */
   void* dw2;                         /* [E, H, I] weight_grad_dtype (output) */
-  int32_t accumulate_weight_grads;   /* != 0: add to dw13/dw2 instead of overwriting them */
+  /* Instead of dw13 (then NULL): [E, I, H] weight_grad_dtype each (outputs), both or neither,
+   * not overlapping; independent of the weights' form. */
+  void* dw1;
+  void* dw3;
+  int32_t accumulate_weight_grads;   /* != 0: add to the gradients instead of overwriting them */
   int64_t num_tokens;
   void* workspace;
   uint64_t workspace_bytes;
@@ -123,6 +135,8 @@ typedef struct FusemoeCFp8QuantizeArgs {
   uint32_t struct_size;   /* sizeof(FusemoeCFp8QuantizeArgs) */
   const void* w13;        /* [E, 2I, H] bf16 */
   const void* w2;         /* [E, H, I] bf16 */
+  const void* w1;         /* instead of w13 (then NULL): [E, I, H] bf16 each, the same buffer results */
+  const void* w3;
   void* buffer;           /* fusemoe_c_fp8_weights_bytes() bytes, device, 256-byte aligned (output) */
   uint64_t buffer_bytes;
   void* stream;           /* cudaStream_t */

@@ -22,10 +22,12 @@ from .expert_parallel import ExpertParallelMoEExperts
 from .hf import PatchReport, patch_hf_experts, plan_hf_experts, replace_qwen3_moe_experts
 from .modules import MoEExperts
 from .ops import DEFAULT_IMPL, check_expert_ids, moe_experts
+from .separate import moe_experts_w1w3
 from ._native import status as native_binding_status
 
 __all__ = ["DEFAULT_IMPL", "ExpertParallelMoEExperts", "FusemoeError", "MoEExperts",
            "PatchReport", "check_expert_ids", "is_available", "library_path", "moe_experts",
+           "moe_experts_w1w3",
            "native_binding_status",
            "patch_hf_experts", "plan_hf_experts", "replace_qwen3_moe_experts"]
 __version__ = "0.1.0"

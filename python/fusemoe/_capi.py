@@ -16,7 +16,7 @@ import functools
 import os
 import threading
 
-ABI_VERSION = 7  # FUSEMOE_C_ABI_VERSION this binding is written for
+ABI_VERSION = 8  # FUSEMOE_C_ABI_VERSION this binding is written for
 WEIGHT_GRAD_FLOAT32 = 0
 WEIGHT_GRAD_BFLOAT16 = 1
 EXPERT_ID_REPORT_INTS = 3  # fusemoe::kExpertIdReportInts
@@ -57,7 +57,8 @@ class Layer(ctypes.Structure):
 class ForwardArgs(ctypes.Structure):
     """FusemoeCForwardArgs: pointers are ints (data_ptr()) or None."""
     _fields_ = [("struct_size", _u32), ("x", _ptr), ("topk_idx", _ptr), ("topk_weights", _ptr),
-                ("w13", _ptr), ("w2", _ptr), ("fp8_weights", _ptr), ("y", _ptr),
+                ("w13", _ptr), ("w2", _ptr), ("w1", _ptr), ("w3", _ptr), ("fp8_weights", _ptr),
+                ("y", _ptr),
                 ("num_tokens", _i64), ("workspace", _ptr), ("workspace_bytes", _u64),
                 ("expert_id_report", _ptr), ("saved_z", _ptr), ("stream", _ptr),
                 ("caller_checked_pointers", _i32)]
@@ -67,8 +68,9 @@ class BackwardArgs(ctypes.Structure):
     """FusemoeCBackwardArgs: pointers are ints (data_ptr()) or None."""
     _fields_ = [("struct_size", _u32), ("weight_grad_dtype", _i32), ("x", _ptr),
                 ("topk_idx", _ptr), ("topk_weights", _ptr), ("w13", _ptr), ("w2", _ptr),
-                ("fp8_weights", _ptr), ("dy", _ptr), ("dx", _ptr), ("d_topk_weights", _ptr),
-                ("dw13", _ptr), ("dw2", _ptr), ("accumulate_weight_grads", _i32),
+                ("w1", _ptr), ("w3", _ptr), ("fp8_weights", _ptr), ("dy", _ptr), ("dx", _ptr),
+                ("d_topk_weights", _ptr), ("dw13", _ptr), ("dw2", _ptr), ("dw1", _ptr),
+                ("dw3", _ptr), ("accumulate_weight_grads", _i32),
                 ("num_tokens", _i64), ("workspace", _ptr), ("workspace_bytes", _u64),
                 ("expert_id_report", _ptr), ("saved_z", _ptr), ("stream", _ptr),
                 ("caller_checked_pointers", _i32)]
@@ -76,8 +78,8 @@ class BackwardArgs(ctypes.Structure):
 
 class Fp8QuantizeArgs(ctypes.Structure):
     """FusemoeCFp8QuantizeArgs: pointers are ints (data_ptr())."""
-    _fields_ = [("struct_size", _u32), ("w13", _ptr), ("w2", _ptr), ("buffer", _ptr),
-                ("buffer_bytes", _u64), ("stream", _ptr)]
+    _fields_ = [("struct_size", _u32), ("w13", _ptr), ("w2", _ptr), ("w1", _ptr), ("w3", _ptr),
+                ("buffer", _ptr), ("buffer_bytes", _u64), ("stream", _ptr)]
 
 
 class EpConfig(ctypes.Structure):
@@ -280,26 +282,35 @@ def saved_z_bytes(layer_):
 
 def forward(layer_, x, topk_idx, topk_weights, w13, w2, y, num_tokens, workspace,
             workspace_bytes_, expert_id_report, saved_z, stream, fp8_weights=None,
-            caller_checked_pointers=False):
+            caller_checked_pointers=False, w1=None, w3=None):
     """Pointers are ints (data_ptr(); expert_id_report and saved_z may be None); stream is a
     cudaStream_t as an int. A layer of precision "fp8" takes fp8_weights (the buffer of
-    quantize_weights_fp8) and w13 = w2 = None. caller_checked_pointers: every pointer is known to
-    be device memory of the current device (tensors whose devices were checked), so the library
-    skips its CUDA pointer queries."""
-    args = ForwardArgs(_FORWARD_SIZE, x, topk_idx, topk_weights, w13, w2, fp8_weights, y,
-                       num_tokens, workspace, workspace_bytes_, expert_id_report, saved_z, stream,
-                       int(caller_checked_pointers))
+    quantize_weights_fp8) and w13 = w2 = None. Separate gate and up weights: w13 = None and
+    w1, w3 set. caller_checked_pointers: every pointer is known to be device memory of the
+    current device (tensors whose devices were checked), so the library skips its CUDA pointer
+    queries."""
+    args = ForwardArgs(struct_size=_FORWARD_SIZE, x=x, topk_idx=topk_idx,
+                       topk_weights=topk_weights, w13=w13, w2=w2, w1=w1, w3=w3,
+                       fp8_weights=fp8_weights, y=y, num_tokens=num_tokens, workspace=workspace,
+                       workspace_bytes=workspace_bytes_, expert_id_report=expert_id_report,
+                       saved_z=saved_z, stream=stream,
+                       caller_checked_pointers=int(caller_checked_pointers))
     _check(load().fusemoe_c_forward(layer_, args))
 
 
 def backward(layer_, x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights, dw13, dw2,
              weight_grad_dtype, accumulate, num_tokens, workspace, workspace_bytes_,
-             expert_id_report, saved_z, stream, fp8_weights=None, caller_checked_pointers=False):
-    """As forward()."""
-    args = BackwardArgs(_BACKWARD_SIZE, weight_grad_dtype, x, topk_idx, topk_weights, w13, w2,
-                        fp8_weights, dy, dx, d_topk_weights, dw13, dw2, 1 if accumulate else 0,
-                        num_tokens, workspace, workspace_bytes_, expert_id_report, saved_z,
-                        stream, int(caller_checked_pointers))
+             expert_id_report, saved_z, stream, fp8_weights=None, caller_checked_pointers=False,
+             w1=None, w3=None, dw1=None, dw3=None):
+    """As forward(); separate gate and up gradients: dw13 = None and dw1, dw3 set."""
+    args = BackwardArgs(struct_size=_BACKWARD_SIZE, weight_grad_dtype=weight_grad_dtype, x=x,
+                        topk_idx=topk_idx, topk_weights=topk_weights, w13=w13, w2=w2, w1=w1,
+                        w3=w3, fp8_weights=fp8_weights, dy=dy, dx=dx,
+                        d_topk_weights=d_topk_weights, dw13=dw13, dw2=dw2, dw1=dw1, dw3=dw3,
+                        accumulate_weight_grads=1 if accumulate else 0, num_tokens=num_tokens,
+                        workspace=workspace, workspace_bytes=workspace_bytes_,
+                        expert_id_report=expert_id_report, saved_z=saved_z, stream=stream,
+                        caller_checked_pointers=int(caller_checked_pointers))
     _check(load().fusemoe_c_backward(layer_, args))
 
 
@@ -314,10 +325,12 @@ def fp8_weights_bytes(layer_):
     return num_bytes
 
 
-def quantize_weights_fp8(layer_, w13, w2, buffer, buffer_bytes, stream):
-    """Quantizes bf16 w13/w2 into the FP8 weight buffer (pointers as ints), on stream."""
+def quantize_weights_fp8(layer_, w13, w2, buffer, buffer_bytes, stream, w1=None, w3=None):
+    """Quantizes bf16 w13 (or w1 and w3, with w13 None) and w2 into the FP8 weight buffer
+    (pointers as ints), on stream."""
     lib = load()
-    args = Fp8QuantizeArgs(_FP8_QUANTIZE_SIZE, w13, w2, buffer, buffer_bytes, stream)
+    args = Fp8QuantizeArgs(struct_size=_FP8_QUANTIZE_SIZE, w13=w13, w2=w2, w1=w1, w3=w3,
+                           buffer=buffer, buffer_bytes=buffer_bytes, stream=stream)
     _check(lib.fusemoe_c_quantize_weights_fp8(ctypes.byref(layer_), args))
 
 

@@ -126,14 +126,22 @@ def _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH=Non
         _fail(f"w13 (gate_up_proj) must be [E, 2I, H] with H = x.shape[1] = {hidden}, "
               f"got {tuple(w13_EFH.shape)}", api)
     _check_w2_matches_w13(w13_EFH, w2_EHI, api)
+    _check_routing(x_TH, topk_idx_TK, topk_weights_TK, dy_TH,
+                   [("w13 (gate_up_proj)", w13_EFH), ("w2 (down_proj)", w2_EHI)], api)
+    return (hidden, intermediate, num_experts, topk_idx_TK.shape[1], num_tokens)
+
+
+def _check_routing(x_TH, topk_idx_TK, topk_weights_TK, dy_TH, weights_named, api=API):
+    """The shapes of topk_idx, topk_weights and dy against x, and every tensor (weights_named:
+    (name, weight) pairs) on x's device."""
+    num_tokens = x_TH.shape[0]
     if topk_idx_TK.shape[0] != num_tokens:
         _fail(f"topk_idx must be [T, K] with T = x.shape[0] = {num_tokens}, "
               f"got {tuple(topk_idx_TK.shape)}", api)
     if topk_weights_TK.shape != topk_idx_TK.shape:
         _fail(f"topk_weights must have the shape of topk_idx {tuple(topk_idx_TK.shape)}, "
               f"got {tuple(topk_weights_TK.shape)}", api)
-    named = [("topk_idx", topk_idx_TK), ("topk_weights", topk_weights_TK),
-             ("w13 (gate_up_proj)", w13_EFH), ("w2 (down_proj)", w2_EHI)]
+    named = [("topk_idx", topk_idx_TK), ("topk_weights", topk_weights_TK), *weights_named]
     if dy_TH is not None:
         _check_tensor(dy_TH, "dy (grad of the output)", 2, torch.bfloat16, api=api)
         if dy_TH.shape != x_TH.shape:
@@ -144,7 +152,6 @@ def _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH=Non
         if t.device != x_TH.device:
             _fail(f"{name} is on {t.device} but x is on {x_TH.device}: all tensors must be on "
                   "one CUDA device", api)
-    return (hidden, intermediate, num_experts, topk_idx_TK.shape[1], num_tokens)
 
 
 def _check_w2_matches_w13(w13_EFH, w2_EHI, api=API):

@@ -265,16 +265,73 @@ void check_fp8_weights_arg(const LayerConfig& config, const void* fp8_weights) {
                 "fp8_weights must be " << kWorkspaceAlignment << "-byte aligned, got " << fp8_weights);
 }
 
-// The bf16 weights: required for bf16, not read (so optional) for FP8.
-void check_bf16_weights_arg(const LayerConfig& config, const void* w13, const void* w2) {
-  if (config.precision != Precision::kBf16 && w13 == nullptr && w2 == nullptr) return;
-  check_tensor(w13, "w13", kTmaAlignment);
-  check_tensor(w2, "w2", kTmaAlignment);
+// The gate and up weights (or their gradients) in one of two forms: `both` [E, 2I, H], or `gate`
+// and `up` [E, I, H] each. Exactly one form; names say which argument is missing or extra.
+// Returns true for the separate form.
+bool check_gate_up_form(const void* both, const void* gate, const void* up, const char* both_name,
+                        const char* gate_name, const char* up_name) {
+  const bool separate = gate != nullptr || up != nullptr;
+  FUSEMOE_CHECK(!(both != nullptr && separate), "pass either " << both_name << " or " << gate_name << " and "
+                                                               << up_name << ", not both");
+  if (!separate) {
+    FUSEMOE_CHECK(both != nullptr,
+                  both_name << " must not be null (or pass " << gate_name << " and " << up_name << ")");
+    check_tensor(both, both_name, kTmaAlignment);
+    return false;
+  }
+  FUSEMOE_CHECK(gate != nullptr, gate_name << " must not be null when " << up_name << " is set (they go together)");
+  FUSEMOE_CHECK(up != nullptr, up_name << " must not be null when " << gate_name << " is set (they go together)");
+  check_tensor(gate, gate_name, kTmaAlignment);
+  check_tensor(up, up_name, kTmaAlignment);
+  return true;
 }
 
-void check_weight_device_pointers(const LayerConfig& config, const void* w13, const void* w2,
-                                  const void* fp8_weights) {
+// The bf16 weights: required for bf16, not read (so optional) for FP8. Returns true when the gate
+// and up weights are separate (w1, w3).
+bool check_bf16_weights_arg(const LayerConfig& config, const void* w13, const void* w1, const void* w3,
+                            const void* w2) {
+  if (config.precision != Precision::kBf16 && w13 == nullptr && w1 == nullptr && w3 == nullptr && w2 == nullptr) {
+    return false;
+  }
+  const bool separate = check_gate_up_form(w13, w1, w3, "w13", "w1", "w3");
+  check_tensor(w2, "w2", kTmaAlignment);
+  return separate;
+}
+
+// dw13, or dw1 and dw3, which the kernels write concurrently: they must not overlap.
+bool check_gate_up_grads_arg(const LayerConfig& config, WeightGradDtype dtype, const void* dw13, const void* dw1,
+                             const void* dw3) {
+  if (!check_gate_up_form(dw13, dw1, dw3, "dw13", "dw1", "dw3")) return false;
+  const uintptr_t bytes = static_cast<uintptr_t>(config.num_experts * config.intermediate * config.hidden) *
+                          (dtype == WeightGradDtype::kFloat32 ? 4 : 2);
+  const uintptr_t gate = reinterpret_cast<uintptr_t>(dw1), up = reinterpret_cast<uintptr_t>(dw3);
+  FUSEMOE_CHECK(gate + bytes <= up || up + bytes <= gate,
+                "dw1 and dw3 must not overlap (" << bytes << " bytes each at " << dw1 << " and " << dw3 << ")");
+  return true;
+}
+
+// The fused kernels read w1 and w3 through two tensor maps and write dW1 and dW3 as two launches
+// of 128-row weight-gradient tiles (so I % 128 == 0). The cuBLAS pipelines (kUnfused,
+// kReferenceFp32) read w13 only: the separate form is refused there, after every host check and
+// before any device work.
+void check_separate_gate_up_supported(Impl impl, const LayerConfig& config, bool separate_weights,
+                                      bool separate_grads) {
+  FUSEMOE_CHECK(impl == Impl::kFused || (!separate_weights && !separate_grads),
+                (separate_weights ? "w1/w3" : "dw1/dw3")
+                    << " (separate gate and up " << (separate_weights ? "weights" : "weight gradients")
+                    << ") are not supported yet by impl " << impl_name(impl) << " (Impl::kFused reads them): pass "
+                    << (separate_weights ? "w13" : "dw13") << " [E, 2I, H]");
+  FUSEMOE_CHECK(!separate_grads || config.intermediate % 128 == 0,
+                "dw1/dw3 (separate gate and up weight gradients) need intermediate (I) to be a multiple of 128 "
+                "(128-row weight-gradient tiles), got "
+                    << config.intermediate << ": pass dw13 [E, 2I, H]");
+}
+
+void check_weight_device_pointers(const LayerConfig& config, const void* w13, const void* w1, const void* w3,
+                                  const void* w2, const void* fp8_weights) {
   if (w13 != nullptr) check_device_pointer(w13, "w13");
+  if (w1 != nullptr) check_device_pointer(w1, "w1");
+  if (w3 != nullptr) check_device_pointer(w3, "w3");
   if (w2 != nullptr) check_device_pointer(w2, "w2");
   if (config.precision != Precision::kBf16) check_device_pointer(fp8_weights, "fp8_weights");
 }
@@ -299,21 +356,45 @@ Fp8Weights fp8_weights_view(const LayerConfig& config, const void* buffer) {
   return fp8_weights_in(config, buffer);
 }
 
-void quantize_weights_fp8(const LayerConfig& config, const void* w13, const void* w2, void* buffer,
-                          size_t buffer_bytes, cudaStream_t stream) {
+namespace {
+
+// The checks of both quantize_weights_fp8 forms; true for separate gate and up weights.
+bool check_quantize_args(const LayerConfig& config, const void* w13, const void* w1, const void* w3, const void* w2,
+                         const void* buffer, size_t buffer_bytes) {
   const size_t needed = fp8_weights_bytes(config);
-  check_tensor(w13, "w13", kTmaAlignment);
+  const bool separate = check_gate_up_form(w13, w1, w3, "w13", "w1", "w3");
   check_tensor(w2, "w2", kTmaAlignment);
   FUSEMOE_CHECK(buffer != nullptr, "fp8 weight buffer must not be null (need " << needed << " bytes)");
   FUSEMOE_CHECK(aligned(buffer, kWorkspaceAlignment),
                 "fp8 weight buffer must be " << kWorkspaceAlignment << "-byte aligned, got " << buffer);
   FUSEMOE_CHECK(buffer_bytes >= needed,
                 "fp8 weight buffer: " << buffer_bytes << " bytes given, " << needed << " needed");
+  return separate;
+}
+
+}  // namespace
+
+void quantize_weights_fp8(const LayerConfig& config, const void* w1, const void* w3, const void* w2, void* buffer,
+                          size_t buffer_bytes, cudaStream_t stream) {
+  FUSEMOE_CHECK(w1 != nullptr || w3 != nullptr, "w1 and w3 must not be null");
+  check_quantize_args(config, nullptr, w1, w3, w2, buffer, buffer_bytes);
+  check_device();
+  check_device_pointer(w1, "w1");
+  check_device_pointer(w3, "w3");
+  check_device_pointer(w2, "w2");
+  check_device_pointer(buffer, "fp8 weight buffer");
+  quantize_fp8_weights(config, w1, w3, w2, buffer, stream);
+}
+
+void quantize_weights_fp8(const LayerConfig& config, const void* w13, const void* w2, void* buffer,
+                          size_t buffer_bytes, cudaStream_t stream) {
+  FUSEMOE_CHECK(w13 != nullptr, "w13 must not be null");
+  check_quantize_args(config, w13, nullptr, nullptr, w2, buffer, buffer_bytes);
   check_device();
   check_device_pointer(w13, "w13");
   check_device_pointer(w2, "w2");
   check_device_pointer(buffer, "fp8 weight buffer");
-  quantize_fp8_weights(config, w13, w2, buffer, stream);
+  quantize_fp8_weights(config, w13, nullptr, w2, buffer, stream);
 }
 
 namespace {
@@ -330,27 +411,36 @@ void checked_layer_call(const LayerConfig& config, Impl impl, const Args& a,
   check_impl_precision(config, impl);
   check_num_tokens(config, a.num_tokens);
   WorkspaceUse use = WorkspaceUse::kForward;
-  NamedTensor outputs_always[2] = {};  // the weight gradients: written at T = 0 too
+  NamedTensor outputs_always[3] = {};  // the weight gradients: written at T = 0 too
   int num_outputs_always = 0;
   if constexpr (kBackward) {
     FUSEMOE_CHECK(a.weight_grad_dtype == WeightGradDtype::kFloat32 ||
                       a.weight_grad_dtype == WeightGradDtype::kBFloat16,
                   "weight_grad_dtype: unknown value " << static_cast<int>(a.weight_grad_dtype));
     use = a.saved_z != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward;
-    outputs_always[0] = NamedTensor{a.dw13, "dw13", kTmaAlignment};
-    outputs_always[1] = NamedTensor{a.dw2, "dw2", kTmaAlignment};
-    num_outputs_always = 2;
   }
-  check_bf16_weights_arg(config, a.w13, a.w2);
+  const bool separate_weights = check_bf16_weights_arg(config, a.w13, a.w1, a.w3, a.w2);
+  bool separate_grads = false;
+  if constexpr (kBackward) {
+    separate_grads = check_gate_up_grads_arg(config, a.weight_grad_dtype, a.dw13, a.dw1, a.dw3);
+    if (separate_grads) {
+      outputs_always[num_outputs_always++] = NamedTensor{a.dw1, "dw1", kTmaAlignment};
+      outputs_always[num_outputs_always++] = NamedTensor{a.dw3, "dw3", kTmaAlignment};
+    } else {
+      outputs_always[num_outputs_always++] = NamedTensor{a.dw13, "dw13", kTmaAlignment};
+    }
+    outputs_always[num_outputs_always++] = NamedTensor{a.dw2, "dw2", kTmaAlignment};
+  }
   check_fp8_weights_arg(config, a.fp8_weights);
   check_tensors(outputs_always, outputs_always + num_outputs_always);
   if (a.num_tokens > 0) check_tensors(token_tensors.begin(), token_tensors.end());
   check_saved_z(impl, a.saved_z);
   if (a.expert_id_report != nullptr) check_tensor(a.expert_id_report, "expert_id_report", 4);
   check_workspace(config, impl, use, a.workspace, a.workspace_bytes);
+  check_separate_gate_up_supported(impl, config, separate_weights, separate_grads);
   check_device();
   if (!a.caller_checked_pointers) {
-    check_weight_device_pointers(config, a.w13, a.w2, a.fp8_weights);
+    check_weight_device_pointers(config, a.w13, a.w1, a.w3, a.w2, a.fp8_weights);
     check_device_pointers(outputs_always, outputs_always + num_outputs_always);
     check_device_pointer(a.workspace, "workspace");
     if (a.num_tokens > 0) check_device_pointers(token_tensors.begin(), token_tensors.end());

@@ -140,6 +140,8 @@ template <typename Args, typename CArgs>
 Args call_args_of(const CArgs& a) {
   Args args;
   copy_call_fields(args, a);
+  args.w1 = a.w1;
+  args.w3 = a.w3;
   args.fp8_weights = a.fp8_weights;
   args.saved_z = a.saved_z;
   args.caller_checked_pointers = a.caller_checked_pointers != 0;
@@ -241,6 +243,8 @@ constexpr FieldLayout kForwardFields[] = {
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, topk_weights),
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, w13),
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, w2),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, w1),
+    FUSEMOE_C_FIELD(FusemoeCForwardArgs, w3),
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, fp8_weights),
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, y),
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, num_tokens),
@@ -259,12 +263,16 @@ constexpr FieldLayout kBackwardFields[] = {
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, topk_weights),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, w13),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, w2),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, w1),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, w3),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, fp8_weights),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, dy),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, dx),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, d_topk_weights),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, dw13),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, dw2),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, dw1),
+    FUSEMOE_C_FIELD(FusemoeCBackwardArgs, dw3),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, accumulate_weight_grads),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, num_tokens),
     FUSEMOE_C_FIELD(FusemoeCBackwardArgs, workspace),
@@ -278,6 +286,8 @@ constexpr FieldLayout kFp8QuantizeFields[] = {
     FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, struct_size),
     FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, w13),
     FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, w2),
+    FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, w1),
+    FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, w3),
     FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, buffer),
     FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, buffer_bytes),
     FUSEMOE_C_FIELD(FusemoeCFp8QuantizeArgs, stream),
@@ -420,8 +430,13 @@ int32_t fusemoe_c_quantize_weights_fp8(const FusemoeCLayer* layer, const Fusemoe
   return guarded([&] {
     const FusemoeCLayer& l = checked_struct(layer, "layer", "FusemoeCLayer");
     const FusemoeCFp8QuantizeArgs& a = checked_struct(args, "args", "FusemoeCFp8QuantizeArgs");
-    fusemoe::quantize_weights_fp8(config_of(l), a.w13, a.w2, a.buffer, a.buffer_bytes,
-                                  static_cast<cudaStream_t>(a.stream));
+    const cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
+    if (a.w13 == nullptr && (a.w1 != nullptr || a.w3 != nullptr)) {
+      fusemoe::quantize_weights_fp8(config_of(l), a.w1, a.w3, a.w2, a.buffer, a.buffer_bytes, stream);
+    } else {
+      FUSEMOE_CHECK(a.w1 == nullptr && a.w3 == nullptr, "pass either w13 or w1 and w3, not both");
+      fusemoe::quantize_weights_fp8(config_of(l), a.w13, a.w2, a.buffer, a.buffer_bytes, stream);
+    }
   });
 }
 
@@ -439,6 +454,8 @@ int32_t fusemoe_c_backward(const FusemoeCLayer* layer, const FusemoeCBackwardArg
       layer, args, "FusemoeCBackwardArgs",
       [](const fusemoe::LayerConfig& config, Impl impl, const FusemoeCBackwardArgs& a, fusemoe::BackwardArgs b) {
         copy_gradient_fields(b, a);
+        b.dw1 = a.dw1;
+        b.dw3 = a.dw3;
         fusemoe::backward(config, impl, b);
       });
 }

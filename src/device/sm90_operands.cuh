@@ -11,6 +11,11 @@
 //                          gate column c and up column c land in one thread's accumulators
 //     WeightsTransposedB   N-major weight [K rows][N cols]: kBlockN/64 boxes [64 k][64 n]
 //     PoolRowsTransposedB  N-major pool rows (weight gradients: act_n), boxes as above
+//   B from separate gate and up weights w1, w3 [E, I, H] (two tensor maps, kTwoMaps): the same
+//   shared-memory image as the policy above it over w13 [E, 2I, H], so the MMAs see the same data
+//     SeparateGateUpWeightsB       as GateUpWeightsB: the gate box from w1, the up box from w3
+//     SeparateWeightsB             as WeightsB over the 2I rows [w1_e; w3_e]: [64 rows][64 k] boxes
+//     SeparateWeightsTransposedB   as WeightsTransposedB over the K rows [w1_e; w3_e]
 // Shared-memory layouts: see the wgmma section of sm90_ptx.cuh. An MN-major B box wholly past
 // N is not loaded (its columns are never stored). A new element type (FP8 with block scales)
 // is a new policy here plus its MMA, not a new kernel.
@@ -149,6 +154,59 @@ struct GateUpWeightsB {
   }
 };
 
+// ------------------------------------------------------ B from separate gate and up weights
+// Two maps, gate (w1) and up (w3), each [E * I rows, H], I = BShape::b_rows_per_expert. A policy
+// with kTwoMaps loads from both (GemmParams then carries map_b_up); every box lies wholly in one
+// of them (I % 64 == 0), and lands where the box of the w13 policy would have put it.
+
+template <int kBlockN_>
+struct SeparateGateUpWeightsB {
+  static constexpr int kBlockN = kBlockN_, kTileCols = kBlockN_ / 2;
+  static constexpr bool kMnMajor = false, kTwoMaps = true;
+  static constexpr uint32_t kBoxRows = kBlockN / 2;
+  __device__ static uint32_t bytes(const Tile&, const BShape&) { return kBlockN * kSwizzleRowBytes; }
+  __device__ static void load(const CUtensorMap* gate_map, const CUtensorMap* up_map, uint64_t* full, uint8_t* dst,
+                              const Tile& tile, int32_t kb, const BShape& s) {
+    const int32_t k = kb * kBlockK;
+    const int32_t row = tile.expert * s.b_rows_per_expert + tile.n_tile * kTileCols;
+    tma_load_2d(gate_map, full, dst, k, row);
+    tma_load_2d(up_map, full, dst + kBlockN / 2 * kSwizzleRowBytes, k, row);
+  }
+};
+
+// Output columns [0, I) are gate rows, [I, 2I) up rows. A box past 2I (the last tile of an expert)
+// reads the next expert's up rows or zeros out of bounds: its columns are never stored, and TMA
+// counts a box's full bytes either way.
+template <int kBlockN_>
+struct SeparateWeightsB {
+  static constexpr int kBlockN = kBlockN_, kTileCols = kBlockN_;
+  static constexpr bool kMnMajor = false, kTwoMaps = true;
+  static constexpr uint32_t kBoxRows = 64;  // a box never straddles the gate/up boundary (I % 64 == 0)
+  static constexpr int kBoxes = kBlockN / kBoxRows;
+  __device__ static uint32_t bytes(const Tile&, const BShape&) { return kBlockN * kSwizzleRowBytes; }
+  __device__ static void load(const CUtensorMap* gate_map, const CUtensorMap* up_map, uint64_t* full, uint8_t* dst,
+                              const Tile& tile, int32_t kb, const BShape& s) {
+    const int32_t k = kb * kBlockK;
+    const int32_t col0 = tile.n_tile * kTileCols;
+    const int32_t gate_row = tile.expert * s.b_rows_per_expert + col0;  // of box 0, in the gate map
+    // Two passes, one map each: selecting a map per box kept both addresses live in the producer's
+    // 40 registers and spilled.
+#pragma unroll
+    for (int j = 0; j < kBoxes; ++j) {
+      if (col0 + j * kBoxRows < s.b_rows_per_expert) {
+        tma_load_2d(gate_map, full, dst + j * kBoxRows * kSwizzleRowBytes, k, gate_row + j * kBoxRows);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kBoxes; ++j) {
+      if (col0 + j * kBoxRows >= s.b_rows_per_expert) {
+        tma_load_2d(up_map, full, dst + j * kBoxRows * kSwizzleRowBytes, k,
+                    gate_row + j * kBoxRows - s.b_rows_per_expert);
+      }
+    }
+  }
+};
+
 // Where the K rows of a transposed B operand start: in the expert's weight [E * rows, N], or at
 // the tile's first pool row (the weight gradient, whose K runs over the expert's rows).
 enum class TransposedBRows { kExpertWeight, kPoolRow };
@@ -176,6 +234,26 @@ struct TransposedB {
 
 template <int kBlockN>
 using WeightsTransposedB = TransposedB<kBlockN, TransposedBRows::kExpertWeight>;
+
+// K rows [0, I) of the expert from the gate map, [I, 2I) from the up map; each 64-row K-block lies
+// in one of them.
+template <int kBlockN_>
+struct SeparateWeightsTransposedB {
+  using Boxes = TransposedB<kBlockN_, TransposedBRows::kExpertWeight>;
+  static constexpr int kBlockN = kBlockN_, kTileCols = kBlockN_;
+  static constexpr bool kMnMajor = true, kTwoMaps = true;
+  static constexpr uint32_t kBoxRows = kMnBoxRows;
+  __device__ static uint32_t bytes(const Tile& tile, const BShape& s) { return Boxes::bytes(tile, s); }
+  __device__ static void load(const CUtensorMap* gate_map, const CUtensorMap* up_map, uint64_t* full, uint8_t* dst,
+                              const Tile& tile, int32_t kb, const BShape& s) {
+    const int32_t k = kb * kBlockK;
+    const bool gate = k < s.b_rows_per_expert;
+    const CUtensorMap* map = gate ? gate_map : up_map;
+    const int32_t k_row = tile.expert * s.b_rows_per_expert + (gate ? k : k - s.b_rows_per_expert);
+    const int32_t n0 = tile.n_tile * kBlockN, boxes = Boxes::count(tile, s);
+    for (int j = 0; j < boxes; ++j) tma_load_2d(map, full, dst + j * kMnBoxBytes, n0 + 64 * j, k_row);
+  }
+};
 template <int kBlockN>
 using PoolRowsTransposedB = TransposedB<kBlockN, TransposedBRows::kPoolRow>;
 

@@ -63,10 +63,14 @@ __global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, 
 }
 
 // One CTA per 128 x 128 block (e, block row, block column). Thread t reads 16-byte chunk t % 16 of
-// rows t / 16 + 16 i (i < 8).
+// rows t / 16 + 16 i (i < 8). kSeparateHalves: matrix e's rows [0, rows/2) are w's matrix e and
+// rows [rows/2, rows) w_up's, each [E, rows/2, cols] (w1 and w3 for w13's layout; a 128-row block
+// lies in one half); otherwise w is [E, rows, cols] and w_up unused.
 constexpr int kTileRowPad = 16;  // bytes: staggers the transposed column reads over the banks
 
+template <bool kSeparateHalves>
 __global__ void __launch_bounds__(kThreads) quantize_weights_fp8_kernel(const __nv_bfloat16* __restrict__ w,
+                                                                        const __nv_bfloat16* __restrict__ w_up,
                                                                         int64_t rows, int64_t cols,
                                                                         uint8_t* __restrict__ q,
                                                                         uint8_t* __restrict__ q_t,
@@ -83,12 +87,24 @@ __global__ void __launch_bounds__(kThreads) quantize_weights_fp8_kernel(const __
   const int64_t matrix = e * rows * cols;
   const int chunk = threadIdx.x % kLanesPerRowBlock, r0 = threadIdx.x / kLanesPerRowBlock;
 
+  // kSeparateHalves: the block's first row in the half that holds it.
+  const __nv_bfloat16* half_block = nullptr;
+  if constexpr (kSeparateHalves) {
+    const int64_t half_rows = rows / 2, row0 = br * kFp8Block;
+    half_block = row0 < half_rows ? w + (e * half_rows + row0) * cols
+                                  : w_up + (e * half_rows + row0 - half_rows) * cols;
+  }
   uint4 raw[kPasses];
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
-    const int64_t r = br * kFp8Block + r0 + kRowsPerPass * i;
-    raw[i] = *reinterpret_cast<const uint4*>(w + matrix + r * cols + bc * kFp8Block + chunk * 8);
+    if constexpr (kSeparateHalves) {
+      const int64_t r = r0 + kRowsPerPass * i;  // within the block
+      raw[i] = *reinterpret_cast<const uint4*>(half_block + r * cols + bc * kFp8Block + chunk * 8);
+    } else {
+      const int64_t r = br * kFp8Block + r0 + kRowsPerPass * i;
+      raw[i] = *reinterpret_cast<const uint4*>(w + matrix + r * cols + bc * kFp8Block + chunk * 8);
+    }
     float v[8];
     sm90::unpack_bf16x8(raw[i], v);
     amax = fmaxf(amax, sm90::amax8(v));
@@ -148,15 +164,25 @@ void launch_quantize_rows_fp8(const void* src_bf16, const int32_t* row_slot, con
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-void launch_quantize_weights_fp8(const void* w_bf16, int64_t num_experts, int64_t rows, int64_t cols, void* q,
-                                 void* q_t, float* scales, cudaStream_t stream) {
+void launch_quantize_weights_fp8(const void* w_bf16, const void* w_up_bf16, int64_t num_experts, int64_t rows,
+                                 int64_t cols, void* q, void* q_t, float* scales, cudaStream_t stream) {
   FUSEMOE_CHECK(rows > 0 && cols > 0 && rows % kFp8Block == 0 && cols % kFp8Block == 0 && num_experts >= 1,
                 "internal error: FP8 weights need [E >= 1, rows, cols] with rows and cols multiples of 128");
+  FUSEMOE_CHECK(w_up_bf16 == nullptr || rows % (2 * kFp8Block) == 0,
+                "internal error: separate FP8 weight halves need rows / 2 to be a multiple of 128");
   const int64_t blocks = num_experts * (rows / kFp8Block) * (cols / kFp8Block);
   FUSEMOE_CHECK(blocks < (int64_t{1} << 31), "internal error: too many 128 x 128 weight blocks for one grid");
-  quantize_weights_fp8_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(w_bf16), rows, cols, static_cast<uint8_t*>(q), static_cast<uint8_t*>(q_t),
-      scales);
+  const auto* w = static_cast<const __nv_bfloat16*>(w_bf16);
+  const auto* w_up = static_cast<const __nv_bfloat16*>(w_up_bf16);
+  auto* q8 = static_cast<uint8_t*>(q);
+  auto* q8_t = static_cast<uint8_t*>(q_t);
+  if (w_up != nullptr) {
+    quantize_weights_fp8_kernel<true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(w, w_up, rows, cols, q8,
+                                                                                              q8_t, scales);
+  } else {
+    quantize_weights_fp8_kernel<false><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(w, nullptr, rows, cols,
+                                                                                               q8, q8_t, scales);
+  }
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -35,7 +35,9 @@ void launch_quantize_rows_fp8(const void* src_bf16, const int32_t* row_slot, con
 // Quantizes E matrices [rows, cols] (bf16, both multiples of 128) in 128 x 128 blocks:
 // q [E, rows, cols] E4M3, q_t [E, cols, rows] (the transpose; skipped when null) and
 // scales [E, rows/128, cols/128] fp32 (block (i, j) of the transpose is block (j, i) here).
-void launch_quantize_weights_fp8(const void* w_bf16, int64_t num_experts, int64_t rows, int64_t cols, void* q,
-                                 void* q_t, float* scales, cudaStream_t stream);
+// w_up_bf16 null: w_bf16 is [E, rows, cols]. Set: matrix e is w_bf16's [rows/2, cols] matrix e over
+// w_up_bf16's (separate gate and up weights w1, w3 as w13; rows/2 a multiple of 128), the same bytes.
+void launch_quantize_weights_fp8(const void* w_bf16, const void* w_up_bf16, int64_t num_experts, int64_t rows,
+                                 int64_t cols, void* q, void* q_t, float* scales, cudaStream_t stream);
 
 }  // namespace fusemoe

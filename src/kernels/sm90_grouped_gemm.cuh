@@ -2,12 +2,13 @@
 // wgmma kernel template whose instances are every GEMM of the fused MoE layer.
 //
 //   instance        A (activations)        B                     scheduler       epilogue
-//   gate/up+SwiGLU  x rows gathered         w13 gate/up boxes     row tiles       SwiGLU (+ z)
+//   gate/up+SwiGLU  x rows gathered         w13 gate/up boxes*    row tiles       SwiGLU (+ z)
 //   down            h pool                  w2 rows               row tiles       weighted slot rows
-//   recompute z     xs pool                 w13 rows              row tiles       sorted rows
+//   recompute z     xs pool                 w13 rows*             row tiles       sorted rows
 //   dgrad+SwiGLU    dys pool                w2 N-major            row tiles       dgrad SwiGLU
-//   dgrad of x      dz pool                 w13 N-major           row tiles       slot rows
+//   dgrad of x      dz pool                 w13 N-major*          row tiles       slot rows
 //   weight grads    act_m^T pool            act_n pool N-major    expert output   TMA-store tiles
+//   * or from separate gate and up weights w1, w3: a second tensor map (map_b_up), same tiles
 //
 // Thread roles (384 threads, one CTA per SM, tiles t = blockIdx.x + i * gridDim.x):
 //   warpgroup 0 (producer, 40 registers): fills the kStages-deep stage ring for every (tile,
@@ -34,6 +35,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "device/sm90_block_scaled.cuh"
 #include "device/sm90_epilogues.cuh"
@@ -89,8 +91,22 @@ struct GemmShape {
   WaitBound wait;                 // the bound of every ring wait
 };
 
+// Whether a B policy reads two weights (gate and up: kTwoMaps), which adds map_b_up to GemmParams.
+template <class B, class = void>
+struct TwoBMaps : std::false_type {};
+template <class B>
+struct TwoBMaps<B, std::void_t<decltype(B::kTwoMaps)>> : std::bool_constant<B::kTwoMaps> {};
+
+// Empty for one map: the parameters of every other instance keep their layout.
+template <bool kTwoMaps>
+struct UpWeightMap {};
+template <>
+struct UpWeightMap<true> {
+  CUtensorMap map_b_up;  // the up weights w3; map_b is then the gate weights w1
+};
+
 template <class Gemm>
-struct GemmParams {
+struct GemmParams : UpWeightMap<TwoBMaps<typename Gemm::B>::value> {
   CUtensorMap map_b;
   typename Gemm::A::Args a;
   typename Gemm::Epilogue::Args epilogue;
@@ -147,6 +163,8 @@ __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm
           uint8_t* tile_b = tiles_b + stage * Gemm::kTileBBytes;
           if constexpr (Gemm::kBlockScaled) {
             B::load(&p.map_b, &ring.full[stage], tile_b, tile, pass, kb, b_shape);
+          } else if constexpr (TwoBMaps<B>::value) {
+            B::load(&p.map_b, &p.map_b_up, &ring.full[stage], tile_b, tile, kb, b_shape);
           } else {
             B::load(&p.map_b, &ring.full[stage], tile_b, tile, kb, b_shape);
           }
@@ -264,6 +282,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
   if (threadIdx.x == 0) {
     if constexpr (!Gemm::A::kGathered) prefetch_tensor_map(&p.a.map);
     prefetch_tensor_map(&p.map_b);
+    if constexpr (TwoBMaps<typename Gemm::B>::value) prefetch_tensor_map(&p.map_b_up);
     Gemm::Epilogue::prefetch(p.epilogue);
     ring.init(kAllProducerThreads<typename Gemm::A>);
   }

@@ -1,7 +1,8 @@
 // The backward's instances of the sm90 grouped GEMM (sm90_grouped_gemm.h): z recompute, dgrad +
 // SwiGLU backward (tile width over I by shape), dgrad of x into the slot rows, and the weight
 // gradients (fp32 or bf16, overwritten or accumulated). The weight gradients keep 64 KB of
-// shared memory for their store staging, which leaves 3 stages of 48 KB.
+// shared memory for their store staging, which leaves 3 stages of 48 KB. z recompute and dgrad of
+// x read w13, or separate w1 and w3 through two tensor maps (the same tiles).
 #include <cuda_bf16.h>
 
 #include "launchers/sm90_launch_gemm.cuh"
@@ -15,12 +16,17 @@ using sm90::RowDestination;
 
 using RecomputeZGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsB<256>, sm90::RowTileScheduler,
                                    sm90::RowStoreEpilogue<256, false, RowDestination::kSortedRow>>;
+using SeparateRecomputeZGemm = GroupedGemm<sm90::PoolRowsA, sm90::SeparateWeightsB<256>, sm90::RowTileScheduler,
+                                           sm90::RowStoreEpilogue<256, false, RowDestination::kSortedRow>>;
 template <int kBlockN, bool kClamp>
 using DgradSwigluGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsTransposedB<kBlockN>, sm90::RowTileScheduler,
                                     sm90::DgradSwiGLUEpilogue<kBlockN, kClamp>>;
 template <RowDestination kDest>
 using DgradScatterGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsTransposedB<256>, sm90::RowTileScheduler,
                                      sm90::RowStoreEpilogue<256, false, kDest>>;
+template <RowDestination kDest>
+using SeparateDgradScatterGemm = GroupedGemm<sm90::PoolRowsA, sm90::SeparateWeightsTransposedB<256>,
+                                             sm90::RowTileScheduler, sm90::RowStoreEpilogue<256, false, kDest>>;
 template <bool kFp32, bool kAccumulate>
 using WeightGradGemm = GroupedGemm<sm90::PoolRowsTransposedA, sm90::PoolRowsTransposedB<256>,
                                    sm90::ExpertOutputTileScheduler, sm90::WeightGradEpilogue<kFp32, kAccumulate>>;
@@ -47,7 +53,10 @@ void launch_weight_grad(const Sm90WeightGradParams& p) {
   GemmParams<Gemm> params{};
   // Both operands are pool rows read as MN-major boxes [64 rows][64 columns]; grad is stored as
   // [E*M rows, N] in boxes of [64 rows][128 B], one per consumer warpgroup and box column.
-  params.a.map = sm90::make_tensor_map_bf16(p.act_m, p.m, rows.max_rows, sm90::kMnBoxRows, "act_m");
+  params.a.map = p.act_m_row_stride == 0
+                     ? sm90::make_tensor_map_bf16(p.act_m, p.m, rows.max_rows, sm90::kMnBoxRows, "act_m")
+                     : sm90::make_tensor_map_bf16_rows(p.act_m, p.m, rows.max_rows, p.act_m_row_stride,
+                                                       sm90::kMnBoxRows, "act_m");
   params.map_b = sm90::make_tensor_map_bf16(p.act_n, p.n, rows.max_rows, sm90::kMnBoxRows, "act_n");
   params.epilogue.map = sm90::make_store_tensor_map(p.grad, kFp32, p.n, rows.num_experts * p.m, sm90::kWgmmaM, "grad");
   params.epilogue.grad = p.grad;
@@ -76,6 +85,14 @@ void launch_sm90_recompute_z(const Sm90RecomputeZParams& p) {
   if (rows.max_rows == 0) return;
   FUSEMOE_ASSERT(p.xs && p.w13 && p.z);
   const int64_t F = 2 * rows.intermediate;
+  if (p.w3 != nullptr) {
+    // The 2I output columns from w1's and w3's I rows per expert.
+    sm90::launch_pool_rows_gemm<SeparateRecomputeZGemm>(WaitKernel::kRecomputeZ, rows, p.xs, rows.hidden, p.w13,
+                                                        rows.intermediate, F,
+                                                        {static_cast<__nv_bfloat16*>(p.z), nullptr, nullptr}, "xs",
+                                                        "w1", p.w3, "w3");
+    return;
+  }
   sm90::launch_pool_rows_gemm<RecomputeZGemm>(WaitKernel::kRecomputeZ, rows, p.xs, rows.hidden, p.w13, F, F,
                                               {static_cast<__nv_bfloat16*>(p.z), nullptr, nullptr}, "xs", "w13");
 }
@@ -98,6 +115,13 @@ void launch_sm90_dgrad_scatter(const Sm90DgradScatterParams& p) {
   FUSEMOE_ASSERT(p.dz && p.w13);
   // dxs = dz W13_e: w13 [E, 2I, H] read as [E*2I rows, H] in N-major boxes.
   const int64_t F = 2 * rows.intermediate;
+  if (p.w3 != nullptr) {
+    // K = 2I over w1's and w3's I rows per expert.
+    sm90::launch_to_slots<SeparateDgradScatterGemm>(WaitKernel::kDgradScatter, rows, p.dz, F, p.w13,
+                                                    rows.intermediate, rows.hidden, p.dx_slots, p.row_slot, nullptr,
+                                                    p.to_peers, "dz", "w1", p.w3, "w3");
+    return;
+  }
   sm90::launch_to_slots<DgradScatterGemm>(WaitKernel::kDgradScatter, rows, p.dz, F, p.w13, F, rows.hidden,
                                           p.dx_slots, p.row_slot, nullptr, p.to_peers, "dz", "w13");
 }

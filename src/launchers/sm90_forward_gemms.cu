@@ -1,6 +1,7 @@
 // The forward's instances of the sm90 grouped GEMM (sm90_grouped_gemm.h): gate/up + SwiGLU with
 // the token rows gathered inside the kernel (no pool), and down + routing weight into the slot
 // rows. Both use 128 x 256 tiles (gate/up: 128 gate + 128 up weight rows) and 4 stages of 48 KB.
+// Gate/up reads w13 through one tensor map, or separate w1 and w3 through two (the same tiles).
 #include <cuda_bf16.h>
 
 #include "launchers/sm90_launch_gemm.cuh"
@@ -16,6 +17,9 @@ constexpr int kBlockN = 256;
 template <bool kClamp, bool kStoreZ>
 using GateUpGemm = GroupedGemm<sm90::GatheredTokenRowsA, sm90::GateUpWeightsB<kBlockN>, sm90::RowTileScheduler,
                                sm90::SwiGLUEpilogue<kBlockN, kClamp, kStoreZ>>;
+template <bool kClamp, bool kStoreZ>
+using SeparateGateUpGemm = GroupedGemm<sm90::GatheredTokenRowsA, sm90::SeparateGateUpWeightsB<kBlockN>,
+                                       sm90::RowTileScheduler, sm90::SwiGLUEpilogue<kBlockN, kClamp, kStoreZ>>;
 template <sm90::RowDestination kDest>
 using DownGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsB<kBlockN>, sm90::RowTileScheduler,
                              sm90::RowStoreEpilogue<kBlockN, true, kDest>>;
@@ -33,6 +37,20 @@ void launch_gate_up(const Sm90GateUpParams& p) {
   sm90::launch_grouped_gemm(params, rows, WaitKernel::kGateUp);
 }
 
+template <bool kClamp, bool kStoreZ>
+void launch_separate_gate_up(const Sm90GateUpParams& p) {
+  using Gemm = SeparateGateUpGemm<kClamp, kStoreZ>;
+  const Sm90Rows& rows = p.rows;
+  const int64_t I = rows.intermediate;
+  GemmParams<Gemm> params{};
+  params.map_b = sm90::make_tensor_map_bf16(p.w13, rows.hidden, rows.num_experts * I, Gemm::B::kBoxRows, "w1");
+  params.map_b_up = sm90::make_tensor_map_bf16(p.w3, rows.hidden, rows.num_experts * I, Gemm::B::kBoxRows, "w3");
+  params.a = {static_cast<const __nv_bfloat16*>(p.x), p.row_slot, static_cast<int32_t>(p.top_k)};
+  params.epilogue = {static_cast<__nv_bfloat16*>(p.h), static_cast<__nv_bfloat16*>(p.z), p.swiglu_clamp};
+  params.shape = sm90::rows_shape(rows, rows.hidden, I, I);
+  sm90::launch_grouped_gemm(params, rows, WaitKernel::kGateUp);
+}
+
 }  // namespace
 
 void launch_sm90_gate_up_swiglu(const Sm90GateUpParams& p) {
@@ -41,7 +59,11 @@ void launch_sm90_gate_up_swiglu(const Sm90GateUpParams& p) {
   FUSEMOE_ASSERT(p.x && p.row_slot && p.w13 && p.h && p.top_k >= 1);
   FUSEMOE_ASSERT(!p.use_swiglu_clamp || p.swiglu_clamp > 0.0f);
   sm90::with_bool_constants(p.use_swiglu_clamp, p.z != nullptr, [&](auto clamp, auto store_z) {
-    launch_gate_up<decltype(clamp)::value, decltype(store_z)::value>(p);
+    if (p.w3 != nullptr) {
+      launch_separate_gate_up<decltype(clamp)::value, decltype(store_z)::value>(p);
+    } else {
+      launch_gate_up<decltype(clamp)::value, decltype(store_z)::value>(p);
+    }
   });
 }
 

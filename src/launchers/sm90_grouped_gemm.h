@@ -12,6 +12,8 @@
 //   weight gradient   grad_e = sum_{r in e} act_m_r^T act_n_r  (dW2: dys, wh; dW13: dz, xs),
 //                     fp32 or bf16, overwritten or added to; one CTA per output tile
 //
+// W13_e is the expert's [2I, H] gate rows then up rows: one tensor w13 [E, 2I, H], or (w3 set)
+// w13 holds w1 [E, I, H] (gate) and w3 [E, I, H] the up rows; both give the same tiles.
 // Shapes: R_max = rows.max_rows (the rows in use, expert_offsets[E], live on the device only),
 // S = T*K slots. Only rows of an expert are written; other output rows keep their contents.
 // The arguments are checked by src/api before any launch: these functions only assert, and
@@ -68,11 +70,12 @@ struct Sm90GateUpParams {
   const void* x = nullptr;             // [T, H] bf16 token rows, gathered by the kernel
   const int32_t* row_slot = nullptr;   // [R_max]
   int64_t top_k = 0;                   // K
-  const void* w13 = nullptr;           // [E, 2I, H] bf16
+  const void* w13 = nullptr;           // [E, 2I, H] bf16, or w1 [E, I, H] when w3 is set
   void* h = nullptr;                   // [R_max, I] bf16 (output)
   void* z = nullptr;                   // optional [R_max, 2I] bf16 (output): [g | u] before the clamp
   bool use_swiglu_clamp = false;
   float swiglu_clamp = 0.0f;
+  const void* w3 = nullptr;            // null, or the up weights [E, I, H] bf16
 };
 
 struct Sm90DownParams {
@@ -89,8 +92,9 @@ struct Sm90DownParams {
 struct Sm90RecomputeZParams {
   Sm90Rows rows;
   const void* xs = nullptr;   // [R_max, H] bf16
-  const void* w13 = nullptr;  // [E, 2I, H] bf16
+  const void* w13 = nullptr;  // [E, 2I, H] bf16, or w1 [E, I, H] when w3 is set
   void* z = nullptr;          // [R_max, 2I] bf16 (output)
+  const void* w3 = nullptr;   // null, or the up weights [E, I, H] bf16
 };
 
 struct Sm90DgradSwigluParams {
@@ -111,16 +115,17 @@ struct Sm90DgradSwigluParams {
 struct Sm90DgradScatterParams {
   Sm90Rows rows;
   const void* dz = nullptr;           // [R_max, 2I] bf16
-  const void* w13 = nullptr;          // [E, 2I, H] bf16
+  const void* w13 = nullptr;          // [E, 2I, H] bf16, or w1 [E, I, H] when w3 is set
   const int32_t* row_slot = nullptr;  // [R_max]
   void* dx_slots = nullptr;           // [S, H] bf16 (output)
   // Set: rows go to other ranks instead (row_slot and dx_slots unused).
   const Sm90PeerRows* to_peers = nullptr;
+  const void* w3 = nullptr;           // null, or the up weights [E, I, H] bf16
 };
 
 struct Sm90WeightGradParams {
   Sm90Rows rows;                // hidden and intermediate unused: m and n give the shape
-  const void* act_m = nullptr;  // [R_max, M] bf16 (dys for dW2, dz for dW13)
+  const void* act_m = nullptr;  // [R_max, M] bf16 (dys for dW2, dz for dW13; dz's gate or up half for dW1, dW3)
   const void* act_n = nullptr;  // [R_max, N] bf16 (wh for dW2, xs for dW13)
   void* grad = nullptr;         // [E, M, N] fp32 or bf16 (output)
   int64_t m = 0;                // M, multiple of 128
@@ -129,6 +134,7 @@ struct Sm90WeightGradParams {
   // false: grad_e is overwritten (experts with no rows get zeros); true: grad_e += result
   // (experts with no rows untouched).
   bool accumulate = false;
+  int64_t act_m_row_stride = 0;  // elements between act_m rows: 0 = M (dense); 2I for a half of dz
 };
 
 // The output tile width over I of the dgrad + SwiGLU GEMM: 256 when hidden >= 4096 (its longer

@@ -65,12 +65,13 @@ void raise_smem_limit_once(const void* kernel, size_t limit_bytes, int device,
 namespace {
 
 // 2-D row-major map with boxes of [box_outer rows, box_inner elements].
+// Rows are row_stride elements apart (inner for a dense matrix).
 CUtensorMap encode_2d(const void* base, CUtensorMapDataType type, uint32_t element_bytes, uint64_t inner,
-                      uint64_t outer, uint32_t box_inner, uint32_t box_outer, CUtensorMapSwizzle swizzle,
-                      const char* name) {
+                      uint64_t outer, uint64_t row_stride, uint32_t box_inner, uint32_t box_outer,
+                      CUtensorMapSwizzle swizzle, const char* name) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {inner, outer};
-  const cuuint64_t strides[1] = {inner * element_bytes};
+  const cuuint64_t strides[1] = {row_stride * element_bytes};
   const cuuint32_t box[2] = {box_inner, box_outer};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult status = tensor_map_encoder()(
@@ -85,7 +86,7 @@ CUtensorMap encode_2d(const void* base, CUtensorMapDataType type, uint32_t eleme
 // 2-D row-major map with 128-byte-swizzled boxes of [box_outer rows, 128 bytes].
 CUtensorMap make_tensor_map_2d(const void* base, CUtensorMapDataType type, uint32_t element_bytes,
                                uint64_t inner, uint64_t outer, uint32_t box_outer, const char* name) {
-  return encode_2d(base, type, element_bytes, inner, outer, kSwizzleBytes / element_bytes, box_outer,
+  return encode_2d(base, type, element_bytes, inner, outer, inner, kSwizzleBytes / element_bytes, box_outer,
                    CU_TENSOR_MAP_SWIZZLE_128B, name);
 }
 
@@ -95,6 +96,12 @@ CUtensorMap make_tensor_map_bf16(const void* base, uint64_t inner, uint64_t oute
                                  uint32_t box_outer, const char* name) {
   static_assert(kTensorMapBoxInner * 2 == kSwizzleBytes, "a bf16 box row is one swizzle row");
   return make_tensor_map_2d(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, inner, outer, box_outer, name);
+}
+
+CUtensorMap make_tensor_map_bf16_rows(const void* base, uint64_t inner, uint64_t outer, uint64_t row_stride,
+                                      uint32_t box_outer, const char* name) {
+  return encode_2d(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, inner, outer, row_stride, kTensorMapBoxInner, box_outer,
+                   CU_TENSOR_MAP_SWIZZLE_128B, name);
 }
 
 CUtensorMap make_store_tensor_map(const void* base, bool fp32, uint64_t inner, uint64_t outer,

@@ -42,6 +42,11 @@ void raise_smem_limit_once(const void* kernel, size_t limit_bytes, int device,
 CUtensorMap make_tensor_map_bf16(const void* base, uint64_t inner, uint64_t outer,
                                  uint32_t box_outer, const char* name);
 
+// The same over columns [0, inner) of rows row_stride elements apart (a column slice of a wider
+// matrix: base 16-byte aligned, row_stride * 2 a multiple of 16).
+CUtensorMap make_tensor_map_bf16_rows(const void* base, uint64_t inner, uint64_t outer, uint64_t row_stride,
+                                      uint32_t box_outer, const char* name);
+
 // Row-major fp32 or bf16 matrix [outer, inner] stored in boxes of [box_outer, 128 bytes] with
 // the 128-byte swizzle (32 fp32 or 64 bf16 per box row); elements outside the matrix are not
 // written. The weight-gradient epilogue's output map.

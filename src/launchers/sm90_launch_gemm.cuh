@@ -80,13 +80,20 @@ void with_bool_constants(bool a, bool b, Launch&& launch) {
 
 // A row-tile instance whose A is a bf16 pool [R_max, K] by TMA and whose B is an expert's weight
 // stored as [E * b_rows_per_expert, K] (K-major) or [E * b_rows_per_expert, N] (read MN-major).
+// A B policy with two maps (TwoBMaps) reads b (gate, w1) and b_up (up, w3), each of that shape.
 template <class Gemm>
 void launch_pool_rows_gemm(WaitKernel kernel_name, const Sm90Rows& rows, const void* a_pool, int64_t k, const void* b,
                            int64_t b_rows_per_expert, int64_t n, const typename Gemm::Epilogue::Args& epilogue,
-                           const char* a_name, const char* b_name) {
+                           const char* a_name, const char* b_name, const void* b_up = nullptr,
+                           const char* b_up_name = nullptr) {
   GemmParams<Gemm> params{};
   params.map_b = make_tensor_map_bf16(b, Gemm::B::kMnMajor ? n : k, rows.num_experts * b_rows_per_expert,
                                       Gemm::B::kBoxRows, b_name);
+  if constexpr (TwoBMaps<typename Gemm::B>::value) {
+    FUSEMOE_ASSERT(b_up != nullptr);
+    params.map_b_up = make_tensor_map_bf16(b_up, Gemm::B::kMnMajor ? n : k, rows.num_experts * b_rows_per_expert,
+                                           Gemm::B::kBoxRows, b_up_name);
+  }
   params.a.map = make_tensor_map_bf16(a_pool, k, rows.max_rows, kBlockM, a_name);
   params.epilogue = epilogue;
   params.shape = rows_shape(rows, k, n, b_rows_per_expert);
@@ -99,7 +106,8 @@ void launch_pool_rows_gemm(WaitKernel kernel_name, const Sm90Rows& rows, const v
 template <template <RowDestination> class SlotGemm>
 void launch_to_slots(WaitKernel kernel_name, const Sm90Rows& rows, const void* a_pool, int64_t k, const void* b,
                      int64_t b_rows_per_expert, int64_t n, void* slots, const int32_t* row_slot,
-                     const float* topk_weights, const Sm90PeerRows* to_peers, const char* a_name, const char* b_name) {
+                     const float* topk_weights, const Sm90PeerRows* to_peers, const char* a_name, const char* b_name,
+                     const void* b_up = nullptr, const char* b_up_name = nullptr) {
   auto launch = [&](auto gemm) {
     using Gemm = decltype(gemm);
     typename Gemm::Epilogue::Args epilogue{};
@@ -113,7 +121,8 @@ void launch_to_slots(WaitKernel kernel_name, const Sm90Rows& rows, const void* a
       epilogue.row_slot = row_slot;
       epilogue.topk_weights = topk_weights;
     }
-    launch_pool_rows_gemm<Gemm>(kernel_name, rows, a_pool, k, b, b_rows_per_expert, n, epilogue, a_name, b_name);
+    launch_pool_rows_gemm<Gemm>(kernel_name, rows, a_pool, k, b, b_rows_per_expert, n, epilogue, a_name, b_name, b_up,
+                                b_up_name);
   };
   if (to_peers != nullptr) {
     FUSEMOE_ASSERT(to_peers->row_src && to_peers->row_slot);

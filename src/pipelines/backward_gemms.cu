@@ -1,6 +1,8 @@
 // The backward GEMM steps shared by the fused and the expert-parallel backward (backward_gemms.h).
 #include "pipelines/backward_gemms.h"
 
+#include <cuda_bf16.h>
+
 namespace fusemoe {
 
 void BackwardPools::carve_pools(WorkspaceCarver& carver, int64_t rows, int64_t hidden, int64_t intermediate) {
@@ -21,7 +23,7 @@ BackwardRows BackwardPools::weight_grad_rows() const {
 }
 
 int64_t launch_backward_dgrad(const Sm90Rows& rows, const LayerConfig& c, const BackwardRows& b, const void* w13,
-                              const void* w2) {
+                              const void* w3, const void* w2) {
   // z from the forward (the same routing, so the same row order) or recomputed here.
   const void* z = b.saved_z;
   if (z == nullptr) {
@@ -29,6 +31,7 @@ int64_t launch_backward_dgrad(const Sm90Rows& rows, const LayerConfig& c, const 
     rz.rows = rows;
     rz.xs = b.xs;
     rz.w13 = w13;
+    rz.w3 = w3;
     rz.z = b.z_scratch;
     launch_sm90_recompute_z(rz);
     z = b.z_scratch;
@@ -50,7 +53,7 @@ int64_t launch_backward_dgrad(const Sm90Rows& rows, const LayerConfig& c, const 
   return sm90_dgrad_num_n_tiles(rows.intermediate, d1.block_n);
 }
 
-void launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, void* dw13, void* dw2,
+void launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, void* dw13, void* dw3, void* dw2,
                                   WeightGradDtype dtype, bool accumulate) {
   Sm90WeightGradParams w2g;
   w2g.rows = rows;
@@ -68,6 +71,17 @@ void launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, v
   w13g.grad = dw13;
   w13g.m = 2 * rows.intermediate;
   w13g.n = rows.hidden;
+  if (dw3 == nullptr) {
+    launch_sm90_weight_grad(w13g);
+    return;
+  }
+  // dz [R, 2I]: its gate columns for dW1, its up columns for dW3, rows 2I apart.
+  const int64_t I = rows.intermediate;
+  w13g.m = I;
+  w13g.act_m_row_stride = 2 * I;
+  launch_sm90_weight_grad(w13g);
+  w13g.act_m = static_cast<const __nv_bfloat16*>(b.dz) + I;
+  w13g.grad = dw3;
   launch_sm90_weight_grad(w13g);
 }
 

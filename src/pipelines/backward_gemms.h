@@ -37,12 +37,16 @@ struct BackwardPools {
   BackwardRows weight_grad_rows() const;
 };
 
-// z (recomputed unless saved) and dgrad + SwiGLU; returns the router partials per row.
+// z (recomputed unless saved) and dgrad + SwiGLU; returns the router partials per row. w13 [E, 2I, H],
+// or (w3 set) w13 is w1 [E, I, H] and w3 the up weights.
 int64_t launch_backward_dgrad(const Sm90Rows& rows, const LayerConfig& config, const BackwardRows& b, const void* w13,
-                              const void* w2);
+                              const void* w3, const void* w2);
 
-// dW2 = dys^T wh and dW13 = dz^T xs for every expert of rows (zeroed or untouched when empty).
-void launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, void* dw13, void* dw2,
+// dW2 = dys^T wh and dW13 = dz^T xs for every expert of rows (zeroed or untouched when empty). dw3
+// null: dw13 [E, 2I, H]; set: dW1 = dz[:, :I]^T xs into dw13 (then dw1 [E, I, H]) and dW3 =
+// dz[:, I:]^T xs into dw3, two launches whose tiles are those of dW13 (I % 128 == 0, checked at the
+// API), so every element is the same sum in the same order.
+void launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, void* dw13, void* dw3, void* dw2,
                                   WeightGradDtype dtype, bool accumulate);
 
 }  // namespace fusemoe

@@ -153,7 +153,7 @@ void ep_layer_backward(const EpConfig& c, const EpBackwardArgs& a) {
   b.router_partials = ws.partials;
   b.weight_index = ws.owner.row_identity;  // weights by row: row_weight[row_identity[r]]
   b.weights = ws.owner.row_weight;
-  const int64_t num_n_tiles = launch_backward_dgrad(rows, l, b, a.call.w13, a.call.w2);
+  const int64_t num_n_tiles = launch_backward_dgrad(rows, l, b, a.call.w13, nullptr, a.call.w2);
   launch_ep_push_router_grads(peers, own, ws.owner, El, ws.partials, num_n_tiles, rows.max_rows, a.call.stream);
 
   const Sm90PeerRows to_sources = peer_rows(c, peers, own, ws.owner);
@@ -166,7 +166,7 @@ void ep_layer_backward(const EpConfig& c, const EpBackwardArgs& a) {
   launch_ep_signal(peers, own, /*to_owners=*/false, a.call.stream);
 
   // The weight gradients stay local; they run while the sources combine.
-  launch_backward_weight_grads(rows, b, a.dw13, a.dw2, a.weight_grad_dtype, a.accumulate_weight_grads);
+  launch_backward_weight_grads(rows, b, a.dw13, nullptr, a.dw2, a.weight_grad_dtype, a.accumulate_weight_grads);
 
   launch_ep_wait(peers, own, /*from_sources=*/false, a.call.stream);
   launch_combine_slots(own.slots, ws.plan.slot_row, a.call.num_tokens, l.top_k, H, a.dx, a.call.stream);

@@ -9,6 +9,8 @@
 //   6. dgrad scatter      dxs = dz W13_e written to the slot row dx_slots[t*K + j]
 //   7. combine            dx_t = sum_j dx_slots[t*K + j] in slot order (deterministic)
 //   8. weight gradients   dW2_e = dys^T wh, dW13_e = dz^T xs, one CTA per output tile
+// W13_e is w13's [2I, H], or w1's and w3's [I, H] each read in place (separate gate and up weights);
+// dW13 likewise goes to dw13, or to dw1 and dw3.
 // Memory per routed row (bf16): xs, dys, dx_slots [H] each + dz [2I] + wh [I] + z [2I] (only
 // when recomputed: with the forward's saved z the workspace ends before it), plus one fp32 per
 // row and dgrad tile.
@@ -68,20 +70,25 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
                                     ws.xs_RH, stream);
     launch_gather_rows_device_count(args.dy, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H,
                                     ws.dys_RH, stream);
-    const int64_t num_n_tiles = launch_backward_dgrad(rows, c, b, args.w13, args.w2);
+    // w1 with w3 (separate gate and up weights), else w13.
+    const void* gate_weights = args.w3 != nullptr ? args.w1 : args.w13;
+    const int64_t num_n_tiles = launch_backward_dgrad(rows, c, b, gate_weights, args.w3, args.w2);
     launch_router_grad_reduce(ws.router_partials, num_n_tiles, ws.plan.slot_row, num_slots, args.d_topk_weights,
                               stream);
     Sm90DgradScatterParams d2;
     d2.rows = rows;
     d2.dz = ws.dz_RF;
-    d2.w13 = args.w13;
+    d2.w13 = gate_weights;
+    d2.w3 = args.w3;
     d2.row_slot = ws.plan.row_slot;
     d2.dx_slots = ws.dx_slots_SH;
     launch_sm90_dgrad_scatter(d2);
     launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream);
   }
   // No rows: zeroed, or untouched when accumulating.
-  launch_backward_weight_grads(rows, b, args.dw13, args.dw2, args.weight_grad_dtype, args.accumulate_weight_grads);
+  // dw1 with dw3 (separate gate and up gradients), else dw13.
+  launch_backward_weight_grads(rows, b, args.dw3 != nullptr ? args.dw1 : args.dw13, args.dw3, args.dw2,
+                               args.weight_grad_dtype, args.accumulate_weight_grads);
 }
 
 }  // namespace fusemoe

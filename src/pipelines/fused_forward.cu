@@ -10,6 +10,7 @@
 //   4. combine            y_t = sum_j ys[t*K + j] in slot order (deterministic)
 // Steps 2 and 3 in one launch, and step 4 inside the down kernel, were built and measured slower
 // (docs/experiments.md#one-launch-forward, #combine-in-down).
+// The gate/up weights are w13, or w1 and w3 read in place (separate gate and up weights).
 // Rows past expert_offsets[E] are never read or written; masked and invalid slots own no row.
 // The row count R lives on the device only: launches are sized for T*K rows, and the GEMM
 // kernels derive their tile lists from expert_offsets.
@@ -64,7 +65,8 @@ void fused_forward(const LayerConfig& c, const ForwardArgs& args) {
   gate_up.x = args.x;
   gate_up.row_slot = ws.plan.row_slot;
   gate_up.top_k = c.top_k;
-  gate_up.w13 = args.w13;
+  gate_up.w13 = args.w3 != nullptr ? args.w1 : args.w13;  // w1 with w3, the separate gate and up weights
+  gate_up.w3 = args.w3;
   gate_up.h = ws.h_RI;
   gate_up.z = args.saved_z;  // null: the backward recomputes z
   gate_up.use_swiglu_clamp = c.use_swiglu_clamp;

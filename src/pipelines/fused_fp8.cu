@@ -120,7 +120,8 @@ size_t fp8_weights_buffer_bytes(const LayerConfig& config) { return Fp8WeightsLa
 
 Fp8Weights fp8_weights_in(const LayerConfig& config, const void* buffer) { return Fp8WeightsLayout(config, buffer).w; }
 
-void quantize_fp8_weights(const LayerConfig& c, const void* w13, const void* w2, void* buffer, cudaStream_t stream) {
+void quantize_fp8_weights(const LayerConfig& c, const void* w13, const void* w3, const void* w2, void* buffer,
+                          cudaStream_t stream) {
   const Fp8WeightsLayout layout(c, buffer);
   const Fp8Weights& w = layout.w;
   // The padding is zeroed too, so every byte of the buffer follows from the weights: two buffers
@@ -129,9 +130,9 @@ void quantize_fp8_weights(const LayerConfig& c, const void* w13, const void* w2,
     const size_t pad = align_workspace(bytes) - bytes;
     if (pad > 0) FUSEMOE_CUDA_CHECK(cudaMemsetAsync(start + bytes, 0, pad, stream));
   }
-  launch_quantize_weights_fp8(w13, c.num_experts, 2 * c.intermediate, c.hidden, const_cast<void*>(w.w13),
+  launch_quantize_weights_fp8(w13, w3, c.num_experts, 2 * c.intermediate, c.hidden, const_cast<void*>(w.w13),
                               const_cast<void*>(w.w13_t), const_cast<float*>(w.w13_scales), stream);
-  launch_quantize_weights_fp8(w2, c.num_experts, c.hidden, c.intermediate, const_cast<void*>(w.w2),
+  launch_quantize_weights_fp8(w2, nullptr, c.num_experts, c.hidden, c.intermediate, const_cast<void*>(w.w2),
                               const_cast<void*>(w.w2_t), const_cast<float*>(w.w2_scales), stream);
 }
 
@@ -244,7 +245,9 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
   }
 
   // Weight gradients from the bf16 pools with the BF16 path's step (no rows: zeroed, or untouched).
-  launch_backward_weight_grads(rows, ws.weight_grad_rows(), args.dw13, args.dw2, args.weight_grad_dtype, args.accumulate_weight_grads);
+  // dw1 with dw3 (separate gate and up gradients), else dw13.
+  launch_backward_weight_grads(rows, ws.weight_grad_rows(), args.dw3 != nullptr ? args.dw1 : args.dw13, args.dw3,
+                               args.dw2, args.weight_grad_dtype, args.accumulate_weight_grads);
 }
 
 }  // namespace fusemoe

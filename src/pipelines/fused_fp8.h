@@ -11,7 +11,8 @@ namespace fusemoe {
 
 size_t fp8_weights_buffer_bytes(const LayerConfig& config);
 Fp8Weights fp8_weights_in(const LayerConfig& config, const void* buffer);
-void quantize_fp8_weights(const LayerConfig& config, const void* w13, const void* w2, void* buffer,
+// w13 [E, 2I, H], or (w3 set) w13 is w1 [E, I, H] and w3 the up weights: the same buffer.
+void quantize_fp8_weights(const LayerConfig& config, const void* w13, const void* w3, const void* w2, void* buffer,
                           cudaStream_t stream);
 
 // Workspaces: the routing plan at the start, as in the BF16 fused workspaces, so

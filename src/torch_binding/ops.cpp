@@ -312,6 +312,77 @@ std::tuple<Tensor, Tensor> moe_experts_fp8_backward_into(
   return {g.dx_TH, g.d_topk_weights_TK};
 }
 
+// ---- separate gate and up weights (fusemoe.separate): w1, w3 [E, I, H] read in place ----
+
+// The args of a w1/w3 call: shared_args with w1 in w13's place, then moved to the w1, w3 fields.
+template <typename CArgs>
+CArgs w1w3_args(const Inputs& in, const Tensor& w3_EIH, const LayerDims& d, const Workspace& workspace,
+                int32_t* report, int32_t device) {
+  CArgs a = shared_args<CArgs>(in, d, workspace, report, device);
+  a.w1 = a.w13;
+  a.w13 = nullptr;
+  a.w3 = data(w3_EIH);
+  return a;
+}
+
+std::tuple<Tensor, Tensor> moe_experts_w1w3_forward(const Tensor& x_TH, const Tensor& topk_idx_TK,
+                                                    const Tensor& topk_weights_TK, const Tensor& w1_EIH,
+                                                    const Tensor& w3_EIH, const Tensor& w2_EHI, const std::string& impl,
+                                                    bool save_z, std::optional<double> swiglu_clamp) {
+  const LayerDims d = check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, nullptr);
+  check_cuda(x_TH, kApiW1W3);
+  check_save_z(save_z, impl);
+  const FusemoeCLayer layer = c_layer(d, impl, swiglu_clamp, FUSEMOE_C_PRECISION_BF16);
+  const int32_t device = x_TH.get_device_index();
+  Tensor y_TH = empty_like_cuda(x_TH, device, "y");
+  Tensor z_SF = save_z ? empty_cuda({d.num_tokens * d.top_k, 2 * d.intermediate}, dtype_bfloat16(), device, "z")
+                       : empty_cuda({0}, dtype_bfloat16(), device, "z");
+  torch::stable::accelerator::DeviceGuard guard(device);
+  int32_t* report = expert_id_report_for_call(device, d.num_experts, d.top_k);
+  const Workspace workspace = workspace_for(layer, FUSEMOE_C_WORKSPACE_FORWARD, "forward", device);
+  auto a = w1w3_args<FusemoeCForwardArgs>({x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, nullptr}, w3_EIH, d,
+                                          workspace, report, device);
+  a.y = data(y_TH);
+  a.saved_z = z_SF.numel() > 0 ? data(z_SF) : nullptr;
+  check_c_status(fusemoe_c_forward(&layer, &a));
+  return {y_TH, z_SF};
+}
+
+// dx, d_topk_weights and the weight gradients dw1, dw3, dw2 in fresh tensors of the weights' dtype.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> moe_experts_w1w3_backward(
+    const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
+    const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI, const std::string& impl,
+    const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
+  const LayerDims d = check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, &dy_TH);
+  check_cuda(x_TH, kApiW1W3);
+  const Tensor* saved_z = check_saved_z(saved_z_SF, d, x_TH, impl);
+  const FusemoeCLayer layer = c_layer(d, impl, swiglu_clamp, FUSEMOE_C_PRECISION_BF16);
+  const int32_t device = x_TH.get_device_index();
+  Tensor dx_TH = empty_like_cuda(x_TH, device, "dx");
+  Tensor d_topk_weights_TK = empty_like_cuda(topk_weights_TK, device, "d_topk_weights");
+  Tensor dw1_EIH = empty_like_cuda(w1_EIH, device, "dw1");
+  Tensor dw3_EIH = empty_like_cuda(w3_EIH, device, "dw3");
+  Tensor dw2_EHI = empty_like_cuda(w2_EHI, device, "dw2");
+  torch::stable::accelerator::DeviceGuard guard(device);
+  int32_t* report = expert_id_report_for_call(device, d.num_experts, d.top_k);
+  const Workspace workspace =
+      saved_z == nullptr
+          ? workspace_for(layer, FUSEMOE_C_WORKSPACE_BACKWARD, "backward", device)
+          : workspace_for(layer, FUSEMOE_C_WORKSPACE_BACKWARD_SAVED_Z, "backward_saved_z", device);
+  auto a = w1w3_args<FusemoeCBackwardArgs>({x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, nullptr}, w3_EIH,
+                                           d, workspace, report, device);
+  a.weight_grad_dtype = FUSEMOE_C_WEIGHT_GRAD_BFLOAT16;  // the weights' dtype (bf16, checked)
+  a.dy = data(dy_TH);
+  a.dx = data(dx_TH);
+  a.d_topk_weights = static_cast<float*>(data(d_topk_weights_TK));
+  a.dw1 = data(dw1_EIH);
+  a.dw3 = data(dw3_EIH);
+  a.dw2 = data(dw2_EHI);
+  a.saved_z = saved_z != nullptr ? data(*saved_z) : nullptr;
+  check_c_status(fusemoe_c_backward(&layer, &a));
+  return {dx_TH, d_topk_weights_TK, dw1_EIH, dw3_EIH, dw2_EHI};
+}
+
 // The FP8 weight buffer of bf16 w13 [E, 2I, H] and w2 [E, H, I] (fusemoe.fp8).
 Tensor quantize_weights_fp8(const Tensor& w13_EFH, const Tensor& w2_EHI) {
   check_tensor(w13_EFH, "w13 (gate_up_proj)", 3, dtype_bfloat16());
@@ -345,8 +416,8 @@ Tensor quantize_weights_fp8(const Tensor& w13_EFH, const Tensor& w2_EHI) {
 }  // namespace
 }  // namespace fusemoe::torch_binding
 
-// The schemas are those torch.library.custom_op infers from ops.py's and fp8.py's Python
-// definitions (the ctypes path), so both paths define the same ops; a CPU test compares them.
+// The schemas are those torch.library.custom_op infers from ops.py's, fp8.py's and separate.py's
+// Python definitions (the ctypes path), so both paths define the same ops; a CPU test compares them.
 // A fragment, not the namespace's one definition: fusemoe's Python code may add ops to it.
 STABLE_TORCH_LIBRARY_FRAGMENT(fusemoe, m) {
   m.def("moe_experts_forward(Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, Tensor w13_EFH, "
@@ -368,6 +439,11 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fusemoe, m) {
         "Tensor w13_EFH, Tensor w2_EHI, Tensor fp8_weights, Tensor(a7!) dw13_EFH, Tensor(a8!) dw2_EHI, "
         "bool accumulate, str impl, Tensor? saved_z_SF=None, float? swiglu_clamp=None) -> (Tensor, Tensor)");
   m.def("quantize_weights_fp8(Tensor w13_EFH, Tensor w2_EHI) -> Tensor");
+  m.def("moe_experts_w1w3_forward(Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, Tensor w1_EIH, "
+        "Tensor w3_EIH, Tensor w2_EHI, str impl, bool save_z=False, float? swiglu_clamp=None) -> (Tensor, Tensor)");
+  m.def("moe_experts_w1w3_backward(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, "
+        "Tensor w1_EIH, Tensor w3_EIH, Tensor w2_EHI, str impl, Tensor? saved_z_SF=None, "
+        "float? swiglu_clamp=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(fusemoe, CompositeExplicitAutograd, m) {
@@ -379,4 +455,6 @@ STABLE_TORCH_LIBRARY_IMPL(fusemoe, CompositeExplicitAutograd, m) {
   m.impl("moe_experts_fp8_backward", TORCH_BOX(&moe_experts_fp8_backward));
   m.impl("moe_experts_fp8_backward_into", TORCH_BOX(&moe_experts_fp8_backward_into));
   m.impl("quantize_weights_fp8", TORCH_BOX(&quantize_weights_fp8));
+  m.impl("moe_experts_w1w3_forward", TORCH_BOX(&moe_experts_w1w3_forward));
+  m.impl("moe_experts_w1w3_backward", TORCH_BOX(&moe_experts_w1w3_backward));
 }

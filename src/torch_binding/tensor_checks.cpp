@@ -90,7 +90,9 @@ int32_t dtype_float32() { return aoti_torch_dtype_float32(); }
 int32_t dtype_int32() { return aoti_torch_dtype_int32(); }
 int32_t dtype_uint8() { return aoti_torch_dtype_uint8(); }
 
-void fail(const std::string& message) { throw_error(ErrorKind::kArgument, "fusemoe.moe_experts: " + message); }
+void fail(const std::string& message, const char* api) {
+  throw_error(ErrorKind::kArgument, std::string(api) + ": " + message);
+}
 
 std::string device_string(const Tensor& t) {
   const DeviceId d = device_of(t);
@@ -106,18 +108,97 @@ bool same_device(const Tensor& a, const Tensor& b) { return device_of(a) == devi
 
 bool is_cuda(const Tensor& t) { return device_of(t).type == aoti_torch_device_type_cuda(); }
 
-void check_tensor(const Tensor& t, const char* name, int64_t ndim, int32_t dtype) {
+void check_tensor(const Tensor& t, const char* name, int64_t ndim, int32_t dtype, const char* api) {
   if (t.dim() != ndim) {
     fail(std::string(name) + " must have " + std::to_string(ndim) + " dimensions, got shape " +
-         shape_string(t));
+             shape_string(t),
+         api);
   }
   if (dtype_of(t) != dtype) {
-    fail(std::string(name) + " must be " + dtype_string(dtype) + ", got " + dtype_string(dtype_of(t)));
+    fail(std::string(name) + " must be " + dtype_string(dtype) + ", got " + dtype_string(dtype_of(t)), api);
   }
   if (!t.is_contiguous()) {
     fail(std::string(name) + " must be contiguous (call .contiguous()), got strides " +
-         py_tuple(t.strides()));
+             py_tuple(t.strides()),
+         api);
   }
+}
+
+
+namespace {
+
+struct NamedTensor {
+  const char* name;
+  const Tensor* t;
+};
+
+// ops._check_routing: topk_idx, topk_weights and dy against x, and every tensor on x's device
+// (weights: the layer's weights by name, in order).
+void check_routing(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK, const Tensor* dy_TH,
+                   std::initializer_list<NamedTensor> weights, LayerDims& d, const char* api) {
+  if (topk_idx_TK.size(0) != d.num_tokens) {
+    fail("topk_idx must be [T, K] with T = x.shape[0] = " + std::to_string(d.num_tokens) + ", got " +
+             shape_string(topk_idx_TK),
+         api);
+  }
+  if (!same_shape(topk_weights_TK, topk_idx_TK)) {
+    fail("topk_weights must have the shape of topk_idx " + shape_string(topk_idx_TK) + ", got " +
+             shape_string(topk_weights_TK),
+         api);
+  }
+  d.top_k = topk_idx_TK.size(1);
+  if (dy_TH != nullptr) {
+    check_tensor(*dy_TH, "dy (grad of the output)", 2, dtype_bfloat16(), api);
+    if (!same_shape(*dy_TH, x_TH)) {
+      fail("dy must have the shape of x " + shape_string(x_TH) + ", got " + shape_string(*dy_TH), api);
+    }
+  }
+  auto check_device = [&](const NamedTensor& n) {
+    if (n.t != nullptr && !same_device(*n.t, x_TH)) {
+      fail(std::string(n.name) + " is on " + device_string(*n.t) + " but x is on " + device_string(x_TH) +
+               ": all tensors must be on one CUDA device",
+           api);
+    }
+  };
+  check_device({"topk_idx", &topk_idx_TK});
+  check_device({"topk_weights", &topk_weights_TK});
+  for (const NamedTensor& n : weights) check_device(n);
+  check_device({"dy", dy_TH});
+}
+
+}  // namespace
+
+LayerDims check_inputs_w1w3(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
+                            const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI, const Tensor* dy_TH) {
+  const char* api = kApiW1W3;
+  check_tensor(x_TH, "x (hidden_states)", 2, dtype_bfloat16(), api);
+  check_tensor(topk_idx_TK, "topk_idx", 2, dtype_int32(), api);
+  check_tensor(topk_weights_TK, "topk_weights", 2, dtype_float32(), api);
+  check_tensor(w1_EIH, "w1 (gate)", 3, dtype_bfloat16(), api);
+  check_tensor(w3_EIH, "w3 (up)", 3, dtype_bfloat16(), api);
+  check_tensor(w2_EHI, "w2 (down)", 3, dtype_bfloat16(), api);
+  LayerDims d;
+  d.num_tokens = x_TH.size(0);
+  d.hidden = x_TH.size(1);
+  d.num_experts = w1_EIH.size(0);
+  d.intermediate = w1_EIH.size(1);
+  if (w1_EIH.size(2) != d.hidden) {
+    fail("w1 (gate) must be [E, I, H] with H = x.shape[1] = " + std::to_string(d.hidden) + ", got " +
+             shape_string(w1_EIH),
+         api);
+  }
+  if (!same_shape(w3_EIH, w1_EIH)) {
+    fail("w3 (up) must have the shape of w1 (gate) " + shape_string(w1_EIH) + ", got " + shape_string(w3_EIH), api);
+  }
+  if (w2_EHI.size(0) != d.num_experts || w2_EHI.size(1) != d.hidden || w2_EHI.size(2) != d.intermediate) {
+    fail("w2 (down) must be [E, H, I] = (" + std::to_string(d.num_experts) + ", " + std::to_string(d.hidden) +
+             ", " + std::to_string(d.intermediate) + ") to match w1 " + shape_string(w1_EIH) + ", got " +
+             shape_string(w2_EHI),
+         api);
+  }
+  check_routing(x_TH, topk_idx_TK, topk_weights_TK, dy_TH,
+                {{"w1 (gate)", &w1_EIH}, {"w3 (up)", &w3_EIH}, {"w2 (down)", &w2_EHI}}, d, api);
+  return d;
 }
 
 LayerDims check_inputs(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
@@ -138,36 +219,8 @@ LayerDims check_inputs(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tens
          ", got " + shape_string(w13_EFH));
   }
   check_w2_matches_w13(w13_EFH, w2_EHI);
-  if (topk_idx_TK.size(0) != d.num_tokens) {
-    fail("topk_idx must be [T, K] with T = x.shape[0] = " + std::to_string(d.num_tokens) + ", got " +
-         shape_string(topk_idx_TK));
-  }
-  if (!same_shape(topk_weights_TK, topk_idx_TK)) {
-    fail("topk_weights must have the shape of topk_idx " + shape_string(topk_idx_TK) + ", got " +
-         shape_string(topk_weights_TK));
-  }
-  d.top_k = topk_idx_TK.size(1);
-  if (dy_TH != nullptr) {
-    check_tensor(*dy_TH, "dy (grad of the output)", 2, dtype_bfloat16());
-    if (!same_shape(*dy_TH, x_TH)) {
-      fail("dy must have the shape of x " + shape_string(x_TH) + ", got " + shape_string(*dy_TH));
-    }
-  }
-  struct Named {
-    const char* name;
-    const Tensor* t;
-  };
-  const Named named[] = {{"topk_idx", &topk_idx_TK},
-                         {"topk_weights", &topk_weights_TK},
-                         {"w13 (gate_up_proj)", &w13_EFH},
-                         {"w2 (down_proj)", &w2_EHI},
-                         {"dy", dy_TH}};
-  for (const Named& n : named) {
-    if (n.t != nullptr && !same_device(*n.t, x_TH)) {
-      fail(std::string(n.name) + " is on " + device_string(*n.t) + " but x is on " + device_string(x_TH) +
-           ": all tensors must be on one CUDA device");
-    }
-  }
+  check_routing(x_TH, topk_idx_TK, topk_weights_TK, dy_TH,
+                {{"w13 (gate_up_proj)", &w13_EFH}, {"w2 (down_proj)", &w2_EHI}}, d, kApi);
   return d;
 }
 
@@ -180,8 +233,8 @@ void check_w2_matches_w13(const Tensor& w13_EFH, const Tensor& w2_EHI) {
   }
 }
 
-void check_cuda(const Tensor& x_TH) {
-  if (!is_cuda(x_TH)) fail("tensors must be on a CUDA device, got " + device_string(x_TH));
+void check_cuda(const Tensor& x_TH, const char* api) {
+  if (!is_cuda(x_TH)) fail("tensors must be on a CUDA device, got " + device_string(x_TH), api);
 }
 
 void check_save_z(bool save_z, const std::string& impl) {

@@ -34,7 +34,10 @@ int32_t dtype_uint8();
 
 // Throws std::invalid_argument("fusemoe.moe_experts: " + message), as ops.py's _fail raises
 // ValueError.
-[[noreturn]] void fail(const std::string& message);
+// api: the entry point the message names (fusemoe.separate's ops pass kApiW1W3).
+constexpr const char* kApi = "fusemoe.moe_experts";
+constexpr const char* kApiW1W3 = "fusemoe.moe_experts_w1w3";
+[[noreturn]] void fail(const std::string& message, const char* api = kApi);
 
 // str(t.device): "cuda:0", "cpu".
 std::string device_string(const Tensor& t);
@@ -42,15 +45,19 @@ bool same_device(const Tensor& a, const Tensor& b);
 bool is_cuda(const Tensor& t);
 
 // _check_tensor: t has ndim dimensions, dtype and is contiguous.
-void check_tensor(const Tensor& t, const char* name, int64_t ndim, int32_t dtype);
+void check_tensor(const Tensor& t, const char* name, int64_t ndim, int32_t dtype, const char* api = kApi);
 
 // _check_inputs: the five inputs (and dy for a backward, or null) agree on the layer's sizes and
 // device. Returns the sizes.
 LayerDims check_inputs(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
                        const Tensor& w13_EFH, const Tensor& w2_EHI, const Tensor* dy_TH);
 
+// fusemoe.separate._check_inputs_w1w3: the same for separate gate and up weights w1, w3 [E, I, H].
+LayerDims check_inputs_w1w3(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
+                            const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI, const Tensor* dy_TH);
+
 // _check_cuda: the tensors (all on x's device by now) are on a CUDA device.
-void check_cuda(const Tensor& x_TH);
+void check_cuda(const Tensor& x_TH, const char* api = kApi);
 
 // _check_save_z: saving z needs impl "fused".
 void check_save_z(bool save_z, const std::string& impl);

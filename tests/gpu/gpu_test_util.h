@@ -204,7 +204,39 @@ struct RunOptions {
   // kFp8Blockwise (Impl::kFused): the weights are quantized through the API first and the calls
   // get the FP8 buffer with null bf16 weights (an FP8 call must not read them).
   Precision precision = Precision::kBf16;
+  // The calls get w1 and w3 [E, I, H] (w13's gate and up rows, copied apart on the host) instead of
+  // w13 (FP8: quantized from them), and write dw1 and dw3 instead of dw13. LayerOutputs::dw13 is then
+  // rebuilt from dw1 and dw3 on the host, so outputs of either form compare directly.
+  bool separate_weights = false;
+  bool separate_grads = false;
 };
+
+// Rows [row0, row0 + rows) of each expert's [rows_per_expert, cols] matrix of `all` (any element type).
+template <typename T>
+std::vector<T> expert_rows(const std::vector<T>& all, int64_t num_experts, int64_t rows_per_expert, int64_t row0,
+                           int64_t rows, int64_t cols) {
+  std::vector<T> out;
+  out.reserve(num_experts * rows * cols);
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const auto first = all.begin() + (e * rows_per_expert + row0) * cols;
+    out.insert(out.end(), first, first + rows * cols);
+  }
+  return out;
+}
+
+// w13's layout [E, 2I, H] from gate [E, I, H] and up [E, I, H].
+template <typename T>
+std::vector<T> concatenate_gate_up(const std::vector<T>& gate, const std::vector<T>& up, int64_t num_experts,
+                                   int64_t intermediate, int64_t hidden) {
+  std::vector<T> out;
+  out.reserve(gate.size() + up.size());
+  const int64_t expert_elems = intermediate * hidden;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    out.insert(out.end(), gate.begin() + e * expert_elems, gate.begin() + (e + 1) * expert_elems);
+    out.insert(out.end(), up.begin() + e * expert_elems, up.begin() + (e + 1) * expert_elems);
+  }
+  return out;
+}
 
 inline LayerConfig config_of(const Dims& d, int64_t max_tokens) {
   LayerConfig c = harness::layer_config(d.H, d.I, d.E, d.K, max_tokens);
@@ -250,6 +282,15 @@ inline DeviceBuffer quantized_weights(const LayerConfig& config, const DeviceBuf
   return buffer;
 }
 
+// The same from separate gate and up weights w1, w3.
+inline DeviceBuffer quantized_weights(const LayerConfig& config, const DeviceBuffer& w1, const DeviceBuffer& w3,
+                                      const DeviceBuffer& w2) {
+  DeviceBuffer buffer(fp8_weights_bytes(config));
+  buffer.poison();
+  quantize_weights_fp8(config, w1.get(), w3.get(), w2.get(), buffer.get(), buffer.bytes(), nullptr);
+  return buffer;
+}
+
 // Runs forward then backward of `impl` through the public API with every output and the
 // workspace poisoned first. max_tokens may exceed T (the workspace is sized for it).
 inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions& opt = {},
@@ -259,10 +300,20 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   config.precision = opt.precision;
   const bool fp8 = opt.precision != Precision::kBf16;
   const DeviceInputs in(p);
-  const DeviceBuffer fp8_weights = fp8 ? quantized_weights(config, in.w13, in.w2) : DeviceBuffer();
+  // Separate weights: w13's gate rows and up rows of each expert, as two tensors.
+  const DeviceBuffer w1 = opt.separate_weights ? DeviceBuffer::from(expert_rows(p.w13_EFH, d.E, 2 * d.I, 0, d.I, d.H))
+                                               : DeviceBuffer();
+  const DeviceBuffer w3 = opt.separate_weights
+                              ? DeviceBuffer::from(expert_rows(p.w13_EFH, d.E, 2 * d.I, d.I, d.I, d.H))
+                              : DeviceBuffer();
+  const DeviceBuffer fp8_weights = !fp8                   ? DeviceBuffer()
+                                   : opt.separate_weights ? quantized_weights(config, w1, w3, in.w2)
+                                                          : quantized_weights(config, in.w13, in.w2);
   DeviceBuffer y(d.T * d.H * 2), dx(d.T * d.H * 2), dtw(d.T * d.K * 4);
   const size_t grad_elem = opt.grad_dtype == WeightGradDtype::kBFloat16 ? 2 : 4;
-  DeviceBuffer dw13(d.E * 2 * d.I * d.H * grad_elem), dw2(d.E * d.H * d.I * grad_elem);
+  // Separate gradients: dw13 holds dw1 [E, I, H] and dw3 the up half.
+  DeviceBuffer dw13((opt.separate_grads ? 1 : 2) * d.E * d.I * d.H * grad_elem), dw2(d.E * d.H * d.I * grad_elem);
+  DeviceBuffer dw3(opt.separate_grads ? d.E * d.I * d.H * grad_elem : 0);
   // Each call gets exactly the workspace its kind of call needs (WorkspaceUse), so every test
   // here checks that no step reaches past its own need (the backward with saved z has no room
   // for z); the benchmark and the unfused tests use the one size that serves all calls.
@@ -270,7 +321,7 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   DeviceBuffer bwd_workspace(
       workspace_bytes(config, impl, opt.save_z ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward));
   DeviceBuffer saved_z(opt.save_z ? saved_z_bytes(config) : 0);
-  for (DeviceBuffer* b : {&y, &dx, &dtw, &dw13, &dw2, &workspace, &bwd_workspace, &saved_z}) b->poison();
+  for (DeviceBuffer* b : {&y, &dx, &dtw, &dw13, &dw3, &dw2, &workspace, &bwd_workspace, &saved_z}) b->poison();
   if (opt.accumulate) {
     auto upload = [&](DeviceBuffer& dst, const std::vector<float>& init) {
       if (opt.grad_dtype == WeightGradDtype::kFloat32) {
@@ -281,15 +332,25 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
         TEST_CUDA(cudaMemcpy(dst.get(), bits.data(), dst.bytes(), cudaMemcpyHostToDevice));
       }
     };
-    upload(dw13, *opt.dw13_init);
+    if (opt.separate_grads) {
+      upload(dw13, expert_rows(*opt.dw13_init, d.E, 2 * d.I, 0, d.I, d.H));
+      upload(dw3, expert_rows(*opt.dw13_init, d.E, 2 * d.I, d.I, d.I, d.H));
+    } else {
+      upload(dw13, *opt.dw13_init);
+    }
     upload(dw2, *opt.dw2_init);
   }
   // What both calls get from opt; an FP8 call gets the FP8 buffer and null bf16 weights.
   auto set_options = [&](auto& a) {
     a.expert_id_report = opt.expert_id_report;
     a.saved_z = opt.save_z ? saved_z.get() : nullptr;
+    if (opt.separate_weights) {
+      a.w13 = nullptr;
+      a.w1 = w1.get();
+      a.w3 = w3.get();
+    }
     if (fp8) {
-      a.w13 = a.w2 = nullptr;
+      a.w13 = a.w2 = a.w1 = a.w3 = nullptr;
       a.fp8_weights = fp8_weights.get();
     }
   };
@@ -300,7 +361,12 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   BackwardArgs ba = in.args<BackwardArgs>(d.T, bwd_workspace);
   ba.dx = dx.get();
   ba.d_topk_weights = dtw.as<float>();
-  ba.dw13 = dw13.get();
+  if (opt.separate_grads) {
+    ba.dw1 = dw13.get();
+    ba.dw3 = dw3.get();
+  } else {
+    ba.dw13 = dw13.get();
+  }
   ba.dw2 = dw2.get();
   ba.weight_grad_dtype = opt.grad_dtype;
   ba.accumulate_weight_grads = opt.accumulate;
@@ -312,7 +378,9 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   out.dx = widen(dx.to_host<uint16_t>());
   const auto dtw_host = dtw.to_host<float>();
   out.d_topk_w.assign(dtw_host.begin(), dtw_host.end());
-  out.dw13 = widen_grad(dw13, opt.grad_dtype);
+  out.dw13 = opt.separate_grads ? concatenate_gate_up(widen_grad(dw13, opt.grad_dtype), widen_grad(dw3, opt.grad_dtype),
+                                                      d.E, d.I, d.H)
+                                 : widen_grad(dw13, opt.grad_dtype);
   out.dw2 = widen_grad(dw2, opt.grad_dtype);
   return out;
 }

@@ -118,7 +118,7 @@ TEST(Fp8Quantize, WeightsAndTransposesMatchHostRecipe) {
   w[(2 * R + 200) * C + 300] = host::float_to_bf16_bits(-2.5e38f);   // expert 2, block (1, 2): one huge
   DeviceBuffer w_dev = DeviceBuffer::from(w), q_dev(E * R * C), qt_dev(E * R * C), s_dev(E * (R / 128) * (C / 128) * 4);
   for (DeviceBuffer* b : {&q_dev, &qt_dev, &s_dev}) b->poison();
-  launch_quantize_weights_fp8(w_dev.get(), E, R, C, q_dev.get(), qt_dev.get(), static_cast<float*>(s_dev.get()),
+  launch_quantize_weights_fp8(w_dev.get(), nullptr, E, R, C, q_dev.get(), qt_dev.get(), static_cast<float*>(s_dev.get()),
                               nullptr);
   TEST_CUDA(cudaDeviceSynchronize());
   std::vector<float> wf(R * C);

@@ -131,6 +131,30 @@ def register_cpu_kernels():
             out.copy_(out.float() + grad if accumulate else grad)
         return dx_TH.to(x_TH.dtype), dw_TK
 
+    # Separate gate and up weights (fusemoe.separate): the same math on [w1; w3] per expert. The
+    # concatenation is this stand-in's, inside the kernel; the library reads w1 and w3 in place.
+    from fusemoe.separate import _check_inputs_w1w3
+
+    @torch.library.register_kernel("fusemoe::moe_experts_w1w3_forward", "cpu")
+    def _forward_w1w3_cpu(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
+                          save_z=False, swiglu_clamp=None):
+        dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI)
+        w13_EFH = torch.cat([w1_EIH, w3_EIH], dim=1)
+        y_TH = moe_experts_torch(x_TH.float(), topk_idx_TK, topk_weights_TK, w13_EFH.float(),
+                                 w2_EHI.float(), swiglu_clamp)
+        return y_TH.to(x_TH.dtype), _empty_saved_z(x_TH, dims, save_z).zero_()
+
+    @torch.library.register_kernel("fusemoe::moe_experts_w1w3_backward", "cpu")
+    def _backward_w1w3_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
+                           impl, saved_z_SF=None, swiglu_clamp=None):
+        _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, dy_TH)
+        dx_TH, dw_TK, dw13_EFH, dw2_EHI = moe_experts_backward_fp32(
+            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, torch.cat([w1_EIH, w3_EIH], dim=1), w2_EHI,
+            swiglu_clamp)
+        intermediate = w1_EIH.shape[1]
+        return (dx_TH.to(x_TH.dtype), dw_TK, dw13_EFH[:, :intermediate].to(w1_EIH.dtype),
+                dw13_EFH[:, intermediate:].to(w3_EIH.dtype), dw2_EHI.to(w2_EHI.dtype))
+
 
 @_once
 def register_cpu_fp8_kernels():

@@ -58,7 +58,7 @@ def test_schemas_match_the_ctypes_definitions():
     assert sorted(ops._CTYPES_OPS) == sorted(
         ["moe_experts_forward", "moe_experts_backward", "moe_experts_backward_into",
          "moe_experts_fp8_forward", "moe_experts_fp8_backward", "moe_experts_fp8_backward_into",
-         "quantize_weights_fp8"])
+         "quantize_weights_fp8", "moe_experts_w1w3_forward", "moe_experts_w1w3_backward"])
     for name, (definition, mutates_args) in ops._CTYPES_OPS.items():
         native = str(getattr(torch.ops.fusemoe, name).default._schema)
         assert native == f"fusemoe::{name}" + infer_schema(definition, mutates_args=mutates_args)
@@ -127,6 +127,41 @@ def test_cpp_checks_raise_the_python_messages(case):
     for name, call_args in calls:
         message = both_raise_the_same(name, *call_args)
         assert message.startswith(f"fusemoe.moe_experts: {expected}"), (name, message)
+
+
+W1W3_CASES = {  # the inputs [x, topk_idx, topk_weights, w1, w3, w2, dy] -> the message's start
+    "w1 dtype": (lambda a: a.__setitem__(3, a[3].float()), "w1 (gate) must be torch.bfloat16"),
+    "w3 strided": (lambda a: a.__setitem__(4, a[4].transpose(1, 2)), "w3 (up) must be contiguous"),
+    "w1 hidden": (lambda a: a.__setitem__(3, a[3][:, :, :64].contiguous()),
+                  "w1 (gate) must be [E, I, H] with H = x.shape[1] = 128, got (6, 64, 64)"),
+    "w3 shape": (lambda a: a.__setitem__(4, a[4][:, :32].contiguous()),
+                 "w3 (up) must have the shape of w1 (gate) (6, 64, 128), got (6, 32, 128)"),
+    "w2 shape": (lambda a: a.__setitem__(5, a[5][:, :, :32].contiguous()),
+                 "w2 (down) must be [E, H, I] = (6, 128, 64) to match w1 (6, 64, 128), got (6, 128, 32)"),
+    "topk_idx rows": (lambda a: a.__setitem__(1, a[1][:5]), "topk_idx must be [T, K] with T = x.shape[0]"),
+    "device": (lambda a: a.__setitem__(4, a[4].to("meta")), "w3 (up) is on meta but x is on cpu"),
+    "dy shape": (lambda a: a.__setitem__(6, a[6][:5].contiguous()), "dy must have the shape of x"),
+    "not cuda": (lambda a: None, "tensors must be on a CUDA device, got cpu"),
+}
+
+
+@pytest.mark.parametrize("case", W1W3_CASES, ids=W1W3_CASES)
+def test_cpp_checks_of_separate_gate_up(case):
+    """fusemoe.separate's ops: the C++ kernel and the Python definition raise the same
+    ValueError, naming fusemoe.moe_experts_w1w3 (dy's case through the backward only)."""
+    require_native()
+    mutate, expected = W1W3_CASES[case]
+    p = make_problem(**SHAPE, device="cpu")
+    intermediate = SHAPE["intermediate"]
+    w1, w3 = (t.contiguous() for t in p["w13_EFH"].split(intermediate, dim=1))
+    args = [p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"], w1, w3, p["w2_EHI"], p["dy_TH"]]
+    mutate(args)
+    calls = [("moe_experts_w1w3_backward", (args[6], *args[:6], "fused", None, None))]
+    if case != "dy shape":
+        calls.append(("moe_experts_w1w3_forward", (*args[:6], "fused", False, None)))
+    for name, call_args in calls:
+        message = both_raise_the_same(name, *call_args)
+        assert message.startswith(f"fusemoe.moe_experts_w1w3: {expected}"), (name, message)
 
 
 @pytest.mark.parametrize("mutate, expected", [

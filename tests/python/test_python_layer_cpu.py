@@ -487,7 +487,7 @@ def c_error(fn, *args):
      r"layer \(FusemoeCLayer\*\) must not be null"),
     (lambda: ("fusemoe_c_workspace_bytes", layer_struct(struct_size=56),
               ctypes.byref(ctypes.c_uint64())),
-     r"FusemoeCLayer.struct_size: 56, but this library \(C ABI 7\) has sizeof\(FusemoeCLayer\) = 64"),
+     r"FusemoeCLayer.struct_size: 56, but this library \(C ABI 8\) has sizeof\(FusemoeCLayer\) = 64"),
     (lambda: ("fusemoe_c_workspace_bytes", layer_struct(impl_code=99),
               ctypes.byref(ctypes.c_uint64())),
      r"impl_code: 99 is not a code from fusemoe_c_impl_code"),
@@ -508,7 +508,7 @@ def c_error(fn, *args):
     (lambda: ("fusemoe_c_forward", layer_struct(), None),
      r"args \(FusemoeCForwardArgs\*\) must not be null"),
     (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(struct_size=112)),
-     r"FusemoeCForwardArgs.struct_size: 112, but .* has sizeof\(FusemoeCForwardArgs\) = 120"),
+     r"FusemoeCForwardArgs.struct_size: 112, but .* has sizeof\(FusemoeCForwardArgs\) = 136"),
     (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(x=None)), r": x must not be null"),
     (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(num_tokens=65)),
      r"num_tokens must be in \[0, max_tokens=64\], got 65"),
@@ -546,11 +546,31 @@ def c_error(fn, *args):
     (lambda: ("fusemoe_c_quantize_weights_fp8", layer_struct(), None),
      r"args \(FusemoeCFp8QuantizeArgs\*\) must not be null"),
     (lambda: ("fusemoe_c_quantize_weights_fp8", layer_struct(), fp8_quantize_args(struct_size=40)),
-     r"FusemoeCFp8QuantizeArgs.struct_size: 40, but .* has sizeof\(FusemoeCFp8QuantizeArgs\) = 48"),
+     r"FusemoeCFp8QuantizeArgs.struct_size: 40, but .* has sizeof\(FusemoeCFp8QuantizeArgs\) = 64"),
     (lambda: ("fusemoe_c_quantize_weights_fp8", layer_struct(), fp8_quantize_args(w2=None)),
      r"w2 must not be null"),
     (lambda: ("fusemoe_c_quantize_weights_fp8", layer_struct(), fp8_quantize_args(buffer_bytes=1000)),
      r"fp8 weight buffer: 1000 bytes given, \d+ needed"),
+    # Separate gate and up weights and gradients (C ABI 8): one form each, named.
+    (lambda: ("fusemoe_c_forward", layer_struct(), forward_args(w1=FAKE_DEVICE_ADDRESS)),
+     r"pass either w13 or w1 and w3, not both"),
+    (lambda: ("fusemoe_c_forward", layer_struct(),
+              forward_args(w13=None, w1=FAKE_DEVICE_ADDRESS)),
+     r"w3 must not be null when w1 is set"),
+    (lambda: ("fusemoe_c_forward", layer_struct(),
+              forward_args(w13=None, w1=FAKE_DEVICE_ADDRESS, w3=FAKE_DEVICE_ADDRESS + 8)),
+     r"w3 must be 16-byte aligned"),
+    (lambda: ("fusemoe_c_backward", layer_struct(),
+              backward_args(dw13=None, dw1=FAKE_DEVICE_ADDRESS, dw3=FAKE_DEVICE_ADDRESS)),
+     r"dw1 and dw3 must not overlap"),
+    (lambda: ("fusemoe_c_backward", layer_struct(), backward_args(dw3=FAKE_DEVICE_ADDRESS)),
+     r"pass either dw13 or dw1 and dw3, not both"),
+    (lambda: ("fusemoe_c_quantize_weights_fp8", layer_struct(),
+              fp8_quantize_args(w1=FAKE_DEVICE_ADDRESS)),
+     r"pass either w13 or w1 and w3, not both"),
+    (lambda: ("fusemoe_c_quantize_weights_fp8", layer_struct(),
+              fp8_quantize_args(w13=None, w3=FAKE_DEVICE_ADDRESS)),
+     r"w1 must not be null when w3 is set"),
     # Expert parallelism (C ABI 7): the config, its layer, the peer table, the args.
     (lambda: ("fusemoe_c_ep_symmetric_bytes", None, ctypes.byref(ctypes.c_uint64())),
      r"config \(FusemoeCEpConfig\*\) must not be null"),
@@ -615,7 +635,7 @@ def test_abi_version_mismatch_is_refused(monkeypatch):
     require_library()
     monkeypatch.setattr(_capi, "_lib", None)
     monkeypatch.setattr(_capi, "ABI_VERSION", 6)
-    with pytest.raises(fusemoe.FusemoeError, match="has C ABI version 7, this package needs 6"):
+    with pytest.raises(fusemoe.FusemoeError, match="has C ABI version 8, this package needs 6"):
         _capi.load()
 
 
