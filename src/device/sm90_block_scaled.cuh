@@ -6,11 +6,11 @@
 //   out[r, n] = sum_kb (sum_{k in kb} qa[r, k] qb[n, k]) * scale_a[r, kb] * scale_b[n / 128, kb]
 //
 // A K-block is 128 E4M3 = one 128-byte swizzle row, so stages have the BF16 layout (A [128 rows]
-// [128 k] 16 KB, B [128 rows][128 k] 16 KB; sm90_layout.cuh) and four wgmma m64n128k32 per stage.
-// Promotion: each K-block's MMAs accumulate into a fresh fp32 tmp; the warpgroup waits for them,
-// frees the stage, then acc += tmp * (scale_a[row] * scale_b) (fp32 FMAs). The other consumer
-// warpgroup's MMAs run meanwhile. acc + tmp = 128 registers per thread at N = 128 (the only width:
-// 256 would need 256 registers).
+// [128 k] 16 KB, B [kBlockN rows][128 k]; sm90_layout.cuh). Promotion, per 128-column half of
+// the tile: four wgmma m64n128k32 accumulate the K-block into a fresh fp32 tmp (64 registers); the
+// warpgroup waits for them, then acc[half] += tmp * (scale_a[row] * scale_b[half]) (fp32 FMAs);
+// the stage is freed after its last half. The other consumer warpgroup's MMAs run meanwhile.
+// Registers: acc kBlockN / 2 + tmp 64 (192 at N = 256: one tmp per half, not one per tile).
 //   A policies (each K-block brings its 128 row scales into the stage's StageScales::a)
 //     Fp8PoolRowsA              K-major E4M3 pool rows by TMA; their scales from a block-major
 //                               scale pool [K/128][rows_pad], one cp.async per producer thread
@@ -18,8 +18,8 @@
 //                               4-byte cp.async per row from the token-major scales [T, K/128]
 //   B policies (K-major E4M3 weights; scales by a 4-byte cp.async of the producer thread)
 //     Fp8WeightsB               [128 rows][128 k] of one expert's weight
-//     Fp8GateUpWeightsB         a tile is one 128-column block of h in two passes: pass p loads
-//                               gate rows [128 n + 64 p, +64) and the up rows I below them
+//     Fp8GateUpWeightsB         a tile is one 128-column block of h in one pass: gate rows
+//                               [128 n, +128) and the up rows I below them, N = 256
 // The scales of B ride in A's Args (GemmParams has one argument slot per operand source, and B's
 // is its tensor map).
 #pragma once
@@ -108,13 +108,6 @@ struct ScalesPerThread<A, std::void_t<decltype(A::kScalesPerThread)>> : std::boo
 template <class A>
 constexpr bool kAllProducerThreads = A::kGathered || ScalesPerThread<A>::value;
 
-// Main loops over K per tile: B::kPasses for the FP8 B policies (two for Fp8GateUpWeightsB),
-// one for the BF16 ones, which have no such member.
-template <class B, class = void>
-struct PassesPerTile : std::integral_constant<int, 1> {};
-template <class B>
-struct PassesPerTile<B, std::void_t<decltype(B::kPasses)>> : std::integral_constant<int, B::kPasses> {};
-
 // Gathers E4M3 x rows exactly as GatheredTokenRowsA gathers bf16 ones (a row of H E4M3 is H / 16
 // chunks, K/128 * 8 as for bf16 at K/64); producer thread p also copies the scale of tile row p
 // (one 4-byte cp.async per thread and stage), x_scales[token, kb].
@@ -152,12 +145,12 @@ struct Fp8GatheredTokenRowsA {
 // ------------------------------------------------------------------------------------- B
 
 struct Fp8WeightsB {
-  static constexpr int kBlockN = 128, kTileCols = 128, kPasses = 1, kNumBScales = 1;
+  static constexpr int kBlockN = 128, kTileCols = 128, kNumBScales = 1;
   static constexpr bool kMnMajor = false;
   static constexpr uint32_t kBoxRows = kBlockN;
   __device__ static uint32_t bytes(const Tile&, const BShape&) { return kBlockN * kSwizzleRowBytes; }
-  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int /*pass*/,
-                              int32_t kb, const BShape& s) {
+  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb,
+                              const BShape& s) {
     tma_load_2d(map, full, dst, kb * kFp8BlockK, tile.expert * s.b_rows_per_expert + tile.n_tile * kTileCols);
   }
   // One 128 x 128 block covers the whole tile.
@@ -167,18 +160,18 @@ struct Fp8WeightsB {
 };
 
 struct Fp8GateUpWeightsB {
-  static constexpr int kBlockN = 128, kPasses = 2, kNumBScales = 2;
-  static constexpr int kTileCols = kBlockN / 2 * kPasses;  // h columns per tile: one 128-block of h
+  static constexpr int kBlockN = 256, kNumBScales = 2;
+  static constexpr int kTileCols = kBlockN / 2;  // h columns per tile: one 128-block of h
   static constexpr bool kMnMajor = false;
   static constexpr uint32_t kBoxRows = kBlockN / 2;
   static_assert(kTileCols == kFp8BlockK, "a gate/up tile is exactly one 1 x 128 block of h");
   __device__ static uint32_t bytes(const Tile&, const BShape&) { return kBlockN * kSwizzleRowBytes; }
-  // Rows [gate n0 + 64 p .. +64 | up the same, I below], read as one [128, 128 k] K-major operand:
-  // accumulator columns c (gate) and c + 64 (up) hold h column 64 p + c of the tile.
-  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int pass,
-                              int32_t kb, const BShape& s) {
+  // Rows [gate n0 .. +128 | up the same, I below], read as one [256, 128 k] K-major operand:
+  // accumulator columns c (gate, first half) and c + 128 (up, second half) hold h column c.
+  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb,
+                              const BShape& s) {
     const int32_t k = kb * kFp8BlockK;
-    const int32_t gate_row = tile.expert * s.b_rows_per_expert + tile.n_tile * kTileCols + pass * (kBlockN / 2);
+    const int32_t gate_row = tile.expert * s.b_rows_per_expert + tile.n_tile * kTileCols;
     tma_load_2d(map, full, dst, k, gate_row);
     tma_load_2d(map, full, dst + kBlockN / 2 * kSwizzleRowBytes, k, gate_row + s.n_valid);
   }
@@ -195,24 +188,28 @@ struct Fp8GateUpWeightsB {
 template <class Gemm>
 struct GemmParams;
 
-// The consumer loop with promotion. A two-pass tile (Fp8GateUpWeightsB) hands its first
-// pass's accumulators to Epilogue::store_first_pass before the second pass reuses them.
+// The consumer loop with promotion, one 128-column half of the tile at a time (Gemm::kBlockN / 128
+// halves; B's scale b[half] when B has one per half, else b[0]).
 template <class Gemm>
 __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
                                                      const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a,
                                                      uint8_t* tiles_b, const StageScales* scales, uint8_t* staging,
                                                      const ConsumerThread& me) {
   using Epilogue = typename Gemm::Epilogue;
-  using Mma = WgmmaE4m3<Gemm::kBlockN>;
+  using Mma = WgmmaE4m3<128>;
   constexpr int kAcc = Gemm::kAccRegs;
-  constexpr int kHalfChunks = Gemm::kBlockN / 16;  // n8 chunks per B-scale half
-  static_assert(Mma::kAccRegs == kAcc && kFp8BlockK / Mma::kK == 4, "four k32 MMAs per stage");
+  constexpr int kHalves = Gemm::kBlockN / 128;
+  constexpr int kNumBScales = Gemm::B::kNumBScales;
+  static_assert(kHalves * Mma::kAccRegs == kAcc && kFp8BlockK / Mma::kK == 4, "four k32 MMAs per half and stage");
+  static_assert(kNumBScales == 1 || kNumBScales == kHalves, "one B scale per tile or per half");
+  // The second half's B rows start 128 swizzle rows into the stage (descriptor address units of 16 B).
+  constexpr uint64_t kDescHalfStep = 128 * kSwizzleRowBytes / 16;
   const EpilogueShape out_shape{p.shape.n_valid, p.shape.m_valid};
   const int a_row = me.consumer * kWgmmaM + me.row_in_wg;  // this thread's rows: a_row, a_row + 8
   RingCursor<Gemm::kStages> cursor;
-  float acc[kAcc], tmp[kAcc];
+  float acc[kAcc], tmp[Mma::kAccRegs];
 
-  // acc[64 rows, 128] = sum over the tile's K-blocks of promoted A[rows, kb] * B[kb, 128].
+  // acc[64 rows, kBlockN] = sum over the tile's K-blocks of promoted A[rows, kb] * B[kb, kBlockN].
   auto main_loop = [&](int32_t num_k_blocks) {
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
@@ -225,32 +222,40 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
       const uint32_t stage_scales = smem_addr(scales + stage);
       const float sa0 = ld_shared_f32(stage_scales + a_row * sizeof(float));
       const float sa1 = ld_shared_f32(stage_scales + (a_row + 8) * sizeof(float));
-      const float sb0 = ld_shared_f32(stage_scales + offsetof(StageScales, b));
-      const float sb1 = ld_shared_f32(stage_scales + offsetof(StageScales, b) + (Gemm::B::kNumBScales - 1) * sizeof(float));
+      float sb[kNumBScales];
+#pragma unroll
+      for (int b = 0; b < kNumBScales; ++b) {
+        sb[b] = ld_shared_f32(stage_scales + offsetof(StageScales, b) + b * sizeof(float));
+      }
       uint8_t* tile_a = tiles_a + stage * kTileABytes;
       const uint64_t desc_a = make_desc_sw128(tile_a + me.consumer * kWgmmaM * kSwizzleRowBytes,
                                               Gemm::LayoutA::kLbo, Gemm::LayoutA::kSbo);
       const uint64_t desc_b = make_desc_sw128(tiles_b + stage * Gemm::kTileBBytes, Gemm::LayoutB::kLbo,
                                               Gemm::LayoutB::kSbo);
-      wgmma_fence();  // tmp was read by the previous promotion
 #pragma unroll
-      for (int k = 0; k < kFp8BlockK / Mma::kK; ++k) {
-        Mma::mma(tmp, desc_a + k * Gemm::LayoutA::kDescStepK16, desc_b + k * Gemm::LayoutB::kDescStepK16,
-                 k > 0 ? 1u : 0u);
-      }
-      wgmma_commit_group();
-      wgmma_wait_group<0>();
-      fence_accumulators(tmp);
-      if (me.lane == 0 && !releases_withheld(p.shape.wait)) mbarrier_arrive(&ring.empty[stage]);
-      const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
+      for (int half = 0; half < kHalves; ++half) {
+        wgmma_fence();  // tmp was read by the previous promotion
 #pragma unroll
-      for (int j = 0; j < kAcc / 4; ++j) {
-        const bool second = j >= kHalfChunks;
-        const float r0 = second ? s01 : s00, r1 = second ? s11 : s10;
-        acc[4 * j + 0] = fmaf(tmp[4 * j + 0], r0, acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(tmp[4 * j + 1], r0, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(tmp[4 * j + 2], r1, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(tmp[4 * j + 3], r1, acc[4 * j + 3]);
+        for (int k = 0; k < kFp8BlockK / Mma::kK; ++k) {
+          Mma::mma(tmp, desc_a + k * Gemm::LayoutA::kDescStepK16,
+                   desc_b + half * kDescHalfStep + k * Gemm::LayoutB::kDescStepK16, k > 0 ? 1u : 0u);
+        }
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        fence_accumulators(tmp);
+        if (half == kHalves - 1 && me.lane == 0 && !releases_withheld(p.shape.wait)) {
+          mbarrier_arrive(&ring.empty[stage]);
+        }
+        const float b_scale = sb[kNumBScales == 1 ? 0 : half];
+        const float r0 = sa0 * b_scale, r1 = sa1 * b_scale;
+        float* acc_half = acc + half * Mma::kAccRegs;
+#pragma unroll
+        for (int j = 0; j < Mma::kAccRegs / 4; ++j) {
+          acc_half[4 * j + 0] = fmaf(tmp[4 * j + 0], r0, acc_half[4 * j + 0]);
+          acc_half[4 * j + 1] = fmaf(tmp[4 * j + 1], r0, acc_half[4 * j + 1]);
+          acc_half[4 * j + 2] = fmaf(tmp[4 * j + 2], r1, acc_half[4 * j + 2]);
+          acc_half[4 * j + 3] = fmaf(tmp[4 * j + 3], r1, acc_half[4 * j + 3]);
+        }
       }
       cursor.advance();
     }
@@ -262,12 +267,6 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
     const AccRows rows(tile, me);
     typename Epilogue::Inputs inputs = Epilogue::prepare(p.epilogue, out_shape, tile, rows, me);
     main_loop(tile.num_k_blocks);
-    if constexpr (Gemm::B::kPasses == 2) {
-      Epilogue::store_first_pass(p.epilogue, out_shape, tile, rows, inputs, acc, staging, me);
-      main_loop(tile.num_k_blocks);
-    } else {
-      static_assert(Gemm::B::kPasses == 1, "one or two passes");
-    }
     Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc, staging, me);
   }
   Epilogue::finish(me);

@@ -88,7 +88,7 @@ __device__ __forceinline__ void store_row_fragment(uint32_t (&words)[kChunks], _
 
 // The gate/up accumulators of an output chunk: chunk j of h pairs gate registers acc[4j + 2h + b]
 // with up registers acc[4(j + kChunks) + 2h + b] (b = 0, 1; h the row half). The helpers below
-// are shared with SwiGLUFp8Epilogue, whose passes have the same layout.
+// are shared with SwiGLUFp8Epilogue, whose tile has the same layout.
 //
 // Stores z = [g | u] of row half h (before any clamp, as the backward's recompute makes them)
 // into z_row [2I].

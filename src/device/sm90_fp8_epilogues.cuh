@@ -1,14 +1,13 @@
 // Epilogues of the block-scaled FP8 instances (sm90_block_scaled.cuh) that quantize what they
 // produce, in 1 x 128 blocks along the next GEMM's K (recipe: fp8_quantize.cuh). Interface as in
-// sm90_epilogues.cuh, plus store_first_pass() for a two-pass tile. Tiles are 128 accumulator
-// columns wide; a quad of lanes (q = lane % 4) holds all 128 columns of a row, so a row's amax
-// is the max over the quad (two xor shuffles, run by every lane, stores predicated afterwards).
+// sm90_epilogues.cuh. Each tile's output is one 1 x 128 block per row; a quad of lanes
+// (q = lane % 4) holds all of a row's columns, so a row's amax is the max over the quad (two xor
+// shuffles, run by every lane, stores predicated afterwards).
 //
-//   SwiGLUFp8Epilogue<kClamp, kStoreZ>   the gate/up tile of one 128-column block of h in two
-//                                         passes (64 gate + 64 up accumulators each): h = bf16(
+//   SwiGLUFp8Epilogue<kClamp, kStoreZ>   the gate/up tile of one 128-column block of h in one
+//                                         pass (128 gate + 128 up accumulators): h = bf16(
 //                                         silu(g) u) -> E4M3 h [R, I] + scales [I/128][rows_pad];
-//                                         pass 0's bf16 h waits in a per-thread shared-memory
-//                                         area; z = [g | u] (before the clamp) as bf16 when kStoreZ
+//                                         z = [g | u] (before the clamp) as bf16 when kStoreZ
 //   DgradSwiGLUFp8Epilogue<kClamp>        the BF16 dgrad SwiGLU epilogue (dz, w h, <h, a> partials)
 //                                         at width 128, whose columns are exactly one block of dg
 //                                         and one of du: also dz in E4M3 [R, 2I] + scales
@@ -56,10 +55,9 @@ __device__ __forceinline__ void store_fp8_group(const uint32_t (&words)[4], uint
 
 template <bool kClamp, bool kStoreZ>
 struct SwiGLUFp8Epilogue {
-  static constexpr int kBlockN = 128;              // accumulator columns per pass
-  static constexpr int kPassChunks = kBlockN / 16; // n8 chunks of h per row and pass: 8
-  static constexpr int kParkedWords = 2 * kPassChunks;  // pass 0's bf16 h of both rows: 16 words
-  static constexpr int kStagingBytes = kNumConsumers * kThreadsPerWarpgroup * kParkedWords * 4;  // 16 KB
+  static constexpr int kBlockN = 256;             // accumulator columns: gate 128 | up 128
+  static constexpr int kChunks = kBlockN / 16;    // n8 chunks of h per row: 16 = one 128-block
+  static constexpr int kStagingBytes = 0;
   struct Args {
     uint8_t* h;              // [R_max, I] E4M3
     float* h_scales;         // [I/128, rows_pad]
@@ -67,80 +65,40 @@ struct SwiGLUFp8Epilogue {
     __nv_bfloat16* z;        // [R_max, 2I] [g | u] before the clamp (kStoreZ)
     float clamp;             // kClamp
   };
-  struct Inputs {
-    float amax[2];  // pass 0's partial row amax of this lane
-  };
+  struct Inputs {};
   __device__ static void prefetch(const Args&) {}
   __device__ static Inputs prepare(const Args&, const EpilogueShape&, const Tile&, const AccRows&,
                                    const ConsumerThread&) {
-    return {{0.0f, 0.0f}};
-  }
-
-  // h of one pass: words[h][j] = bf16 pair of h columns 64 pass + 8 j + 2q, +1 of row half h;
-  // amax[h] grows by their magnitudes. Also stores z of the pass's columns (kStoreZ).
-  template <int kRegs>
-  __device__ static void pass_h(const Args& args, int32_t I, const Tile& tile, const AccRows& rows, int pass,
-                                const float (&acc)[kRegs], const ConsumerThread& me,
-                                uint32_t (&words)[2][kPassChunks], float (&amax)[2]) {
-    static_assert(8 * kPassChunks == kRegs, "gate and up halves fill the accumulators");
-    const int col0 = tile.n_tile * 2 * kPassChunks * 8 + pass * kPassChunks * 8 + 2 * (me.lane % 4);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if constexpr (kStoreZ) {
-        store_z_row<kPassChunks>(acc, h, args.z + static_cast<int64_t>(rows.row[h]) * 2 * I, rows.valid[h], col0, I,
-                                 me.lane);
-      }
-#pragma unroll
-      for (int j = 0; j < kPassChunks; ++j) {
-        words[h][j] = swiglu_bf16x2<kClamp, kPassChunks>(acc, j, h, args.clamp);
-        amax[h] = fmaxf(amax[h], amax_bf16x2(words[h][j]));
-      }
-    }
-  }
-
-  // Word w of consumer thread t at staging + 4 (w * 256 + t): consecutive threads, consecutive banks.
-  __device__ static uint32_t* parked(uint8_t* staging, const ConsumerThread& me, int w) {
-    return reinterpret_cast<uint32_t*>(staging) + w * kNumConsumers * kThreadsPerWarpgroup +
-           me.consumer * kThreadsPerWarpgroup + me.tid_in_wg;
-  }
-
-  template <int kRegs>
-  __device__ static void store_first_pass(const Args& args, const EpilogueShape& s, const Tile& tile,
-                                          const AccRows& rows, Inputs& in, const float (&acc)[kRegs], uint8_t* staging,
-                                          const ConsumerThread& me) {
-    uint32_t words[2][kPassChunks];
-    pass_h(args, s.n_valid, tile, rows, 0, acc, me, words, in.amax);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int j = 0; j < kPassChunks; ++j) *parked(staging, me, h * kPassChunks + j) = words[h][j];
-    }
+    return {};
   }
 
   template <int kRegs>
   __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
-                               Inputs& in, const float (&acc)[kRegs], uint8_t* staging, const ConsumerThread& me) {
+                               Inputs&, const float (&acc)[kRegs], uint8_t*, const ConsumerThread& me) {
+    static_assert(8 * kChunks == kRegs, "gate and up halves fill the accumulators");
     const int32_t I = s.n_valid;
     const int q = me.lane % 4;
-    uint32_t words[2][kPassChunks];
-    float amax[2] = {in.amax[0], in.amax[1]};
-    pass_h(args, I, tile, rows, 1, acc, me, words, amax);
     const int64_t block_col = static_cast<int64_t>(tile.n_tile) * kFp8Block;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const Fp8Scale scale = fp8_block_scale(quad_max(amax[h]));
+      if constexpr (kStoreZ) {
+        store_z_row<kChunks>(acc, h, args.z + static_cast<int64_t>(rows.row[h]) * 2 * I, rows.valid[h],
+                             static_cast<int>(block_col) + 2 * q, I, me.lane);
+      }
+      // words[j] = bf16 pair of h columns 8 j + 2q, +1; the row's amax over the quad.
+      uint32_t words[kChunks];
+      float amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j) {
+        words[j] = swiglu_bf16x2<kClamp, kChunks>(acc, j, h, args.clamp);
+        amax = fmaxf(amax, amax_bf16x2(words[j]));
+      }
+      const Fp8Scale scale = fp8_block_scale(quad_max(amax));
       uint8_t* row_ptr = args.h + static_cast<int64_t>(rows.row[h]) * I + block_col;
 #pragma unroll
-      for (int pass = 0; pass < 2; ++pass) {
-#pragma unroll
-        for (int a = 0; a < kPassChunks / 4; ++a) {
-          uint32_t group[4];
-#pragma unroll
-          for (int p = 0; p < 4; ++p) {
-            group[p] = pass == 0 ? *parked(staging, me, h * kPassChunks + 4 * a + p) : words[h][4 * a + p];
-          }
-          store_fp8_group(group, row_ptr + pass * kPassChunks * 8 + 32 * a, scale.inv, rows.valid[h], q);
-        }
+      for (int a = 0; a < kChunks / 4; ++a) {
+        const uint32_t group[4] = {words[4 * a], words[4 * a + 1], words[4 * a + 2], words[4 * a + 3]};
+        store_fp8_group(group, row_ptr + 32 * a, scale.inv, rows.valid[h], q);
       }
       if (rows.valid[h] && q == 0) {
         args.h_scales[static_cast<int64_t>(tile.n_tile) * args.rows_pad + rows.row[h]] = scale.scale;

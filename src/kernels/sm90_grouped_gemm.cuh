@@ -130,7 +130,7 @@ __device__ __forceinline__ typename Gemm::Scheduler make_scheduler(const GemmSha
 
 // ------------------------------------------------------------------------------- producer
 
-// Fills the ring for every (tile, pass, k-block). A block-scaled instance also fills each
+// Fills the ring for every (tile, k-block). A block-scaled instance also fills each
 // stage's scales: thread 0 copies the B scales with a cp.async whose own arrival it adds to the
 // stage's full barrier before posting the TMA byte count (so the phase cannot complete without
 // them), and A's row scales come with its gathered rows or from every producer thread.
@@ -148,41 +148,37 @@ __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm
     typename A::ThreadRows rows{};
     if constexpr (A::kGathered) rows = A::rows_of(p.a, tile, tile.num_k_blocks, thread);
     const uint32_t stage_bytes = announced_stage_bytes(A::kTmaBytes + B::bytes(tile, b_shape), p.shape.wait);
-    for (int pass = 0; pass < PassesPerTile<B>::value; ++pass) {
-      for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
-        const int stage = cursor.stage;
-        bounded_wait(&ring.empty[stage], cursor.phase ^ 1, p.shape.wait, WaitRole::kProducer, WaitObject::kStageEmpty,
-                     stage, kNumConsumers * kWarpsPerWarpgroup);
-        if (thread == 0) {
-          if constexpr (Gemm::kBlockScaled) {
-            B::load_scales(p.a.b_scales, smem_addr(scales[stage].b), tile, kb);
-            cp_async_mbarrier_arrive(&ring.full[stage]);
-          }
-          mbarrier_arrive_expect_tx(&ring.full[stage], stage_bytes);
-          if constexpr (!A::kGathered) A::load(p.a, &ring.full[stage], tiles_a + stage * kTileABytes, tile, kb);
-          uint8_t* tile_b = tiles_b + stage * Gemm::kTileBBytes;
-          if constexpr (Gemm::kBlockScaled) {
-            B::load(&p.map_b, &ring.full[stage], tile_b, tile, pass, kb, b_shape);
-          } else if constexpr (TwoBMaps<B>::value) {
-            B::load(&p.map_b, &p.map_b_up, &ring.full[stage], tile_b, tile, kb, b_shape);
-          } else {
-            B::load(&p.map_b, &ring.full[stage], tile_b, tile, kb, b_shape);
-          }
+    for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
+      const int stage = cursor.stage;
+      bounded_wait(&ring.empty[stage], cursor.phase ^ 1, p.shape.wait, WaitRole::kProducer, WaitObject::kStageEmpty,
+                   stage, kNumConsumers * kWarpsPerWarpgroup);
+      if (thread == 0) {
+        if constexpr (Gemm::kBlockScaled) {
+          B::load_scales(p.a.b_scales, smem_addr(scales[stage].b), tile, kb);
+          cp_async_mbarrier_arrive(&ring.full[stage]);
         }
-        if constexpr (A::kGathered) {
-          const uint32_t tile_a = smem_addr(tiles_a + stage * kTileABytes);
-          if constexpr (Gemm::kBlockScaled) {
-            A::gather(p.a, rows, tile_a, smem_addr(scales[stage].a), kb, thread);
-          } else {
-            A::gather(p.a, rows, tile_a, kb, thread);
-          }
-          cp_async_mbarrier_arrive_noinc(&ring.full[stage]);
-        } else if constexpr (ScalesPerThread<A>::value) {
-          A::copy_scale(p.a, tile, kb, smem_addr(scales[stage].a), thread);
-          cp_async_mbarrier_arrive_noinc(&ring.full[stage]);
+        mbarrier_arrive_expect_tx(&ring.full[stage], stage_bytes);
+        if constexpr (!A::kGathered) A::load(p.a, &ring.full[stage], tiles_a + stage * kTileABytes, tile, kb);
+        uint8_t* tile_b = tiles_b + stage * Gemm::kTileBBytes;
+        if constexpr (TwoBMaps<B>::value) {
+          B::load(&p.map_b, &p.map_b_up, &ring.full[stage], tile_b, tile, kb, b_shape);
+        } else {
+          B::load(&p.map_b, &ring.full[stage], tile_b, tile, kb, b_shape);
         }
-        cursor.advance();
       }
+      if constexpr (A::kGathered) {
+        const uint32_t tile_a = smem_addr(tiles_a + stage * kTileABytes);
+        if constexpr (Gemm::kBlockScaled) {
+          A::gather(p.a, rows, tile_a, smem_addr(scales[stage].a), kb, thread);
+        } else {
+          A::gather(p.a, rows, tile_a, kb, thread);
+        }
+        cp_async_mbarrier_arrive_noinc(&ring.full[stage]);
+      } else if constexpr (ScalesPerThread<A>::value) {
+        A::copy_scale(p.a, tile, kb, smem_addr(scales[stage].a), thread);
+        cp_async_mbarrier_arrive_noinc(&ring.full[stage]);
+      }
+      cursor.advance();
     }
   }
   if constexpr (A::kGathered || Gemm::kBlockScaled) cp_async_wait_all();  // no copy outlives its thread

@@ -1,6 +1,7 @@
-// The block-scaled FP8 instances of the sm90 grouped GEMM (sm90_fp8_gemms.h): 128 x 128 tiles,
-// 6 stages of 32 KB (gate/up: 16 KB of the stage budget park pass 0's h). Weight scales are the
-// [E, rows/128, cols/128] arrays of Fp8Weights; a transposed copy reads them with swapped strides.
+// The block-scaled FP8 instances of the sm90 grouped GEMM (sm90_fp8_gemms.h): 128 x 128 tiles in
+// 6 stages of 32 KB, and the gate/up's 128 x 256 tiles (gate 128 | up 128 columns: one 128-block
+// of h per tile) in 4 stages of 48 KB. Weight scales are the [E, rows/128, cols/128] arrays of
+// Fp8Weights; a transposed copy reads them with swapped strides.
 #include <cuda_bf16.h>
 
 #include "device/sm90_fp8_epilogues.cuh"
@@ -32,7 +33,7 @@ using DgradSwigluGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB, sm90:
 using DgradScatterGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB, sm90::RowTileScheduler,
                                      sm90::RowStoreEpilogue<128, false, RowDestination::kSlotRow>>;
 
-static_assert(GateUpGemm<false, false>::kStages == 6 && DownGemm::kStages == 6, "FP8 ring depth");
+static_assert(GateUpGemm<false, false>::kStages == 4 && DownGemm::kStages == 6, "FP8 ring depth");
 
 // A row-tile GEMM over K (a multiple of 128) with N output columns.
 sm90::GemmShape fp8_rows_shape(const Sm90Rows& rows, int64_t k, int64_t n, int64_t b_rows_per_expert) {
