@@ -11,11 +11,17 @@ Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k. x, 
 w2 bf16 [E, H, I]. The rest (z saved for the backward unless recompute_z, the expert-id report,
 workspaces from torch's allocator, errors) is fusemoe.ops' (see its docstring).
 
+Options as fusemoe.moe_experts', on its machinery: grad_in_place=True (eager, leaf w1, w3, w2)
+goes through fusemoe::moe_experts_w1w3_backward_into, which writes (first micro-batch) or adds
+dw1, dw3, dw2 into their .grad (fusemoe.ops._gradients / _backward_into_grads); precision="fp8"
+through fusemoe::moe_experts_w1w3_fp8_forward / _backward / _backward_into on the buffer of
+fusemoe::quantize_weights_fp8_w1w3 (the library's quantize_weights_fp8 overload for w1, w3: the
+bytes quantize_weights_fp8 writes for w13 = [w1; w3]), cached on w1 per version of w1, w3 and w2
+as fusemoe.fp8 caches per (w13, w2) version (fusemoe.fp8.cached_buffer, the same rules).
+
 Like fusemoe.ops' ops, each has two definitions: the native binding's C++ kernel
 (src/torch_binding/ops.cpp, the same schema and messages) when it is loaded, else the Python
 function below over ctypes; the fake kernels and the autograd formula are registered on the name.
-Not yet here: grad_in_place, precision="fp8" (the library takes w1/w3 for quantize_weights_fp8;
-fusemoe.fp8's cache does not).
 """
 from typing import Optional
 
