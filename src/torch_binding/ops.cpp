@@ -6,7 +6,7 @@
 // The kernels are registered for CompositeExplicitAutograd (every backend), so tensors on
 // another device get ops.py's "must be on a CUDA device" error; a kernel registered for one
 // backend from Python (the CPU tests' stand-ins) takes precedence there. The fake kernels and
-// the autograd formula are Python's (python/fusemoe/ops.py, fp8.py), registered on these ops by
+// the autograd formula are Python's (python/fusemoe/ops.py, fp8.py, separate.py), registered on these ops by
 // name. Every tensor's device is checked here, so the C calls skip their per-pointer CUDA
 // queries (caller_checked_pointers). Shape legend: T tokens, H hidden, I expert intermediate,
 // F = 2I, E experts, K top-k, S = T·K routed rows.
@@ -370,22 +370,27 @@ struct WeightGradsW1W3 {
   Tensor dw2_EHI;
 };
 
-// dx, d_topk_weights; dw1, dw3, dw2 written (accumulate false) or added into weight_grads, or
-// into fresh tensors of the weights' dtype when weight_grads is null (then returned in it).
-std::tuple<Tensor, Tensor> launch_w1w3_backward(const Tensor& dy_TH, const Inputs& in, const Tensor& w3_EIH,
-                                                WeightGradsW1W3* weight_grads, bool fresh, bool accumulate,
-                                                const std::string& impl, const OptionalTensor& saved_z_SF,
-                                                std::optional<double> swiglu_clamp) {
+// What a w1/w3 backward call returns: dx, d_topk_weights, and the weight gradients it wrote.
+struct GradientsW1W3 {
+  Tensor dx_TH;
+  Tensor d_topk_weights_TK;
+  WeightGradsW1W3 weight_grads;
+};
+
+// launch_backward for w1, w3: dw1, dw3, dw2 written into fresh tensors of the weights' dtype
+// (weight_grads null), or written (accumulate false) or added into the given ones.
+GradientsW1W3 launch_w1w3_backward(const Tensor& dy_TH, const Inputs& in, const Tensor& w3_EIH,
+                                   const WeightGradsW1W3* weight_grads, bool accumulate, const std::string& impl,
+                                   const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
   const LayerDims d =
       check_inputs_w1w3(in.x_TH, in.topk_idx_TK, in.topk_weights_TK, in.w13_EFH, w3_EIH, in.w2_EHI, &dy_TH);
   check_cuda(in.x_TH, kApiW1W3);
   const int32_t device = in.x_TH.get_device_index();
-  if (fresh) {
-    weight_grads->dw1_EIH = empty_like_cuda(in.w13_EFH, device, "dw1");
-    weight_grads->dw3_EIH = empty_like_cuda(w3_EIH, device, "dw3");
-    weight_grads->dw2_EHI = empty_like_cuda(in.w2_EHI, device, "dw2");
-  }
-  const WeightGradsW1W3& g = *weight_grads;
+  const WeightGradsW1W3 g = weight_grads != nullptr
+                                ? *weight_grads
+                                : WeightGradsW1W3{empty_like_cuda(in.w13_EFH, device, "dw1"),
+                                                  empty_like_cuda(w3_EIH, device, "dw3"),
+                                                  empty_like_cuda(in.w2_EHI, device, "dw2")};
   const int32_t grad_dtype =
       check_weight_grads_w1w3(g.dw1_EIH, g.dw3_EIH, g.dw2_EHI, in.w13_EFH, w3_EIH, in.w2_EHI);
   const Tensor* saved_z = check_saved_z(saved_z_SF, d, in.x_TH, impl);
@@ -409,7 +414,7 @@ std::tuple<Tensor, Tensor> launch_w1w3_backward(const Tensor& dy_TH, const Input
   a.accumulate_weight_grads = accumulate ? 1 : 0;
   a.saved_z = saved_z != nullptr ? data(*saved_z) : nullptr;
   check_c_status(fusemoe_c_backward(&layer, &a));
-  return {dx_TH, d_topk_weights_TK};
+  return GradientsW1W3{dx_TH, d_topk_weights_TK, g};
 }
 
 using FiveTensors = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
@@ -417,10 +422,18 @@ using FiveTensors = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 // The backward ops of fresh gradients: (dx, d_topk_weights, dw1, dw3, dw2).
 FiveTensors w1w3_backward_fresh(const Tensor& dy_TH, const Inputs& in, const Tensor& w3_EIH, const std::string& impl,
                                 const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
-  WeightGradsW1W3 g{in.x_TH, in.x_TH, in.x_TH};  // placeholders, replaced by fresh tensors
-  auto [dx_TH, d_topk_weights_TK] =
-      launch_w1w3_backward(dy_TH, in, w3_EIH, &g, true, false, impl, saved_z_SF, swiglu_clamp);
-  return {dx_TH, d_topk_weights_TK, g.dw1_EIH, g.dw3_EIH, g.dw2_EHI};
+  GradientsW1W3 g = launch_w1w3_backward(dy_TH, in, w3_EIH, nullptr, false, impl, saved_z_SF, swiglu_clamp);
+  return {g.dx_TH, g.d_topk_weights_TK, g.weight_grads.dw1_EIH, g.weight_grads.dw3_EIH, g.weight_grads.dw2_EHI};
+}
+
+// The _into ops: (dx, d_topk_weights), the weight gradients written or added into weight_grads.
+std::tuple<Tensor, Tensor> w1w3_backward_into(const Tensor& dy_TH, const Inputs& in, const Tensor& w3_EIH,
+                                              const WeightGradsW1W3& weight_grads, bool accumulate,
+                                              const std::string& impl, const OptionalTensor& saved_z_SF,
+                                              std::optional<double> swiglu_clamp) {
+  GradientsW1W3 g =
+      launch_w1w3_backward(dy_TH, in, w3_EIH, &weight_grads, accumulate, impl, saved_z_SF, swiglu_clamp);
+  return {g.dx_TH, g.d_topk_weights_TK};
 }
 
 std::tuple<Tensor, Tensor> moe_experts_w1w3_forward(const Tensor& x_TH, const Tensor& topk_idx_TK,
@@ -463,9 +476,8 @@ std::tuple<Tensor, Tensor> moe_experts_w1w3_backward_into(
     const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI, const Tensor& dw1_EIH, const Tensor& dw3_EIH,
     const Tensor& dw2_EHI, bool accumulate, const std::string& impl, const OptionalTensor& saved_z_SF,
     std::optional<double> swiglu_clamp) {
-  WeightGradsW1W3 g{dw1_EIH, dw3_EIH, dw2_EHI};
-  return launch_w1w3_backward(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, nullptr}, w3_EIH, &g,
-                              false, accumulate, impl, saved_z_SF, swiglu_clamp);
+  return w1w3_backward_into(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, nullptr}, w3_EIH,
+                            {dw1_EIH, dw3_EIH, dw2_EHI}, accumulate, impl, saved_z_SF, swiglu_clamp);
 }
 
 std::tuple<Tensor, Tensor> moe_experts_w1w3_fp8_backward_into(
@@ -473,9 +485,8 @@ std::tuple<Tensor, Tensor> moe_experts_w1w3_fp8_backward_into(
     const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI, const Tensor& fp8_weights,
     const Tensor& dw1_EIH, const Tensor& dw3_EIH, const Tensor& dw2_EHI, bool accumulate, const std::string& impl,
     const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
-  WeightGradsW1W3 g{dw1_EIH, dw3_EIH, dw2_EHI};
-  return launch_w1w3_backward(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights}, w3_EIH,
-                              &g, false, accumulate, impl, saved_z_SF, swiglu_clamp);
+  return w1w3_backward_into(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights}, w3_EIH,
+                            {dw1_EIH, dw3_EIH, dw2_EHI}, accumulate, impl, saved_z_SF, swiglu_clamp);
 }
 
 // The FP8 weight buffer of bf16 w1, w3 [E, I, H] and w2 [E, H, I]: the bytes of quantize_weights_fp8
