@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from . import _capi
-from .ops import (_backward_fake, _call, _check_cuda, _check_tensor, _check_w2_matches_w13, _fail,
+from .ops import (API, _backward_fake, _call, _check_cuda, _check_tensor, _check_w2_matches_w13,
+                  _fail,
                   _forward_fake, _gradients, _launch_backward, _launch_forward, _op,
                   _register_autograd, _save_for_backward, _wants_saved_z)
 
@@ -52,25 +53,36 @@ def fp8_weights_bytes(num_experts, hidden, intermediate):
 
 def _check_fp8_shapes(w13_EFH, w2_EHI):
     num_experts, two_intermediate, hidden = w13_EFH.shape
-    if hidden % _BLOCK or (two_intermediate // 2) % _BLOCK:
+    return _check_fp8_dims(num_experts, hidden, two_intermediate // 2)
+
+
+def _check_fp8_dims(num_experts, hidden, intermediate, api=API):
+    """(E, H, I) with H and I multiples of the scale block; api: the entry point named."""
+    if hidden % _BLOCK or intermediate % _BLOCK:
         _fail(f"precision=\"fp8\" needs hidden and intermediate to be multiples of {_BLOCK}, got "
-              f"H={hidden}, I={two_intermediate // 2}")
-    return num_experts, hidden, two_intermediate // 2
+              f"H={hidden}, I={intermediate}", api)
+    return num_experts, hidden, intermediate
 
 
 def _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI, layer=None):
     """layer: the call's _capi.Layer (precision "fp8"), whose buffer size the library gives; None
     in the fake kernels (the Python formula)."""
-    num_experts, hidden, intermediate = _check_fp8_shapes(w13_EFH, w2_EHI)
+    _check_fp8_buffer_bytes(fp8_weights, _check_fp8_shapes(w13_EFH, w2_EHI), w13_EFH.device,
+                            layer, "fusemoe.fp8.quantize_weights_fp8(w13, w2)")
+
+
+def _check_fp8_buffer_bytes(fp8_weights, dims, device, layer, made_by, api=API):
+    """The buffer check of _check_fp8_weights for a layer of dims (E, H, I) on device; made_by:
+    the call that makes the buffer, which the message names."""
     expected = (_capi.fp8_weights_bytes(layer) if layer is not None
-                else fp8_weights_bytes(num_experts, hidden, intermediate))
+                else fp8_weights_bytes(*dims))
     if (not isinstance(fp8_weights, Tensor) or fp8_weights.dtype != torch.uint8
             or fp8_weights.dim() != 1 or fp8_weights.numel() != expected
-            or not fp8_weights.is_contiguous() or fp8_weights.device != w13_EFH.device):
-        _fail(f"fp8_weights must be the buffer fusemoe.fp8.quantize_weights_fp8(w13, w2) returned: "
-              f"contiguous uint8 [{expected}] on {w13_EFH.device}, got "
+            or not fp8_weights.is_contiguous() or fp8_weights.device != device):
+        _fail(f"fp8_weights must be the buffer {made_by} returned: "
+              f"contiguous uint8 [{expected}] on {device}, got "
               f"{getattr(fp8_weights, 'dtype', type(fp8_weights).__name__)} "
-              f"{tuple(getattr(fp8_weights, 'shape', ()))}")
+              f"{tuple(getattr(fp8_weights, 'shape', ()))}", api)
 
 
 # ------------------------------------------------------------------------------ weight buffer
@@ -130,9 +142,10 @@ def _register_step_hook():
 
 
 class Fp8WeightCache:
-    """The FP8 buffer of one pair of weight tensors, rebuilt only when either changes: a new tensor
-    object or storage, an in-place update (tensor._version), or a new generation (any optimizer
-    step, invalidate_fp8_caches()). quantizations counts the rebuilds."""
+    """The FP8 buffer of one set of weight tensors (w13, w2, or fusemoe.separate's w1, w3, w2),
+    rebuilt only when any changes: a new tensor object or storage, an in-place update
+    (tensor._version), or a new generation (any optimizer step, invalidate_fp8_caches()).
+    quantizations counts the rebuilds."""
 
     def __init__(self):
         self._key = None
@@ -142,18 +155,20 @@ class Fp8WeightCache:
     def get(self, w13_source, w2_source, w13_EFH=None, w2_EHI=None):
         """w13_source, w2_source: the tensors whose versions decide (e.g. fp32 Parameters);
         w13_EFH, w2_EHI: their bf16 values if not the sources themselves."""
-        key = (_generation, id(w13_source), id(w2_source), w13_source.data_ptr(),
-               w2_source.data_ptr(), w13_source._version, w2_source._version,
-               tuple(w13_source.shape), tuple(w2_source.shape), w13_source.dtype,
-               w13_source.device)
+        return self.get_of(quantize_weights_fp8, (w13_source, w2_source), (w13_EFH, w2_EHI))
+
+    def get_of(self, quantize, sources, values):
+        """The buffer quantize(*bf16 weights) of the weights values (None: the source itself),
+        keyed on sources."""
+        key = (_generation, quantize, *(id(s) for s in sources), *(s.data_ptr() for s in sources),
+               *(s._version for s in sources), *(tuple(s.shape) for s in sources),
+               sources[0].dtype, sources[0].device)
         if self._buffer is None or key != self._key:
             _register_step_hook()
             with torch.no_grad():
-                w13 = w13_EFH if w13_EFH is not None else w13_source
-                w2 = w2_EHI if w2_EHI is not None else w2_source
-                self._buffer = _call(quantize_weights_fp8,
-                                     w13.detach().to(torch.bfloat16).contiguous(),
-                                     w2.detach().to(torch.bfloat16).contiguous())
+                weights = (v if v is not None else s for s, v in zip(sources, values))
+                self._buffer = _call(quantize, *(w.detach().to(torch.bfloat16).contiguous()
+                                                 for w in weights))
             self._key = key
             self.quantizations += 1
         return self._buffer
@@ -172,17 +187,23 @@ def cached_fp8_weights(w13_EFH, w2_EHI, cache=None, sources=None):
     None (MoEExperts passes its Parameters: an fp32 master's bf16 copy is new each call).
     Traced (torch.compile, fake tensors: no storage or version to key on) the buffer is rebuilt
     on every call."""
-    w13_source, w2_source = (w13_EFH, w2_EHI) if sources is None else sources
-    if traced(w13_source):
-        return _call(quantize_weights_fp8, w13_EFH.detach(), w2_EHI.detach())
+    return cached_buffer(quantize_weights_fp8, (w13_EFH, w2_EHI), cache, sources,
+                         "_fusemoe_fp8_cache")
+
+
+def cached_buffer(quantize, weights, cache, sources, attribute):
+    """cached_fp8_weights for the weights of any form (fusemoe.separate: w1, w3, w2) and their
+    quantize op; attribute: the name of the cache kept on weights[0] when cache is None."""
+    if traced(weights[0] if sources is None else sources[0]):
+        return _call(quantize, *(w.detach() for w in weights))
     if cache is None:
-        cache = getattr(w13_EFH, "_fusemoe_fp8_cache", None)
+        cache = getattr(weights[0], attribute, None)
         if cache is None:
             cache = Fp8WeightCache()
-            w13_EFH._fusemoe_fp8_cache = cache
+            setattr(weights[0], attribute, cache)
     if sources is None:
-        return cache.get(w13_EFH, w2_EHI)
-    return cache.get(w13_source, w2_source, w13_EFH, w2_EHI)
+        return cache.get_of(quantize, weights, (None,) * len(weights))
+    return cache.get_of(quantize, sources, weights)
 
 
 # ---------------------------------------------------------------------------------------- ops

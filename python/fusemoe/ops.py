@@ -433,78 +433,95 @@ def _moe_experts_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w
 
 def _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI, api=API):
     """The C library's weight_grad_dtype code for gradient buffers dw13/dw2."""
+    return _weight_grad_dtype((("dw13", dw13_EFH, w13_EFH), ("dw2", dw2_EHI, w2_EHI)), api)
+
+
+def _weight_grad_dtype(named, api=API):
+    """The C library's weight_grad_dtype code for the gradient buffers of named: (name, grad,
+    weight) triples (fusemoe.separate passes dw1, dw3, dw2). Float32 or bfloat16, one dtype,
+    contiguous, of the weight's shape and device."""
     codes = {torch.float32: _capi.WEIGHT_GRAD_FLOAT32, torch.bfloat16: _capi.WEIGHT_GRAD_BFLOAT16}
-    for name, grad, weight in (("dw13", dw13_EFH, w13_EFH), ("dw2", dw2_EHI, w2_EHI)):
+    for name, grad, weight in named:
         if not isinstance(grad, Tensor) or grad.dtype not in codes:
             _fail(f"{name} must be a float32 or bfloat16 tensor, got "
                   f"{getattr(grad, 'dtype', type(grad).__name__)}", api)
         if grad.shape != weight.shape or not grad.is_contiguous() or grad.device != weight.device:
             _fail(f"{name} must be contiguous, on {weight.device}, of shape {tuple(weight.shape)}; "
                   f"got {tuple(grad.shape)} on {grad.device}, strides {grad.stride()}", api)
-    if dw13_EFH.dtype != dw2_EHI.dtype:
-        _fail(f"dw13 and dw2 must have one dtype, got {dw13_EFH.dtype} and {dw2_EHI.dtype}", api)
-    return codes[dw13_EFH.dtype]
+    dtypes = [grad.dtype for _, grad, _ in named]
+    if len(set(dtypes)) > 1:
+        names = [name for name, _, _ in named]
+        _fail(f"{', '.join(names[:-1])} and {names[-1]} must have one dtype, got "
+              f"{', '.join(str(d) for d in dtypes[:-1])} and {dtypes[-1]}", api)
+    return codes[dtypes[0]]
 
 
-def _save_for_backward(ctx, tensors, impl, grad_in_place, save_z, swiglu_clamp, z_SF):
+def _save_for_backward(ctx, tensors, impl, grad_in_place, save_z, swiglu_clamp, z_SF,
+                       num_weights=2):
     """setup_context of the forward ops (bf16 and FP8): tensors are the op's tensor inputs, (x,
-    topk_idx, topk_weights, w13, w2) and for the FP8 op fp8_weights; the rest its other inputs and
-    its z output."""
+    topk_idx, topk_weights, then the num_weights weights: w13, w2, or w1, w3, w2 for
+    fusemoe.separate) and for the FP8 ops fp8_weights; the rest its other inputs and its z
+    output."""
     ctx.mark_non_differentiable(z_SF)
     # Without this autograd hands the backward a zero-filled gradient of z (T K x 2I bf16: 256 MiB
     # at T = 4096, 2I = 4096), allocated and written on every backward for nothing.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(*tensors, z_SF)
     ctx.num_inputs = len(tensors) + 4
+    ctx.num_weights = num_weights
     ctx.impl = impl
     ctx.swiglu_clamp = swiglu_clamp
     # In-place gradients need the leaf Parameters themselves (not a converted copy).
-    w13_EFH, w2_EHI = tensors[3], tensors[4]
-    ctx.params = ((w13_EFH, w2_EHI) if grad_in_place and w13_EFH.is_leaf and w2_EHI.is_leaf and
-                  w13_EFH.requires_grad and w2_EHI.requires_grad else None)
+    weights = tensors[3:3 + num_weights]
+    ctx.params = (weights if grad_in_place and all(w.is_leaf and w.requires_grad for w in weights)
+                  else None)
 
 
 def _gradients(ctx, dy_TH, backward_op, backward_into_op):
-    """The backward formula of the forward ops (bf16 and FP8): backward_op / backward_into_op
-    take the saved weights, (w13, w2) or (w13, w2, fp8_weights), where the bf16 ops take (w13,
-    w2). Returns a gradient (or None) for each input of the forward op."""
+    """The backward formula of the forward ops (bf16 and FP8, w13 or w1/w3): backward_op /
+    backward_into_op take the saved weights, e.g. (w13, w2) or (w13, w2, fp8_weights), then
+    (into) a gradient buffer per weight and accumulate. Returns a gradient (or None) for each
+    input of the forward op."""
     x_TH, topk_idx_TK, topk_weights_TK, *weights, z_SF = ctx.saved_tensors
     saved_z_SF = z_SF if z_SF.numel() else None
     # dy may arrive expanded (e.g. from y.sum()) or in another layout: the op needs it dense.
     dy_TH = dy_TH.contiguous()
     if ctx.params is not None:
         dx_TH, d_topk_weights_TK = _backward_into_grads(
-            ctx, lambda dw13, dw2, accumulate: _call(
-                backward_into_op, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights, dw13, dw2,
-                accumulate, ctx.impl, saved_z_SF, ctx.swiglu_clamp))
-        dw13_EFH = dw2_EHI = None
+            ctx, lambda *grads_and_accumulate: _call(
+                backward_into_op, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights,
+                *grads_and_accumulate, ctx.impl, saved_z_SF, ctx.swiglu_clamp))
+        weight_grads = (None,) * ctx.num_weights
     else:
-        dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI = _call(
+        dx_TH, d_topk_weights_TK, *weight_grads = _call(
             backward_op, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights, ctx.impl,
             saved_z_SF, ctx.swiglu_clamp)
-    return (dx_TH, None, d_topk_weights_TK, dw13_EFH, dw2_EHI) + (None,) * (ctx.num_inputs - 5)
+    return ((dx_TH, None, d_topk_weights_TK, *weight_grads)
+            + (None,) * (ctx.num_inputs - 3 - ctx.num_weights))
 
 
 def _backward_into_grads(ctx, backward_into):
-    """grad_in_place (the bf16 and FP8 ops): backward_into(dw13, dw2, accumulate) adds the weight
-    gradients to the Parameters' .grad (or writes a fresh .grad when both are None) and autograd
-    gets None for them, so no separate add runs. Returns (dx, d_topk_weights)."""
+    """grad_in_place (the bf16 and FP8 ops): backward_into(*grads, accumulate), a gradient buffer
+    per Parameter of ctx.params (w13, w2, or w1, w3, w2), adds the weight gradients to the
+    Parameters' .grad (or writes a fresh .grad when all are None) and autograd gets None for
+    them, so no separate add runs. Returns (dx, d_topk_weights)."""
     if torch.compiler.is_compiling():
         raise RuntimeError("fusemoe: grad_in_place=True sets Parameter.grad inside the backward, "
                            "which a compiled backward cannot trace; use grad_in_place=False "
                            "under torch.compile")
-    w13_param, w2_param = ctx.params
-    fresh = w13_param.grad is None and w2_param.grad is None
+    params = ctx.params
+    fresh = all(param.grad is None for param in params)
     if fresh:
-        grads = torch.empty_like(w13_param), torch.empty_like(w2_param)
+        grads = tuple(torch.empty_like(param) for param in params)
     else:
-        for param in (w13_param, w2_param):
+        for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        grads = w13_param.grad, w2_param.grad
+        grads = tuple(param.grad for param in params)
     dx_TH, d_topk_weights_TK = backward_into(*grads, not fresh)
     if fresh:
-        w13_param.grad, w2_param.grad = grads
+        for param, grad in zip(params, grads):
+            param.grad = grad
     return dx_TH, d_topk_weights_TK
 
 
@@ -584,13 +601,13 @@ def _backward(ctx, dy_TH, _dz_unused):
 _forward_call = _register_autograd("moe_experts_forward", _backward, _setup_context)
 
 
-def _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI):
-    """Whether a forward saves z (the bf16 and FP8 ops): impl "fused", recompute_z off and a
-    gradient to compute. A loop rather than any() over a generator, which costs more per call
-    than the rest of this function (docs/perf.md#host-cost-of-the-op)."""
+def _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, *weights):
+    """Whether a forward saves z (the bf16 and FP8 ops, w13 or w1/w3): impl "fused", recompute_z
+    off and a gradient to compute. A loop rather than any() over a generator, which costs more
+    per call than the rest of this function (docs/perf.md#host-cost-of-the-op)."""
     if impl != "fused" or recompute_z or not torch.is_grad_enabled():
         return False
-    for t in (x_TH, topk_weights_TK, w13_EFH, w2_EHI):
+    for t in (x_TH, topk_weights_TK, *weights):
         if isinstance(t, Tensor) and t.requires_grad:
             return True
     return False

@@ -11,11 +11,17 @@ Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k. x, 
 w2 bf16 [E, H, I]. The rest (z saved for the backward unless recompute_z, the expert-id report,
 workspaces from torch's allocator, errors) is fusemoe.ops' (see its docstring).
 
+Options as fusemoe.moe_experts', on its machinery: grad_in_place=True (eager, leaf w1, w3, w2)
+goes through fusemoe::moe_experts_w1w3_backward_into, which writes (first micro-batch) or adds
+dw1, dw3, dw2 into their .grad (fusemoe.ops._gradients / _backward_into_grads); precision="fp8"
+through fusemoe::moe_experts_w1w3_fp8_forward / _backward / _backward_into on the buffer of
+fusemoe::quantize_weights_fp8_w1w3 (the library's quantize_weights_fp8 overload for w1, w3: the
+bytes quantize_weights_fp8 writes for w13 = [w1; w3]), cached on w1 per version of w1, w3 and w2
+as fusemoe.fp8 caches per (w13, w2) version (fusemoe.fp8.cached_buffer, the same rules).
+
 Like fusemoe.ops' ops, each has two definitions: the native binding's C++ kernel
 (src/torch_binding/ops.cpp, the same schema and messages) when it is loaded, else the Python
 function below over ctypes; the fake kernels and the autograd formula are registered on the name.
-Not yet here: grad_in_place, precision="fp8" (the library takes w1/w3 for quantize_weights_fp8;
-fusemoe.fp8's cache does not).
 """
 from typing import Optional
 
@@ -23,9 +29,11 @@ import torch
 from torch import Tensor
 
 from . import _capi
+from .fp8 import _check_fp8_buffer_bytes, _check_fp8_dims, cached_buffer, fp8_weights_bytes
 from .ops import (DEFAULT_IMPL, _call, _check_cuda, _check_impl, _check_routing, _check_save_z,
                   _check_saved_z, _check_swiglu_clamp, _check_tensor, _empty_saved_z,
-                  _expert_id_report, _fail, _op, _register_autograd, _workspace)
+                  _expert_id_report, _fail, _gradients, _op, _register_autograd,
+                  _save_for_backward, _wants_saved_z, _weight_grad_dtype, _workspace)
 
 API = "fusemoe.moe_experts_w1w3"
 
@@ -56,38 +64,143 @@ def _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EH
     return (hidden, intermediate, num_experts, topk_idx_TK.shape[1], num_tokens)
 
 
-@_op("moe_experts_w1w3_forward")
-def moe_experts_w1w3_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
-                             w1_EIH: Tensor, w3_EIH: Tensor, w2_EHI: Tensor, impl: str,
-                             save_z: bool = False,
-                             swiglu_clamp: Optional[float] = None) -> tuple[Tensor, Tensor]:
-    """Returns (y, z): z is the saved pre-activations when save_z ("fused" only), else empty."""
+def _check_weight_grads_w1w3(dw1_EIH, dw3_EIH, dw2_EHI, w1_EIH, w3_EIH, w2_EHI):
+    """fusemoe.ops._check_weight_grads for dw1, dw3, dw2: the C weight_grad_dtype code."""
+    return _weight_grad_dtype((("dw1", dw1_EIH, w1_EIH), ("dw3", dw3_EIH, w3_EIH),
+                               ("dw2", dw2_EHI, w2_EHI)), API)
+
+
+_FP8_MADE_BY = "fusemoe.separate.quantize_weights_fp8_w1w3(w1, w3, w2)"
+
+
+def _check_fp8_buffer_w1w3(fp8_weights, dims, device, layer=None):
+    """The FP8 weight buffer of a layer of dims (H, I, E, ...) on device: its size is the
+    library's (layer) or, in the fake kernels, fusemoe.fp8's formula."""
+    hidden, intermediate, num_experts = dims[:3]
+    _check_fp8_buffer_bytes(fp8_weights, _check_fp8_dims(num_experts, hidden, intermediate, API),
+                            device, layer, _FP8_MADE_BY, API)
+
+
+def _layer_and_weights(dims, impl, swiglu_clamp, w1_EIH, w3_EIH, w2_EHI, fp8_weights):
+    """fusemoe.ops._layer_and_weights for w1, w3: the call's layer and the (w1, w3, w2,
+    fp8_weights) pointers, null bf16 weights on the FP8 buffer (their values are not read)."""
+    layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16" if fp8_weights is None else "fp8")
+    if fp8_weights is None:
+        return layer, (w1_EIH.data_ptr(), w3_EIH.data_ptr(), w2_EHI.data_ptr(), None)
+    _check_fp8_buffer_w1w3(fp8_weights, dims, w1_EIH.device, layer)
+    return layer, (None, None, None, fp8_weights.data_ptr())
+
+
+def _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl, save_z,
+                    swiglu_clamp, fp8_weights=None):
+    """The forward ops' call (bf16, or the FP8 buffer when given). Returns (y, z)."""
     dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI)
     _check_cuda(x_TH, API)
     _check_save_z(save_z, impl)
     _check_swiglu_clamp(swiglu_clamp)
-    layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16")
+    layer, (w1, w3, w2, fp8) = _layer_and_weights(dims, impl, swiglu_clamp, w1_EIH, w3_EIH,
+                                                  w2_EHI, fp8_weights)
     y_TH = torch.empty_like(x_TH)
     z_SF = _empty_saved_z(x_TH, dims, save_z)
     with torch.cuda.device(x_TH.device):
         report = _expert_id_report(x_TH.device, dims[2], dims[3])
         workspace, num_bytes = _workspace(layer, x_TH.device, "forward")
         _capi.forward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(), topk_weights_TK.data_ptr(),
-                      None, w2_EHI.data_ptr(), y_TH.data_ptr(), dims[-1], workspace.data_ptr(),
-                      num_bytes, report, z_SF.data_ptr() if save_z and z_SF.numel() else None,
-                      torch.cuda.current_stream(x_TH.device).cuda_stream,
-                      caller_checked_pointers=True, w1=w1_EIH.data_ptr(), w3=w3_EIH.data_ptr())
+                      None, w2, y_TH.data_ptr(), dims[-1], workspace.data_ptr(), num_bytes,
+                      report, z_SF.data_ptr() if save_z and z_SF.numel() else None,
+                      torch.cuda.current_stream(x_TH.device).cuda_stream, fp8_weights=fp8,
+                      caller_checked_pointers=True, w1=w1, w3=w3)
     return y_TH, z_SF
 
 
-@torch.library.register_fake("fusemoe::moe_experts_w1w3_forward")
-def _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl, save_z=False,
-                  swiglu_clamp=None):
+def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, dw1_EIH,
+                     dw3_EIH, dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp,
+                     fp8_weights=None):
+    """The backward ops' call: dw1, dw3, dw2 written (accumulate False) or added into the given
+    buffers. Returns (dx, d_topk_weights)."""
+    dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, dy_TH)
+    _check_cuda(x_TH, API)
+    grad_dtype = _check_weight_grads_w1w3(dw1_EIH, dw3_EIH, dw2_EHI, w1_EIH, w3_EIH, w2_EHI)
+    saved_z_SF = _check_saved_z(saved_z_SF, dims, x_TH, impl)
+    _check_swiglu_clamp(swiglu_clamp)
+    layer, (w1, w3, w2, fp8) = _layer_and_weights(dims, impl, swiglu_clamp, w1_EIH, w3_EIH,
+                                                  w2_EHI, fp8_weights)
+    dx_TH = torch.empty_like(x_TH)
+    d_topk_weights_TK = torch.empty_like(topk_weights_TK)
+    with torch.cuda.device(x_TH.device):
+        report = _expert_id_report(x_TH.device, dims[2], dims[3])
+        use = "backward" if saved_z_SF is None else "backward_saved_z"
+        workspace, num_bytes = _workspace(layer, x_TH.device, use)
+        _capi.backward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(), topk_weights_TK.data_ptr(),
+                       None, w2, dy_TH.data_ptr(), dx_TH.data_ptr(),
+                       d_topk_weights_TK.data_ptr(), None, dw2_EHI.data_ptr(), grad_dtype,
+                       accumulate, dims[-1], workspace.data_ptr(), num_bytes, report,
+                       saved_z_SF.data_ptr() if saved_z_SF is not None else None,
+                       torch.cuda.current_stream(x_TH.device).cuda_stream, fp8_weights=fp8,
+                       caller_checked_pointers=True, w1=w1, w3=w3, dw1=dw1_EIH.data_ptr(),
+                       dw3=dw3_EIH.data_ptr())
+    return dx_TH, d_topk_weights_TK
+
+
+def _launch_backward_fresh(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
+                           impl, saved_z_SF, swiglu_clamp, fp8_weights=None):
+    """The backward into fresh gradients of the weights' dtype: (dx, d_topk_weights, dw1, dw3,
+    dw2)."""
+    grads = tuple(torch.empty_like(w) for w in (w1_EIH, w3_EIH, w2_EHI))
+    dx_TH, d_topk_weights_TK = _launch_backward(
+        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, *grads, False, impl,
+        saved_z_SF, swiglu_clamp, fp8_weights)
+    return (dx_TH, d_topk_weights_TK, *grads)
+
+
+def _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl, save_z,
+                  swiglu_clamp, fp8_weights=None):
+    """The forward ops' fake kernels: the checks that need no device, then empty (y, z)."""
     dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI)
     _check_impl(impl)
     _check_save_z(save_z, impl)
     _check_swiglu_clamp(swiglu_clamp)
+    if fp8_weights is not None:
+        _check_fp8_buffer_w1w3(fp8_weights, dims, w1_EIH.device)
     return torch.empty_like(x_TH), _empty_saved_z(x_TH, dims, save_z)
+
+
+def _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
+                   saved_z_SF, swiglu_clamp, weight_grads=None, fp8_weights=None):
+    """The backward ops' fake kernels: (dx, d_topk_weights) and, unless weight_grads (dw1, dw3,
+    dw2) are given as the _into ops take them, empty dw1, dw3, dw2."""
+    dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, dy_TH)
+    if weight_grads is not None:
+        _check_weight_grads_w1w3(*weight_grads, w1_EIH, w3_EIH, w2_EHI)
+    _check_impl(impl)
+    if fp8_weights is not None:
+        _check_fp8_buffer_w1w3(fp8_weights, dims, w1_EIH.device)
+    _check_saved_z(saved_z_SF, dims, x_TH, impl)
+    _check_swiglu_clamp(swiglu_clamp)
+    grads = (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK))
+    if weight_grads is None:
+        grads += tuple(torch.empty_like(w) for w in (w1_EIH, w3_EIH, w2_EHI))
+    return grads
+
+
+# ----------------------------------------------------------------------------------- bf16 ops
+
+@_op("moe_experts_w1w3_forward")
+def moe_experts_w1w3_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
+                             w1_EIH: Tensor, w3_EIH: Tensor, w2_EHI: Tensor, impl: str,
+                             grad_in_place: bool = False, save_z: bool = False,
+                             swiglu_clamp: Optional[float] = None) -> tuple[Tensor, Tensor]:
+    """Returns (y, z): z is the saved pre-activations when save_z ("fused" only), else empty.
+    grad_in_place is autograd's (see moe_experts_w1w3)."""
+    return _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
+                           save_z, swiglu_clamp)
+
+
+@torch.library.register_fake("fusemoe::moe_experts_w1w3_forward")
+def _moe_experts_w1w3_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
+                                   impl, grad_in_place=False, save_z=False, swiglu_clamp=None):
+    return _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl, save_z,
+                         swiglu_clamp)
 
 
 @_op("moe_experts_w1w3_backward")
@@ -98,73 +211,195 @@ def moe_experts_w1w3_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dx [T, H] bf16, d_topk_weights [T, K] fp32, dw1, dw3 [E, I, H], dw2 [E, H, I]),
     the weight gradients in the weights' dtype, written apart (no concatenated buffer)."""
-    dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, dy_TH)
-    _check_cuda(x_TH, API)
-    saved_z_SF = _check_saved_z(saved_z_SF, dims, x_TH, impl)
-    _check_swiglu_clamp(swiglu_clamp)
-    layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16")
-    dx_TH = torch.empty_like(x_TH)
-    d_topk_weights_TK = torch.empty_like(topk_weights_TK)
-    dw1_EIH, dw3_EIH, dw2_EHI = (torch.empty_like(w) for w in (w1_EIH, w3_EIH, w2_EHI))
-    with torch.cuda.device(x_TH.device):
-        report = _expert_id_report(x_TH.device, dims[2], dims[3])
-        use = "backward" if saved_z_SF is None else "backward_saved_z"
-        workspace, num_bytes = _workspace(layer, x_TH.device, use)
-        _capi.backward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(), topk_weights_TK.data_ptr(),
-                       None, w2_EHI.data_ptr(), dy_TH.data_ptr(), dx_TH.data_ptr(),
-                       d_topk_weights_TK.data_ptr(), None, dw2_EHI.data_ptr(),
-                       _capi.WEIGHT_GRAD_BFLOAT16, False, dims[-1], workspace.data_ptr(),
-                       num_bytes, report,
-                       saved_z_SF.data_ptr() if saved_z_SF is not None else None,
-                       torch.cuda.current_stream(x_TH.device).cuda_stream,
-                       caller_checked_pointers=True, w1=w1_EIH.data_ptr(), w3=w3_EIH.data_ptr(),
-                       dw1=dw1_EIH.data_ptr(), dw3=dw3_EIH.data_ptr())
-    return dx_TH, d_topk_weights_TK, dw1_EIH, dw3_EIH, dw2_EHI
+    return _launch_backward_fresh(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH,
+                                  w2_EHI, impl, saved_z_SF, swiglu_clamp)
 
 
 @torch.library.register_fake("fusemoe::moe_experts_w1w3_backward")
-def _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
-                   saved_z_SF=None, swiglu_clamp=None):
-    dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, dy_TH)
-    _check_impl(impl)
-    _check_saved_z(saved_z_SF, dims, x_TH, impl)
-    _check_swiglu_clamp(swiglu_clamp)
-    return (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK), torch.empty_like(w1_EIH),
-            torch.empty_like(w3_EIH), torch.empty_like(w2_EHI))
+def _moe_experts_w1w3_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH,
+                                    w2_EHI, impl, saved_z_SF=None, swiglu_clamp=None):
+    return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
+                          saved_z_SF, swiglu_clamp)
+
+
+@_op("moe_experts_w1w3_backward_into", mutates_args=("dw1_EIH", "dw3_EIH", "dw2_EHI"))
+def moe_experts_w1w3_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
+                                   topk_weights_TK: Tensor, w1_EIH: Tensor, w3_EIH: Tensor,
+                                   w2_EHI: Tensor, dw1_EIH: Tensor, dw3_EIH: Tensor,
+                                   dw2_EHI: Tensor, accumulate: bool, impl: str,
+                                   saved_z_SF: Optional[Tensor] = None,
+                                   swiglu_clamp: Optional[float] = None) -> tuple[Tensor, Tensor]:
+    """fusemoe::moe_experts_backward_into for w1, w3: the weight gradients written
+    (accumulate=False) or added (True) into dw1, dw3, dw2 (bf16 or fp32, one dtype, the shapes of
+    w1, w3, w2); returns (dx, d_topk_weights)."""
+    return _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
+                            dw1_EIH, dw3_EIH, dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp)
+
+
+@torch.library.register_fake("fusemoe::moe_experts_w1w3_backward_into")
+def _moe_experts_w1w3_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH,
+                                         w3_EIH, w2_EHI, dw1_EIH, dw3_EIH, dw2_EHI, accumulate,
+                                         impl, saved_z_SF=None, swiglu_clamp=None):
+    return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
+                          saved_z_SF, swiglu_clamp, weight_grads=(dw1_EIH, dw3_EIH, dw2_EHI))
 
 
 def _setup_context(ctx, inputs, output):
-    x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl, *rest = inputs
-    swiglu_clamp = rest[1] if len(rest) > 1 else None
-    z_SF = output[1]
-    ctx.mark_non_differentiable(z_SF)
-    ctx.set_materialize_grads(False)  # no zero gradient of z per backward (fusemoe.ops says why)
-    ctx.save_for_backward(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, z_SF)
-    ctx.impl = impl
-    ctx.swiglu_clamp = swiglu_clamp
+    _save_for_backward(ctx, inputs[:6], *inputs[6:], output[1], num_weights=3)
 
 
 def _backward(ctx, dy_TH, _dz_unused):
-    x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, z_SF = ctx.saved_tensors
-    saved_z_SF = z_SF if z_SF.numel() else None
-    dx_TH, d_topk_weights_TK, dw1_EIH, dw3_EIH, dw2_EHI = _call(
-        moe_experts_w1w3_backward, dy_TH.contiguous(), x_TH, topk_idx_TK, topk_weights_TK, w1_EIH,
-        w3_EIH, w2_EHI, ctx.impl, saved_z_SF, ctx.swiglu_clamp)
-    return dx_TH, None, d_topk_weights_TK, dw1_EIH, dw3_EIH, dw2_EHI, None, None, None
+    return _gradients(ctx, dy_TH, moe_experts_w1w3_backward, moe_experts_w1w3_backward_into)
 
 
 _forward_call = _register_autograd("moe_experts_w1w3_forward", _backward, _setup_context)
 
 
+# ------------------------------------------------------------------------------------ FP8 ops
+
+@_op("quantize_weights_fp8_w1w3")
+def quantize_weights_fp8_w1w3(w1_EIH: Tensor, w3_EIH: Tensor, w2_EHI: Tensor) -> Tensor:
+    """The FP8 weight buffer of bf16 w1, w3 [E, I, H] and w2 [E, H, I]: the bytes
+    fusemoe.fp8.quantize_weights_fp8 writes for w13 = [w1; w3] (the library's overload)."""
+    num_experts, hidden, intermediate = _check_quantize_inputs(w1_EIH, w3_EIH, w2_EHI)
+    _check_cuda(w1_EIH, API)
+    # The buffer depends on the weights' shape only (top_k, max_tokens: any valid values).
+    layer = _capi.layer(hidden, intermediate, num_experts, 1, 0, "fused", None, "fp8")
+    num_bytes = _capi.fp8_weights_bytes(layer)
+    buffer = torch.empty(num_bytes, dtype=torch.uint8, device=w1_EIH.device)
+    with torch.cuda.device(w1_EIH.device):
+        _capi.quantize_weights_fp8(layer, None, w2_EHI.data_ptr(), buffer.data_ptr(), num_bytes,
+                                   torch.cuda.current_stream(w1_EIH.device).cuda_stream,
+                                   w1=w1_EIH.data_ptr(), w3=w3_EIH.data_ptr())
+    return buffer
+
+
+def _check_quantize_inputs(w1_EIH, w3_EIH, w2_EHI):
+    """The weights of quantize_weights_fp8_w1w3 (bf16, contiguous, matching, FP8 block
+    multiples); returns (E, H, I)."""
+    _check_tensor(w1_EIH, "w1 (gate)", 3, torch.bfloat16, api=API)
+    _check_tensor(w3_EIH, "w3 (up)", 3, torch.bfloat16, api=API)
+    _check_tensor(w2_EHI, "w2 (down)", 3, torch.bfloat16, api=API)
+    num_experts, intermediate, hidden = w1_EIH.shape
+    if w3_EIH.shape != w1_EIH.shape:
+        _fail(f"w3 (up) must have the shape of w1 (gate) {tuple(w1_EIH.shape)}, "
+              f"got {tuple(w3_EIH.shape)}", API)
+    if tuple(w2_EHI.shape) != (num_experts, hidden, intermediate):
+        _fail(f"w2 (down) must be [E, H, I] = {(num_experts, hidden, intermediate)} to match w1 "
+              f"{tuple(w1_EIH.shape)}, got {tuple(w2_EHI.shape)}", API)
+    return _check_fp8_dims(num_experts, hidden, intermediate, API)
+
+
+@torch.library.register_fake("fusemoe::quantize_weights_fp8_w1w3")
+def _quantize_weights_fp8_w1w3_fake(w1_EIH, w3_EIH, w2_EHI):
+    return w1_EIH.new_empty(fp8_weights_bytes(*_check_quantize_inputs(w1_EIH, w3_EIH, w2_EHI)),
+                            dtype=torch.uint8)
+
+
+def cached_fp8_weights_w1w3(w1_EIH, w3_EIH, w2_EHI, cache=None, sources=None):
+    """fusemoe.fp8.cached_fp8_weights for w1, w3, w2: the buffer of quantize_weights_fp8_w1w3,
+    kept by cache (a fusemoe.fp8.Fp8WeightCache) or on w1 and rebuilt when any weight (or
+    sources, the tensors whose versions decide) changes, on every call when traced."""
+    return cached_buffer(quantize_weights_fp8_w1w3, (w1_EIH, w3_EIH, w2_EHI), cache, sources,
+                         "_fusemoe_fp8_cache_w1w3")
+
+
+@_op("moe_experts_w1w3_fp8_forward")
+def moe_experts_w1w3_fp8_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
+                                 w1_EIH: Tensor, w3_EIH: Tensor, w2_EHI: Tensor,
+                                 fp8_weights: Tensor, impl: str, grad_in_place: bool = False,
+                                 save_z: bool = False, swiglu_clamp: Optional[float] = None
+                                 ) -> tuple[Tensor, Tensor]:
+    """moe_experts_w1w3_forward on the FP8 weights (w1, w3, w2 give the shapes and receive the
+    gradients; their values are not read: the library gets null pointers for them)."""
+    return _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
+                           save_z, swiglu_clamp, fp8_weights)
+
+
+@torch.library.register_fake("fusemoe::moe_experts_w1w3_fp8_forward")
+def _moe_experts_w1w3_fp8_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
+                                       fp8_weights, impl, grad_in_place=False, save_z=False,
+                                       swiglu_clamp=None):
+    return _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl, save_z,
+                         swiglu_clamp, fp8_weights)
+
+
+@_op("moe_experts_w1w3_fp8_backward")
+def moe_experts_w1w3_fp8_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
+                                  topk_weights_TK: Tensor, w1_EIH: Tensor, w3_EIH: Tensor,
+                                  w2_EHI: Tensor, fp8_weights: Tensor, impl: str,
+                                  saved_z_SF: Optional[Tensor] = None,
+                                  swiglu_clamp: Optional[float] = None
+                                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """moe_experts_w1w3_backward at FP8."""
+    return _launch_backward_fresh(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH,
+                                  w2_EHI, impl, saved_z_SF, swiglu_clamp, fp8_weights)
+
+
+@torch.library.register_fake("fusemoe::moe_experts_w1w3_fp8_backward")
+def _moe_experts_w1w3_fp8_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH,
+                                        w3_EIH, w2_EHI, fp8_weights, impl, saved_z_SF=None,
+                                        swiglu_clamp=None):
+    return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
+                          saved_z_SF, swiglu_clamp, fp8_weights=fp8_weights)
+
+
+@_op("moe_experts_w1w3_fp8_backward_into", mutates_args=("dw1_EIH", "dw3_EIH", "dw2_EHI"))
+def moe_experts_w1w3_fp8_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
+                                       topk_weights_TK: Tensor, w1_EIH: Tensor, w3_EIH: Tensor,
+                                       w2_EHI: Tensor, fp8_weights: Tensor, dw1_EIH: Tensor,
+                                       dw3_EIH: Tensor, dw2_EHI: Tensor, accumulate: bool,
+                                       impl: str, saved_z_SF: Optional[Tensor] = None,
+                                       swiglu_clamp: Optional[float] = None
+                                       ) -> tuple[Tensor, Tensor]:
+    """moe_experts_w1w3_backward_into at FP8."""
+    return _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
+                            dw1_EIH, dw3_EIH, dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp,
+                            fp8_weights)
+
+
+@torch.library.register_fake("fusemoe::moe_experts_w1w3_fp8_backward_into")
+def _moe_experts_w1w3_fp8_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH,
+                                             w3_EIH, w2_EHI, fp8_weights, dw1_EIH, dw3_EIH,
+                                             dw2_EHI, accumulate, impl, saved_z_SF=None,
+                                             swiglu_clamp=None):
+    return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
+                          saved_z_SF, swiglu_clamp, weight_grads=(dw1_EIH, dw3_EIH, dw2_EHI),
+                          fp8_weights=fp8_weights)
+
+
+def _fp8_setup_context(ctx, inputs, output):
+    _save_for_backward(ctx, inputs[:7], *inputs[7:], output[1], num_weights=3)
+
+
+def _fp8_backward(ctx, dy_TH, _dz_unused):
+    return _gradients(ctx, dy_TH, moe_experts_w1w3_fp8_backward,
+                      moe_experts_w1w3_fp8_backward_into)
+
+
+_fp8_forward_call = _register_autograd("moe_experts_w1w3_fp8_forward", _fp8_backward,
+                                       _fp8_setup_context)
+
+
 def moe_experts_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
-                     impl=DEFAULT_IMPL, recompute_z=False, swiglu_clamp=None):
+                     impl=DEFAULT_IMPL, recompute_z=False, swiglu_clamp=None, *,
+                     grad_in_place=False, precision="bf16", fp8_weights=None):
     """fusemoe.moe_experts on separate gate and up weights w1, w3 [E, I, H] (torchtitan's
     GroupedExperts.w1 / w3) and w2 [E, H, I]: strict inputs (bf16, contiguous, one CUDA device),
-    impl "fused" (the library refuses the others for this form). recompute_z and swiglu_clamp as
-    in fusemoe.moe_experts."""
+    impl "fused" (the library refuses the others for this form). recompute_z, swiglu_clamp,
+    grad_in_place (eager, leaf w1, w3, w2: the kernels write or add dw1, dw3, dw2 into their
+    .grad) and precision ("bf16" or "fp8") as in fusemoe.moe_experts. fp8_weights: the buffer of
+    quantize_weights_fp8_w1w3(w1, w3, w2), or None for one cached on w1 per weight version."""
     _check_swiglu_clamp(swiglu_clamp)
-    save_z = (impl == "fused" and not recompute_z and torch.is_grad_enabled() and any(
-        isinstance(t, Tensor) and t.requires_grad
-        for t in (x_TH, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI)))
-    return _call(_forward_call, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
-                 save_z, swiglu_clamp)[0]
+    save_z = _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI)
+    if precision == "bf16":
+        return _call(_forward_call, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
+                     impl, grad_in_place, save_z, swiglu_clamp)[0]
+    if precision != "fp8":
+        _fail(f"precision must be \"bf16\" or \"fp8\", got {precision!r}", API)
+    if impl != "fused":
+        _fail(f"precision=\"fp8\" needs impl=\"fused\" (got {impl!r})", API)
+    if fp8_weights is None:
+        fp8_weights = cached_fp8_weights_w1w3(w1_EIH, w3_EIH, w2_EHI)
+    return _call(_fp8_forward_call, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
+                 fp8_weights, impl, grad_in_place, save_z, swiglu_clamp)[0]

@@ -17,14 +17,19 @@ Left alone, with the reason in the report: expert-parallel dispatchers (AllToAll
 own expert parallelism is fusemoe.ExpertParallelMoEExperts) and other experts classes. A weight
 that is a DTensor at forward time (tensor or expert parallelism; FSDP2 unshards to plain tensors
 before the forward) raises, naming it. Only impl "fused" reads separate gate and up weights.
+precision="fp8": the FP8 weight buffer is cached per module, keyed on its Parameters' versions
+(fusemoe.fp8's rules). grad_in_place=True writes dw1, dw3, dw2 into the Parameters' .grad where
+they are bf16 and contiguous (passed as they are); a cast copy has no .grad of its own, so other
+Parameters get their gradients through autograd as without it.
 """
 import types
 
 import torch
 
+from .fp8 import Fp8WeightCache
 from .hf import ExpertsDecision, PatchReport
 from .ops import DEFAULT_IMPL
-from .separate import moe_experts_w1w3
+from .separate import cached_fp8_weights_w1w3, moe_experts_w1w3
 
 
 def _torchtitan_moe():
@@ -58,13 +63,18 @@ def _routed_experts_forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK,
     w3_EFD = _plain(experts.w3_EFD, "w3_EFD")
     w2_EDF = _plain(experts.w2_EDF, "w2_EDF")
     x_TD = x_BLD.reshape(batch * length, dim)
+    w1_EFD_bf16, w3_EFD_bf16, w2_EDF_bf16 = (
+        w.to(torch.bfloat16).contiguous() for w in (w1_EFD, w3_EFD, w2_EDF))
+    options = self._fusemoe_options
+    fp8_weights = None
+    if options["precision"] == "fp8" and options["impl"] == "fused":
+        fp8_weights = cached_fp8_weights_w1w3(w1_EFD_bf16, w3_EFD_bf16, w2_EDF_bf16,
+                                              self._fusemoe_fp8_cache, (w1_EFD, w3_EFD, w2_EDF))
     y_TD = moe_experts_w1w3(
         x_TD.to(torch.bfloat16).contiguous(),
         topk_expert_ids_BLK.reshape(-1, top_k).to(torch.int32).contiguous(),
         topk_scores_BLK.reshape(-1, top_k).to(torch.float32).contiguous(),
-        w1_EFD.to(torch.bfloat16).contiguous(), w3_EFD.to(torch.bfloat16).contiguous(),
-        w2_EDF.to(torch.bfloat16).contiguous(), impl=self._fusemoe_impl,
-        recompute_z=self._fusemoe_recompute_z)
+        w1_EFD_bf16, w3_EFD_bf16, w2_EDF_bf16, fp8_weights=fp8_weights, **options)
     return y_TD.to(x_BLD.dtype).view(batch, -1, dim)
 
 
@@ -90,18 +100,22 @@ def plan_torchtitan_moe(model):
                         for name, m in model.named_modules() if isinstance(m, moe.RoutedExperts)])
 
 
-def patch_torchtitan_moe(model, impl=DEFAULT_IMPL, recompute_z=False):
+def patch_torchtitan_moe(model, impl=DEFAULT_IMPL, recompute_z=False, grad_in_place=False,
+                         precision="bf16"):
     """Swaps the forward of every supported RoutedExperts in model (in place; the Parameters,
-    their names and state dicts are unchanged) and returns the fusemoe.PatchReport. recompute_z
-    as in fusemoe.moe_experts. unpatch_torchtitan_moe restores the forwards."""
+    their names and state dicts are unchanged) and returns the fusemoe.PatchReport. recompute_z,
+    grad_in_place and precision ("bf16" or "fp8") as in fusemoe.moe_experts_w1w3 (see the
+    module docstring). unpatch_torchtitan_moe restores the forwards."""
     moe, token_dispatcher = _torchtitan_moe()
     report = plan_torchtitan_moe(model)
     modules = dict(model.named_modules())
+    options = dict(impl=impl, recompute_z=recompute_z, grad_in_place=grad_in_place,
+                   precision=precision)
     for decision in report.decisions:
         if decision.swap:
             module = modules[decision.name]
-            module._fusemoe_impl = impl
-            module._fusemoe_recompute_z = recompute_z
+            module._fusemoe_options = options
+            module._fusemoe_fp8_cache = Fp8WeightCache()
             module.forward = types.MethodType(_routed_experts_forward, module)
     return report
 
@@ -111,4 +125,4 @@ def unpatch_torchtitan_moe(model):
     for module in model.modules():
         if "forward" in vars(module) and getattr(module.forward, "__func__", None) is _routed_experts_forward:
             del module.forward
-            del module._fusemoe_impl, module._fusemoe_recompute_z
+            del module._fusemoe_options, module._fusemoe_fp8_cache

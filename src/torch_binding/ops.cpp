@@ -6,7 +6,7 @@
 // The kernels are registered for CompositeExplicitAutograd (every backend), so tensors on
 // another device get ops.py's "must be on a CUDA device" error; a kernel registered for one
 // backend from Python (the CPU tests' stand-ins) takes precedence there. The fake kernels and
-// the autograd formula are Python's (python/fusemoe/ops.py, fp8.py), registered on these ops by
+// the autograd formula are Python's (python/fusemoe/ops.py, fp8.py, separate.py), registered on these ops by
 // name. Every tensor's device is checked here, so the C calls skip their per-pointer CUDA
 // queries (caller_checked_pointers). Shape legend: T tokens, H hidden, I expert intermediate,
 // F = 2I, E experts, K top-k, S = T·K routed rows.
@@ -314,73 +314,203 @@ std::tuple<Tensor, Tensor> moe_experts_fp8_backward_into(
 
 // ---- separate gate and up weights (fusemoe.separate): w1, w3 [E, I, H] read in place ----
 
-// The args of a w1/w3 call: shared_args with w1 in w13's place, then moved to the w1, w3 fields.
+// The call's C layer for w1, w3 (Inputs' w13_EFH holds w1): precision FP8 when the buffer is
+// given, which is then checked against it.
+FusemoeCLayer call_layer_w1w3(const LayerDims& d, const Inputs& in, const std::string& impl,
+                              std::optional<double> swiglu_clamp) {
+  const bool fp8 = in.fp8_weights != nullptr;
+  const FusemoeCLayer layer =
+      c_layer(d, impl, swiglu_clamp, fp8 ? FUSEMOE_C_PRECISION_FP8_BLOCKWISE : FUSEMOE_C_PRECISION_BF16);
+  if (fp8) {
+    check_fp8_dims(d.hidden, d.intermediate, kApiW1W3);
+    uint64_t expected = 0;
+    check_c_status(fusemoe_c_fp8_weights_bytes(&layer, &expected));
+    check_fp8_weights(*in.fp8_weights, in.w13_EFH, expected, kFp8MadeByW1W3, kApiW1W3);
+  }
+  return layer;
+}
+
+// The args of a w1/w3 call: shared_args with w1 in w13's place, then moved to the w1, w3 fields
+// (null at FP8, as w13 and w2: their values are not read).
 template <typename CArgs>
 CArgs w1w3_args(const Inputs& in, const Tensor& w3_EIH, const LayerDims& d, const Workspace& workspace,
                 int32_t* report, int32_t device) {
   CArgs a = shared_args<CArgs>(in, d, workspace, report, device);
   a.w1 = a.w13;
   a.w13 = nullptr;
-  a.w3 = data(w3_EIH);
+  a.w3 = in.fp8_weights != nullptr ? nullptr : data(w3_EIH);
   return a;
 }
 
-std::tuple<Tensor, Tensor> moe_experts_w1w3_forward(const Tensor& x_TH, const Tensor& topk_idx_TK,
-                                                    const Tensor& topk_weights_TK, const Tensor& w1_EIH,
-                                                    const Tensor& w3_EIH, const Tensor& w2_EHI, const std::string& impl,
-                                                    bool save_z, std::optional<double> swiglu_clamp) {
-  const LayerDims d = check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, nullptr);
-  check_cuda(x_TH, kApiW1W3);
+std::tuple<Tensor, Tensor> launch_w1w3_forward(const Inputs& in, const Tensor& w3_EIH, const std::string& impl,
+                                               bool save_z, std::optional<double> swiglu_clamp) {
+  const LayerDims d =
+      check_inputs_w1w3(in.x_TH, in.topk_idx_TK, in.topk_weights_TK, in.w13_EFH, w3_EIH, in.w2_EHI, nullptr);
+  check_cuda(in.x_TH, kApiW1W3);
   check_save_z(save_z, impl);
-  const FusemoeCLayer layer = c_layer(d, impl, swiglu_clamp, FUSEMOE_C_PRECISION_BF16);
-  const int32_t device = x_TH.get_device_index();
-  Tensor y_TH = empty_like_cuda(x_TH, device, "y");
+  const FusemoeCLayer layer = call_layer_w1w3(d, in, impl, swiglu_clamp);
+  const int32_t device = in.x_TH.get_device_index();
+  Tensor y_TH = empty_like_cuda(in.x_TH, device, "y");
   Tensor z_SF = save_z ? empty_cuda({d.num_tokens * d.top_k, 2 * d.intermediate}, dtype_bfloat16(), device, "z")
                        : empty_cuda({0}, dtype_bfloat16(), device, "z");
   torch::stable::accelerator::DeviceGuard guard(device);
   int32_t* report = expert_id_report_for_call(device, d.num_experts, d.top_k);
   const Workspace workspace = workspace_for(layer, FUSEMOE_C_WORKSPACE_FORWARD, "forward", device);
-  auto a = w1w3_args<FusemoeCForwardArgs>({x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, nullptr}, w3_EIH, d,
-                                          workspace, report, device);
+  auto a = w1w3_args<FusemoeCForwardArgs>(in, w3_EIH, d, workspace, report, device);
   a.y = data(y_TH);
   a.saved_z = z_SF.numel() > 0 ? data(z_SF) : nullptr;
   check_c_status(fusemoe_c_forward(&layer, &a));
   return {y_TH, z_SF};
 }
 
-// dx, d_topk_weights and the weight gradients dw1, dw3, dw2 in fresh tensors of the weights' dtype.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> moe_experts_w1w3_backward(
-    const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
-    const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI, const std::string& impl,
-    const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
-  const LayerDims d = check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, &dy_TH);
-  check_cuda(x_TH, kApiW1W3);
-  const Tensor* saved_z = check_saved_z(saved_z_SF, d, x_TH, impl);
-  const FusemoeCLayer layer = c_layer(d, impl, swiglu_clamp, FUSEMOE_C_PRECISION_BF16);
-  const int32_t device = x_TH.get_device_index();
-  Tensor dx_TH = empty_like_cuda(x_TH, device, "dx");
-  Tensor d_topk_weights_TK = empty_like_cuda(topk_weights_TK, device, "d_topk_weights");
-  Tensor dw1_EIH = empty_like_cuda(w1_EIH, device, "dw1");
-  Tensor dw3_EIH = empty_like_cuda(w3_EIH, device, "dw3");
-  Tensor dw2_EHI = empty_like_cuda(w2_EHI, device, "dw2");
+// The weight gradients of a w1/w3 backward.
+struct WeightGradsW1W3 {
+  Tensor dw1_EIH;
+  Tensor dw3_EIH;
+  Tensor dw2_EHI;
+};
+
+// What a w1/w3 backward call returns: dx, d_topk_weights, and the weight gradients it wrote.
+struct GradientsW1W3 {
+  Tensor dx_TH;
+  Tensor d_topk_weights_TK;
+  WeightGradsW1W3 weight_grads;
+};
+
+// launch_backward for w1, w3: dw1, dw3, dw2 written into fresh tensors of the weights' dtype
+// (weight_grads null), or written (accumulate false) or added into the given ones.
+GradientsW1W3 launch_w1w3_backward(const Tensor& dy_TH, const Inputs& in, const Tensor& w3_EIH,
+                                   const WeightGradsW1W3* weight_grads, bool accumulate, const std::string& impl,
+                                   const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
+  const LayerDims d =
+      check_inputs_w1w3(in.x_TH, in.topk_idx_TK, in.topk_weights_TK, in.w13_EFH, w3_EIH, in.w2_EHI, &dy_TH);
+  check_cuda(in.x_TH, kApiW1W3);
+  const int32_t device = in.x_TH.get_device_index();
+  const WeightGradsW1W3 g = weight_grads != nullptr
+                                ? *weight_grads
+                                : WeightGradsW1W3{empty_like_cuda(in.w13_EFH, device, "dw1"),
+                                                  empty_like_cuda(w3_EIH, device, "dw3"),
+                                                  empty_like_cuda(in.w2_EHI, device, "dw2")};
+  const int32_t grad_dtype =
+      check_weight_grads_w1w3(g.dw1_EIH, g.dw3_EIH, g.dw2_EHI, in.w13_EFH, w3_EIH, in.w2_EHI);
+  const Tensor* saved_z = check_saved_z(saved_z_SF, d, in.x_TH, impl);
+  const FusemoeCLayer layer = call_layer_w1w3(d, in, impl, swiglu_clamp);
+  Tensor dx_TH = empty_like_cuda(in.x_TH, device, "dx");
+  Tensor d_topk_weights_TK = empty_like_cuda(in.topk_weights_TK, device, "d_topk_weights");
   torch::stable::accelerator::DeviceGuard guard(device);
   int32_t* report = expert_id_report_for_call(device, d.num_experts, d.top_k);
   const Workspace workspace =
       saved_z == nullptr
           ? workspace_for(layer, FUSEMOE_C_WORKSPACE_BACKWARD, "backward", device)
           : workspace_for(layer, FUSEMOE_C_WORKSPACE_BACKWARD_SAVED_Z, "backward_saved_z", device);
-  auto a = w1w3_args<FusemoeCBackwardArgs>({x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, nullptr}, w3_EIH,
-                                           d, workspace, report, device);
-  a.weight_grad_dtype = FUSEMOE_C_WEIGHT_GRAD_BFLOAT16;  // the weights' dtype (bf16, checked)
+  auto a = w1w3_args<FusemoeCBackwardArgs>(in, w3_EIH, d, workspace, report, device);
+  a.weight_grad_dtype = grad_dtype;
   a.dy = data(dy_TH);
   a.dx = data(dx_TH);
   a.d_topk_weights = static_cast<float*>(data(d_topk_weights_TK));
-  a.dw1 = data(dw1_EIH);
-  a.dw3 = data(dw3_EIH);
-  a.dw2 = data(dw2_EHI);
+  a.dw1 = data(g.dw1_EIH);
+  a.dw3 = data(g.dw3_EIH);
+  a.dw2 = data(g.dw2_EHI);
+  a.accumulate_weight_grads = accumulate ? 1 : 0;
   a.saved_z = saved_z != nullptr ? data(*saved_z) : nullptr;
   check_c_status(fusemoe_c_backward(&layer, &a));
-  return {dx_TH, d_topk_weights_TK, dw1_EIH, dw3_EIH, dw2_EHI};
+  return GradientsW1W3{dx_TH, d_topk_weights_TK, g};
+}
+
+using FiveTensors = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+// The backward ops of fresh gradients: (dx, d_topk_weights, dw1, dw3, dw2).
+FiveTensors w1w3_backward_fresh(const Tensor& dy_TH, const Inputs& in, const Tensor& w3_EIH, const std::string& impl,
+                                const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
+  GradientsW1W3 g = launch_w1w3_backward(dy_TH, in, w3_EIH, nullptr, false, impl, saved_z_SF, swiglu_clamp);
+  return {g.dx_TH, g.d_topk_weights_TK, g.weight_grads.dw1_EIH, g.weight_grads.dw3_EIH, g.weight_grads.dw2_EHI};
+}
+
+// The _into ops: (dx, d_topk_weights), the weight gradients written or added into weight_grads.
+std::tuple<Tensor, Tensor> w1w3_backward_into(const Tensor& dy_TH, const Inputs& in, const Tensor& w3_EIH,
+                                              const WeightGradsW1W3& weight_grads, bool accumulate,
+                                              const std::string& impl, const OptionalTensor& saved_z_SF,
+                                              std::optional<double> swiglu_clamp) {
+  GradientsW1W3 g =
+      launch_w1w3_backward(dy_TH, in, w3_EIH, &weight_grads, accumulate, impl, saved_z_SF, swiglu_clamp);
+  return {g.dx_TH, g.d_topk_weights_TK};
+}
+
+std::tuple<Tensor, Tensor> moe_experts_w1w3_forward(const Tensor& x_TH, const Tensor& topk_idx_TK,
+                                                    const Tensor& topk_weights_TK, const Tensor& w1_EIH,
+                                                    const Tensor& w3_EIH, const Tensor& w2_EHI, const std::string& impl,
+                                                    bool /*grad_in_place: autograd's*/, bool save_z,
+                                                    std::optional<double> swiglu_clamp) {
+  return launch_w1w3_forward({x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, nullptr}, w3_EIH, impl, save_z,
+                             swiglu_clamp);
+}
+
+std::tuple<Tensor, Tensor> moe_experts_w1w3_fp8_forward(const Tensor& x_TH, const Tensor& topk_idx_TK,
+                                                        const Tensor& topk_weights_TK, const Tensor& w1_EIH,
+                                                        const Tensor& w3_EIH, const Tensor& w2_EHI,
+                                                        const Tensor& fp8_weights, const std::string& impl,
+                                                        bool /*grad_in_place*/, bool save_z,
+                                                        std::optional<double> swiglu_clamp) {
+  return launch_w1w3_forward({x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights}, w3_EIH, impl,
+                             save_z, swiglu_clamp);
+}
+
+FiveTensors moe_experts_w1w3_backward(const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK,
+                                      const Tensor& topk_weights_TK, const Tensor& w1_EIH, const Tensor& w3_EIH,
+                                      const Tensor& w2_EHI, const std::string& impl,
+                                      const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
+  return w1w3_backward_fresh(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, nullptr}, w3_EIH, impl,
+                             saved_z_SF, swiglu_clamp);
+}
+
+FiveTensors moe_experts_w1w3_fp8_backward(const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK,
+                                          const Tensor& topk_weights_TK, const Tensor& w1_EIH, const Tensor& w3_EIH,
+                                          const Tensor& w2_EHI, const Tensor& fp8_weights, const std::string& impl,
+                                          const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
+  return w1w3_backward_fresh(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights}, w3_EIH,
+                             impl, saved_z_SF, swiglu_clamp);
+}
+
+std::tuple<Tensor, Tensor> moe_experts_w1w3_backward_into(
+    const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
+    const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI, const Tensor& dw1_EIH, const Tensor& dw3_EIH,
+    const Tensor& dw2_EHI, bool accumulate, const std::string& impl, const OptionalTensor& saved_z_SF,
+    std::optional<double> swiglu_clamp) {
+  return w1w3_backward_into(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, nullptr}, w3_EIH,
+                            {dw1_EIH, dw3_EIH, dw2_EHI}, accumulate, impl, saved_z_SF, swiglu_clamp);
+}
+
+std::tuple<Tensor, Tensor> moe_experts_w1w3_fp8_backward_into(
+    const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
+    const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI, const Tensor& fp8_weights,
+    const Tensor& dw1_EIH, const Tensor& dw3_EIH, const Tensor& dw2_EHI, bool accumulate, const std::string& impl,
+    const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
+  return w1w3_backward_into(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights}, w3_EIH,
+                            {dw1_EIH, dw3_EIH, dw2_EHI}, accumulate, impl, saved_z_SF, swiglu_clamp);
+}
+
+// The FP8 weight buffer of bf16 w1, w3 [E, I, H] and w2 [E, H, I]: the bytes of quantize_weights_fp8
+// for w13 = [w1; w3] (the library's overload).
+Tensor quantize_weights_fp8_w1w3(const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI) {
+  LayerDims d = check_quantize_inputs_w1w3(w1_EIH, w3_EIH, w2_EHI);
+  check_cuda(w1_EIH, kApiW1W3);
+  d.top_k = 1;  // the buffer depends on the weights' shape only (top_k, max_tokens: any valid values)
+  const FusemoeCLayer layer = c_layer(d, "fused", std::nullopt, FUSEMOE_C_PRECISION_FP8_BLOCKWISE);
+  uint64_t num_bytes = 0;
+  check_c_status(fusemoe_c_fp8_weights_bytes(&layer, &num_bytes));
+  const int32_t device = w1_EIH.get_device_index();
+  Tensor buffer = empty_cuda({static_cast<int64_t>(num_bytes)}, dtype_uint8(), device, "the FP8 weight buffer");
+  torch::stable::accelerator::DeviceGuard guard(device);
+  FusemoeCFp8QuantizeArgs a{};
+  a.struct_size = sizeof(FusemoeCFp8QuantizeArgs);
+  a.w1 = data(w1_EIH);
+  a.w3 = data(w3_EIH);
+  a.w2 = data(w2_EHI);
+  a.buffer = data(buffer);
+  a.buffer_bytes = num_bytes;
+  a.stream = current_stream(device);
+  check_c_status(fusemoe_c_quantize_weights_fp8(&layer, &a));
+  return buffer;
 }
 
 // The FP8 weight buffer of bf16 w13 [E, 2I, H] and w2 [E, H, I] (fusemoe.fp8).
@@ -440,10 +570,26 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fusemoe, m) {
         "bool accumulate, str impl, Tensor? saved_z_SF=None, float? swiglu_clamp=None) -> (Tensor, Tensor)");
   m.def("quantize_weights_fp8(Tensor w13_EFH, Tensor w2_EHI) -> Tensor");
   m.def("moe_experts_w1w3_forward(Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, Tensor w1_EIH, "
-        "Tensor w3_EIH, Tensor w2_EHI, str impl, bool save_z=False, float? swiglu_clamp=None) -> (Tensor, Tensor)");
+        "Tensor w3_EIH, Tensor w2_EHI, str impl, bool grad_in_place=False, bool save_z=False, "
+        "float? swiglu_clamp=None) -> (Tensor, Tensor)");
   m.def("moe_experts_w1w3_backward(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, "
         "Tensor w1_EIH, Tensor w3_EIH, Tensor w2_EHI, str impl, Tensor? saved_z_SF=None, "
         "float? swiglu_clamp=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("moe_experts_w1w3_backward_into(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, "
+        "Tensor w1_EIH, Tensor w3_EIH, Tensor w2_EHI, Tensor(a7!) dw1_EIH, Tensor(a8!) dw3_EIH, "
+        "Tensor(a9!) dw2_EHI, bool accumulate, str impl, Tensor? saved_z_SF=None, float? swiglu_clamp=None) "
+        "-> (Tensor, Tensor)");
+  m.def("quantize_weights_fp8_w1w3(Tensor w1_EIH, Tensor w3_EIH, Tensor w2_EHI) -> Tensor");
+  m.def("moe_experts_w1w3_fp8_forward(Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, Tensor w1_EIH, "
+        "Tensor w3_EIH, Tensor w2_EHI, Tensor fp8_weights, str impl, bool grad_in_place=False, "
+        "bool save_z=False, float? swiglu_clamp=None) -> (Tensor, Tensor)");
+  m.def("moe_experts_w1w3_fp8_backward(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, "
+        "Tensor w1_EIH, Tensor w3_EIH, Tensor w2_EHI, Tensor fp8_weights, str impl, Tensor? saved_z_SF=None, "
+        "float? swiglu_clamp=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("moe_experts_w1w3_fp8_backward_into(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, "
+        "Tensor topk_weights_TK, Tensor w1_EIH, Tensor w3_EIH, Tensor w2_EHI, Tensor fp8_weights, "
+        "Tensor(a8!) dw1_EIH, Tensor(a9!) dw3_EIH, Tensor(a10!) dw2_EHI, bool accumulate, str impl, "
+        "Tensor? saved_z_SF=None, float? swiglu_clamp=None) -> (Tensor, Tensor)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(fusemoe, CompositeExplicitAutograd, m) {
@@ -457,4 +603,9 @@ STABLE_TORCH_LIBRARY_IMPL(fusemoe, CompositeExplicitAutograd, m) {
   m.impl("quantize_weights_fp8", TORCH_BOX(&quantize_weights_fp8));
   m.impl("moe_experts_w1w3_forward", TORCH_BOX(&moe_experts_w1w3_forward));
   m.impl("moe_experts_w1w3_backward", TORCH_BOX(&moe_experts_w1w3_backward));
+  m.impl("moe_experts_w1w3_backward_into", TORCH_BOX(&moe_experts_w1w3_backward_into));
+  m.impl("quantize_weights_fp8_w1w3", TORCH_BOX(&quantize_weights_fp8_w1w3));
+  m.impl("moe_experts_w1w3_fp8_forward", TORCH_BOX(&moe_experts_w1w3_fp8_forward));
+  m.impl("moe_experts_w1w3_fp8_backward", TORCH_BOX(&moe_experts_w1w3_fp8_backward));
+  m.impl("moe_experts_w1w3_fp8_backward_into", TORCH_BOX(&moe_experts_w1w3_fp8_backward_into));
 }

@@ -256,48 +256,99 @@ const Tensor* check_saved_z(const std::optional<Tensor>& saved_z_SF, const Layer
   return &z;
 }
 
-int32_t check_weight_grads(const Tensor& dw13_EFH, const Tensor& dw2_EHI, const Tensor& w13_EFH,
-                           const Tensor& w2_EHI) {
-  struct Pair {
-    const char* name;
-    const Tensor* grad;
-    const Tensor* weight;
-  };
-  const Pair pairs[] = {{"dw13", &dw13_EFH, &w13_EFH}, {"dw2", &dw2_EHI, &w2_EHI}};
-  for (const Pair& p : pairs) {
+namespace {
+
+struct GradOfWeight {
+  const char* name;
+  const Tensor* grad;
+  const Tensor* weight;
+};
+
+// ops._weight_grad_dtype: float32 or bfloat16, one dtype, the weights' shapes and devices.
+int32_t weight_grad_dtype(std::initializer_list<GradOfWeight> named, const char* api) {
+  for (const GradOfWeight& p : named) {
     const int32_t dtype = dtype_of(*p.grad);
     if (dtype != dtype_float32() && dtype != dtype_bfloat16()) {
-      fail(std::string(p.name) + " must be a float32 or bfloat16 tensor, got " + dtype_string(dtype));
+      fail(std::string(p.name) + " must be a float32 or bfloat16 tensor, got " + dtype_string(dtype), api);
     }
     if (!same_shape(*p.grad, *p.weight) || !p.grad->is_contiguous() || !same_device(*p.grad, *p.weight)) {
       fail(std::string(p.name) + " must be contiguous, on " + device_string(*p.weight) + ", of shape " +
-           shape_string(*p.weight) + "; got " + shape_string(*p.grad) + " on " + device_string(*p.grad) +
-           ", strides " + py_tuple(p.grad->strides()));
+               shape_string(*p.weight) + "; got " + shape_string(*p.grad) + " on " + device_string(*p.grad) +
+               ", strides " + py_tuple(p.grad->strides()),
+           api);
     }
   }
-  if (dtype_of(dw13_EFH) != dtype_of(dw2_EHI)) {
-    fail("dw13 and dw2 must have one dtype, got " + dtype_string(dtype_of(dw13_EFH)) + " and " +
-         dtype_string(dtype_of(dw2_EHI)));
+  const int32_t first = dtype_of(*named.begin()->grad);
+  bool one_dtype = true;
+  for (const GradOfWeight& p : named) one_dtype = one_dtype && dtype_of(*p.grad) == first;
+  if (!one_dtype) {
+    std::string names, dtypes;
+    size_t i = 0;
+    for (const GradOfWeight& p : named) {
+      const char* separator = i == 0 ? "" : (i + 1 == named.size() ? " and " : ", ");
+      names += separator + std::string(p.name);
+      dtypes += separator + dtype_string(dtype_of(*p.grad));
+      ++i;
+    }
+    fail(names + " must have one dtype, got " + dtypes, api);
   }
-  return dtype_of(dw13_EFH) == dtype_float32() ? FUSEMOE_C_WEIGHT_GRAD_FLOAT32 : FUSEMOE_C_WEIGHT_GRAD_BFLOAT16;
+  return first == dtype_float32() ? FUSEMOE_C_WEIGHT_GRAD_FLOAT32 : FUSEMOE_C_WEIGHT_GRAD_BFLOAT16;
 }
 
-void check_fp8_shapes(const Tensor& w13_EFH) {
-  const int64_t hidden = w13_EFH.size(2), intermediate = w13_EFH.size(1) / 2;
+}  // namespace
+
+int32_t check_weight_grads(const Tensor& dw13_EFH, const Tensor& dw2_EHI, const Tensor& w13_EFH,
+                           const Tensor& w2_EHI) {
+  return weight_grad_dtype({{"dw13", &dw13_EFH, &w13_EFH}, {"dw2", &dw2_EHI, &w2_EHI}}, kApi);
+}
+
+int32_t check_weight_grads_w1w3(const Tensor& dw1_EIH, const Tensor& dw3_EIH, const Tensor& dw2_EHI,
+                                const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI) {
+  return weight_grad_dtype({{"dw1", &dw1_EIH, &w1_EIH}, {"dw3", &dw3_EIH, &w3_EIH}, {"dw2", &dw2_EHI, &w2_EHI}},
+                           kApiW1W3);
+}
+
+void check_fp8_shapes(const Tensor& w13_EFH) { check_fp8_dims(w13_EFH.size(2), w13_EFH.size(1) / 2); }
+
+void check_fp8_dims(int64_t hidden, int64_t intermediate, const char* api) {
   if (hidden % kFp8Block != 0 || intermediate % kFp8Block != 0) {
     fail("precision=\"fp8\" needs hidden and intermediate to be multiples of " + std::to_string(kFp8Block) +
-         ", got H=" + std::to_string(hidden) + ", I=" + std::to_string(intermediate));
+             ", got H=" + std::to_string(hidden) + ", I=" + std::to_string(intermediate),
+         api);
   }
 }
 
-void check_fp8_weights(const Tensor& fp8_weights, const Tensor& w13_EFH, uint64_t expected_bytes) {
+LayerDims check_quantize_inputs_w1w3(const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI) {
+  const char* api = kApiW1W3;
+  check_tensor(w1_EIH, "w1 (gate)", 3, dtype_bfloat16(), api);
+  check_tensor(w3_EIH, "w3 (up)", 3, dtype_bfloat16(), api);
+  check_tensor(w2_EHI, "w2 (down)", 3, dtype_bfloat16(), api);
+  LayerDims d;
+  d.num_experts = w1_EIH.size(0);
+  d.intermediate = w1_EIH.size(1);
+  d.hidden = w1_EIH.size(2);
+  if (!same_shape(w3_EIH, w1_EIH)) {
+    fail("w3 (up) must have the shape of w1 (gate) " + shape_string(w1_EIH) + ", got " + shape_string(w3_EIH), api);
+  }
+  if (w2_EHI.size(0) != d.num_experts || w2_EHI.size(1) != d.hidden || w2_EHI.size(2) != d.intermediate) {
+    fail("w2 (down) must be [E, H, I] = (" + std::to_string(d.num_experts) + ", " + std::to_string(d.hidden) +
+             ", " + std::to_string(d.intermediate) + ") to match w1 " + shape_string(w1_EIH) + ", got " +
+             shape_string(w2_EHI),
+         api);
+  }
+  check_fp8_dims(d.hidden, d.intermediate, api);
+  return d;
+}
+
+void check_fp8_weights(const Tensor& fp8_weights, const Tensor& w13_EFH, uint64_t expected_bytes,
+                       const char* made_by, const char* api) {
   if (dtype_of(fp8_weights) != dtype_uint8() || fp8_weights.dim() != 1 ||
       static_cast<uint64_t>(fp8_weights.numel()) != expected_bytes || !fp8_weights.is_contiguous() ||
       !same_device(fp8_weights, w13_EFH)) {
-    fail("fp8_weights must be the buffer fusemoe.fp8.quantize_weights_fp8(w13, w2) returned: "
-         "contiguous uint8 [" +
-         std::to_string(expected_bytes) + "] on " + device_string(w13_EFH) + ", got " +
-         dtype_string(dtype_of(fp8_weights)) + " " + shape_string(fp8_weights));
+    fail("fp8_weights must be the buffer " + std::string(made_by) + " returned: contiguous uint8 [" +
+             std::to_string(expected_bytes) + "] on " + device_string(w13_EFH) + ", got " +
+             dtype_string(dtype_of(fp8_weights)) + " " + shape_string(fp8_weights),
+         api);
   }
 }
 

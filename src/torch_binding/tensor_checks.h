@@ -75,11 +75,27 @@ int32_t check_weight_grads(const Tensor& dw13_EFH, const Tensor& dw2_EHI, const 
 // _check_fp8_shapes: H and I are multiples of the FP8 scale block (128).
 void check_fp8_shapes(const Tensor& w13_EFH);
 
+// fusemoe.fp8._check_fp8_dims: the same for the sizes themselves (fusemoe.separate's w1, w3).
+void check_fp8_dims(int64_t hidden, int64_t intermediate, const char* api = kApi);
+
+// fusemoe.separate._check_weight_grads_w1w3: check_weight_grads for dw1, dw3, dw2 ("dw1, dw3 and
+// dw2 must have one dtype"), messages naming fusemoe.moe_experts_w1w3.
+int32_t check_weight_grads_w1w3(const Tensor& dw1_EIH, const Tensor& dw3_EIH, const Tensor& dw2_EHI,
+                                const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI);
+
+// fusemoe.separate._check_quantize_inputs: the weights of quantize_weights_fp8_w1w3 (bf16,
+// contiguous, w3 and w2 matching w1, FP8 block multiples). Returns E, H, I in the dims.
+LayerDims check_quantize_inputs_w1w3(const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI);
+
 // w2 is [E, H, I] for w13 [E, 2I, H] (check_inputs' message), for the weight quantization, which
 // has no other input to take the sizes from.
 void check_w2_matches_w13(const Tensor& w13_EFH, const Tensor& w2_EHI);
 
-// _check_fp8_weights' buffer check: uint8 [expected_bytes], contiguous, on w13's device.
-void check_fp8_weights(const Tensor& fp8_weights, const Tensor& w13_EFH, uint64_t expected_bytes);
+// _check_fp8_weights' buffer check: uint8 [expected_bytes], contiguous, on w13's device (for
+// fusemoe.separate: w1's, made_by and api its own).
+constexpr const char* kFp8MadeBy = "fusemoe.fp8.quantize_weights_fp8(w13, w2)";
+constexpr const char* kFp8MadeByW1W3 = "fusemoe.separate.quantize_weights_fp8_w1w3(w1, w3, w2)";
+void check_fp8_weights(const Tensor& fp8_weights, const Tensor& w13_EFH, uint64_t expected_bytes,
+                       const char* made_by = kFp8MadeBy, const char* api = kApi);
 
 }  // namespace fusemoe::torch_binding

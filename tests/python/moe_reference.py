@@ -133,11 +133,11 @@ def register_cpu_kernels():
 
     # Separate gate and up weights (fusemoe.separate): the same math on [w1; w3] per expert. The
     # concatenation is this stand-in's, inside the kernel; the library reads w1 and w3 in place.
-    from fusemoe.separate import _check_inputs_w1w3
+    from fusemoe.separate import _check_inputs_w1w3, _check_weight_grads_w1w3
 
     @torch.library.register_kernel("fusemoe::moe_experts_w1w3_forward", "cpu")
     def _forward_w1w3_cpu(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
-                          save_z=False, swiglu_clamp=None):
+                          grad_in_place=False, save_z=False, swiglu_clamp=None):
         dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI)
         w13_EFH = torch.cat([w1_EIH, w3_EIH], dim=1)
         y_TH = moe_experts_torch(x_TH.float(), topk_idx_TK, topk_weights_TK, w13_EFH.float(),
@@ -154,6 +154,30 @@ def register_cpu_kernels():
         intermediate = w1_EIH.shape[1]
         return (dx_TH.to(x_TH.dtype), dw_TK, dw13_EFH[:, :intermediate].to(w1_EIH.dtype),
                 dw13_EFH[:, intermediate:].to(w3_EIH.dtype), dw2_EHI.to(w2_EHI.dtype))
+
+    @torch.library.register_kernel("fusemoe::moe_experts_w1w3_backward_into", "cpu")
+    def _backward_into_w1w3_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
+                                dw1_EIH, dw3_EIH, dw2_EHI, accumulate, impl, saved_z_SF=None,
+                                swiglu_clamp=None):
+        _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, dy_TH)
+        _check_weight_grads_w1w3(dw1_EIH, dw3_EIH, dw2_EHI, w1_EIH, w3_EIH, w2_EHI)
+        return backward_into_w1w3(dy_TH, x_TH, topk_idx_TK, topk_weights_TK,
+                                  torch.cat([w1_EIH, w3_EIH], dim=1), w2_EHI,
+                                  (dw1_EIH, dw3_EIH, dw2_EHI), accumulate, swiglu_clamp)
+
+
+def backward_into_w1w3(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, weight_grads,
+                       accumulate, swiglu_clamp):
+    """The _into stand-ins of fusemoe.separate on w13 = [w1; w3]: dw13's halves and dw2 written or
+    added into weight_grads (dw1, dw3, dw2) with one rounding, as the w13 stand-ins and the
+    kernels. Returns (dx, d_topk_weights)."""
+    dx_TH, dw_TK, g13_EFH, g2_EHI = moe_experts_backward_fp32(
+        dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, swiglu_clamp)
+    intermediate = w13_EFH.shape[1] // 2
+    grads = (g13_EFH[:, :intermediate], g13_EFH[:, intermediate:], g2_EHI)
+    for out, grad in zip(weight_grads, grads):
+        out.copy_(out.float() + grad if accumulate else grad)
+    return dx_TH.to(x_TH.dtype), dw_TK
 
 
 @_once
@@ -212,6 +236,62 @@ def register_cpu_fp8_kernels():
         for out, grad in ((dw13_EFH, g13_EFH), (dw2_EHI, g2_EHI)):
             out.copy_(out.float() + grad if accumulate else grad)
         return dx_TH.to(x_TH.dtype), dw_TK
+
+
+@_once
+def register_cpu_fp8_w1w3_kernels():
+    """CPU stand-ins for fusemoe.separate's FP8 ops, as register_cpu_fp8_kernels' (whose kernels
+    they use): fusemoe::quantize_weights_fp8_w1w3 writes the buffer the w13 stand-in writes for
+    [w1; w3] (the library's overload writes the same bytes), and the ops read the weights back
+    from it, never from w1, w3, w2."""
+    register_cpu_fp8_kernels()
+    from fusemoe.separate import (_check_fp8_buffer_w1w3, _check_inputs_w1w3,
+                                  _check_quantize_inputs, _check_weight_grads_w1w3)
+    from fusemoe.ops import _empty_saved_z
+
+    def weights_of(fp8_weights, dims, w1_EIH, w2_EHI):
+        _check_fp8_buffer_w1w3(fp8_weights, dims, w1_EIH.device)
+        num_experts, intermediate, hidden = w1_EIH.shape
+        n13, n2 = 2 * 2 * w1_EIH.numel(), 2 * w2_EHI.numel()
+        return (fp8_weights[:n13].view(torch.bfloat16).view(num_experts, 2 * intermediate, hidden),
+                fp8_weights[n13:n13 + n2].view(torch.bfloat16).view(w2_EHI.shape))
+
+    @torch.library.register_kernel("fusemoe::quantize_weights_fp8_w1w3", "cpu")
+    def _quantize_cpu(w1_EIH, w3_EIH, w2_EHI):
+        _check_quantize_inputs(w1_EIH, w3_EIH, w2_EHI)
+        return torch.ops.fusemoe.quantize_weights_fp8(torch.cat([w1_EIH, w3_EIH], dim=1), w2_EHI)
+
+    @torch.library.register_kernel("fusemoe::moe_experts_w1w3_fp8_forward", "cpu")
+    def _forward_cpu(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, fp8_weights,
+                     impl, grad_in_place=False, save_z=False, swiglu_clamp=None):
+        dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI)
+        w13, w2 = weights_of(fp8_weights, dims, w1_EIH, w2_EHI)
+        y_TH = moe_experts_torch(x_TH.float(), topk_idx_TK, topk_weights_TK, w13.float(),
+                                 w2.float(), swiglu_clamp)
+        return y_TH.to(x_TH.dtype), _empty_saved_z(x_TH, dims, save_z).zero_()
+
+    def backward_into(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
+                      fp8_weights, weight_grads, accumulate, swiglu_clamp):
+        dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
+                                  dy_TH)
+        _check_weight_grads_w1w3(*weight_grads, w1_EIH, w3_EIH, w2_EHI)
+        w13, w2 = weights_of(fp8_weights, dims, w1_EIH, w2_EHI)
+        return backward_into_w1w3(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13, w2,
+                                  weight_grads, accumulate, swiglu_clamp)
+
+    @torch.library.register_kernel("fusemoe::moe_experts_w1w3_fp8_backward", "cpu")
+    def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
+                      fp8_weights, impl, saved_z_SF=None, swiglu_clamp=None):
+        grads = tuple(torch.empty_like(w) for w in (w1_EIH, w3_EIH, w2_EHI))
+        return backward_into(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
+                             fp8_weights, grads, False, swiglu_clamp) + grads
+
+    @torch.library.register_kernel("fusemoe::moe_experts_w1w3_fp8_backward_into", "cpu")
+    def _backward_into_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
+                           fp8_weights, dw1_EIH, dw3_EIH, dw2_EHI, accumulate, impl,
+                           saved_z_SF=None, swiglu_clamp=None):
+        return backward_into(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
+                             fp8_weights, (dw1_EIH, dw3_EIH, dw2_EHI), accumulate, swiglu_clamp)
 
 
 def make_problem(num_tokens, hidden, intermediate, num_experts, top_k, device, seed=0,

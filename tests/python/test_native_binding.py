@@ -58,7 +58,10 @@ def test_schemas_match_the_ctypes_definitions():
     assert sorted(ops._CTYPES_OPS) == sorted(
         ["moe_experts_forward", "moe_experts_backward", "moe_experts_backward_into",
          "moe_experts_fp8_forward", "moe_experts_fp8_backward", "moe_experts_fp8_backward_into",
-         "quantize_weights_fp8", "moe_experts_w1w3_forward", "moe_experts_w1w3_backward"])
+         "quantize_weights_fp8", "moe_experts_w1w3_forward", "moe_experts_w1w3_backward",
+         "moe_experts_w1w3_backward_into", "quantize_weights_fp8_w1w3",
+         "moe_experts_w1w3_fp8_forward", "moe_experts_w1w3_fp8_backward",
+         "moe_experts_w1w3_fp8_backward_into"])
     for name, (definition, mutates_args) in ops._CTYPES_OPS.items():
         native = str(getattr(torch.ops.fusemoe, name).default._schema)
         assert native == f"fusemoe::{name}" + infer_schema(definition, mutates_args=mutates_args)
@@ -147,18 +150,28 @@ W1W3_CASES = {  # the inputs [x, topk_idx, topk_weights, w1, w3, w2, dy] -> the 
 
 @pytest.mark.parametrize("case", W1W3_CASES, ids=W1W3_CASES)
 def test_cpp_checks_of_separate_gate_up(case):
-    """fusemoe.separate's ops: the C++ kernel and the Python definition raise the same
-    ValueError, naming fusemoe.moe_experts_w1w3 (dy's case through the backward only)."""
+    """fusemoe.separate's ops (bf16 and FP8, backward and backward_into): the C++ kernel and the
+    Python definition raise the same ValueError, naming fusemoe.moe_experts_w1w3 (dy's case
+    through the backward ops only)."""
     require_native()
     mutate, expected = W1W3_CASES[case]
     p = make_problem(**SHAPE, device="cpu")
     intermediate = SHAPE["intermediate"]
     w1, w3 = (t.contiguous() for t in p["w13_EFH"].split(intermediate, dim=1))
+    grads = tuple(torch.empty_like(w) for w in (w1, w3, p["w2_EHI"]))
+    fp8_weights = torch.empty(16, dtype=torch.uint8)
     args = [p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"], w1, w3, p["w2_EHI"], p["dy_TH"]]
     mutate(args)
-    calls = [("moe_experts_w1w3_backward", (args[6], *args[:6], "fused", None, None))]
+    dy, inputs = args[6], args[:6]
+    calls = [("moe_experts_w1w3_backward", (dy, *inputs, "fused", None, None)),
+             ("moe_experts_w1w3_backward_into", (dy, *inputs, *grads, True, "fused", None, None)),
+             ("moe_experts_w1w3_fp8_backward", (dy, *inputs, fp8_weights, "fused", None, None)),
+             ("moe_experts_w1w3_fp8_backward_into", (dy, *inputs, fp8_weights, *grads, False,
+                                                     "fused", None, None))]
     if case != "dy shape":
-        calls.append(("moe_experts_w1w3_forward", (*args[:6], "fused", False, None)))
+        calls += [("moe_experts_w1w3_forward", (*inputs, "fused", False, False, None)),
+                  ("moe_experts_w1w3_fp8_forward", (*inputs, fp8_weights, "fused", False, False,
+                                                    None))]
     for name, call_args in calls:
         message = both_raise_the_same(name, *call_args)
         assert message.startswith(f"fusemoe.moe_experts_w1w3: {expected}"), (name, message)
@@ -187,6 +200,22 @@ def test_cpp_checks_of_the_weight_quantization(shape, expected):
     w13 = torch.zeros(shape, dtype=torch.bfloat16)
     w2 = torch.zeros(6, 128, 64, dtype=torch.bfloat16)
     assert both_raise_the_same("quantize_weights_fp8", w13, w2) == f"fusemoe.moe_experts: {expected}"
+
+
+@pytest.mark.parametrize("shapes, expected", [
+    (((6, 64, 128), (6, 64, 128), (6, 128, 64)),
+     "precision=\"fp8\" needs hidden and intermediate to be multiples of 128, got H=128, I=64"),
+    (((6, 128, 128), (6, 64, 128), (6, 128, 128)),
+     "w3 (up) must have the shape of w1 (gate) (6, 128, 128), got (6, 64, 128)"),
+    (((6, 128, 128), (6, 128, 128), (6, 128, 64)),
+     "w2 (down) must be [E, H, I] = (6, 128, 128) to match w1 (6, 128, 128), got (6, 128, 64)"),
+    (((6, 128, 128), (6, 128, 128), (6, 128, 128)), "tensors must be on a CUDA device, got cpu"),
+])
+def test_cpp_checks_of_the_w1w3_weight_quantization(shapes, expected):
+    require_native()
+    weights = [torch.zeros(shape, dtype=torch.bfloat16) for shape in shapes]
+    message = both_raise_the_same("quantize_weights_fp8_w1w3", *weights)
+    assert message == f"fusemoe.moe_experts_w1w3: {expected}"
 
 
 def test_native_failures_reach_the_entry_points_as_fusemoe_errors(monkeypatch):
@@ -314,3 +343,49 @@ def test_cpp_check_of_the_fp8_buffer_on_cuda():
         message = both_raise_the_same("moe_experts_fp8_forward", *args, bad, "fused", False, False,
                                       None)
         assert message.startswith("fusemoe.moe_experts: fp8_weights must be the buffer")
+
+
+W1W3_GRAD_CASES = {  # the gradient buffers [dw1, dw3, dw2] -> the message
+    "dw3 shape": (lambda g: g.__setitem__(1, g[1][:, :32].contiguous()),
+                  "dw3 must be contiguous, on cuda:0, of shape (6, 64, 128); got (6, 32, 128) on "
+                  "cuda:0, strides (4096, 128, 1)"),
+    "dw1 dtype": (lambda g: g.__setitem__(0, g[0].half()),
+                  "dw1 must be a float32 or bfloat16 tensor, got torch.float16"),
+    "one dtype": (lambda g: g.__setitem__(2, g[2].float()),
+                  "dw1, dw3 and dw2 must have one dtype, got torch.bfloat16, torch.bfloat16 and "
+                  "torch.float32"),
+}
+
+
+@pytest.mark.parametrize("case", W1W3_GRAD_CASES, ids=W1W3_GRAD_CASES)
+def test_cpp_checks_of_the_w1w3_weight_gradients_on_cuda(case):
+    """fusemoe.separate's _into ops (bf16 and FP8): the gradient buffers' checks, behind the
+    CUDA-device check, give the same message from C++ and Python."""
+    require_gpu()
+    require_native()
+    mutate, expected = W1W3_GRAD_CASES[case]
+    p = cuda_problem()
+    w1, w3 = (t.contiguous() for t in p["w13_EFH"].split(SHAPE["intermediate"], dim=1))
+    grads = [torch.empty_like(w) for w in (w1, w3, p["w2_EHI"])]
+    mutate(grads)
+    inputs = (p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"], w1, w3, p["w2_EHI"])
+    fp8_weights = torch.empty(16, dtype=torch.uint8, device="cuda")
+    for name, extra in (("moe_experts_w1w3_backward_into", ()),
+                        ("moe_experts_w1w3_fp8_backward_into", (fp8_weights,))):
+        message = both_raise_the_same(name, p["dy_TH"], *inputs, *extra, *grads, True, "fused",
+                                      None, None)
+        assert message == f"fusemoe.moe_experts_w1w3: {expected}", name
+
+
+def test_cpp_check_of_the_w1w3_fp8_buffer_on_cuda():
+    require_gpu()
+    require_native()
+    p = make_problem(37, 128, 128, 6, 2, device="cuda", seed=5)
+    w1, w3 = (t.contiguous() for t in p["w13_EFH"].split(128, dim=1))
+    inputs = (p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"], w1, w3, p["w2_EHI"])
+    for bad in (torch.empty(16, dtype=torch.uint8, device="cuda"),
+                torch.empty(16, dtype=torch.float32, device="cuda")):
+        message = both_raise_the_same("moe_experts_w1w3_fp8_forward", *inputs, bad, "fused",
+                                      False, False, None)
+        assert message.startswith("fusemoe.moe_experts_w1w3: fp8_weights must be the buffer "
+                                  "fusemoe.separate.quantize_weights_fp8_w1w3(w1, w3, w2)")

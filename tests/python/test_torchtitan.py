@@ -8,6 +8,9 @@ K top-k, B batch, L sequence.
   torchtitan's own bf16 forward and backward of the same module + atol (the FlashAttention-3 rule).
 - MoE: a whole layer (router included) patched and not, the same routing, outputs and every
   Parameter's gradient close; the report names what was swapped; unpatching restores torchtitan.
+- Options: precision ("bf16", "fp8") and grad_in_place reach fusemoe.moe_experts_w1w3 (the
+  patched module gives what the op called directly with them gives, bitwise, over two
+  micro-batches; the FP8 buffer is quantized once).
 On "cpu" the fusemoe ops run on moe_reference.py's stand-in kernels (the adapter's plumbing:
 shapes, dtypes, which gradient goes where); on "cuda" on the library (sm_90 GPU, impl "fused").
 """
@@ -19,7 +22,7 @@ torch = pytest.importorskip("torch")
 
 from conftest import require_gpu  # noqa: E402
 from moe_reference import (assert_within_noise, moe_experts_torch,  # noqa: E402
-                           register_cpu_kernels, rel_err)
+                           register_cpu_fp8_w1w3_kernels, register_cpu_kernels, rel_err)
 
 try:
     from torchtitan.models.common import moe as tt_moe
@@ -29,9 +32,11 @@ except Exception as e:  # torchtitan imports much (spmd_types, tyro): any failur
     pytest.skip(f"skipped: torchtitan's MoE does not import here ({e!r}); scripts/run_tests.sh "
                 "installs torchtitan from PyPI where it installs", allow_module_level=True)
 
+import fusemoe  # noqa: E402
 import fusemoe.torchtitan as fusemoe_tt  # noqa: E402
 
 register_cpu_kernels()
+register_cpu_fp8_w1w3_kernels()
 
 DIMS = dict(D=256, F=128, E=8, K=2)
 ATOL = 1e-3
@@ -169,3 +174,49 @@ def test_plan_leaves_expert_parallel_dispatchers():
     before = model.routed_experts.forward
     fusemoe_tt.patch_torchtitan_moe(model)
     assert model.routed_experts.forward == before
+
+
+@pytest.mark.parametrize("device_name", ["cpu", "cuda"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("grad_in_place", [False, True])
+def test_options_reach_the_op(device_name, precision, grad_in_place, monkeypatch):
+    """patch_torchtitan_moe(precision=..., grad_in_place=...): two micro-batches through the
+    patched RoutedExperts give the outputs and (accumulated) gradients of
+    fusemoe.moe_experts_w1w3 called directly on copies of its Parameters with the same options,
+    bitwise; with grad_in_place the Parameters' .grad is written by the _into op; at FP8 the
+    module's cache quantizes once for both micro-batches."""
+    device = device_of(device_name)
+    module = build_moe(device).routed_experts
+    wrapper = torch.nn.Module()
+    wrapper.routed_experts = module
+    fusemoe_tt.patch_torchtitan_moe(wrapper, precision=precision, grad_in_place=grad_in_place)
+    experts = module.inner_experts
+    weights = [w.detach().clone().requires_grad_()
+               for w in (experts.w1_EFD, experts.w3_EFD, experts.w2_EDF)]
+    B, L, D, K = 2, 37, DIMS["D"], DIMS["K"]
+    gen = torch.Generator().manual_seed(11)
+    ids_BLK, scores_BLK = routing(B, L, device, seed=5)
+    calls = []
+    real = fusemoe.ops._backward_into_grads
+    monkeypatch.setattr(fusemoe.ops, "_backward_into_grads", lambda *a: calls.append(1) or real(*a))
+    for _ in range(2):
+        x_BLD = torch.randn(B, L, D, generator=gen).to(device, torch.bfloat16)
+        dy_BLD = torch.randn(B, L, D, generator=gen).to(device, torch.bfloat16)
+        x, scores = x_BLD.clone().requires_grad_(), scores_BLK.clone().requires_grad_()
+        y = module(x, scores, ids_BLK, torch.bincount(ids_BLK.reshape(-1), minlength=DIMS["E"]))
+        y.backward(dy_BLD)
+        x_ref, scores_ref = x_BLD.clone().requires_grad_(), scores_BLK.clone().requires_grad_()
+        y_ref = fusemoe.moe_experts_w1w3(
+            x_ref.reshape(-1, D), ids_BLK.reshape(-1, K).to(torch.int32),
+            scores_ref.reshape(-1, K).float(), *weights, precision=precision,
+            grad_in_place=grad_in_place)
+        y_ref.backward(dy_BLD.reshape(-1, D))
+        for name, got, ref in (("y", y, y_ref), ("dx", x.grad, x_ref.grad),
+                               ("d_scores", scores.grad, scores_ref.grad)):
+            assert torch.equal(got.reshape(ref.shape), ref), name
+    assert len(calls) == (4 if grad_in_place else 0)  # two micro-batches, patched and direct
+    for name, param, ref in zip(("dw1", "dw3", "dw2"),
+                                (experts.w1_EFD, experts.w3_EFD, experts.w2_EDF), weights):
+        assert torch.equal(param.grad, ref.grad), name
+    if precision == "fp8":
+        assert module._fusemoe_fp8_cache.quantizations == 1
