@@ -17,7 +17,7 @@
 //     Fp8GatheredTokenRowsA     token rows gathered by index (as GatheredTokenRowsA) plus one
 //                               4-byte cp.async per row from the token-major scales [T, K/128]
 //   B policies (K-major E4M3 weights; scales by a 4-byte cp.async of the producer thread)
-//     Fp8WeightsB               [128 rows][128 k] of one expert's weight
+//     Fp8WeightsB<N>            [N rows][128 k] of one expert's weight, N = 128 or 256
 //     Fp8GateUpWeightsB         a tile is one 128-column block of h in one pass: gate rows
 //                               [128 n, +128) and the up rows I below them, N = 256
 // The scales of B ride in A's Args (GemmParams has one argument slot per operand source, and B's
@@ -68,6 +68,7 @@ struct WeightScales {
   int32_t n_stride;
   int32_t k_stride;
   int32_t second;
+  int32_t n_blocks;  // 128-blocks along n: a 256-wide tile past the last one reads the last one's scale
 };
 
 // ------------------------------------------------------------------------------------- A
@@ -144,18 +145,28 @@ struct Fp8GatheredTokenRowsA {
 
 // ------------------------------------------------------------------------------------- B
 
+// [kBlockN rows][128 k] of one expert's weight; one scale per 128-row half (kNumBScales). Rows past
+// the expert's N (a 256-wide tile over N % 256 == 128) are read but their columns never stored.
+template <int kBlockN_>
 struct Fp8WeightsB {
-  static constexpr int kBlockN = 128, kTileCols = 128, kNumBScales = 1;
+  static constexpr int kBlockN = kBlockN_, kTileCols = kBlockN_, kNumBScales = kBlockN_ / 128;
   static constexpr bool kMnMajor = false;
+  static_assert(kBlockN == 128 || kBlockN == 256, "one or two 128-row weight blocks per tile");
   static constexpr uint32_t kBoxRows = kBlockN;
   __device__ static uint32_t bytes(const Tile&, const BShape&) { return kBlockN * kSwizzleRowBytes; }
   __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb,
                               const BShape& s) {
     tma_load_2d(map, full, dst, kb * kFp8BlockK, tile.expert * s.b_rows_per_expert + tile.n_tile * kTileCols);
   }
-  // One 128 x 128 block covers the whole tile.
+  // The 128 x 128 block of each half; a half past the last block takes the last block's scale (in
+  // bounds; its columns are not stored).
   __device__ static void load_scales(const WeightScales& w, uint32_t dst, const Tile& tile, int32_t kb) {
-    cp_async_4(dst, w.ptr + tile.expert * w.expert_stride + tile.n_tile * w.n_stride + kb * w.k_stride);
+#pragma unroll
+    for (int b = 0; b < kNumBScales; ++b) {
+      const int32_t n_block = min(tile.n_tile * kNumBScales + b, w.n_blocks - 1);
+      cp_async_4(dst + b * sizeof(float),
+                 w.ptr + tile.expert * w.expert_stride + n_block * w.n_stride + kb * w.k_stride);
+    }
   }
 };
 

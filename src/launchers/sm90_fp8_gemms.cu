@@ -1,7 +1,8 @@
-// The block-scaled FP8 instances of the sm90 grouped GEMM (sm90_fp8_gemms.h): 128 x 128 tiles in
-// 6 stages of 32 KB, and the gate/up's 128 x 256 tiles (gate 128 | up 128 columns: one 128-block
-// of h per tile) in 4 stages of 48 KB. Weight scales are the [E, rows/128, cols/128] arrays of
-// Fp8Weights; a transposed copy reads them with swapped strides.
+// The block-scaled FP8 instances of the sm90 grouped GEMM (sm90_fp8_gemms.h): 128 x 256 tiles in
+// 4 stages of 48 KB (gate/up: gate 128 | up 128 columns, one 128-block of h per tile; down, z
+// recompute, dgrad of x), and dgrad-SwiGLU's 128 x 128 tiles in 6 stages of 32 KB. Weight scales
+// are the [E, rows/128, cols/128] arrays of Fp8Weights; a transposed copy reads them with swapped
+// strides.
 #include <cuda_bf16.h>
 
 #include "device/sm90_fp8_epilogues.cuh"
@@ -23,17 +24,20 @@ constexpr int kDgradZAhead = 8;
 template <bool kClamp, bool kStoreZ>
 using GateUpGemm = GroupedGemm<sm90::Fp8GatheredTokenRowsA, sm90::Fp8GateUpWeightsB, sm90::RowTileScheduler,
                                sm90::SwiGLUFp8Epilogue<kClamp, kStoreZ>>;
-using DownGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB, sm90::RowTileScheduler,
-                             sm90::RowStoreEpilogue<128, true, RowDestination::kSlotRow>>;
-using RecomputeZGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB, sm90::RowTileScheduler,
-                                   sm90::RowStoreEpilogue<128, false, RowDestination::kSortedRow>>;
+// The row-store GEMMs at N = 256 (as their BF16 twins): each A tile serves twice the columns.
+using DownGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB<256>, sm90::RowTileScheduler,
+                             sm90::RowStoreEpilogue<256, true, RowDestination::kSlotRow>>;
+using RecomputeZGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB<256>, sm90::RowTileScheduler,
+                                   sm90::RowStoreEpilogue<256, false, RowDestination::kSortedRow>>;
+// At 128: its tile's columns are exactly one block of dg and one of du (the dz quantization).
 template <bool kClamp>
-using DgradSwigluGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB, sm90::RowTileScheduler,
+using DgradSwigluGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB<128>, sm90::RowTileScheduler,
                                     sm90::DgradSwiGLUFp8Epilogue<kClamp, kDgradZAhead>>;
-using DgradScatterGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB, sm90::RowTileScheduler,
-                                     sm90::RowStoreEpilogue<128, false, RowDestination::kSlotRow>>;
+using DgradScatterGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB<256>, sm90::RowTileScheduler,
+                                     sm90::RowStoreEpilogue<256, false, RowDestination::kSlotRow>>;
 
-static_assert(GateUpGemm<false, false>::kStages == 4 && DownGemm::kStages == 6, "FP8 ring depth");
+static_assert(GateUpGemm<false, false>::kStages == 4 && DownGemm::kStages == 4 && DgradSwigluGemm<false>::kStages == 6,
+              "FP8 ring depth");
 
 // A row-tile GEMM over K (a multiple of 128) with N output columns.
 sm90::GemmShape fp8_rows_shape(const Sm90Rows& rows, int64_t k, int64_t n, int64_t b_rows_per_expert) {
@@ -51,6 +55,7 @@ sm90::WeightScales weight_scales(const float* scales, int64_t E_rows, int64_t E_
   w.n_stride = transposed ? 1 : col_blocks;
   w.k_stride = transposed ? col_blocks : 1;
   w.second = static_cast<int32_t>(second);
+  w.n_blocks = transposed ? col_blocks : row_blocks;
   return w;
 }
 
