@@ -166,6 +166,21 @@ void check_routing(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& 
   check_device({"dy", dy_TH});
 }
 
+// w3 [E, I, H] as w1, and w2 [E, H, I] with w1's E, I and d.hidden (both the layer's and the
+// quantize op's checks).
+void check_w3_w2_match_w1(const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI, const LayerDims& d,
+                          const char* api) {
+  if (!same_shape(w3_EIH, w1_EIH)) {
+    fail("w3 (up) must have the shape of w1 (gate) " + shape_string(w1_EIH) + ", got " + shape_string(w3_EIH), api);
+  }
+  if (w2_EHI.size(0) != d.num_experts || w2_EHI.size(1) != d.hidden || w2_EHI.size(2) != d.intermediate) {
+    fail("w2 (down) must be [E, H, I] = (" + std::to_string(d.num_experts) + ", " + std::to_string(d.hidden) +
+             ", " + std::to_string(d.intermediate) + ") to match w1 " + shape_string(w1_EIH) + ", got " +
+             shape_string(w2_EHI),
+         api);
+  }
+}
+
 }  // namespace
 
 LayerDims check_inputs_w1w3(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
@@ -187,15 +202,7 @@ LayerDims check_inputs_w1w3(const Tensor& x_TH, const Tensor& topk_idx_TK, const
              shape_string(w1_EIH),
          api);
   }
-  if (!same_shape(w3_EIH, w1_EIH)) {
-    fail("w3 (up) must have the shape of w1 (gate) " + shape_string(w1_EIH) + ", got " + shape_string(w3_EIH), api);
-  }
-  if (w2_EHI.size(0) != d.num_experts || w2_EHI.size(1) != d.hidden || w2_EHI.size(2) != d.intermediate) {
-    fail("w2 (down) must be [E, H, I] = (" + std::to_string(d.num_experts) + ", " + std::to_string(d.hidden) +
-             ", " + std::to_string(d.intermediate) + ") to match w1 " + shape_string(w1_EIH) + ", got " +
-             shape_string(w2_EHI),
-         api);
-  }
+  check_w3_w2_match_w1(w1_EIH, w3_EIH, w2_EHI, d, api);
   check_routing(x_TH, topk_idx_TK, topk_weights_TK, dy_TH,
                 {{"w1 (gate)", &w1_EIH}, {"w3 (up)", &w3_EIH}, {"w2 (down)", &w2_EHI}}, d, api);
   return d;
@@ -327,15 +334,7 @@ LayerDims check_quantize_inputs_w1w3(const Tensor& w1_EIH, const Tensor& w3_EIH,
   d.num_experts = w1_EIH.size(0);
   d.intermediate = w1_EIH.size(1);
   d.hidden = w1_EIH.size(2);
-  if (!same_shape(w3_EIH, w1_EIH)) {
-    fail("w3 (up) must have the shape of w1 (gate) " + shape_string(w1_EIH) + ", got " + shape_string(w3_EIH), api);
-  }
-  if (w2_EHI.size(0) != d.num_experts || w2_EHI.size(1) != d.hidden || w2_EHI.size(2) != d.intermediate) {
-    fail("w2 (down) must be [E, H, I] = (" + std::to_string(d.num_experts) + ", " + std::to_string(d.hidden) +
-             ", " + std::to_string(d.intermediate) + ") to match w1 " + shape_string(w1_EIH) + ", got " +
-             shape_string(w2_EHI),
-         api);
-  }
+  check_w3_w2_match_w1(w1_EIH, w3_EIH, w2_EHI, d, api);
   check_fp8_dims(d.hidden, d.intermediate, api);
   return d;
 }
