@@ -98,6 +98,26 @@ TEST(BenchMemory, CountsWhatTheBenchAllocates) {
                 bench_workspace_bytes(harness::layer_config(bf16.preset, 4096), bf16.impls[0]));
 }
 
+// fused_separate_saved_z: by name only; w1 and w3 (one more copy of w13) are counted when it runs,
+// and the reference's dw13 split as dw1, dw3 (fp32) when it is also checked.
+TEST(BenchMemory, SeparateGateUpCountsItsCopies) {
+  const BenchParams defaults = parse({"--tokens", "4096"});
+  for (const BenchImpl& impl : defaults.impls) EXPECT_FALSE(impl.separate_gate_up) << impl.name;
+  EXPECT_NE(std::strstr(kUsage, "fused_separate_saved_z"), nullptr);
+  const BenchParams sep = parse({"--tokens", "4096", "--impl", "fused_separate_saved_z"});
+  const BenchParams w13 = parse({"--tokens", "4096", "--impl", "fused_saved_z"});
+  ASSERT_EQ(sep.impls.size(), 1u);
+  EXPECT_TRUE(sep.impls[0].separate_gate_up);
+  EXPECT_TRUE(sep.impls[0].save_z);
+  const size_t i = sep.preset.intermediate, h = sep.preset.hidden, e = sep.preset.num_experts;
+  EXPECT_EQ(bench_device_bytes(sep, kFlushBytes) - bench_device_bytes(w13, kFlushBytes),
+            e * 2 * i * h * 2 + e * 2 * i * h * 4);  // w1 + w3 (bf16), the split reference dw13 (fp32)
+  const BenchParams sep_unchecked = parse({"--tokens", "4096", "--impl", "fused_separate_saved_z", "--no-check"});
+  const BenchParams w13_unchecked = parse({"--tokens", "4096", "--impl", "fused_saved_z", "--no-check"});
+  EXPECT_EQ(bench_device_bytes(sep_unchecked, kFlushBytes) - bench_device_bytes(w13_unchecked, kFlushBytes),
+            e * 2 * i * h * 2);
+}
+
 TEST(BenchMemory, PresetsThatFitKeepTheirExperts) {
   for (const char* preset : {"qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-next"}) {
     const BenchParams p = parse({"--preset", preset, "--tokens", "4096,16384"});
