@@ -317,6 +317,40 @@ def make_problem(num_tokens, hidden, intermediate, num_experts, top_k, device, s
                 dy_TH=dy_TH)
 
 
+def split_w13(w13_EFH):
+    """w13 [E, 2I, H] as the separate gate and up weights (w1, w3) [E, I, H], contiguous."""
+    intermediate = w13_EFH.shape[1] // 2
+    return w13_EFH[:, :intermediate].contiguous(), w13_EFH[:, intermediate:].contiguous()
+
+
+SEPARATE_OUTPUTS = ("y", "dx", "d_topk_weights", "dw1", "dw3", "dw2")  # separate_and_w13's order
+
+
+def separate_and_w13(p, micro_batches=1, **options):
+    """y and every gradient of fusemoe.moe_experts_w1w3 and of fusemoe.moe_experts on
+    w13 = [w1; w3] with the same options, over micro_batches backward passes (x flipped every
+    other one) into the same leaves: (separate, concatenated), each [y, dx, d_topk_weights, dw1,
+    dw3, dw2] with w13's gradient split; y is the last micro-batch's."""
+    import fusemoe
+
+    def leaves(*tensors):
+        return [t.clone().requires_grad_() for t in tensors]
+
+    x, w, w1, w3, w2 = leaves(p["x_TH"], p["topk_weights_TK"], p["w1_EIH"], p["w3_EIH"],
+                              p["w2_EHI"])
+    x_ref, w_ref, w13_ref, w2_ref = leaves(p["x_TH"], p["topk_weights_TK"], p["w13_EFH"],
+                                           p["w2_EHI"])
+    idx, dy = p["topk_idx_TK"], p["dy_TH"]
+    for batch in range(micro_batches):
+        flip = (lambda t: t.flip(0)) if batch % 2 else (lambda t: t)
+        y = fusemoe.moe_experts_w1w3(flip(x), idx, w, w1, w3, w2, **options)
+        y.backward(dy)
+        y_ref = fusemoe.moe_experts(flip(x_ref), idx, w_ref, w13_ref, w2_ref, **options)
+        y_ref.backward(dy)
+    return ([y.detach(), x.grad, w.grad, w1.grad, w3.grad, w2.grad],
+            [y_ref.detach(), x_ref.grad, w_ref.grad, *split_w13(w13_ref.grad), w2_ref.grad])
+
+
 def rel_err(got, ref):
     """Relative L2 error ||got - ref|| / ||ref|| in fp64 (0 when both are zero; inf when either
     holds a NaN or an inf). inf passes a bound that is itself inf, so a check whose bound comes

@@ -12,8 +12,9 @@ torch = pytest.importorskip("torch")
 
 import fusemoe  # noqa: E402
 import fusemoe.separate  # noqa: E402
-from moe_reference import (make_problem, register_cpu_fp8_w1w3_kernels,  # noqa: E402
-                           register_cpu_kernels, rel_err)
+from moe_reference import (SEPARATE_OUTPUTS, make_problem,  # noqa: E402
+                           register_cpu_fp8_w1w3_kernels, register_cpu_kernels, rel_err,
+                           separate_and_w13, split_w13)
 
 register_cpu_kernels()
 register_cpu_fp8_w1w3_kernels()
@@ -21,15 +22,10 @@ register_cpu_fp8_w1w3_kernels()
 SHAPE = dict(num_tokens=37, hidden=128, intermediate=64, num_experts=6, top_k=2)
 
 
-def split(w13_EFH):
-    intermediate = w13_EFH.shape[1] // 2
-    return w13_EFH[:, :intermediate].contiguous(), w13_EFH[:, intermediate:].contiguous()
-
-
 @pytest.fixture
 def problem():
     p = make_problem(**SHAPE, device="cpu")
-    p["w1_EIH"], p["w3_EIH"] = split(p["w13_EFH"])
+    p["w1_EIH"], p["w3_EIH"] = split_w13(p["w13_EFH"])
     return p
 
 
@@ -90,7 +86,7 @@ def test_same_as_w13_with_gradients_apart(problem, recompute_z):
                                            problem["w13_EFH"], problem["w2_EHI"])
     y_ref = fusemoe.moe_experts(x_ref, idx, w_ref, w13_ref, w2_ref, recompute_z=recompute_z)
     y_ref.backward(dy)
-    dw1_ref, dw3_ref = split(w13_ref.grad)
+    dw1_ref, dw3_ref = split_w13(w13_ref.grad)
     assert torch.equal(y, y_ref)
     for got, ref in ((x.grad, x_ref.grad), (w.grad, w_ref.grad), (w1.grad, dw1_ref),
                      (w3.grad, dw3_ref), (w2.grad, w2_ref.grad)):
@@ -141,45 +137,19 @@ FP8_SHAPE = dict(num_tokens=37, hidden=128, intermediate=128, num_experts=6, top
 @pytest.fixture
 def fp8_problem():
     p = make_problem(**FP8_SHAPE, device="cpu", seed=4)
-    p["w1_EIH"], p["w3_EIH"] = split(p["w13_EFH"])
+    p["w1_EIH"], p["w3_EIH"] = split_w13(p["w13_EFH"])
     return p
 
 
-def run_both(p, micro_batches=1, **options):
-    """y and every gradient of moe_experts_w1w3 and of moe_experts on w13 = [w1; w3] with the
-    same options, over micro_batches backward passes (x flipped each time) into the same
-    leaves: (separate, concatenated), each [y, dx, d_topk_weights, dw1, dw3, dw2] with w13's
-    gradient split."""
-    def leaves(*tensors):
-        return [t.clone().requires_grad_() for t in tensors]
-
-    x, w, w1, w3, w2 = leaves(p["x_TH"], p["topk_weights_TK"], p["w1_EIH"], p["w3_EIH"],
-                              p["w2_EHI"])
-    x_ref, w_ref, w13_ref, w2_ref = leaves(p["x_TH"], p["topk_weights_TK"], p["w13_EFH"],
-                                           p["w2_EHI"])
-    idx, dy = p["topk_idx_TK"], p["dy_TH"]
-    for batch in range(micro_batches):
-        flip = (lambda t: t.flip(0)) if batch % 2 else (lambda t: t)
-        y = fusemoe.moe_experts_w1w3(flip(x), idx, w, w1, w3, w2, **options)
-        y.backward(dy)
-        y_ref = fusemoe.moe_experts(flip(x_ref), idx, w_ref, w13_ref, w2_ref, **options)
-        y_ref.backward(dy)
-    return ([y.detach(), x.grad, w.grad, w1.grad, w3.grad, w2.grad],
-            [y_ref.detach(), x_ref.grad, w_ref.grad, *split(w13_ref.grad), w2_ref.grad])
-
-
-NAMES = ("y", "dx", "d_topk_weights", "dw1", "dw3", "dw2")
-
-
 def assert_bitwise(separate, concatenated):
-    for name, got, ref in zip(NAMES, separate, concatenated):
+    for name, got, ref in zip(SEPARATE_OUTPUTS, separate, concatenated):
         assert got.dtype == ref.dtype and torch.equal(got, ref), f"{name} differs from moe_experts'"
 
 
 @pytest.mark.parametrize("recompute_z", [False, True])
 def test_fp8_same_as_w13(fp8_problem, recompute_z):
     """precision="fp8": outputs and gradients equal moe_experts(precision="fp8") on [w1; w3]."""
-    assert_bitwise(*run_both(fp8_problem, precision="fp8", recompute_z=recompute_z))
+    assert_bitwise(*separate_and_w13(fp8_problem, precision="fp8", recompute_z=recompute_z))
 
 
 def test_fp8_weight_buffer_same_as_w13(fp8_problem):
@@ -234,12 +204,13 @@ def test_grad_in_place_accumulates_as_w13(fp8_problem, precision, monkeypatch):
         return real_call(op, *args)
 
     monkeypatch.setattr(fusemoe.ops, "_call", recording_call)
-    in_place = run_both(fp8_problem, micro_batches=2, precision=precision, grad_in_place=True)
+    in_place = separate_and_w13(fp8_problem, micro_batches=2, precision=precision,
+                                grad_in_place=True)
     assert calls == [False, True]
     assert_bitwise(*in_place)
-    separate, _ = run_both(fp8_problem, micro_batches=2, precision=precision)
-    first, _ = run_both(fp8_problem, micro_batches=1, precision=precision)
-    for name, got, summed, once in zip(NAMES, in_place[0], separate, first):
+    separate, _ = separate_and_w13(fp8_problem, micro_batches=2, precision=precision)
+    first, _ = separate_and_w13(fp8_problem, micro_batches=1, precision=precision)
+    for name, got, summed, once in zip(SEPARATE_OUTPUTS, in_place[0], separate, first):
         if name in ("dw1", "dw3", "dw2"):  # autograd's sum: one bf16 rounding more
             assert rel_err(got, summed) <= 1e-2, name
             assert rel_err(got, once) > 0.1, f"{name}: the second micro-batch was not added"
@@ -257,7 +228,7 @@ def test_grad_in_place_needs_leaf_weights(fp8_problem):
                                  w1_param.bfloat16(), w3, w2, grad_in_place=True)
     y.backward(p["dy_TH"])
     assert w1_param.grad is not None and w3.grad is not None and w2.grad is not None
-    ref = run_both(p)[1]
+    ref = separate_and_w13(p)[1]
     assert torch.equal(w1_param.grad, ref[3].float()) and torch.equal(w3.grad, ref[4])
 
 

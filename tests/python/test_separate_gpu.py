@@ -15,17 +15,13 @@ import fusemoe  # noqa: E402
 import fusemoe.fp8  # noqa: E402
 import fusemoe.separate  # noqa: E402
 from conftest import require_gpu  # noqa: E402
-from moe_reference import make_problem, rel_err  # noqa: E402
+from moe_reference import (SEPARATE_OUTPUTS, make_problem, rel_err,  # noqa: E402
+                           separate_and_w13, split_w13)
 
 
 @pytest.fixture(autouse=True)
 def gpu():
     require_gpu()
-
-
-def split(w13_EFH):
-    intermediate = w13_EFH.shape[1] // 2
-    return w13_EFH[:, :intermediate].contiguous(), w13_EFH[:, intermediate:].contiguous()
 
 
 def gradients(layer, inputs, dy_TH):
@@ -42,7 +38,7 @@ def test_bitwise_equal_to_w13(num_tokens, recompute_z):
                      device="cuda", seed=num_tokens)
     if num_tokens > 1:
         p["topk_idx_TK"][::5, 1] = -1  # masked slots
-    w1_EIH, w3_EIH = split(p["w13_EFH"])
+    w1_EIH, w3_EIH = split_w13(p["w13_EFH"])
     x, idx, w, w2, dy = (p[k] for k in ("x_TH", "topk_idx_TK", "topk_weights_TK", "w2_EHI", "dy_TH"))
     separate = gradients(lambda x, w, w1, w3, w2: fusemoe.moe_experts_w1w3(
         x, idx, w, w1, w3, w2, recompute_z=recompute_z), [x, w, w1_EIH, w3_EIH, w2], dy)
@@ -50,7 +46,7 @@ def test_bitwise_equal_to_w13(num_tokens, recompute_z):
         x, idx, w, w13, w2, recompute_z=recompute_z), [x, w, p["w13_EFH"], w2], dy)
     y, dx, dw, dw1, dw3, dw2 = separate
     y_ref, dx_ref, dw_ref, dw13_ref, dw2_ref = concatenated
-    dw1_ref, dw3_ref = split(dw13_ref)
+    dw1_ref, dw3_ref = split_w13(dw13_ref)
     for name, got, ref in (("y", y, y_ref), ("dx", dx, dx_ref), ("d_topk_weights", dw, dw_ref),
                            ("dw1", dw1, dw1_ref), ("dw3", dw3, dw3_ref), ("dw2", dw2, dw2_ref)):
         assert torch.equal(got, ref), f"{name} differs from the w13 call"
@@ -59,7 +55,7 @@ def test_bitwise_equal_to_w13(num_tokens, recompute_z):
 def test_unfused_is_refused():
     p = make_problem(num_tokens=7, hidden=256, intermediate=128, num_experts=8, top_k=2,
                      device="cuda")
-    w1_EIH, w3_EIH = split(p["w13_EFH"])
+    w1_EIH, w3_EIH = split_w13(p["w13_EFH"])
     with pytest.raises(fusemoe.FusemoeError, match="not supported yet by impl unfused"):
         fusemoe.moe_experts_w1w3(p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"], w1_EIH,
                                  w3_EIH, p["w2_EHI"], impl="unfused")
@@ -68,7 +64,7 @@ def test_unfused_is_refused():
 def test_opcheck():
     p = make_problem(num_tokens=33, hidden=256, intermediate=128, num_experts=8, top_k=2,
                      device="cuda")
-    w1_EIH, w3_EIH = split(p["w13_EFH"])
+    w1_EIH, w3_EIH = split_w13(p["w13_EFH"])
     args = (p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"].clone().requires_grad_(),
             w1_EIH.requires_grad_(), w3_EIH.requires_grad_(), p["w2_EHI"].clone().requires_grad_(),
             "fused")
@@ -81,7 +77,7 @@ def fp8_problem(num_tokens, seed=0):
                      top_k=4, device="cuda", seed=seed)
     if num_tokens > 1:
         p["topk_idx_TK"][::5, 1] = -1  # masked slots
-    p["w1_EIH"], p["w3_EIH"] = split(p["w13_EFH"])
+    p["w1_EIH"], p["w3_EIH"] = split_w13(p["w13_EFH"])
     return p
 
 
@@ -92,39 +88,14 @@ def test_fp8_weight_buffer_bytewise_equal_to_w13():
     assert from_w1_w3.dtype == torch.uint8 and torch.equal(from_w1_w3, from_w13)
 
 
-def micro_batches(p, num_batches, **options):
-    """moe_experts_w1w3 and moe_experts on w13 with options over num_batches backward passes
-    (x flipped every other one) into the same leaves: (separate, concatenated), each [y, dx,
-    d_topk_weights, dw1, dw3, dw2], w13's gradient split."""
-    def leaves(*tensors):
-        return [t.clone().requires_grad_() for t in tensors]
-
-    x, w, w1, w3, w2 = leaves(p["x_TH"], p["topk_weights_TK"], p["w1_EIH"], p["w3_EIH"],
-                              p["w2_EHI"])
-    x_ref, w_ref, w13_ref, w2_ref = leaves(p["x_TH"], p["topk_weights_TK"], p["w13_EFH"],
-                                           p["w2_EHI"])
-    idx, dy = p["topk_idx_TK"], p["dy_TH"]
-    for batch in range(num_batches):
-        flip = (lambda t: t.flip(0)) if batch % 2 else (lambda t: t)
-        fusemoe.moe_experts_w1w3(flip(x), idx, w, w1, w3, w2, **options).backward(dy)
-        fusemoe.moe_experts(flip(x_ref), idx, w_ref, w13_ref, w2_ref, **options).backward(dy)
-    y = fusemoe.moe_experts_w1w3(x, idx, w, w1, w3, w2, **options).detach()
-    y_ref = fusemoe.moe_experts(x_ref, idx, w_ref, w13_ref, w2_ref, **options).detach()
-    return ([y, x.grad, w.grad, w1.grad, w3.grad, w2.grad],
-            [y_ref, x_ref.grad, w_ref.grad, *split(w13_ref.grad), w2_ref.grad])
-
-
-NAMES = ("y", "dx", "d_topk_weights", "dw1", "dw3", "dw2")
-
-
 @pytest.mark.parametrize("num_tokens", [0, 1, 199, 2048])
 @pytest.mark.parametrize("recompute_z", [False, True])
 def test_fp8_bitwise_equal_to_w13(num_tokens, recompute_z):
     """precision="fp8" (the cached buffer of each form): every output and gradient bitwise the
     w13 call's."""
-    separate, concatenated = micro_batches(fp8_problem(num_tokens, seed=num_tokens + 1), 1,
-                                           precision="fp8", recompute_z=recompute_z)
-    for name, got, ref in zip(NAMES, separate, concatenated):
+    separate, concatenated = separate_and_w13(fp8_problem(num_tokens, seed=num_tokens + 1), 1,
+                                              precision="fp8", recompute_z=recompute_z)
+    for name, got, ref in zip(SEPARATE_OUTPUTS, separate, concatenated):
         assert torch.equal(got, ref), f"{name} differs from the w13 call at FP8"
 
 
@@ -133,9 +104,9 @@ def test_grad_in_place_bitwise_equal_to_w13(precision):
     """grad_in_place over two micro-batches: .grad of w1, w3, w2 bitwise the w13 call's (the
     library writes, then adds, the same values into two tensors instead of one); x and
     topk_weights through autograd, bitwise."""
-    separate, concatenated = micro_batches(fp8_problem(199, seed=21), 2, precision=precision,
-                                           grad_in_place=True)
-    for name, got, ref in zip(NAMES, separate, concatenated):
+    separate, concatenated = separate_and_w13(fp8_problem(199, seed=21), 2, precision=precision,
+                                              grad_in_place=True)
+    for name, got, ref in zip(SEPARATE_OUTPUTS, separate, concatenated):
         assert got.dtype == ref.dtype and torch.equal(got, ref), f"{name} differs ({precision})"
 
 
@@ -145,12 +116,12 @@ def test_grad_in_place_accumulates(precision):
     rounding of fp32 + bf16 .grad): within 4e-3 of the exact sum of the two autograd gradients,
     which a kernel that overwrote would miss by far."""
     p = fp8_problem(199, seed=22)
-    once, _ = micro_batches(p, 1, precision=precision)
-    first, _ = micro_batches(p, 1, precision=precision, grad_in_place=True)
-    twice, _ = micro_batches(p, 2, precision=precision, grad_in_place=True)
+    once, _ = separate_and_w13(p, 1, precision=precision)
+    first, _ = separate_and_w13(p, 1, precision=precision, grad_in_place=True)
+    twice, _ = separate_and_w13(p, 2, precision=precision, grad_in_place=True)
     flipped = dict(p, x_TH=p["x_TH"].flip(0).contiguous())
-    second, _ = micro_batches(flipped, 1, precision=precision)
-    for i, name in enumerate(NAMES[3:], start=3):
+    second, _ = separate_and_w13(flipped, 1, precision=precision)
+    for i, name in enumerate(SEPARATE_OUTPUTS[3:], start=3):
         assert torch.equal(first[i], once[i]), f"{name}: first micro-batch differs from autograd"
         exact = once[i].float() + second[i].float()
         err = rel_err(twice[i], exact)
@@ -174,7 +145,7 @@ def test_fp8_cache_once_per_weight_version():
 def test_opcheck_fp8_and_into():
     p = make_problem(num_tokens=33, hidden=256, intermediate=128, num_experts=8, top_k=2,
                      device="cuda")
-    w1_EIH, w3_EIH = split(p["w13_EFH"])
+    w1_EIH, w3_EIH = split_w13(p["w13_EFH"])
     weights = (w1_EIH, w3_EIH, p["w2_EHI"])
     buffer = fusemoe.separate.quantize_weights_fp8_w1w3(*weights)
     inputs = (p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"])
