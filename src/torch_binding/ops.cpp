@@ -491,26 +491,31 @@ std::tuple<Tensor, Tensor> moe_experts_w1w3_fp8_backward_into(
 
 // The FP8 weight buffer of bf16 w1, w3 [E, I, H] and w2 [E, H, I]: the bytes of quantize_weights_fp8
 // for w13 = [w1; w3] (the library's overload).
-Tensor quantize_weights_fp8_w1w3(const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI) {
-  LayerDims d = check_quantize_inputs_w1w3(w1_EIH, w3_EIH, w2_EHI);
-  check_cuda(w1_EIH, kApiW1W3);
+// The FP8 weight buffer of checked weights of dims d on device: `a` holds the weights (w13 or
+// w1, w3, and w2); the buffer, its size and the stream are filled in here.
+Tensor quantize_into_new_buffer(LayerDims d, int32_t device, FusemoeCFp8QuantizeArgs a) {
   d.top_k = 1;  // the buffer depends on the weights' shape only (top_k, max_tokens: any valid values)
   const FusemoeCLayer layer = c_layer(d, "fused", std::nullopt, FUSEMOE_C_PRECISION_FP8_BLOCKWISE);
   uint64_t num_bytes = 0;
   check_c_status(fusemoe_c_fp8_weights_bytes(&layer, &num_bytes));
-  const int32_t device = w1_EIH.get_device_index();
   Tensor buffer = empty_cuda({static_cast<int64_t>(num_bytes)}, dtype_uint8(), device, "the FP8 weight buffer");
   torch::stable::accelerator::DeviceGuard guard(device);
-  FusemoeCFp8QuantizeArgs a{};
   a.struct_size = sizeof(FusemoeCFp8QuantizeArgs);
-  a.w1 = data(w1_EIH);
-  a.w3 = data(w3_EIH);
-  a.w2 = data(w2_EHI);
   a.buffer = data(buffer);
   a.buffer_bytes = num_bytes;
   a.stream = current_stream(device);
   check_c_status(fusemoe_c_quantize_weights_fp8(&layer, &a));
   return buffer;
+}
+
+Tensor quantize_weights_fp8_w1w3(const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI) {
+  const LayerDims d = check_quantize_inputs_w1w3(w1_EIH, w3_EIH, w2_EHI);
+  check_cuda(w1_EIH, kApiW1W3);
+  FusemoeCFp8QuantizeArgs a{};
+  a.w1 = data(w1_EIH);
+  a.w3 = data(w3_EIH);
+  a.w2 = data(w2_EHI);
+  return quantize_into_new_buffer(d, w1_EIH.get_device_index(), a);
 }
 
 // The FP8 weight buffer of bf16 w13 [E, 2I, H] and w2 [E, H, I] (fusemoe.fp8).
@@ -520,27 +525,14 @@ Tensor quantize_weights_fp8(const Tensor& w13_EFH, const Tensor& w2_EHI) {
   check_fp8_shapes(w13_EFH);
   check_w2_matches_w13(w13_EFH, w2_EHI);
   check_cuda(w13_EFH);
-  // The buffer depends on the weights' shape only (top_k, max_tokens: any valid values).
   LayerDims d;
   d.num_experts = w13_EFH.size(0);
   d.intermediate = w13_EFH.size(1) / 2;
   d.hidden = w13_EFH.size(2);
-  d.top_k = 1;
-  const FusemoeCLayer layer = c_layer(d, "fused", std::nullopt, FUSEMOE_C_PRECISION_FP8_BLOCKWISE);
-  uint64_t num_bytes = 0;
-  check_c_status(fusemoe_c_fp8_weights_bytes(&layer, &num_bytes));
-  const int32_t device = w13_EFH.get_device_index();
-  Tensor buffer = empty_cuda({static_cast<int64_t>(num_bytes)}, dtype_uint8(), device, "the FP8 weight buffer");
-  torch::stable::accelerator::DeviceGuard guard(device);
   FusemoeCFp8QuantizeArgs a{};
-  a.struct_size = sizeof(FusemoeCFp8QuantizeArgs);
   a.w13 = data(w13_EFH);
   a.w2 = data(w2_EHI);
-  a.buffer = data(buffer);
-  a.buffer_bytes = num_bytes;
-  a.stream = current_stream(device);
-  check_c_status(fusemoe_c_quantize_weights_fp8(&layer, &a));
-  return buffer;
+  return quantize_into_new_buffer(d, w13_EFH.get_device_index(), a);
 }
 
 }  // namespace
