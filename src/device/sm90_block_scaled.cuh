@@ -220,11 +220,15 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
   RingCursor<Gemm::kStages> cursor;
   float acc[kAcc], tmp[Mma::kAccRegs];
 
-  // acc[64 rows, kBlockN] = sum over the tile's K-blocks of promoted A[rows, kb] * B[kb, kBlockN].
-  auto main_loop = [&](int32_t num_k_blocks) {
+  const int32_t num_tiles = sched.num_tiles();
+  for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const Tile tile = sched.tile(t);
+    const AccRows rows(tile, me);
+    typename Epilogue::Inputs inputs = Epilogue::prepare(p.epilogue, out_shape, tile, rows, me);
+    // acc[64 rows, kBlockN] = sum over the tile's K-blocks of promoted A[rows, kb] * B[kb, kBlockN].
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
-    for (int32_t kb = 0; kb < num_k_blocks; ++kb) {
+    for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
       const int stage = cursor.stage;
       bounded_wait(&ring.full[stage], cursor.phase, p.shape.wait, WaitRole::kConsumer, WaitObject::kStageFull, stage,
                    Gemm::A::kTmaBytes + Gemm::kTileBBytes);
@@ -235,8 +239,8 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
       const float sa1 = ld_shared_f32(stage_scales + (a_row + 8) * sizeof(float));
       float sb[kNumBScales];
 #pragma unroll
-      for (int b = 0; b < kNumBScales; ++b) {
-        sb[b] = ld_shared_f32(stage_scales + offsetof(StageScales, b) + b * sizeof(float));
+      for (int i = 0; i < kNumBScales; ++i) {
+        sb[i] = ld_shared_f32(stage_scales + offsetof(StageScales, b) + i * sizeof(float));
       }
       uint8_t* tile_a = tiles_a + stage * kTileABytes;
       const uint64_t desc_a = make_desc_sw128(tile_a + me.consumer * kWgmmaM * kSwizzleRowBytes,
@@ -270,14 +274,6 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
       }
       cursor.advance();
     }
-  };
-
-  const int32_t num_tiles = sched.num_tiles();
-  for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const Tile tile = sched.tile(t);
-    const AccRows rows(tile, me);
-    typename Epilogue::Inputs inputs = Epilogue::prepare(p.epilogue, out_shape, tile, rows, me);
-    main_loop(tile.num_k_blocks);
     Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc, staging, me);
   }
   Epilogue::finish(me);
