@@ -114,11 +114,8 @@ def _check_tensor(t, name, ndim, dtype, api=API):
 def _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH=None, api=API):
     """Checks dtypes, ranks, contiguity, shapes and devices; returns the layer's dims
     (H, I, E, K, T) (the C layer takes max_tokens = T: the workspace is sized per call)."""
-    _check_tensor(x_TH, "x (hidden_states)", 2, torch.bfloat16, api=api)
-    _check_tensor(topk_idx_TK, "topk_idx", 2, torch.int32, api=api)
-    _check_tensor(topk_weights_TK, "topk_weights", 2, torch.float32, api=api)
-    _check_tensor(w13_EFH, "w13 (gate_up_proj)", 3, torch.bfloat16, api=api)
-    _check_tensor(w2_EHI, "w2 (down_proj)", 3, torch.bfloat16, api=api)
+    _check_dtypes(x_TH, topk_idx_TK, topk_weights_TK,
+                  [("w13 (gate_up_proj)", w13_EFH), ("w2 (down_proj)", w2_EHI)], api)
     num_tokens, hidden = x_TH.shape
     num_experts, two_intermediate, w13_hidden = w13_EFH.shape
     intermediate = two_intermediate // 2
@@ -129,6 +126,16 @@ def _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH=Non
     _check_routing(x_TH, topk_idx_TK, topk_weights_TK, dy_TH,
                    [("w13 (gate_up_proj)", w13_EFH), ("w2 (down_proj)", w2_EHI)], api)
     return (hidden, intermediate, num_experts, topk_idx_TK.shape[1], num_tokens)
+
+
+def _check_dtypes(x_TH, topk_idx_TK, topk_weights_TK, weights_named, api=API):
+    """Dtype, rank and contiguity of x, topk_idx, topk_weights and the bf16 weights
+    (weights_named: (name, weight) pairs, rank 3), in that order."""
+    _check_tensor(x_TH, "x (hidden_states)", 2, torch.bfloat16, api=api)
+    _check_tensor(topk_idx_TK, "topk_idx", 2, torch.int32, api=api)
+    _check_tensor(topk_weights_TK, "topk_weights", 2, torch.float32, api=api)
+    for name, weight in weights_named:
+        _check_tensor(weight, name, 3, torch.bfloat16, api=api)
 
 
 def _check_routing(x_TH, topk_idx_TK, topk_weights_TK, dy_TH, weights_named, api=API):

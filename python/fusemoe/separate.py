@@ -30,8 +30,8 @@ from torch import Tensor
 
 from . import _capi
 from .fp8 import _check_fp8_buffer_bytes, _check_fp8_dims, cached_buffer, fp8_weights_bytes
-from .ops import (DEFAULT_IMPL, _call, _check_cuda, _check_impl, _check_routing, _check_save_z,
-                  _check_saved_z, _check_swiglu_clamp, _check_tensor, _empty_saved_z,
+from .ops import (DEFAULT_IMPL, _call, _check_cuda, _check_dtypes, _check_impl, _check_routing,
+                  _check_save_z, _check_saved_z, _check_swiglu_clamp, _check_tensor, _empty_saved_z,
                   _expert_id_report, _fail, _gradients, _op, _register_autograd,
                   _save_for_backward, _wants_saved_z, _weight_grad_dtype, _workspace)
 
@@ -41,17 +41,22 @@ API = "fusemoe.moe_experts_w1w3"
 def _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, dy_TH=None,
                        api=API):
     """fusemoe.ops._check_inputs for w1, w3 [E, I, H]: returns the dims (H, I, E, K, T)."""
-    _check_tensor(x_TH, "x (hidden_states)", 2, torch.bfloat16, api=api)
-    _check_tensor(topk_idx_TK, "topk_idx", 2, torch.int32, api=api)
-    _check_tensor(topk_weights_TK, "topk_weights", 2, torch.float32, api=api)
-    _check_tensor(w1_EIH, "w1 (gate)", 3, torch.bfloat16, api=api)
-    _check_tensor(w3_EIH, "w3 (up)", 3, torch.bfloat16, api=api)
-    _check_tensor(w2_EHI, "w2 (down)", 3, torch.bfloat16, api=api)
+    weights_named = [("w1 (gate)", w1_EIH), ("w3 (up)", w3_EIH), ("w2 (down)", w2_EHI)]
+    _check_dtypes(x_TH, topk_idx_TK, topk_weights_TK, weights_named, api)
     num_tokens, hidden = x_TH.shape
     num_experts, intermediate, w1_hidden = w1_EIH.shape
     if w1_hidden != hidden:
         _fail(f"w1 (gate) must be [E, I, H] with H = x.shape[1] = {hidden}, "
               f"got {tuple(w1_EIH.shape)}", api)
+    _check_w3_w2_match_w1(w1_EIH, w3_EIH, w2_EHI, api)
+    _check_routing(x_TH, topk_idx_TK, topk_weights_TK, dy_TH, weights_named, api)
+    return (hidden, intermediate, num_experts, topk_idx_TK.shape[1], num_tokens)
+
+
+def _check_w3_w2_match_w1(w1_EIH, w3_EIH, w2_EHI, api=API):
+    """w3 [E, I, H] as w1, and w2 [E, H, I] with w1's E, I, H (the layer's and the quantize op's
+    checks)."""
+    num_experts, intermediate, hidden = w1_EIH.shape
     if w3_EIH.shape != w1_EIH.shape:
         _fail(f"w3 (up) must have the shape of w1 (gate) {tuple(w1_EIH.shape)}, "
               f"got {tuple(w3_EIH.shape)}", api)
@@ -59,9 +64,6 @@ def _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EH
     if tuple(w2_EHI.shape) != expected:
         _fail(f"w2 (down) must be [E, H, I] = {expected} to match w1 {tuple(w1_EIH.shape)}, "
               f"got {tuple(w2_EHI.shape)}", api)
-    _check_routing(x_TH, topk_idx_TK, topk_weights_TK, dy_TH,
-                   [("w1 (gate)", w1_EIH), ("w3 (up)", w3_EIH), ("w2 (down)", w2_EHI)], api)
-    return (hidden, intermediate, num_experts, topk_idx_TK.shape[1], num_tokens)
 
 
 def _check_weight_grads_w1w3(dw1_EIH, dw3_EIH, dw2_EHI, w1_EIH, w3_EIH, w2_EHI):
@@ -277,16 +279,10 @@ def quantize_weights_fp8_w1w3(w1_EIH: Tensor, w3_EIH: Tensor, w2_EHI: Tensor) ->
 def _check_quantize_inputs(w1_EIH, w3_EIH, w2_EHI):
     """The weights of quantize_weights_fp8_w1w3 (bf16, contiguous, matching, FP8 block
     multiples); returns (E, H, I)."""
-    _check_tensor(w1_EIH, "w1 (gate)", 3, torch.bfloat16, api=API)
-    _check_tensor(w3_EIH, "w3 (up)", 3, torch.bfloat16, api=API)
-    _check_tensor(w2_EHI, "w2 (down)", 3, torch.bfloat16, api=API)
+    for name, weight in (("w1 (gate)", w1_EIH), ("w3 (up)", w3_EIH), ("w2 (down)", w2_EHI)):
+        _check_tensor(weight, name, 3, torch.bfloat16, api=API)
+    _check_w3_w2_match_w1(w1_EIH, w3_EIH, w2_EHI, API)
     num_experts, intermediate, hidden = w1_EIH.shape
-    if w3_EIH.shape != w1_EIH.shape:
-        _fail(f"w3 (up) must have the shape of w1 (gate) {tuple(w1_EIH.shape)}, "
-              f"got {tuple(w3_EIH.shape)}", API)
-    if tuple(w2_EHI.shape) != (num_experts, hidden, intermediate):
-        _fail(f"w2 (down) must be [E, H, I] = {(num_experts, hidden, intermediate)} to match w1 "
-              f"{tuple(w1_EIH.shape)}, got {tuple(w2_EHI.shape)}", API)
     return _check_fp8_dims(num_experts, hidden, intermediate, API)
 
 

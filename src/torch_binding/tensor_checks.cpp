@@ -132,6 +132,16 @@ struct NamedTensor {
   const Tensor* t;
 };
 
+// ops._check_dtypes: dtype, rank and contiguity of x, topk_idx, topk_weights and the bf16 rank-3
+// weights, in that order.
+void check_dtypes(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
+                  std::initializer_list<NamedTensor> weights, const char* api) {
+  check_tensor(x_TH, "x (hidden_states)", 2, dtype_bfloat16(), api);
+  check_tensor(topk_idx_TK, "topk_idx", 2, dtype_int32(), api);
+  check_tensor(topk_weights_TK, "topk_weights", 2, dtype_float32(), api);
+  for (const NamedTensor& n : weights) check_tensor(*n.t, n.name, 3, dtype_bfloat16(), api);
+}
+
 // ops._check_routing: topk_idx, topk_weights and dy against x, and every tensor on x's device
 // (weights: the layer's weights by name, in order).
 void check_routing(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK, const Tensor* dy_TH,
@@ -186,12 +196,9 @@ void check_w3_w2_match_w1(const Tensor& w1_EIH, const Tensor& w3_EIH, const Tens
 LayerDims check_inputs_w1w3(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
                             const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI, const Tensor* dy_TH) {
   const char* api = kApiW1W3;
-  check_tensor(x_TH, "x (hidden_states)", 2, dtype_bfloat16(), api);
-  check_tensor(topk_idx_TK, "topk_idx", 2, dtype_int32(), api);
-  check_tensor(topk_weights_TK, "topk_weights", 2, dtype_float32(), api);
-  check_tensor(w1_EIH, "w1 (gate)", 3, dtype_bfloat16(), api);
-  check_tensor(w3_EIH, "w3 (up)", 3, dtype_bfloat16(), api);
-  check_tensor(w2_EHI, "w2 (down)", 3, dtype_bfloat16(), api);
+  const std::initializer_list<NamedTensor> weights = {{"w1 (gate)", &w1_EIH}, {"w3 (up)", &w3_EIH},
+                                                      {"w2 (down)", &w2_EHI}};
+  check_dtypes(x_TH, topk_idx_TK, topk_weights_TK, weights, api);
   LayerDims d;
   d.num_tokens = x_TH.size(0);
   d.hidden = x_TH.size(1);
@@ -203,18 +210,15 @@ LayerDims check_inputs_w1w3(const Tensor& x_TH, const Tensor& topk_idx_TK, const
          api);
   }
   check_w3_w2_match_w1(w1_EIH, w3_EIH, w2_EHI, d, api);
-  check_routing(x_TH, topk_idx_TK, topk_weights_TK, dy_TH,
-                {{"w1 (gate)", &w1_EIH}, {"w3 (up)", &w3_EIH}, {"w2 (down)", &w2_EHI}}, d, api);
+  check_routing(x_TH, topk_idx_TK, topk_weights_TK, dy_TH, weights, d, api);
   return d;
 }
 
 LayerDims check_inputs(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
                        const Tensor& w13_EFH, const Tensor& w2_EHI, const Tensor* dy_TH) {
-  check_tensor(x_TH, "x (hidden_states)", 2, dtype_bfloat16());
-  check_tensor(topk_idx_TK, "topk_idx", 2, dtype_int32());
-  check_tensor(topk_weights_TK, "topk_weights", 2, dtype_float32());
-  check_tensor(w13_EFH, "w13 (gate_up_proj)", 3, dtype_bfloat16());
-  check_tensor(w2_EHI, "w2 (down_proj)", 3, dtype_bfloat16());
+  const std::initializer_list<NamedTensor> weights = {{"w13 (gate_up_proj)", &w13_EFH},
+                                                      {"w2 (down_proj)", &w2_EHI}};
+  check_dtypes(x_TH, topk_idx_TK, topk_weights_TK, weights, kApi);
   LayerDims d;
   d.num_tokens = x_TH.size(0);
   d.hidden = x_TH.size(1);
@@ -226,8 +230,7 @@ LayerDims check_inputs(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tens
          ", got " + shape_string(w13_EFH));
   }
   check_w2_matches_w13(w13_EFH, w2_EHI);
-  check_routing(x_TH, topk_idx_TK, topk_weights_TK, dy_TH,
-                {{"w13 (gate_up_proj)", &w13_EFH}, {"w2 (down_proj)", &w2_EHI}}, d, kApi);
+  check_routing(x_TH, topk_idx_TK, topk_weights_TK, dy_TH, weights, d, kApi);
   return d;
 }
 
