@@ -213,8 +213,11 @@ void run_backward(const LayerConfig& config, const BenchImpl& impl, const LayerI
   args.dw13 = out.dw13_EFH.get();
   if (impl.separate_gate_up) {
     args.dw13 = nullptr;
-    args.dw1 = dw1_of(config, out.dw13_EFH, weight_grad_dtype);
-    args.dw3 = dw3_of(config, out.dw13_EFH, weight_grad_dtype);
+    // dw1 then dw3 fill dw13's buffer from its start (check_case compares them so).
+    const size_t elem_bytes = weight_grad_dtype == WeightGradDtype::kFloat32 ? 4 : 2;
+    args.dw1 = out.dw13_EFH.get();
+    args.dw3 = static_cast<char*>(out.dw13_EFH.get()) +
+               static_cast<size_t>(config.num_experts) * config.intermediate * config.hidden * elem_bytes;
   }
   args.dw2 = out.dw2_EHI.get();
   args.weight_grad_dtype = weight_grad_dtype;
@@ -231,14 +234,6 @@ void split_gate_up(const LayerConfig& config, const void* src, void* gate, void*
                                        cudaMemcpyDeviceToDevice, stream));
   FUSEMOE_CUDA_CHECK(cudaMemcpy2DAsync(up, half_bytes, bytes + half_bytes, 2 * half_bytes, half_bytes,
                                        config.num_experts, cudaMemcpyDeviceToDevice, stream));
-}
-
-void* dw1_of(const LayerConfig&, const DeviceBuffer& dw13, WeightGradDtype) { return dw13.get(); }
-
-void* dw3_of(const LayerConfig& config, const DeviceBuffer& dw13, WeightGradDtype dtype) {
-  const size_t elem_bytes = dtype == WeightGradDtype::kFloat32 ? 4 : 2;
-  return static_cast<char*>(dw13.get()) +
-         static_cast<size_t>(config.num_experts) * config.intermediate * config.hidden * elem_bytes;
 }
 
 const char* wgrad_name(WeightGradDtype dtype) { return dtype == WeightGradDtype::kFloat32 ? "fp32" : "bf16"; }

@@ -28,9 +28,6 @@ struct LayerInputs {
 // into `gate` and `up` [E, I, H] (elem_bytes per element): the separate form of the same values.
 void split_gate_up(const LayerConfig& config, const void* src, void* gate, void* up, size_t elem_bytes,
                    cudaStream_t stream);
-// Where a separate_gate_up impl's backward puts dw1 and dw3: the two halves of out.dw13_EFH.
-void* dw1_of(const LayerConfig& config, const DeviceBuffer& dw13, WeightGradDtype dtype);
-void* dw3_of(const LayerConfig& config, const DeviceBuffer& dw13, WeightGradDtype dtype);
 
 // Every output of forward and backward (sizes: layer_buffer_bytes); the weight gradients are
 // sized for fp32 and hold bf16 in their first half when the weight-gradient dtype is bf16.
