@@ -57,14 +57,6 @@ FusemoeCLayer c_layer(const LayerDims& d, const std::string& impl, std::optional
   return layer;
 }
 
-// The FP8 op's weight buffer against the library's size of it (fusemoe.fp8._check_fp8_weights).
-void check_fp8_buffer(const Tensor& fp8_weights, const Tensor& w13_EFH, const FusemoeCLayer& layer) {
-  check_fp8_shapes(w13_EFH);
-  uint64_t expected = 0;
-  check_c_status(fusemoe_c_fp8_weights_bytes(&layer, &expected));
-  check_fp8_weights(fp8_weights, w13_EFH, expected);
-}
-
 // ---- memory from torch's caching allocator ----
 
 std::string gib(uint64_t num_bytes) {
@@ -141,7 +133,9 @@ void* data(const Tensor& t) { return t.data_ptr(); }
 
 // ---- launch ----
 
-// The tensors both directions read; fp8_weights: the FP8 weight buffer, or null for bf16.
+// The tensors both directions read. w3_EIH null: w13_EFH is w13 [E, 2I, H]; set: separate gate
+// and up weights (fusemoe.separate's ops), w13_EFH holds w1 [E, I, H] and w3_EIH the up weights.
+// fp8_weights: the FP8 weight buffer, or null for bf16.
 struct Inputs {
   const Tensor& x_TH;
   const Tensor& topk_idx_TK;
@@ -149,21 +143,46 @@ struct Inputs {
   const Tensor& w13_EFH;
   const Tensor& w2_EHI;
   const Tensor* fp8_weights;
+  const Tensor* w3_EIH = nullptr;
+
+  bool separate() const { return w3_EIH != nullptr; }
+  const char* api() const { return separate() ? kApiW1W3 : kApi; }  // the entry point messages name
 };
 
-// The call's C layer: precision FP8 when the buffer is given, which is then checked against it.
+// validate: the call's tensors (dy for a backward), then their device.
+LayerDims check_call_inputs(const Inputs& in, const Tensor* dy_TH) {
+  const LayerDims d =
+      in.separate()
+          ? check_inputs_w1w3(in.x_TH, in.topk_idx_TK, in.topk_weights_TK, in.w13_EFH, *in.w3_EIH, in.w2_EHI, dy_TH)
+          : check_inputs(in.x_TH, in.topk_idx_TK, in.topk_weights_TK, in.w13_EFH, in.w2_EHI, dy_TH);
+  check_cuda(in.x_TH, in.api());
+  return d;
+}
+
+// The call's C layer: precision FP8 when the buffer is given, which is then checked against the
+// library's size of it (fusemoe.fp8._check_fp8_weights, fusemoe.separate's for w1, w3).
 FusemoeCLayer call_layer(const LayerDims& d, const Inputs& in, const std::string& impl,
                          std::optional<double> swiglu_clamp) {
   const bool fp8 = in.fp8_weights != nullptr;
   const FusemoeCLayer layer =
       c_layer(d, impl, swiglu_clamp, fp8 ? FUSEMOE_C_PRECISION_FP8_BLOCKWISE : FUSEMOE_C_PRECISION_BF16);
-  if (fp8) check_fp8_buffer(*in.fp8_weights, in.w13_EFH, layer);
+  if (fp8) {
+    if (in.separate()) {
+      check_fp8_dims(d.hidden, d.intermediate, kApiW1W3);
+    } else {
+      check_fp8_shapes(in.w13_EFH);
+    }
+    uint64_t expected = 0;
+    check_c_status(fusemoe_c_fp8_weights_bytes(&layer, &expected));
+    check_fp8_weights(*in.fp8_weights, in.w13_EFH, expected, in.separate() ? kFp8MadeByW1W3 : kFp8MadeBy,
+                      in.api());
+  }
   return layer;
 }
 
-// The fields the forward and backward args share (the C structs name them alike). An FP8 call
-// gets null bf16 weights: their values are not read. Every tensor's device was checked, so the
-// library skips its pointer queries.
+// The fields the forward and backward args share (the C structs name them alike); w1 and w3 go to
+// their own fields. An FP8 call gets null bf16 weights: their values are not read. Every tensor's
+// device was checked, so the library skips its pointer queries.
 template <typename CArgs>
 CArgs shared_args(const Inputs& in, const LayerDims& d, const Workspace& workspace, int32_t* report,
                   int32_t device) {
@@ -173,7 +192,13 @@ CArgs shared_args(const Inputs& in, const LayerDims& d, const Workspace& workspa
   a.x = data(in.x_TH);
   a.topk_idx = static_cast<const int32_t*>(data(in.topk_idx_TK));
   a.topk_weights = static_cast<const float*>(data(in.topk_weights_TK));
-  a.w13 = fp8 ? nullptr : data(in.w13_EFH);
+  const void* w_gate_up = fp8 ? nullptr : data(in.w13_EFH);
+  if (in.separate()) {
+    a.w1 = w_gate_up;
+    a.w3 = fp8 ? nullptr : data(*in.w3_EIH);
+  } else {
+    a.w13 = w_gate_up;
+  }
   a.w2 = fp8 ? nullptr : data(in.w2_EHI);
   a.fp8_weights = fp8 ? data(*in.fp8_weights) : nullptr;
   a.num_tokens = d.num_tokens;
@@ -189,8 +214,7 @@ CArgs shared_args(const Inputs& in, const LayerDims& d, const Workspace& workspa
 // (an opaque buffer) when save_z, else empty.
 std::tuple<Tensor, Tensor> launch_forward(const Inputs& in, const std::string& impl, bool save_z,
                                           std::optional<double> swiglu_clamp) {
-  const LayerDims d = check_inputs(in.x_TH, in.topk_idx_TK, in.topk_weights_TK, in.w13_EFH, in.w2_EHI, nullptr);
-  check_cuda(in.x_TH);
+  const LayerDims d = check_call_inputs(in, nullptr);
   check_save_z(save_z, impl);
   const FusemoeCLayer layer = call_layer(d, in, impl, swiglu_clamp);
   const int32_t device = in.x_TH.get_device_index();
@@ -207,26 +231,37 @@ std::tuple<Tensor, Tensor> launch_forward(const Inputs& in, const std::string& i
   return {y_TH, z_SF};
 }
 
+// The weight gradients of a backward, in the weights' form: gate_up is dw13 [E, 2I, H] (dw3
+// empty) or dw1 [E, I, H] beside dw3.
+struct WeightGrads {
+  Tensor gate_up;
+  std::optional<Tensor> dw3;
+  Tensor dw2_EHI;
+};
+
 // What a backward call returns: dx, d_topk_weights, and the weight gradients it wrote.
 struct Gradients {
   Tensor dx_TH;
   Tensor d_topk_weights_TK;
-  Tensor dw13_EFH;
-  Tensor dw2_EHI;
+  WeightGrads weight_grads;
 };
 
 // The backward ops: the weight gradients are written into fresh tensors of the weights' dtype
-// (weight_grads null), or written (accumulate false) or added into the given (dw13, dw2).
-Gradients launch_backward(const Tensor& dy_TH, const Inputs& in,
-                          const std::pair<const Tensor&, const Tensor&>* weight_grads, bool accumulate,
+// (given null), or written (accumulate false) or added into the given ones.
+Gradients launch_backward(const Tensor& dy_TH, const Inputs& in, const WeightGrads* given, bool accumulate,
                           const std::string& impl, const OptionalTensor& saved_z_SF,
                           std::optional<double> swiglu_clamp) {
-  const LayerDims d = check_inputs(in.x_TH, in.topk_idx_TK, in.topk_weights_TK, in.w13_EFH, in.w2_EHI, &dy_TH);
-  check_cuda(in.x_TH);
+  const LayerDims d = check_call_inputs(in, &dy_TH);
   const int32_t device = in.x_TH.get_device_index();
-  Tensor dw13_EFH = weight_grads != nullptr ? weight_grads->first : empty_like_cuda(in.w13_EFH, device, "dw13");
-  Tensor dw2_EHI = weight_grads != nullptr ? weight_grads->second : empty_like_cuda(in.w2_EHI, device, "dw2");
-  const int32_t grad_dtype = check_weight_grads(dw13_EFH, dw2_EHI, in.w13_EFH, in.w2_EHI);
+  const WeightGrads g = given != nullptr    ? *given
+                        : in.separate() ? WeightGrads{empty_like_cuda(in.w13_EFH, device, "dw1"),
+                                                      empty_like_cuda(*in.w3_EIH, device, "dw3"),
+                                                      empty_like_cuda(in.w2_EHI, device, "dw2")}
+                                        : WeightGrads{empty_like_cuda(in.w13_EFH, device, "dw13"), std::nullopt,
+                                                      empty_like_cuda(in.w2_EHI, device, "dw2")};
+  const int32_t grad_dtype =
+      in.separate() ? check_weight_grads_w1w3(g.gate_up, *g.dw3, g.dw2_EHI, in.w13_EFH, *in.w3_EIH, in.w2_EHI)
+                    : check_weight_grads(g.gate_up, g.dw2_EHI, in.w13_EFH, in.w2_EHI);
   const Tensor* saved_z = check_saved_z(saved_z_SF, d, in.x_TH, impl);
   const FusemoeCLayer layer = call_layer(d, in, impl, swiglu_clamp);
   Tensor dx_TH = empty_like_cuda(in.x_TH, device, "dx");
@@ -242,12 +277,17 @@ Gradients launch_backward(const Tensor& dy_TH, const Inputs& in,
   a.dy = data(dy_TH);
   a.dx = data(dx_TH);
   a.d_topk_weights = static_cast<float*>(data(d_topk_weights_TK));
-  a.dw13 = data(dw13_EFH);
-  a.dw2 = data(dw2_EHI);
+  if (in.separate()) {
+    a.dw1 = data(g.gate_up);
+    a.dw3 = data(*g.dw3);
+  } else {
+    a.dw13 = data(g.gate_up);
+  }
+  a.dw2 = data(g.dw2_EHI);
   a.accumulate_weight_grads = accumulate ? 1 : 0;
   a.saved_z = saved_z != nullptr ? data(*saved_z) : nullptr;
   check_c_status(fusemoe_c_backward(&layer, &a));
-  return Gradients{dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI};
+  return Gradients{dx_TH, d_topk_weights_TK, g};
 }
 
 // ---- the ops (schemas below) ----
@@ -269,24 +309,45 @@ std::tuple<Tensor, Tensor> moe_experts_fp8_forward(const Tensor& x_TH, const Ten
                         swiglu_clamp);
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> moe_experts_backward(const Tensor& dy_TH, const Tensor& x_TH,
-                                                                const Tensor& topk_idx_TK,
-                                                                const Tensor& topk_weights_TK, const Tensor& w13_EFH,
-                                                                const Tensor& w2_EHI, const std::string& impl,
-                                                                const OptionalTensor& saved_z_SF,
-                                                                std::optional<double> swiglu_clamp) {
-  Gradients g = launch_backward(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, nullptr}, nullptr,
-                                false, impl, saved_z_SF, swiglu_clamp);
-  return {g.dx_TH, g.d_topk_weights_TK, g.dw13_EFH, g.dw2_EHI};
+using FourTensors = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+using FiveTensors = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+// The backward ops of fresh gradients of w13: (dx, d_topk_weights, dw13, dw2).
+FourTensors w13_backward_fresh(const Tensor& dy_TH, const Inputs& in, const std::string& impl,
+                               const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
+  Gradients g = launch_backward(dy_TH, in, nullptr, false, impl, saved_z_SF, swiglu_clamp);
+  return {g.dx_TH, g.d_topk_weights_TK, g.weight_grads.gate_up, g.weight_grads.dw2_EHI};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> moe_experts_fp8_backward(
-    const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
-    const Tensor& w13_EFH, const Tensor& w2_EHI, const Tensor& fp8_weights, const std::string& impl,
-    const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
-  Gradients g = launch_backward(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &fp8_weights},
-                                nullptr, false, impl, saved_z_SF, swiglu_clamp);
-  return {g.dx_TH, g.d_topk_weights_TK, g.dw13_EFH, g.dw2_EHI};
+// The backward ops of fresh gradients of w1, w3: (dx, d_topk_weights, dw1, dw3, dw2).
+FiveTensors w1w3_backward_fresh(const Tensor& dy_TH, const Inputs& in, const std::string& impl,
+                                const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
+  Gradients g = launch_backward(dy_TH, in, nullptr, false, impl, saved_z_SF, swiglu_clamp);
+  return {g.dx_TH, g.d_topk_weights_TK, g.weight_grads.gate_up, *g.weight_grads.dw3, g.weight_grads.dw2_EHI};
+}
+
+// The _into ops: (dx, d_topk_weights), the weight gradients written or added into weight_grads.
+std::tuple<Tensor, Tensor> backward_into(const Tensor& dy_TH, const Inputs& in, const WeightGrads& weight_grads,
+                                         bool accumulate, const std::string& impl, const OptionalTensor& saved_z_SF,
+                                         std::optional<double> swiglu_clamp) {
+  Gradients g = launch_backward(dy_TH, in, &weight_grads, accumulate, impl, saved_z_SF, swiglu_clamp);
+  return {g.dx_TH, g.d_topk_weights_TK};
+}
+
+FourTensors moe_experts_backward(const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK,
+                                 const Tensor& topk_weights_TK, const Tensor& w13_EFH, const Tensor& w2_EHI,
+                                 const std::string& impl, const OptionalTensor& saved_z_SF,
+                                 std::optional<double> swiglu_clamp) {
+  return w13_backward_fresh(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, nullptr}, impl, saved_z_SF,
+                            swiglu_clamp);
+}
+
+FourTensors moe_experts_fp8_backward(const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK,
+                                     const Tensor& topk_weights_TK, const Tensor& w13_EFH, const Tensor& w2_EHI,
+                                     const Tensor& fp8_weights, const std::string& impl,
+                                     const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
+  return w13_backward_fresh(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &fp8_weights}, impl,
+                            saved_z_SF, swiglu_clamp);
 }
 
 std::tuple<Tensor, Tensor> moe_experts_backward_into(const Tensor& dy_TH, const Tensor& x_TH,
@@ -295,10 +356,8 @@ std::tuple<Tensor, Tensor> moe_experts_backward_into(const Tensor& dy_TH, const 
                                                      const Tensor& dw13_EFH, const Tensor& dw2_EHI, bool accumulate,
                                                      const std::string& impl, const OptionalTensor& saved_z_SF,
                                                      std::optional<double> swiglu_clamp) {
-  const std::pair<const Tensor&, const Tensor&> weight_grads{dw13_EFH, dw2_EHI};
-  Gradients g = launch_backward(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, nullptr},
-                                &weight_grads, accumulate, impl, saved_z_SF, swiglu_clamp);
-  return {g.dx_TH, g.d_topk_weights_TK};
+  return backward_into(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, nullptr},
+                       {dw13_EFH, std::nullopt, dw2_EHI}, accumulate, impl, saved_z_SF, swiglu_clamp);
 }
 
 std::tuple<Tensor, Tensor> moe_experts_fp8_backward_into(
@@ -306,143 +365,19 @@ std::tuple<Tensor, Tensor> moe_experts_fp8_backward_into(
     const Tensor& w13_EFH, const Tensor& w2_EHI, const Tensor& fp8_weights, const Tensor& dw13_EFH,
     const Tensor& dw2_EHI, bool accumulate, const std::string& impl, const OptionalTensor& saved_z_SF,
     std::optional<double> swiglu_clamp) {
-  const std::pair<const Tensor&, const Tensor&> weight_grads{dw13_EFH, dw2_EHI};
-  Gradients g = launch_backward(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &fp8_weights},
-                                &weight_grads, accumulate, impl, saved_z_SF, swiglu_clamp);
-  return {g.dx_TH, g.d_topk_weights_TK};
+  return backward_into(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &fp8_weights},
+                       {dw13_EFH, std::nullopt, dw2_EHI}, accumulate, impl, saved_z_SF, swiglu_clamp);
 }
 
 // ---- separate gate and up weights (fusemoe.separate): w1, w3 [E, I, H] read in place ----
-
-// The call's C layer for w1, w3 (Inputs' w13_EFH holds w1): precision FP8 when the buffer is
-// given, which is then checked against it.
-FusemoeCLayer call_layer_w1w3(const LayerDims& d, const Inputs& in, const std::string& impl,
-                              std::optional<double> swiglu_clamp) {
-  const bool fp8 = in.fp8_weights != nullptr;
-  const FusemoeCLayer layer =
-      c_layer(d, impl, swiglu_clamp, fp8 ? FUSEMOE_C_PRECISION_FP8_BLOCKWISE : FUSEMOE_C_PRECISION_BF16);
-  if (fp8) {
-    check_fp8_dims(d.hidden, d.intermediate, kApiW1W3);
-    uint64_t expected = 0;
-    check_c_status(fusemoe_c_fp8_weights_bytes(&layer, &expected));
-    check_fp8_weights(*in.fp8_weights, in.w13_EFH, expected, kFp8MadeByW1W3, kApiW1W3);
-  }
-  return layer;
-}
-
-// The args of a w1/w3 call: shared_args with w1 in w13's place, then moved to the w1, w3 fields
-// (null at FP8, as w13 and w2: their values are not read).
-template <typename CArgs>
-CArgs w1w3_args(const Inputs& in, const Tensor& w3_EIH, const LayerDims& d, const Workspace& workspace,
-                int32_t* report, int32_t device) {
-  CArgs a = shared_args<CArgs>(in, d, workspace, report, device);
-  a.w1 = a.w13;
-  a.w13 = nullptr;
-  a.w3 = in.fp8_weights != nullptr ? nullptr : data(w3_EIH);
-  return a;
-}
-
-std::tuple<Tensor, Tensor> launch_w1w3_forward(const Inputs& in, const Tensor& w3_EIH, const std::string& impl,
-                                               bool save_z, std::optional<double> swiglu_clamp) {
-  const LayerDims d =
-      check_inputs_w1w3(in.x_TH, in.topk_idx_TK, in.topk_weights_TK, in.w13_EFH, w3_EIH, in.w2_EHI, nullptr);
-  check_cuda(in.x_TH, kApiW1W3);
-  check_save_z(save_z, impl);
-  const FusemoeCLayer layer = call_layer_w1w3(d, in, impl, swiglu_clamp);
-  const int32_t device = in.x_TH.get_device_index();
-  Tensor y_TH = empty_like_cuda(in.x_TH, device, "y");
-  Tensor z_SF = save_z ? empty_cuda({d.num_tokens * d.top_k, 2 * d.intermediate}, dtype_bfloat16(), device, "z")
-                       : empty_cuda({0}, dtype_bfloat16(), device, "z");
-  torch::stable::accelerator::DeviceGuard guard(device);
-  int32_t* report = expert_id_report_for_call(device, d.num_experts, d.top_k);
-  const Workspace workspace = workspace_for(layer, FUSEMOE_C_WORKSPACE_FORWARD, "forward", device);
-  auto a = w1w3_args<FusemoeCForwardArgs>(in, w3_EIH, d, workspace, report, device);
-  a.y = data(y_TH);
-  a.saved_z = z_SF.numel() > 0 ? data(z_SF) : nullptr;
-  check_c_status(fusemoe_c_forward(&layer, &a));
-  return {y_TH, z_SF};
-}
-
-// The weight gradients of a w1/w3 backward.
-struct WeightGradsW1W3 {
-  Tensor dw1_EIH;
-  Tensor dw3_EIH;
-  Tensor dw2_EHI;
-};
-
-// What a w1/w3 backward call returns: dx, d_topk_weights, and the weight gradients it wrote.
-struct GradientsW1W3 {
-  Tensor dx_TH;
-  Tensor d_topk_weights_TK;
-  WeightGradsW1W3 weight_grads;
-};
-
-// launch_backward for w1, w3: dw1, dw3, dw2 written into fresh tensors of the weights' dtype
-// (weight_grads null), or written (accumulate false) or added into the given ones.
-GradientsW1W3 launch_w1w3_backward(const Tensor& dy_TH, const Inputs& in, const Tensor& w3_EIH,
-                                   const WeightGradsW1W3* weight_grads, bool accumulate, const std::string& impl,
-                                   const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
-  const LayerDims d =
-      check_inputs_w1w3(in.x_TH, in.topk_idx_TK, in.topk_weights_TK, in.w13_EFH, w3_EIH, in.w2_EHI, &dy_TH);
-  check_cuda(in.x_TH, kApiW1W3);
-  const int32_t device = in.x_TH.get_device_index();
-  const WeightGradsW1W3 g = weight_grads != nullptr
-                                ? *weight_grads
-                                : WeightGradsW1W3{empty_like_cuda(in.w13_EFH, device, "dw1"),
-                                                  empty_like_cuda(w3_EIH, device, "dw3"),
-                                                  empty_like_cuda(in.w2_EHI, device, "dw2")};
-  const int32_t grad_dtype =
-      check_weight_grads_w1w3(g.dw1_EIH, g.dw3_EIH, g.dw2_EHI, in.w13_EFH, w3_EIH, in.w2_EHI);
-  const Tensor* saved_z = check_saved_z(saved_z_SF, d, in.x_TH, impl);
-  const FusemoeCLayer layer = call_layer_w1w3(d, in, impl, swiglu_clamp);
-  Tensor dx_TH = empty_like_cuda(in.x_TH, device, "dx");
-  Tensor d_topk_weights_TK = empty_like_cuda(in.topk_weights_TK, device, "d_topk_weights");
-  torch::stable::accelerator::DeviceGuard guard(device);
-  int32_t* report = expert_id_report_for_call(device, d.num_experts, d.top_k);
-  const Workspace workspace =
-      saved_z == nullptr
-          ? workspace_for(layer, FUSEMOE_C_WORKSPACE_BACKWARD, "backward", device)
-          : workspace_for(layer, FUSEMOE_C_WORKSPACE_BACKWARD_SAVED_Z, "backward_saved_z", device);
-  auto a = w1w3_args<FusemoeCBackwardArgs>(in, w3_EIH, d, workspace, report, device);
-  a.weight_grad_dtype = grad_dtype;
-  a.dy = data(dy_TH);
-  a.dx = data(dx_TH);
-  a.d_topk_weights = static_cast<float*>(data(d_topk_weights_TK));
-  a.dw1 = data(g.dw1_EIH);
-  a.dw3 = data(g.dw3_EIH);
-  a.dw2 = data(g.dw2_EHI);
-  a.accumulate_weight_grads = accumulate ? 1 : 0;
-  a.saved_z = saved_z != nullptr ? data(*saved_z) : nullptr;
-  check_c_status(fusemoe_c_backward(&layer, &a));
-  return GradientsW1W3{dx_TH, d_topk_weights_TK, g};
-}
-
-using FiveTensors = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
-
-// The backward ops of fresh gradients: (dx, d_topk_weights, dw1, dw3, dw2).
-FiveTensors w1w3_backward_fresh(const Tensor& dy_TH, const Inputs& in, const Tensor& w3_EIH, const std::string& impl,
-                                const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
-  GradientsW1W3 g = launch_w1w3_backward(dy_TH, in, w3_EIH, nullptr, false, impl, saved_z_SF, swiglu_clamp);
-  return {g.dx_TH, g.d_topk_weights_TK, g.weight_grads.dw1_EIH, g.weight_grads.dw3_EIH, g.weight_grads.dw2_EHI};
-}
-
-// The _into ops: (dx, d_topk_weights), the weight gradients written or added into weight_grads.
-std::tuple<Tensor, Tensor> w1w3_backward_into(const Tensor& dy_TH, const Inputs& in, const Tensor& w3_EIH,
-                                              const WeightGradsW1W3& weight_grads, bool accumulate,
-                                              const std::string& impl, const OptionalTensor& saved_z_SF,
-                                              std::optional<double> swiglu_clamp) {
-  GradientsW1W3 g =
-      launch_w1w3_backward(dy_TH, in, w3_EIH, &weight_grads, accumulate, impl, saved_z_SF, swiglu_clamp);
-  return {g.dx_TH, g.d_topk_weights_TK};
-}
 
 std::tuple<Tensor, Tensor> moe_experts_w1w3_forward(const Tensor& x_TH, const Tensor& topk_idx_TK,
                                                     const Tensor& topk_weights_TK, const Tensor& w1_EIH,
                                                     const Tensor& w3_EIH, const Tensor& w2_EHI, const std::string& impl,
                                                     bool /*grad_in_place: autograd's*/, bool save_z,
                                                     std::optional<double> swiglu_clamp) {
-  return launch_w1w3_forward({x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, nullptr}, w3_EIH, impl, save_z,
-                             swiglu_clamp);
+  return launch_forward({x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, nullptr, &w3_EIH}, impl, save_z,
+                        swiglu_clamp);
 }
 
 std::tuple<Tensor, Tensor> moe_experts_w1w3_fp8_forward(const Tensor& x_TH, const Tensor& topk_idx_TK,
@@ -451,15 +386,15 @@ std::tuple<Tensor, Tensor> moe_experts_w1w3_fp8_forward(const Tensor& x_TH, cons
                                                         const Tensor& fp8_weights, const std::string& impl,
                                                         bool /*grad_in_place*/, bool save_z,
                                                         std::optional<double> swiglu_clamp) {
-  return launch_w1w3_forward({x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights}, w3_EIH, impl,
-                             save_z, swiglu_clamp);
+  return launch_forward({x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights, &w3_EIH}, impl, save_z,
+                        swiglu_clamp);
 }
 
 FiveTensors moe_experts_w1w3_backward(const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK,
                                       const Tensor& topk_weights_TK, const Tensor& w1_EIH, const Tensor& w3_EIH,
                                       const Tensor& w2_EHI, const std::string& impl,
                                       const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
-  return w1w3_backward_fresh(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, nullptr}, w3_EIH, impl,
+  return w1w3_backward_fresh(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, nullptr, &w3_EIH}, impl,
                              saved_z_SF, swiglu_clamp);
 }
 
@@ -467,7 +402,7 @@ FiveTensors moe_experts_w1w3_fp8_backward(const Tensor& dy_TH, const Tensor& x_T
                                           const Tensor& topk_weights_TK, const Tensor& w1_EIH, const Tensor& w3_EIH,
                                           const Tensor& w2_EHI, const Tensor& fp8_weights, const std::string& impl,
                                           const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
-  return w1w3_backward_fresh(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights}, w3_EIH,
+  return w1w3_backward_fresh(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights, &w3_EIH},
                              impl, saved_z_SF, swiglu_clamp);
 }
 
@@ -476,8 +411,8 @@ std::tuple<Tensor, Tensor> moe_experts_w1w3_backward_into(
     const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI, const Tensor& dw1_EIH, const Tensor& dw3_EIH,
     const Tensor& dw2_EHI, bool accumulate, const std::string& impl, const OptionalTensor& saved_z_SF,
     std::optional<double> swiglu_clamp) {
-  return w1w3_backward_into(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, nullptr}, w3_EIH,
-                            {dw1_EIH, dw3_EIH, dw2_EHI}, accumulate, impl, saved_z_SF, swiglu_clamp);
+  return backward_into(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, nullptr, &w3_EIH},
+                       {dw1_EIH, dw3_EIH, dw2_EHI}, accumulate, impl, saved_z_SF, swiglu_clamp);
 }
 
 std::tuple<Tensor, Tensor> moe_experts_w1w3_fp8_backward_into(
@@ -485,8 +420,8 @@ std::tuple<Tensor, Tensor> moe_experts_w1w3_fp8_backward_into(
     const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI, const Tensor& fp8_weights,
     const Tensor& dw1_EIH, const Tensor& dw3_EIH, const Tensor& dw2_EHI, bool accumulate, const std::string& impl,
     const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
-  return w1w3_backward_into(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights}, w3_EIH,
-                            {dw1_EIH, dw3_EIH, dw2_EHI}, accumulate, impl, saved_z_SF, swiglu_clamp);
+  return backward_into(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights, &w3_EIH},
+                       {dw1_EIH, dw3_EIH, dw2_EHI}, accumulate, impl, saved_z_SF, swiglu_clamp);
 }
 
 // The FP8 weight buffer of bf16 w1, w3 [E, I, H] and w2 [E, H, I]: the bytes of quantize_weights_fp8
