@@ -248,18 +248,25 @@ def test_workspace_out_of_memory_is_a_clear_error_and_leaves_no_state(impl):
 
     def starve(use):
         """Caps the caching allocator at what it holds now plus half of the workspace of `use`
-        (more than the call's outputs, allocated first, need). Returns the workspace's bytes."""
+        (more than the call's outputs, allocated first, need). Free blocks of 1 MiB or more inside
+        the segments it holds are taken first by filler tensors: earlier tests can leave such a
+        block big enough for the workspace (seen after test_native_binding.py), which the cap
+        would not stop. Returns the workspace's bytes and the fillers (keep them until the call)."""
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        fillers = [torch.empty(block["size"], dtype=torch.uint8, device="cuda")
+                   for segment in torch.cuda.memory_snapshot()
+                   for block in segment["blocks"]
+                   if block["state"] == "inactive" and block["size"] >= 1 << 20]
         num_bytes = c_layer.workspace_bytes(use)
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(
             (torch.cuda.memory_reserved() + num_bytes // 2) / total)
-        return num_bytes
+        return num_bytes, fillers
 
     args = [p[k] for k in ("x_TH", "topk_idx_TK", "topk_weights_TK", "w13_EFH", "w2_EHI")]
     try:
-        num_bytes = starve("forward")
+        num_bytes, fillers = starve("forward")
         with pytest.raises(fusemoe.FusemoeError,
                            match=f"^fusemoe: cannot allocate the forward workspace of {num_bytes} "
                                  "bytes") as raised:
@@ -267,14 +274,14 @@ def test_workspace_out_of_memory_is_a_clear_error_and_leaves_no_state(impl):
         assert isinstance(raised.value, torch.OutOfMemoryError)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    del raised
+    del raised, fillers
 
     leaves = [p[k].clone().requires_grad_()
               for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
     y = layer(leaves[0], p["topk_idx_TK"], *leaves[1:])
     use = "backward_saved_z" if impl == "fused" else "backward"  # "fused" saves z by default
     try:
-        num_bytes = starve(use)
+        num_bytes, fillers = starve(use)
         with pytest.raises(fusemoe.FusemoeError,
                            match=f"^fusemoe: cannot allocate the {use} workspace of {num_bytes} "
                                  "bytes") as raised:
@@ -282,7 +289,7 @@ def test_workspace_out_of_memory_is_a_clear_error_and_leaves_no_state(impl):
         assert isinstance(raised.value, torch.OutOfMemoryError)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    del raised, y, leaves
+    del raised, fillers, y, leaves
 
     fusemoe.check_expert_ids()  # the failed calls left no report behind
     got = run_layer(layer, p, torch.bfloat16)
