@@ -65,12 +65,12 @@ std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, 
       {Pass::kForwardBackward, WeightGradDtype::kBFloat16},
   };
   const double hi = static_cast<double>(ctx.config.hidden) * ctx.config.intermediate;
+  // Every (pass, implementation) runs interleaved with every other (EventTimer::run_interleaved):
+  // one round of all of them per iteration, so no pass is timed on a hotter GPU than another
+  // (timed pass after pass, the last-timed read 5-10% slow: docs/experiments.md#interleaved-timing).
+  std::vector<std::function<void()>> ops;
   std::vector<TimingLine> lines;
-  // Per measurement, the implementations run interleaved (EventTimer::run_interleaved), so the
-  // ratios between them do not depend on the order they are listed in.
   for (const Measurement& m : kMeasurements) {
-    std::vector<std::function<void()>> ops;
-    std::vector<TimingLine> measured;
     for (size_t i = 0; i < ctx.params.impls.size(); ++i) {
       const BenchImpl& impl = ctx.params.impls[i];
       if (m.pass != Pass::kForward && !impl.has_backward) continue;
@@ -78,7 +78,8 @@ std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, 
       line.impl = impl.name;
       line.pass = m.pass;
       line.wgrad = m.pass == Pass::kForward ? "-" : wgrad_name(m.dtype);
-      measured.push_back(line);
+      line.flops = flops_per_row_in_hi(m.pass) * hi * static_cast<double>(valid_rows);
+      lines.push_back(line);
       // The ops hold pointers to the context, the implementation and its workspace (alive for
       // the whole measurement), not references to locals of this loop.
       const TimingContext* c = &ctx;
@@ -101,20 +102,16 @@ std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, 
           break;
       }
     }
-    if (ops.empty()) continue;
-    std::fprintf(stderr, "[bench] %s: timing %s%s%s of %zu implementation(s), interleaved ...\n", label.c_str(),
-                 pass_name(m.pass), m.pass == Pass::kForward ? "" : " wgrad=",
-                 m.pass == Pass::kForward ? "" : wgrad_name(m.dtype), ops.size());
-    const std::vector<harness::TimingStats> stats =
-        ctx.timer.run_interleaved(ops, ctx.params.warmup, ctx.params.iters, /*flush_l2=*/true);
-    for (size_t k = 0; k < measured.size(); ++k) {
-      TimingLine& line = measured[k];
-      line.stats = stats[k];
-      line.flops = flops_per_row_in_hi(m.pass) * hi * static_cast<double>(valid_rows);
-      line.tflops = line.flops / (line.stats.median_ms * 1e-3) / 1e12;
-      line.pct_ceiling = 100.0 * line.tflops / ctx.ceiling_tflops;
-      lines.push_back(line);
-    }
+  }
+  std::fprintf(stderr, "[bench] %s: timing %zu (pass, implementation) pairs, interleaved ...\n", label.c_str(),
+               ops.size());
+  const std::vector<harness::TimingStats> stats =
+      ctx.timer.run_interleaved(ops, ctx.params.warmup, ctx.params.iters, /*flush_l2=*/true);
+  for (size_t k = 0; k < lines.size(); ++k) {
+    TimingLine& line = lines[k];
+    line.stats = stats[k];
+    line.tflops = line.flops / (line.stats.median_ms * 1e-3) / 1e12;
+    line.pct_ceiling = 100.0 * line.tflops / ctx.ceiling_tflops;
   }
   // Listed implementation by implementation.
   auto rank = [&](const std::string& name) {
