@@ -277,13 +277,54 @@ def _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI, layer=None):
 
 def _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights):
     """The call's layer (precision "fp8" when the FP8 buffer is given, which is then checked)
-    and its (w13, w2, fp8_weights) pointers: a call on the FP8 buffer gets null bf16 weights
-    (their values are not read)."""
+    and its weight pointers by the C args' names (w13, w2, fp8_weights): a call on the FP8 buffer
+    gets null bf16 weights (their values are not read)."""
     layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16" if fp8_weights is None else "fp8")
     if fp8_weights is None:
-        return layer, w13_EFH.data_ptr(), w2_EHI.data_ptr(), None
+        return layer, dict(w13=w13_EFH.data_ptr(), w2=w2_EHI.data_ptr(), fp8_weights=None)
     _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI, layer)
-    return layer, None, None, fp8_weights.data_ptr()
+    return layer, dict(w13=None, w2=None, fp8_weights=fp8_weights.data_ptr())
+
+
+def _call_forward(layer, dims, x_TH, topk_idx_TK, topk_weights_TK, save_z, weights):
+    """A forward op's C ABI call once its inputs are checked, for either weight form (weights:
+    the C args' weight pointers by name, _layer_and_weights'). Returns (y, z)."""
+    y_TH = torch.empty_like(x_TH)
+    z_SF = _empty_saved_z(x_TH, dims, save_z)
+    with torch.cuda.device(x_TH.device):
+        report = _expert_id_report(x_TH.device, dims[2], dims[3])
+        workspace, num_bytes = _workspace(layer, x_TH.device, "forward")
+        # Every tensor is on x's CUDA device (checked above, or allocated there) and the report is
+        # mapped pinned memory: the library need not query each pointer (caller_checked_pointers).
+        _capi.forward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(), topk_weights_TK.data_ptr(),
+                      y=y_TH.data_ptr(), num_tokens=dims[-1], workspace=workspace.data_ptr(),
+                      workspace_bytes_=num_bytes, expert_id_report=report,
+                      saved_z=z_SF.data_ptr() if save_z and z_SF.numel() else None,
+                      stream=torch.cuda.current_stream(x_TH.device).cuda_stream,
+                      caller_checked_pointers=True, **weights)
+    return y_TH, z_SF
+
+
+def _call_backward(layer, dims, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, saved_z_SF, grad_dtype,
+                   accumulate, weights, weight_grads):
+    """A backward op's C ABI call once its inputs are checked, for either weight form (weights
+    as _call_forward's; weight_grads: the gradients' pointers by the C args' names, dw13 or dw1
+    and dw3, and dw2). Returns (dx, d_topk_weights)."""
+    dx_TH = torch.empty_like(x_TH)
+    d_topk_weights_TK = torch.empty_like(topk_weights_TK)
+    with torch.cuda.device(x_TH.device):
+        report = _expert_id_report(x_TH.device, dims[2], dims[3])
+        use = "backward" if saved_z_SF is None else "backward_saved_z"
+        workspace, num_bytes = _workspace(layer, x_TH.device, use)
+        _capi.backward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(), topk_weights_TK.data_ptr(),
+                       dy=dy_TH.data_ptr(), dx=dx_TH.data_ptr(),
+                       d_topk_weights=d_topk_weights_TK.data_ptr(), weight_grad_dtype=grad_dtype,
+                       accumulate=accumulate, num_tokens=dims[-1], workspace=workspace.data_ptr(),
+                       workspace_bytes_=num_bytes, expert_id_report=report,
+                       saved_z=saved_z_SF.data_ptr() if saved_z_SF is not None else None,
+                       stream=torch.cuda.current_stream(x_TH.device).cuda_stream,
+                       caller_checked_pointers=True, **weights, **weight_grads)
+    return dx_TH, d_topk_weights_TK
 
 
 def _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
@@ -294,21 +335,8 @@ def _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, s
     _check_cuda(x_TH)
     _check_save_z(save_z, impl)
     _check_swiglu_clamp(swiglu_clamp)
-    layer, w13, w2, fp8 = _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights)
-    y_TH = torch.empty_like(x_TH)
-    z_SF = _empty_saved_z(x_TH, dims, save_z)
-    with torch.cuda.device(x_TH.device):
-        report = _expert_id_report(x_TH.device, dims[2], dims[3])
-        workspace, num_bytes = _workspace(layer, x_TH.device, "forward")
-        # Every tensor is on x's CUDA device (checked above, or allocated there) and the report is
-        # mapped pinned memory: the library need not query each pointer (caller_checked_pointers).
-        _capi.forward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
-                      topk_weights_TK.data_ptr(), w13, w2, y_TH.data_ptr(), dims[-1],
-                      workspace.data_ptr(), num_bytes, report,
-                      z_SF.data_ptr() if save_z and z_SF.numel() else None,
-                      torch.cuda.current_stream(x_TH.device).cuda_stream, fp8_weights=fp8,
-                      caller_checked_pointers=True)
-    return y_TH, z_SF
+    layer, weights = _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights)
+    return _call_forward(layer, dims, x_TH, topk_idx_TK, topk_weights_TK, save_z, weights)
 
 
 def _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
@@ -375,21 +403,10 @@ def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
     grad_dtype = _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
     saved_z_SF = _check_saved_z(saved_z_SF, dims, x_TH, impl)
     _check_swiglu_clamp(swiglu_clamp)
-    layer, w13, w2, fp8 = _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights)
-    dx_TH = torch.empty_like(x_TH)
-    d_topk_weights_TK = torch.empty_like(topk_weights_TK)
-    with torch.cuda.device(x_TH.device):
-        report = _expert_id_report(x_TH.device, dims[2], dims[3])
-        use = "backward" if saved_z_SF is None else "backward_saved_z"
-        workspace, num_bytes = _workspace(layer, x_TH.device, use)
-        _capi.backward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(),
-                       topk_weights_TK.data_ptr(), w13, w2, dy_TH.data_ptr(), dx_TH.data_ptr(),
-                       d_topk_weights_TK.data_ptr(), dw13_EFH.data_ptr(), dw2_EHI.data_ptr(),
-                       grad_dtype, accumulate, dims[-1], workspace.data_ptr(), num_bytes, report,
-                       saved_z_SF.data_ptr() if saved_z_SF is not None else None,
-                       torch.cuda.current_stream(x_TH.device).cuda_stream, fp8_weights=fp8,
-                       caller_checked_pointers=True)
-    return dx_TH, d_topk_weights_TK
+    layer, weights = _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights)
+    return _call_backward(layer, dims, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, saved_z_SF,
+                          grad_dtype, accumulate, weights,
+                          dict(dw13=dw13_EFH.data_ptr(), dw2=dw2_EHI.data_ptr()))
 
 
 def _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, saved_z_SF,

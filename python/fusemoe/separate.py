@@ -30,10 +30,10 @@ from torch import Tensor
 
 from . import _capi
 from .fp8 import _check_fp8_buffer_bytes, _check_fp8_dims, cached_buffer, fp8_weights_bytes
-from .ops import (DEFAULT_IMPL, _call, _check_cuda, _check_dtypes, _check_impl, _check_routing,
-                  _check_save_z, _check_saved_z, _check_swiglu_clamp, _check_tensor, _empty_saved_z,
-                  _expert_id_report, _fail, _gradients, _op, _register_autograd,
-                  _save_for_backward, _wants_saved_z, _weight_grad_dtype, _workspace)
+from .ops import (DEFAULT_IMPL, _call, _call_backward, _call_forward, _check_cuda, _check_dtypes,
+                  _check_impl, _check_routing, _check_save_z, _check_saved_z, _check_swiglu_clamp,
+                  _check_tensor, _empty_saved_z, _fail, _gradients, _op, _register_autograd,
+                  _save_for_backward, _wants_saved_z, _weight_grad_dtype)
 
 API = "fusemoe.moe_experts_w1w3"
 
@@ -84,13 +84,15 @@ def _check_fp8_buffer_w1w3(fp8_weights, dims, device, layer=None):
 
 
 def _layer_and_weights(dims, impl, swiglu_clamp, w1_EIH, w3_EIH, w2_EHI, fp8_weights):
-    """fusemoe.ops._layer_and_weights for w1, w3: the call's layer and the (w1, w3, w2,
-    fp8_weights) pointers, null bf16 weights on the FP8 buffer (their values are not read)."""
+    """fusemoe.ops._layer_and_weights for w1, w3: the call's layer and the C args' weight
+    pointers by name (w13 null, w1, w3, w2, fp8_weights), null bf16 weights on the FP8 buffer
+    (their values are not read)."""
     layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16" if fp8_weights is None else "fp8")
     if fp8_weights is None:
-        return layer, (w1_EIH.data_ptr(), w3_EIH.data_ptr(), w2_EHI.data_ptr(), None)
+        return layer, dict(w13=None, w1=w1_EIH.data_ptr(), w3=w3_EIH.data_ptr(),
+                           w2=w2_EHI.data_ptr(), fp8_weights=None)
     _check_fp8_buffer_w1w3(fp8_weights, dims, w1_EIH.device, layer)
-    return layer, (None, None, None, fp8_weights.data_ptr())
+    return layer, dict(w13=None, w1=None, w3=None, w2=None, fp8_weights=fp8_weights.data_ptr())
 
 
 def _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl, save_z,
@@ -100,19 +102,9 @@ def _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, 
     _check_cuda(x_TH, API)
     _check_save_z(save_z, impl)
     _check_swiglu_clamp(swiglu_clamp)
-    layer, (w1, w3, w2, fp8) = _layer_and_weights(dims, impl, swiglu_clamp, w1_EIH, w3_EIH,
-                                                  w2_EHI, fp8_weights)
-    y_TH = torch.empty_like(x_TH)
-    z_SF = _empty_saved_z(x_TH, dims, save_z)
-    with torch.cuda.device(x_TH.device):
-        report = _expert_id_report(x_TH.device, dims[2], dims[3])
-        workspace, num_bytes = _workspace(layer, x_TH.device, "forward")
-        _capi.forward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(), topk_weights_TK.data_ptr(),
-                      None, w2, y_TH.data_ptr(), dims[-1], workspace.data_ptr(), num_bytes,
-                      report, z_SF.data_ptr() if save_z and z_SF.numel() else None,
-                      torch.cuda.current_stream(x_TH.device).cuda_stream, fp8_weights=fp8,
-                      caller_checked_pointers=True, w1=w1, w3=w3)
-    return y_TH, z_SF
+    layer, weights = _layer_and_weights(dims, impl, swiglu_clamp, w1_EIH, w3_EIH, w2_EHI,
+                                        fp8_weights)
+    return _call_forward(layer, dims, x_TH, topk_idx_TK, topk_weights_TK, save_z, weights)
 
 
 def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, dw1_EIH,
@@ -125,23 +117,12 @@ def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, 
     grad_dtype = _check_weight_grads_w1w3(dw1_EIH, dw3_EIH, dw2_EHI, w1_EIH, w3_EIH, w2_EHI)
     saved_z_SF = _check_saved_z(saved_z_SF, dims, x_TH, impl)
     _check_swiglu_clamp(swiglu_clamp)
-    layer, (w1, w3, w2, fp8) = _layer_and_weights(dims, impl, swiglu_clamp, w1_EIH, w3_EIH,
-                                                  w2_EHI, fp8_weights)
-    dx_TH = torch.empty_like(x_TH)
-    d_topk_weights_TK = torch.empty_like(topk_weights_TK)
-    with torch.cuda.device(x_TH.device):
-        report = _expert_id_report(x_TH.device, dims[2], dims[3])
-        use = "backward" if saved_z_SF is None else "backward_saved_z"
-        workspace, num_bytes = _workspace(layer, x_TH.device, use)
-        _capi.backward(layer, x_TH.data_ptr(), topk_idx_TK.data_ptr(), topk_weights_TK.data_ptr(),
-                       None, w2, dy_TH.data_ptr(), dx_TH.data_ptr(),
-                       d_topk_weights_TK.data_ptr(), None, dw2_EHI.data_ptr(), grad_dtype,
-                       accumulate, dims[-1], workspace.data_ptr(), num_bytes, report,
-                       saved_z_SF.data_ptr() if saved_z_SF is not None else None,
-                       torch.cuda.current_stream(x_TH.device).cuda_stream, fp8_weights=fp8,
-                       caller_checked_pointers=True, w1=w1, w3=w3, dw1=dw1_EIH.data_ptr(),
-                       dw3=dw3_EIH.data_ptr())
-    return dx_TH, d_topk_weights_TK
+    layer, weights = _layer_and_weights(dims, impl, swiglu_clamp, w1_EIH, w3_EIH, w2_EHI,
+                                        fp8_weights)
+    return _call_backward(layer, dims, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, saved_z_SF,
+                          grad_dtype, accumulate, weights,
+                          dict(dw13=None, dw1=dw1_EIH.data_ptr(), dw3=dw3_EIH.data_ptr(),
+                               dw2=dw2_EHI.data_ptr()))
 
 
 def _launch_backward_fresh(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
