@@ -214,8 +214,8 @@ std::vector<Row> KernelBench::time_case(const Sm90GemmProblem& p, const std::vec
              {{"routing", [&] { launch_routing(steps.idx.as<int32_t>(), s.T, s.K, E, steps.plan, nullptr, stream_); }},
               {"gather x rows",
                [&] {
-                 launch_gather_rows_device_count(o.x, o.row_slot, o.offsets + E, s.T * s.K, s.K, H, steps.xs.get(),
-                                                 stream_);
+                 launch_gather_rows_device_count(o.x, steps.xs.get(), nullptr, nullptr, o.row_slot, o.offsets + E,
+                                                 s.T * s.K, s.K, H, stream_);
                }},
               {"router gradient reduce", [&] { p.launch_router_reduce(block_n); }},
               {"combine slots", [&] { launch_combine_slots(o.ys, o.slot_row, s.T, s.K, H, steps.y.get(), stream_); }}},

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "common/assert.h"
 #include "fusemoe/error.h"
 
 namespace fusemoe {
@@ -73,25 +74,48 @@ int grid_for(int64_t work_items) {
 }
 
 // Rows in use: *num_rows_device when given (the count lives on the device only), else num_rows.
+// src_b / dst_b: an optional second source gathered by the same row map (null: none).
 template <typename Src, typename Dst>
 __global__ void gather_rows_kernel(const Src* __restrict__ src, const int32_t* __restrict__ row_slot,
                                    const int32_t* __restrict__ num_rows_device, int64_t num_rows,
-                                   int64_t top_k, int64_t hidden, Dst* __restrict__ dst) {
+                                   int64_t top_k, int64_t hidden, Dst* __restrict__ dst,
+                                   const Src* __restrict__ src_b, Dst* __restrict__ dst_b) {
   const int64_t rows = num_rows_device ? int64_t(*num_rows_device) : num_rows;
   for_each_vec8(rows, hidden, [&](int64_t row, int64_t col) {
     const int64_t token = row_slot[row] / top_k;
     if constexpr (std::is_same<Src, Dst>::value) {  // a plain 16-byte copy, no conversion
       *reinterpret_cast<uint4*>(dst + row * hidden + col) =
           *reinterpret_cast<const uint4*>(src + token * hidden + col);
+      if (src_b != nullptr) {
+        *reinterpret_cast<uint4*>(dst_b + row * hidden + col) =
+            *reinterpret_cast<const uint4*>(src_b + token * hidden + col);
+      }
     } else {
       store8(dst + row * hidden + col, load8(src + token * hidden + col));
+      if (src_b != nullptr) store8(dst_b + row * hidden + col, load8(src_b + token * hidden + col));
     }
   });
 }
 
+// d_topk_w[s] from the per-tile partials of slot s's row, n in increasing order (0: no row).
+__device__ __forceinline__ float router_grad_of_slot(const float* __restrict__ partials, int32_t num_n_tiles,
+                                                     int32_t row) {
+  float sum = 0.0f;
+  if (row >= 0) {
+    for (int32_t n = 0; n < num_n_tiles; ++n) sum += partials[int64_t(row) * num_n_tiles + n];
+  }
+  return sum;
+}
+
 __global__ void combine_slots_kernel(const bf16* __restrict__ ys, const int32_t* __restrict__ slot_row,
                                      int64_t num_tokens, int64_t top_k, int64_t hidden,
-                                     bf16* __restrict__ y) {
+                                     bf16* __restrict__ y, RouterGradReduce router) {
+  if (router.partials != nullptr) {
+    for (int64_t s = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; s < num_tokens * top_k;
+         s += int64_t(gridDim.x) * blockDim.x) {
+      router.d_topk_w[s] = router_grad_of_slot(router.partials, static_cast<int32_t>(router.num_n_tiles), slot_row[s]);
+    }
+  }
   for_each_vec8(num_tokens, hidden, [&](int64_t token, int64_t col) {
     Vec8 acc{};
     for (int64_t j = 0; j < top_k; ++j) {  // fixed order: deterministic
@@ -217,12 +241,7 @@ __global__ void router_grad_reduce_kernel(const float* __restrict__ partials, in
                                           float* __restrict__ d_topk_w) {
   for (int64_t s = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; s < num_slots;
        s += int64_t(gridDim.x) * blockDim.x) {
-    const int32_t row = slot_row[s];
-    float sum = 0.0f;
-    if (row >= 0) {
-      for (int32_t n = 0; n < num_n_tiles; ++n) sum += partials[int64_t(row) * num_n_tiles + n];
-    }
-    d_topk_w[s] = sum;
+    d_topk_w[s] = router_grad_of_slot(partials, num_n_tiles, slot_row[s]);
   }
 }
 
@@ -267,27 +286,30 @@ void launch_gather_rows(const Src* src_TH, const int32_t* row_slot, int64_t num_
                         int64_t top_k, int64_t hidden, Dst* dst_RH, cudaStream_t stream) {
   if (num_rows == 0) return;
   gather_rows_kernel<<<grid_for(num_rows * hidden / kVec), kThreads, 0, stream>>>(
-      src_TH, row_slot, nullptr, num_rows, top_k, hidden, dst_RH);
+      src_TH, row_slot, nullptr, num_rows, top_k, hidden, dst_RH, static_cast<const Src*>(nullptr),
+      static_cast<Dst*>(nullptr));
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-void launch_gather_rows_device_count(const void* src_TH_bf16, const int32_t* row_slot,
-                                     const int32_t* num_rows_device, int64_t max_rows,
-                                     int64_t top_k, int64_t hidden, void* dst_RH_bf16,
-                                     cudaStream_t stream) {
+void launch_gather_rows_device_count(const void* src_a_TH, void* dst_a_RH, const void* src_b_TH, void* dst_b_RH,
+                                     const int32_t* row_slot, const int32_t* num_rows_device, int64_t max_rows,
+                                     int64_t top_k, int64_t hidden, cudaStream_t stream) {
+  FUSEMOE_ASSERT((src_b_TH == nullptr) == (dst_b_RH == nullptr));
   if (max_rows == 0) return;
   gather_rows_kernel<<<grid_for(max_rows * hidden / kVec), kThreads, 0, stream>>>(
-      static_cast<const bf16*>(src_TH_bf16), row_slot, num_rows_device, max_rows, top_k, hidden,
-      static_cast<bf16*>(dst_RH_bf16));
+      static_cast<const bf16*>(src_a_TH), row_slot, num_rows_device, max_rows, top_k, hidden,
+      static_cast<bf16*>(dst_a_RH), static_cast<const bf16*>(src_b_TH), static_cast<bf16*>(dst_b_RH));
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_combine_slots(const void* ys_SH_bf16, const int32_t* slot_row, int64_t num_tokens,
-                          int64_t top_k, int64_t hidden, void* y_TH_bf16, cudaStream_t stream) {
+                          int64_t top_k, int64_t hidden, void* y_TH_bf16, cudaStream_t stream,
+                          const RouterGradReduce& router) {
   if (num_tokens == 0) return;
+  FUSEMOE_ASSERT(router.partials == nullptr || (router.d_topk_w != nullptr && router.num_n_tiles > 0));
   combine_slots_kernel<<<grid_for(num_tokens * hidden / kVec), kThreads, 0, stream>>>(
       static_cast<const bf16*>(ys_SH_bf16), slot_row, num_tokens, top_k, hidden,
-      static_cast<bf16*>(y_TH_bf16));
+      static_cast<bf16*>(y_TH_bf16), router);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
 

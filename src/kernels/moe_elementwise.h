@@ -21,13 +21,13 @@ template <typename Src, typename Dst>
 void launch_gather_rows(const Src* src_TH, const int32_t* row_slot, int64_t num_rows,
                         int64_t top_k, int64_t hidden, Dst* dst_RH, cudaStream_t stream);
 
-// As launch_gather_rows, but the row count is read on the device (*num_rows_device, e.g.
-// expert_offsets[E]) and the grid is sized for max_rows: no host synchronisation. The fused
-// backward's x/dy pools.
-void launch_gather_rows_device_count(const void* src_TH_bf16, const int32_t* row_slot,
-                                     const int32_t* num_rows_device, int64_t max_rows,
-                                     int64_t top_k, int64_t hidden, void* dst_RH_bf16,
-                                     cudaStream_t stream);
+// As launch_gather_rows for bf16 rows, but the row count is read on the device
+// (*num_rows_device, e.g. expert_offsets[E]) and the grid is sized for max_rows: no host
+// synchronisation. The backward's x and dy pools: a second source (src_b -> dst_b, or both null)
+// is gathered by the same row map in the same launch.
+void launch_gather_rows_device_count(const void* src_a_TH, void* dst_a_RH, const void* src_b_TH, void* dst_b_RH,
+                                     const int32_t* row_slot, const int32_t* num_rows_device, int64_t max_rows,
+                                     int64_t top_k, int64_t hidden, cudaStream_t stream);
 
 // d_topk_w[s] = sum_{n < num_n_tiles} router_partials[slot_row[s] * num_n_tiles + n], n in
 // increasing order (deterministic); 0 where slot_row[s] < 0 (masked or invalid slot). The
@@ -35,11 +35,21 @@ void launch_gather_rows_device_count(const void* src_TH_bf16, const int32_t* row
 void launch_router_grad_reduce(const float* router_partials, int64_t num_n_tiles, const int32_t* slot_row,
                                int64_t num_slots, float* d_topk_w, cudaStream_t stream);
 
+// The router-weight gradient's reduction (launch_router_grad_reduce's), done by the backward's
+// combine of dx in the same launch: partials null for none.
+struct RouterGradReduce {
+  const float* partials = nullptr;
+  int64_t num_n_tiles = 0;
+  float* d_topk_w = nullptr;
+};
+
 // y_TH[t] = sum_{j valid} ys_SH[t*K + j] in fp32, j in order (deterministic), bf16 out.
 // ys rows hold the already weighted expert outputs, one per slot; masked or invalid slots
-// (slot_row < 0) are skipped, so their ys rows are never read.
+// (slot_row < 0) are skipped, so their ys rows are never read. With router.partials, also
+// router.d_topk_w as launch_router_grad_reduce computes it (one launch fewer in the backward).
 void launch_combine_slots(const void* ys_SH_bf16, const int32_t* slot_row, int64_t num_tokens,
-                          int64_t top_k, int64_t hidden, void* y_TH_bf16, cudaStream_t stream);
+                          int64_t top_k, int64_t hidden, void* y_TH_bf16, cudaStream_t stream,
+                          const RouterGradReduce& router = {});
 
 // h_RI = silu(g) * u with z_RF = [g | u] (F = 2I), optional clamp; fp32 math, rounded to Out.
 template <typename In, typename Out>

@@ -25,16 +25,16 @@ struct RoutingPlan {
   int32_t* row_slot = nullptr;        // [max_tokens * K]; first R entries valid
   int32_t* slot_row = nullptr;        // [max_tokens * K]; -1 for masked / invalid slots
   int32_t* chunk_counts = nullptr;    // [num_chunks(max_tokens*K), E] scratch
+  int32_t* chunk_bad = nullptr;       // [num_chunks(max_tokens*K), 2] scratch: invalid ids, first slot
   // [0] number of invalid ids, [1] smallest flat slot holding one, [2] its value.
   int32_t* bad_id_info = nullptr;     // [3]
 };
 
-// The counting sort works on chunks of kRoutingChunk consecutive slots, one block per chunk,
+// The counting sort works on chunks of kRoutingChunk consecutive slots, a block per chunk,
 // kRoutingThreads threads per block walking the chunk in rounds of kRoutingThreads slots.
-// 1024 slots per chunk: the count and place kernels' blocks each walk 4 rounds, and there are
-// enough of them to spread over the GPU at a few thousand tokens (4096-slot chunks left most SMs
-// idle: docs/experiments.md#routing-chunk). The per-expert chunk prefix in routing_scan is a loop
-// over the chunks, 16 loads in flight per step.
+// 1024 slots per chunk: each block walks 4 rounds per chunk, and there are enough chunks to
+// spread over the GPU at a few thousand tokens (4096-slot chunks left most SMs idle:
+// docs/experiments.md#routing-chunk). The per-expert prefix over chunks is one warp per expert.
 constexpr int kRoutingThreads = 256;
 constexpr int kRoutingChunk = 1024;
 static_assert(kRoutingChunk % kRoutingThreads == 0, "a chunk is a whole number of rounds");
@@ -53,7 +53,7 @@ char* carve_routing_plan(char* base, int64_t max_tokens, int64_t top_k, int64_t 
 // to the host) records any.
 void check_bad_id_record(const int32_t bad[3], int64_t num_experts, int64_t top_k);
 
-// Launches the routing kernels on `stream` for T = num_tokens (0 allowed: counts become 0).
+// Launches the routing (one cooperative kernel) on `stream` for T = num_tokens (0 allowed: counts become 0).
 // caller_report: null, or the caller's ExpertIdReport (fusemoe.h) that a call with bad ids
 // fills if it is still empty.
 void launch_routing(const int32_t* topk_idx, int64_t num_tokens, int64_t top_k,

@@ -139,10 +139,8 @@ void ep_layer_backward(const EpConfig& c, const EpBackwardArgs& a) {
 
   const Sm90Rows rows = owner_rows(c, ws, a.call.num_sms, a.call.stream);
   const int32_t* num_rows_device = ws.owner.expert_offsets + El;
-  launch_gather_rows_device_count(ws.x_pool, ws.owner.row_pool, num_rows_device, rows.max_rows, 1, H, ws.xs,
-                                  a.call.stream);
-  launch_gather_rows_device_count(ws.dy_pool, ws.owner.row_pool, num_rows_device, rows.max_rows, 1, H, ws.dys,
-                                  a.call.stream);
+  launch_gather_rows_device_count(ws.x_pool, ws.xs, ws.dy_pool, ws.dys, ws.owner.row_pool, num_rows_device,
+                                  rows.max_rows, 1, H, a.call.stream);
   BackwardRows b;
   b.xs = ws.xs;
   b.dys = ws.dys;

@@ -2,13 +2,14 @@
 // call can be captured in a CUDA graph. The forward saved its inputs and, optionally, z
 // (BackwardArgs::saved_z). Stream order:
 //   1. routing            the forward's stable counting sort, recomputed (kernels/routing.cu)
-//   2. dispatch           gather x and dy rows into the expert-sorted pools xs, dys [R, H]
+//   2. dispatch           gather x and dy rows into the expert-sorted pools xs, dys [R, H] (one launch)
 //   3. recompute z        z = xs W13_e^T (skipped with saved_z)            -> z [R, 2I] bf16
 //   4. dgrad + SwiGLU     a = dys W2_e; dz, w*h, per-tile <h, a>           -> dz, wh, partials
-//   5. router reduce      d_topk_w[s] = sum of the row's partials (0 for masked slots)
-//   6. dgrad scatter      dxs = dz W13_e written to the slot row dx_slots[t*K + j]
-//   7. combine            dx_t = sum_j dx_slots[t*K + j] in slot order (deterministic)
-//   8. weight gradients   dW2_e = dys^T wh, dW13_e = dz^T xs, one CTA per output tile
+//   5. dgrad scatter      dxs = dz W13_e written to the slot row dx_slots[t*K + j]
+//   6. combine            dx_t = sum_j dx_slots[t*K + j] in slot order (deterministic), and in the
+//                         same launch d_topk_w[s] = sum of the row's partials (0 for masked slots)
+//   7. weight gradients   dW2_e = dys^T wh, dW13_e = dz^T xs, one CTA per output tile
+// Few launches: at small T the call's host time is mostly launches (docs/perf.md#host-cost-of-the-op).
 // W13_e is w13's [2I, H], or w1's and w3's [I, H] each read in place (separate gate and up weights);
 // dW13 likewise goes to dw13, or to dw1 and dw3.
 // Memory per routed row (bf16): xs, dys, dx_slots [H] each + dz [2I] + wh [I] + z [2I] (only
@@ -66,15 +67,11 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
 
   if (num_slots > 0) {
     const int32_t* num_rows_device = ws.plan.expert_offsets + E;
-    launch_gather_rows_device_count(args.x, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H,
-                                    ws.xs_RH, stream);
-    launch_gather_rows_device_count(args.dy, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H,
-                                    ws.dys_RH, stream);
+    launch_gather_rows_device_count(args.x, ws.xs_RH, args.dy, ws.dys_RH, ws.plan.row_slot, num_rows_device,
+                                    num_slots, c.top_k, H, stream);
     // w1 with w3 (separate gate and up weights), else w13.
     const void* gate_weights = args.w3 != nullptr ? args.w1 : args.w13;
     const int64_t num_n_tiles = launch_backward_dgrad(rows, c, b, gate_weights, args.w3, args.w2);
-    launch_router_grad_reduce(ws.router_partials, num_n_tiles, ws.plan.slot_row, num_slots, args.d_topk_weights,
-                              stream);
     Sm90DgradScatterParams d2;
     d2.rows = rows;
     d2.dz = ws.dz_RF;
@@ -83,7 +80,9 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
     d2.row_slot = ws.plan.row_slot;
     d2.dx_slots = ws.dx_slots_SH;
     launch_sm90_dgrad_scatter(d2);
-    launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream);
+    // dx, and d_topk_weights from dgrad-1's partials (step 5), in one launch.
+    launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream,
+                         RouterGradReduce{ws.router_partials, num_n_tiles, args.d_topk_weights});
   }
   // No rows: zeroed, or untouched when accumulating.
   // dw1 with dw3 (separate gate and up gradients), else dw13.

@@ -11,9 +11,10 @@
 //                x gathered -> xs (bf16) and, when z is recomputed, xs_fp8 + scales
 //             3. recompute z (FP8 GEMM, the forward's operands: bitwise the saved z) unless saved
 //             4. dgrad + SwiGLU on W2^T, dz quantized in the epilogue -> dz (bf16), dz_fp8 +
-//                scales, wh, router partials       5. router reduce
-//             6. dgrad of x on W13^T -> bf16 slot rows       7. combine
-//             8. weight gradients from the bf16 pools (the BF16 path's kernels)
+//                scales, wh, router partials
+//             5. dgrad of x on W13^T -> bf16 slot rows
+//             6. combine, and the router reduce in the same launch
+//             7. weight gradients from the bf16 pools (the BF16 path's kernels)
 // Scale pools are block-major [K/128, rows_pad] with rows_pad = sm90_fp8_rows_pad(T*K) of the
 // call (sized for max_tokens*K).
 #include "pipelines/fused_fp8.h"
@@ -210,8 +211,8 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
       launch_sm90_fp8_recompute_z(z);
       z_RF = ws.z_RF;
     } else {
-      launch_gather_rows_device_count(args.x, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, ws.xs_RH,
-                                      stream);
+      launch_gather_rows_device_count(args.x, ws.xs_RH, nullptr, nullptr, ws.plan.row_slot, num_rows_device,
+                                      num_slots, c.top_k, H, stream);
     }
 
     Sm90Fp8DgradSwigluParams d1;
@@ -230,8 +231,6 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
     d1.use_swiglu_clamp = c.use_swiglu_clamp;
     d1.swiglu_clamp = c.swiglu_clamp;
     launch_sm90_fp8_dgrad_swiglu(d1);
-    launch_router_grad_reduce(ws.router_partials, sm90_dgrad_num_n_tiles(I, 128), ws.plan.slot_row, num_slots,
-                              args.d_topk_weights, stream);
 
     Sm90Fp8DgradScatterParams d2;
     d2.rows = rows;
@@ -241,7 +240,9 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
     d2.row_slot = ws.plan.row_slot;
     d2.dx_slots = ws.dx_slots_SH;
     launch_sm90_fp8_dgrad_scatter(d2);
-    launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream);
+    // dx, and d_topk_weights from dgrad-1's partials (step 5), in one launch.
+    launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream,
+                         RouterGradReduce{ws.router_partials, sm90_dgrad_num_n_tiles(I, 128), args.d_topk_weights});
   }
 
   // Weight gradients from the bf16 pools with the BF16 path's step (no rows: zeroed, or untouched).

@@ -169,8 +169,8 @@ Sm90GemmProblem::Operands Sm90GemmProblem::operands() const {
 
 void Sm90GemmProblem::launch_gather_x() const {
   if (num_slots() == 0) return;
-  launch_gather_rows_device_count(x_.get(), row_slot_.as<int32_t>(), offsets_.as<int32_t>() + shape_.E, num_slots(),
-                                  shape_.K, shape_.H, xs_.get(), stream_);
+  launch_gather_rows_device_count(x_.get(), xs_.get(), nullptr, nullptr, row_slot_.as<int32_t>(),
+                                  offsets_.as<int32_t>() + shape_.E, num_slots(), shape_.K, shape_.H, stream_);
 }
 
 // The params structs are filled in their declaration order (src/launchers/sm90_grouped_gemm.h).
