@@ -1,21 +1,23 @@
-// Device routing (see routing.h): a stable counting sort of the T*K slots by expert id, in one
-// cooperative launch whose phases are separated by grid barriers (one launch instead of four: the
-// host cost of a call is mostly its launches, docs/perf.md#host-cost-of-the-op).
-//   1. count:  per chunk of kRoutingChunk slots, per-expert counts (shared atomics: the counts
-//              do not depend on the order of the atomics) and the chunk's invalid ids.
-//   2. scan:   per expert, one warp: the exclusive prefix over chunks, in place, and the total.
-//   3. place:  every block scans the totals into expert offsets; block 0 publishes them and the
-//              bad-id record; per slot, its rank among equal ids earlier in the chunk (warp
-//              match + per-warp histograms, round by round), so row = offset[e] +
-//              chunk_prefix[c][e] + rank: increasing slot order inside each expert.
-// Blocks walk the chunks (and warps the experts) grid-stride, so any T fits a grid of co-resident
-// blocks; every block passes both barriers.
+// Device routing (see routing.h): a stable counting sort of the T*K slots by expert id, in two
+// launches (it was four: at small T a call's host time is mostly its launches,
+// docs/perf.md#host-cost-of-the-op).
+//   1. routing_count:  per chunk of kRoutingChunk slots (a block each), per-expert counts (shared
+//                      atomics: the counts do not depend on the order of the atomics) and the
+//                      chunk's invalid ids (count, smallest slot), so no record needs zeroing first.
+//   2. routing_place:  per group of consecutive chunks (a block each, at most one per SM): the
+//                      experts' totals and the prefix of the chunks before the group, read from
+//                      the counts (every block reads them all: chunks x E loads, no third
+//                      launch), the experts' offsets (a block scan), then per slot its rank among
+//                      equal ids earlier in the chunk (warp match + per-warp histograms, round by
+//                      round): row = offset[e] + prefix[e] + rank, increasing slot order inside
+//                      each expert. Block 0 also publishes expert_counts, expert_offsets and the
+//                      bad-id record.
+// Neither kernel waits for another block (no grid barrier: a cooperative launch deadlocked
+// beside a kernel spinning on another stream, docs/experiments.md#one-launch-routing).
 #include "kernels/routing.h"
 
-#include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
-#include <cub/warp/warp_scan.cuh>
 #include <cuda/functional>
 
 #include <algorithm>
@@ -28,78 +30,87 @@
 namespace fusemoe {
 namespace {
 
-namespace cg = cooperative_groups;
-
 constexpr int kWarpsPerBlock = kRoutingThreads / 32;
 constexpr int kRoundsPerChunk = kRoutingChunk / kRoutingThreads;
 constexpr int kMaxRoutingExperts = 1024;
-constexpr int kExpertsPerThread = kMaxRoutingExperts / kRoutingThreads;  // phase 3's offset scan
+constexpr int kExpertsPerThread = kMaxRoutingExperts / kRoutingThreads;  // the offsets' block scan
+constexpr int kLoadsInFlight = 16;  // the column sums over chunks are latency-bound otherwise
 
-// Dynamic shared memory: expert offsets [E + 1], then the work area (count: [E] histogram;
-// place: [E] placed + [kWarpsPerBlock, E] warp histograms).
-size_t routing_smem_bytes(int num_experts) {
-  return (size_t(num_experts) + 1 + size_t(num_experts) * (kWarpsPerBlock + 1)) * sizeof(int32_t);
-}
-
-// Phase 1 for one chunk: its per-expert counts and its invalid ids (count, smallest slot).
-__device__ void count_chunk(const int32_t* __restrict__ topk_idx, int64_t num_slots, int num_experts,
-                            int64_t chunk, int32_t* hist, int32_t* chunk_bad_smem,
-                            int32_t* __restrict__ chunk_counts, int32_t* __restrict__ chunk_bad) {
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) hist[e] = 0;
+__global__ void __launch_bounds__(kRoutingThreads)
+routing_count_kernel(const int32_t* __restrict__ topk_idx, int64_t num_slots, int num_experts,
+                     int32_t* __restrict__ chunk_counts, int32_t* __restrict__ chunk_bad) {
+  extern __shared__ int32_t expert_hist[];  // [E]
+  __shared__ int32_t bad[2];                // invalid ids in the chunk, smallest such slot
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) expert_hist[e] = 0;
   if (threadIdx.x == 0) {
-    chunk_bad_smem[0] = 0;
-    chunk_bad_smem[1] = INT_MAX;
+    bad[0] = 0;
+    bad[1] = INT_MAX;
   }
   __syncthreads();
-  const int64_t chunk_begin = chunk * kRoutingChunk;
+  const int64_t chunk_begin = int64_t(blockIdx.x) * kRoutingChunk;
   for (int round = 0; round < kRoundsPerChunk; ++round) {
     const int64_t slot = chunk_begin + round * kRoutingThreads + threadIdx.x;
     if (slot >= num_slots) break;
     const int32_t id = topk_idx[slot];
     if (id >= 0 && id < num_experts) {
-      atomicAdd(&hist[id], 1);
+      atomicAdd(&expert_hist[id], 1);
     } else if (id != -1) {
-      atomicAdd(&chunk_bad_smem[0], 1);
-      atomicMin(&chunk_bad_smem[1], static_cast<int32_t>(slot));
+      atomicAdd(&bad[0], 1);
+      atomicMin(&bad[1], static_cast<int32_t>(slot));
     }
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) chunk_counts[chunk * num_experts + e] = hist[e];
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    chunk_counts[int64_t(blockIdx.x) * num_experts + e] = expert_hist[e];
+  }
   if (threadIdx.x == 0) {
-    chunk_bad[2 * chunk] = chunk_bad_smem[0];
-    chunk_bad[2 * chunk + 1] = chunk_bad_smem[1];
+    chunk_bad[2 * blockIdx.x] = bad[0];
+    chunk_bad[2 * blockIdx.x + 1] = bad[1];
   }
-  __syncthreads();  // hist and chunk_bad_smem are reused by the next chunk
 }
 
-// Phase 2 for one expert, by one warp: chunk_counts[:, e] becomes its exclusive prefix.
-__device__ void scan_expert_column(int e, int64_t num_chunks, int num_experts, int32_t* __restrict__ chunk_counts,
-                                   int32_t* __restrict__ expert_counts,
-                                   typename cub::WarpScan<int32_t>::TempStorage& temp) {
-  const int lane = threadIdx.x % 32;
-  int32_t running = 0;
-  for (int64_t c0 = 0; c0 < num_chunks; c0 += 32) {
-    const int64_t c = c0 + lane;
-    const int32_t count = c < num_chunks ? chunk_counts[c * num_experts + e] : 0;
-    int32_t inclusive = 0, total = 0;
-    cub::WarpScan<int32_t>(temp).InclusiveSum(count, inclusive, total);
-    if (c < num_chunks) chunk_counts[c * num_experts + e] = running + inclusive - count;
-    running += total;
-    __syncwarp();  // temp is reused by the next step
+// Block 0 of routing_place: the invalid ids of all chunks into bad_id_info (count, smallest slot,
+// its value) and, when the caller gave one and it is still empty, into the caller's report.
+__device__ void publish_bad_ids(const int32_t* __restrict__ topk_idx, int64_t num_chunks,
+                                const int32_t* __restrict__ chunk_bad, int32_t* __restrict__ bad_id_info,
+                                int32_t* caller_report) {
+  using Reduce = cub::BlockReduce<int32_t, kRoutingThreads>;
+  __shared__ typename Reduce::TempStorage temp;
+  int32_t count = 0, first = INT_MAX;
+  for (int64_t c = threadIdx.x; c < num_chunks; c += blockDim.x) {
+    count += chunk_bad[2 * c];
+    first = min(first, chunk_bad[2 * c + 1]);
   }
-  if (lane == 0) expert_counts[e] = running;
+  const int32_t total = Reduce(temp).Sum(count);
+  __syncthreads();  // temp is reused
+  const int32_t first_slot = Reduce(temp).Reduce(first, cuda::minimum<int32_t>{});
+  if (threadIdx.x == 0) {
+    const int32_t first_bad_id = total > 0 ? topk_idx[first_slot] : 0;
+    bad_id_info[0] = total;
+    bad_id_info[1] = first_slot;
+    bad_id_info[2] = first_bad_id;
+    // The caller's report may live in host memory that the host reads without a sync: the count
+    // goes last, after a system-wide fence, so a non-zero count means a whole record.
+    volatile int32_t* report = caller_report;
+    if (total > 0 && report != nullptr && report[0] == 0) {
+      report[1] = first_slot;
+      report[2] = first_bad_id;
+      __threadfence_system();
+      report[0] = total;
+    }
+  }
 }
 
-// Phase 3 for one chunk: each valid slot's row (the earlier place kernel, per chunk).
+// One chunk's slots to their rows. offsets[e] + prefix[e]: the first row of expert e's slots in
+// this chunk; prefix advances past the chunk for the group's next one.
 __device__ void place_chunk(const int32_t* __restrict__ topk_idx, int64_t num_slots, int num_experts, int64_t chunk,
-                            const int32_t* offsets, const int32_t* __restrict__ chunk_prefix, int32_t* placed,
-                            int32_t* warp_hist, int32_t* __restrict__ row_slot, int32_t* __restrict__ slot_row) {
+                            const int32_t* offsets, int32_t* prefix, int32_t* placed, int32_t* warp_hist,
+                            int32_t* __restrict__ row_slot, int32_t* __restrict__ slot_row) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   for (int i = threadIdx.x; i < num_experts * (kWarpsPerBlock + 1); i += blockDim.x) placed[i] = 0;
   __syncthreads();
   const int64_t chunk_begin = chunk * kRoutingChunk;
-  const int32_t* prefix = chunk_prefix + chunk * num_experts;
   for (int round = 0; round < kRoundsPerChunk; ++round) {
     if (chunk_begin + round * kRoutingThreads >= num_slots) break;  // uniform across the block
     const int64_t slot = chunk_begin + round * kRoutingThreads + threadIdx.x;
@@ -128,112 +139,97 @@ __device__ void place_chunk(const int32_t* __restrict__ topk_idx, int64_t num_sl
     }
     __syncthreads();
   }
-}
-
-// Block 0, phase 3: the invalid ids of all chunks into bad_id_info (count, smallest slot, its
-// value) and, when the caller gave one and it is still empty, into the caller's report.
-__device__ void publish_bad_ids(const int32_t* __restrict__ topk_idx, int64_t num_chunks,
-                                const int32_t* __restrict__ chunk_bad, int32_t* __restrict__ bad_id_info,
-                                int32_t* caller_report) {
-  using Reduce = cub::BlockReduce<int32_t, kRoutingThreads>;
-  __shared__ typename Reduce::TempStorage temp;
-  int32_t count = 0, first = INT_MAX;
-  for (int64_t c = threadIdx.x; c < num_chunks; c += blockDim.x) {
-    count += chunk_bad[2 * c];
-    first = min(first, chunk_bad[2 * c + 1]);
-  }
-  const int32_t total = Reduce(temp).Sum(count);
-  __syncthreads();  // temp is reused
-  const int32_t first_slot = Reduce(temp).Reduce(first, cuda::minimum<int32_t>{});
-  if (threadIdx.x != 0) return;
-  const int32_t first_bad_id = total > 0 ? topk_idx[first_slot] : 0;
-  bad_id_info[0] = total;
-  bad_id_info[1] = first_slot;
-  bad_id_info[2] = first_bad_id;
-  // The caller's report may live in host memory that the host reads without a sync: the count
-  // goes last, after a system-wide fence, so a non-zero count means a whole record.
-  volatile int32_t* report = caller_report;
-  if (total > 0 && report != nullptr && report[0] == 0) {
-    report[1] = first_slot;
-    report[2] = first_bad_id;
-    __threadfence_system();
-    report[0] = total;
-  }
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) prefix[e] += placed[e];  // the chunk's counts
+  __syncthreads();
 }
 
 __global__ void __launch_bounds__(kRoutingThreads)
-routing_kernel(const int32_t* __restrict__ topk_idx, int64_t num_slots, int num_experts, RoutingPlan plan,
-               int32_t* caller_report) {
+routing_place_kernel(const int32_t* __restrict__ topk_idx, int64_t num_slots, int num_experts,
+                     int64_t chunks_per_block, RoutingPlan plan, int32_t* caller_report) {
   extern __shared__ int32_t smem[];
-  int32_t* offsets = smem;                    // [E + 1], phase 3
-  int32_t* work = smem + num_experts + 1;     // phase 1: [E] histogram; phase 3: placed, warp_hist
-  __shared__ int32_t chunk_bad_smem[2];
-  __shared__ typename cub::WarpScan<int32_t>::TempStorage warp_scan_temp[kWarpsPerBlock];
+  int32_t* offsets = smem;                          // [E + 1]
+  int32_t* prefix = offsets + num_experts + 1;      // [E]: rows of earlier chunks, per expert
+  int32_t* placed = prefix + num_experts;           // [E] rows already placed in this chunk
+  int32_t* warp_hist = placed + num_experts;        // [kWarpsPerBlock, E], zero between rounds
   using BlockScan = cub::BlockScan<int32_t, kRoutingThreads>;
-  __shared__ typename BlockScan::TempStorage block_scan_temp;
-  const cg::grid_group grid = cg::this_grid();
+  __shared__ typename BlockScan::TempStorage scan_temp;
   const int64_t num_chunks = (num_slots + kRoutingChunk - 1) / kRoutingChunk;  // routing_num_chunks
+  const int64_t first_chunk = int64_t(blockIdx.x) * chunks_per_block;
+  const int64_t end_chunk = std::min(first_chunk + chunks_per_block, num_chunks);
 
-  for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
-    count_chunk(topk_idx, num_slots, num_experts, chunk, work, chunk_bad_smem, plan.chunk_counts, plan.chunk_bad);
+  // Per expert: the rows of the chunks before this block's and of all chunks, in chunk order.
+  // placed[] holds the totals until the chunks are placed.
+  const int32_t* counts = plan.chunk_counts;
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    int32_t before = 0, total = 0;
+    for (int64_t c0 = 0; c0 < num_chunks; c0 += kLoadsInFlight) {
+      int32_t batch[kLoadsInFlight];
+#pragma unroll
+      for (int b = 0; b < kLoadsInFlight; ++b) batch[b] = c0 + b < num_chunks ? counts[(c0 + b) * num_experts + e] : 0;
+#pragma unroll
+      for (int b = 0; b < kLoadsInFlight; ++b) {
+        if (c0 + b < first_chunk) before += batch[b];
+        total += batch[b];
+      }
+    }
+    prefix[e] = before;
+    placed[e] = total;
   }
-  grid.sync();
-
-  const int warp = threadIdx.x / 32;
-  for (int e = blockIdx.x * kWarpsPerBlock + warp; e < num_experts; e += gridDim.x * kWarpsPerBlock) {
-    scan_expert_column(e, num_chunks, num_experts, plan.chunk_counts, plan.expert_counts, warp_scan_temp[warp]);
-  }
-  grid.sync();
-
-  // Every block: offsets = exclusive prefix of the expert totals (thread t sums experts
-  // [t * kExpertsPerThread, ...) serially, then one block scan).
+  __syncthreads();
+  // offsets = exclusive prefix of the totals: thread t sums experts [t * kExpertsPerThread, ...)
+  // serially, then one block scan.
   int32_t mine[kExpertsPerThread];
   int32_t sum = 0;
 #pragma unroll
   for (int i = 0; i < kExpertsPerThread; ++i) {
     const int e = threadIdx.x * kExpertsPerThread + i;
-    mine[i] = e < num_experts ? plan.expert_counts[e] : 0;
+    mine[i] = e < num_experts ? placed[e] : 0;
     sum += mine[i];
   }
-  int32_t before = 0, num_rows = 0;
-  BlockScan(block_scan_temp).ExclusiveSum(sum, before, num_rows);
+  int32_t start = 0, num_rows = 0;
+  BlockScan(scan_temp).ExclusiveSum(sum, start, num_rows);
 #pragma unroll
   for (int i = 0; i < kExpertsPerThread; ++i) {
     const int e = threadIdx.x * kExpertsPerThread + i;
-    if (e < num_experts) offsets[e] = before;
-    before += mine[i];
+    if (e < num_experts) offsets[e] = start;
+    start += mine[i];
   }
   if (threadIdx.x == 0) offsets[num_experts] = num_rows;  // R
   __syncthreads();
   if (blockIdx.x == 0) {
-    for (int e = threadIdx.x; e <= num_experts; e += blockDim.x) plan.expert_offsets[e] = offsets[e];
+    for (int e = threadIdx.x; e <= num_experts; e += blockDim.x) {
+      plan.expert_offsets[e] = offsets[e];
+      if (e < num_experts) plan.expert_counts[e] = placed[e];
+    }
     publish_bad_ids(topk_idx, num_chunks, plan.chunk_bad, plan.bad_id_info, caller_report);
   }
-  int32_t* placed = work;                       // [E] rows already placed in this chunk
-  int32_t* warp_hist = work + num_experts;      // [kWarpsPerBlock, E], zero between rounds
-  for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
-    place_chunk(topk_idx, num_slots, num_experts, chunk, offsets, plan.chunk_counts, placed, warp_hist,
-                plan.row_slot, plan.slot_row);
+  __syncthreads();  // placed[] (the totals) is read above before place_chunk clears it
+  for (int64_t chunk = first_chunk; chunk < end_chunk; ++chunk) {
+    place_chunk(topk_idx, num_slots, num_experts, chunk, offsets, prefix, placed, warp_hist, plan.row_slot,
+                plan.slot_row);
   }
 }
 
-// Blocks of routing_kernel that fit on the device at once at the largest E (the cooperative
-// launch's limit), per device, queried once.
-int max_coresident_blocks() {
+constexpr size_t place_smem_bytes(int num_experts) {
+  return (size_t(num_experts) * (kWarpsPerBlock + 3) + 1) * sizeof(int32_t);
+}
+// With its static temporaries (1.2 KB: the block scan's and reduction's) the largest E stays under
+// the 48 KB a launch may take without opting in.
+static_assert(place_smem_bytes(kMaxRoutingExperts) + 2048 <= 48 * 1024, "routing_place's shared memory");
+
+// The device's SM count, per device, queried once.
+int device_sms() {
   int device = 0;
   FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
   constexpr int kMaxDevices = 64;
   static std::atomic<int> known[kMaxDevices] = {};
   if (device >= 0 && device < kMaxDevices) {
-    if (const int blocks = known[device].load(std::memory_order_relaxed)) return blocks;
+    if (const int sms = known[device].load(std::memory_order_relaxed)) return sms;
   }
-  int per_sm = 0, sms = 0;
-  FUSEMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, routing_kernel, kRoutingThreads,
-                                                                   routing_smem_bytes(kMaxRoutingExperts)));
+  int sms = 0;
   FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int blocks = std::max(1, per_sm * sms);
-  if (device >= 0 && device < kMaxDevices) known[device].store(blocks, std::memory_order_relaxed);
-  return blocks;
+  if (device >= 0 && device < kMaxDevices) known[device].store(sms, std::memory_order_relaxed);
+  return sms;
 }
 
 }  // namespace
@@ -276,17 +272,23 @@ void launch_routing(const int32_t* topk_idx, int64_t num_tokens, int64_t top_k,
                     cudaStream_t stream) {
   FUSEMOE_CHECK(num_experts >= 1 && num_experts <= kMaxRoutingExperts,
                 "routing supports 1..." << kMaxRoutingExperts << " experts, got " << num_experts);
-  int64_t num_slots = num_tokens * top_k;
-  int experts = static_cast<int>(num_experts);
-  // Enough blocks for every chunk (count, place) and a warp per expert (scan), at most what fits
-  // at once: a grid barrier needs every block resident.
-  const int64_t wanted = std::max<int64_t>({routing_num_chunks(num_slots),
-                                            (num_experts + kWarpsPerBlock - 1) / kWarpsPerBlock, 1});
-  const int grid = static_cast<int>(std::min<int64_t>(wanted, max_coresident_blocks()));
-  RoutingPlan plan_arg = plan;
-  void* args[] = {const_cast<int32_t**>(&topk_idx), &num_slots, &experts, &plan_arg, &caller_report};
-  FUSEMOE_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(routing_kernel), dim3(grid),
-                                                 dim3(kRoutingThreads), args, routing_smem_bytes(experts), stream));
+  const int64_t num_slots = num_tokens * top_k;
+  const int64_t num_chunks = routing_num_chunks(num_slots);
+  const int experts = static_cast<int>(num_experts);
+  if (num_chunks > 0) {
+    routing_count_kernel<<<num_chunks, kRoutingThreads, experts * sizeof(int32_t), stream>>>(
+        topk_idx, num_slots, experts, plan.chunk_counts, plan.chunk_bad);
+    FUSEMOE_CUDA_CHECK(cudaGetLastError());
+  }
+  // At most one block per SM: every block reads all chunks' counts, so more blocks cost more reads.
+  // T = 0: one block, no chunks (it still publishes zero counts and offsets).
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(num_chunks, device_sms()));
+  const int64_t chunks_per_block = std::max<int64_t>(1, (num_chunks + blocks - 1) / blocks);
+  const int64_t grid = std::max<int64_t>(1, (num_chunks + chunks_per_block - 1) / chunks_per_block);
+  const size_t smem = place_smem_bytes(experts);  // 45 KB at E = 1024, under the 48 KB default
+  routing_place_kernel<<<static_cast<unsigned>(grid), kRoutingThreads, smem, stream>>>(
+      topk_idx, num_slots, experts, chunks_per_block, plan, caller_report);
+  FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace fusemoe

@@ -2,7 +2,7 @@
 // expert counts and offsets, row_slot's first R rows, slot_row (-1 for masked and invalid slots),
 // the bad-id record and the caller's report. The plan is poisoned (0xFF) before every call.
 // Shapes cover T = 0, one expert, all slots on one expert, masked and invalid ids, E = 1024, and
-// more chunks than blocks fit on the GPU at once (the grid walks the chunks).
+// more chunks (1024 slots each) than SMs, where a block of routing_place takes several chunks.
 #include <climits>
 #include <string>
 
@@ -128,11 +128,14 @@ TEST(Routing, BadIdRecordResetsAndReportKeepsFirst) {
   expect_routing_matches("clean", random_ids(T * K, E, 8), T, K, E, &report);
 }
 
-// More chunks (1024 slots each) than co-resident blocks (~5 per SM): blocks walk several chunks.
-TEST(Routing, MoreChunksThanResidentBlocks) {
-  const int64_t T = 120000, K = 8, E = 128;
-  std::vector<int32_t> idx = random_ids(T * K, E, 9);
+// More chunks than SMs (132 on an H200): 133 chunks (2 per place block), and 938 (8 per block).
+TEST(Routing, MoreChunksThanSms) {
+  const int64_t K = 8, E = 128;
+  expect_routing_matches("T=17024 K=8", random_ids(17024 * K, E, 9), 17024, K, E);
+  const int64_t T = 120000;
+  std::vector<int32_t> idx = random_ids(T * K, E, 10);
   for (int64_t s = 3; s < T * K; s += 1001) idx[s] = -1;
+  idx[T * K - 5] = 4096;  // an invalid id in the last chunk
   expect_routing_matches("T=120000 K=8", idx, T, K, E);
 }
 
