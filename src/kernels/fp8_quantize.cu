@@ -28,7 +28,9 @@ __global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, 
                                          const int32_t* __restrict__ num_rows_device, int64_t max_rows, int64_t top_k,
                                          int64_t hidden, __nv_bfloat16* __restrict__ dst_bf16,
                                          uint8_t* __restrict__ dst_fp8, float* __restrict__ scales,
-                                         Fp8ScaleLayout layout) {
+                                         Fp8ScaleLayout layout, Fp8RowsPlainCopy also) {
+  const auto* also_src = static_cast<const __nv_bfloat16*>(also.src_bf16);
+  auto* also_dst = static_cast<__nv_bfloat16*>(also.dst_bf16_RH);
   const int64_t rows = num_rows_device ? static_cast<int64_t>(*num_rows_device) : max_rows;
   const int64_t blocks_per_row = hidden / kFp8Block;
   const int64_t items = rows * blocks_per_row;
@@ -47,6 +49,10 @@ __global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, 
     if (valid) {
       const int64_t src_row = row_slot ? __ldg(row_slot + row) / top_k : row;
       raw = *reinterpret_cast<const uint4*>(src + src_row * hidden + col);
+      if (also_src != nullptr) {  // issued before the reduction: both loads in flight together
+        *reinterpret_cast<uint4*>(also_dst + row * hidden + col) =
+            *reinterpret_cast<const uint4*>(also_src + src_row * hidden + col);
+      }
       sm90::unpack_bf16x8(raw, v);
     }
     float amax = sm90::amax8(v);
@@ -152,15 +158,17 @@ __global__ void __launch_bounds__(kThreads) quantize_weights_fp8_kernel(const __
 
 void launch_quantize_rows_fp8(const void* src_bf16, const int32_t* row_slot, const int32_t* num_rows_device,
                               int64_t max_rows, int64_t top_k, int64_t hidden, void* dst_bf16_RH, void* fp8_RH,
-                              float* scales, Fp8ScaleLayout layout, cudaStream_t stream) {
+                              float* scales, Fp8ScaleLayout layout, cudaStream_t stream, const Fp8RowsPlainCopy& also) {
   FUSEMOE_CHECK(hidden > 0 && hidden % kFp8Block == 0, "internal error: FP8 rows need hidden % 128 == 0");
+  FUSEMOE_CHECK((also.src_bf16 == nullptr) == (also.dst_bf16_RH == nullptr),
+                "internal error: a plain row copy needs both its source and its destination");
   FUSEMOE_CHECK(row_slot == nullptr || top_k >= 1, "internal error: a gather needs top_k >= 1");
   if (max_rows == 0) return;
   const int64_t warps = (max_rows * (hidden / kFp8Block) + 1) / 2;
   const int64_t grid = std::max<int64_t>(1, std::min(kMaxGrid, (warps * 32 + kThreads - 1) / kThreads));
   quantize_rows_fp8_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(src_bf16), row_slot, num_rows_device, max_rows, top_k, hidden,
-      static_cast<__nv_bfloat16*>(dst_bf16_RH), static_cast<uint8_t*>(fp8_RH), scales, layout);
+      static_cast<__nv_bfloat16*>(dst_bf16_RH), static_cast<uint8_t*>(fp8_RH), scales, layout, also);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -8,7 +8,8 @@
 //             4. down + weight -> bf16 slot rows ys      5. combine (fp32, slot order)
 //   backward  1. routing
 //             2. dy gathered and quantized per routed row -> dys (bf16) + dys_fp8 + scales;
-//                x gathered -> xs (bf16) and, when z is recomputed, xs_fp8 + scales
+//                x gathered -> xs (bf16): in the same pass with saved z, else with its own
+//                quantization -> xs_fp8 + scales for the z recompute
 //             3. recompute z (FP8 GEMM, the forward's operands: bitwise the saved z) unless saved
 //             4. dgrad + SwiGLU on W2^T, dz quantized in the epilogue -> dz (bf16), dz_fp8 +
 //                scales, wh, router partials
@@ -196,9 +197,12 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
 
   if (num_slots > 0) {
     const int32_t* num_rows_device = ws.plan.expert_offsets + E;
-    launch_quantize_rows_fp8(args.dy, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, ws.dys_RH,
-                             ws.dys_fp8_RH, ws.dys_scales, Fp8ScaleLayout{1, rows_pad}, stream);
+    // With saved z, x's plain pool comes with dy's quantization (one pass over the row map);
+    // without, x is quantized for the z recompute and its pool comes with that.
     const void* z_RF = args.saved_z;
+    const Fp8RowsPlainCopy x_pool = z_RF != nullptr ? Fp8RowsPlainCopy{args.x, ws.xs_RH} : Fp8RowsPlainCopy{};
+    launch_quantize_rows_fp8(args.dy, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, ws.dys_RH,
+                             ws.dys_fp8_RH, ws.dys_scales, Fp8ScaleLayout{1, rows_pad}, stream, x_pool);
     if (z_RF == nullptr) {
       launch_quantize_rows_fp8(args.x, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, ws.xs_RH,
                                ws.xs_fp8_RH, ws.xs_scales, Fp8ScaleLayout{1, rows_pad}, stream);
@@ -210,9 +214,6 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
       z.z = ws.z_RF;
       launch_sm90_fp8_recompute_z(z);
       z_RF = ws.z_RF;
-    } else {
-      launch_gather_rows_device_count(args.x, ws.xs_RH, nullptr, nullptr, ws.plan.row_slot, num_rows_device,
-                                      num_slots, c.top_k, H, stream);
     }
 
     Sm90Fp8DgradSwigluParams d1;

@@ -72,7 +72,8 @@ TEST(Fp8Quantize, TokenRowsMatchHostRecipe) {
 }
 
 // The backward's pools: rows gathered by row_slot / K, bf16 copies beside the FP8 rows, scales
-// block-major [H/128, R_pad]; the row count is read on the device, rows past it stay untouched.
+// block-major [H/128, R_pad], and a second source's plain copy by the same row map (x beside dy);
+// the row count is read on the device, rows past it stay untouched.
 TEST(Fp8Quantize, GatheredRowsMatchHostRecipe) {
   const int64_t T = 50, H = 256, K = 3, max_rows = T * K, blocks = H / 128;
   const int64_t rows_pad = (max_rows + 3) / 4 * 4;
@@ -83,14 +84,17 @@ TEST(Fp8Quantize, GatheredRowsMatchHostRecipe) {
   const int32_t num_rows = 101;
   DeviceBuffer x_dev = DeviceBuffer::from(x), slot_dev = DeviceBuffer::from(row_slot),
                count_dev = DeviceBuffer::from(std::vector<int32_t>{num_rows});
+  const std::vector<uint16_t> other = random_bf16(T * H, 1.0, rng);
+  DeviceBuffer other_dev = DeviceBuffer::from(other), other_pool_dev(max_rows * H * 2);
   DeviceBuffer bf16_dev(max_rows * H * 2), q_dev(max_rows * H), s_dev(blocks * rows_pad * 4);
-  for (DeviceBuffer* b : {&bf16_dev, &q_dev, &s_dev}) b->poison();
+  for (DeviceBuffer* b : {&bf16_dev, &q_dev, &s_dev, &other_pool_dev}) b->poison();
   launch_quantize_rows_fp8(x_dev.get(), static_cast<const int32_t*>(slot_dev.get()),
                            static_cast<const int32_t*>(count_dev.get()), max_rows, K, H, bf16_dev.get(), q_dev.get(),
-                           static_cast<float*>(s_dev.get()), Fp8ScaleLayout{1, rows_pad}, nullptr);
+                           static_cast<float*>(s_dev.get()), Fp8ScaleLayout{1, rows_pad}, nullptr,
+                           Fp8RowsPlainCopy{other_dev.get(), other_pool_dev.get()});
   TEST_CUDA(cudaDeviceSynchronize());
   std::vector<uint8_t> q_want(max_rows * H, 0xFF);
-  std::vector<uint16_t> bf16_want(max_rows * H, 0xFFFF);
+  std::vector<uint16_t> bf16_want(max_rows * H, 0xFFFF), other_want(max_rows * H, 0xFFFF);
   std::vector<float> s_want(blocks * rows_pad), row(H), s_row(blocks);
   std::memset(s_want.data(), 0xFF, s_want.size() * sizeof(float));
   for (int64_t r = 0; r < num_rows; ++r) {
@@ -98,12 +102,15 @@ TEST(Fp8Quantize, GatheredRowsMatchHostRecipe) {
     for (int64_t c = 0; c < H; ++c) {
       row[c] = host::bf16_bits_to_float(x[t * H + c]);
       bf16_want[r * H + c] = x[t * H + c];
+      other_want[r * H + c] = other[t * H + c];
     }
     host::fp8_quantize_row(row.data(), H, q_want.data() + r * H, s_row.data());
     for (int64_t b = 0; b < blocks; ++b) s_want[b * rows_pad + r] = s_row[b];
   }
   expect_codes_equal("xs_fp8", q_dev.to_host<uint8_t>(), q_want);
   EXPECT_TRUE(bf16_dev.to_host<uint16_t>() == bf16_want) << "bf16 copies differ (or rows past the count written)";
+  EXPECT_TRUE(other_pool_dev.to_host<uint16_t>() == other_want)
+      << "the second source's copies differ (or rows past the count written)";
   expect_floats_bitwise("xs_scales", s_dev.to_host<float>(), s_want);
 }
 
