@@ -371,30 +371,10 @@ struct DgradSwiGLUEpilogue {
     float clamp;                  // kClamp
   };
   using Inputs = typename Parts::Inputs;
-  static constexpr bool kPrefetchesZ = kZAhead < Parts::kZChunks;
   __device__ static void prefetch(const Args&) {}
   __device__ static Inputs prepare(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
                                    const ConsumerThread& me) {
     return Parts::prepare(args, s, tile, rows, me);
-  }
-  // The z [g | u] of the tile's columns in the 64 rows of row block me.consumer, into L2: 4 x 128-byte
-  // lines per row at width 128 (gate, up), spread over the warpgroup's threads in row order
-  // (few registers: a row and a line per prefetch, none held past it).
-  __device__ static void prefetch_inputs(const Args& args, const EpilogueShape& s, const Tile& tile,
-                                         const ConsumerThread& me) {
-    constexpr int kLinesPerPart = kBlockN * 2 / 128;           // 128-byte lines of one row's gate (or up) columns
-    constexpr int kLinesPerRow = 2 * kLinesPerPart;
-    constexpr int kPerThread = kWgmmaM * kLinesPerRow / kThreadsPerWarpgroup;
-    static_assert(kWgmmaM * kLinesPerRow % kThreadsPerWarpgroup == 0, "lines spread evenly");
-    const int32_t I = s.n_valid;
-#pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      const int line = me.tid_in_wg + i * kThreadsPerWarpgroup;
-      const int32_t row = tile.row_begin + me.consumer * kWgmmaM + line / kLinesPerRow;
-      const int part = (line % kLinesPerRow) / kLinesPerPart;  // 0 gate, 1 up
-      const int32_t col = tile.n_tile * kBlockN + (line % kLinesPerPart) * 64;
-      if (row < tile.row_end && col < I) prefetch_global_l2(args.z + static_cast<int64_t>(row) * 2 * I + part * I + col);
-    }
   }
 
   template <int kRegs>

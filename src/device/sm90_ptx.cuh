@@ -100,10 +100,6 @@ __device__ __forceinline__ void mbarrier_wait_or_trap(uint64_t* bar, uint32_t pa
 // ---------------------------------------------------------------------------------------------
 // TMA (cp.async.bulk.tensor): 2-D tile loads described by a CUtensorMap kernel parameter.
 // ---------------------------------------------------------------------------------------------
-// Brings the global-memory line holding ptr into L2 (no register result, no ordering).
-__device__ __forceinline__ void prefetch_global_l2(const void* ptr) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
-}
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }

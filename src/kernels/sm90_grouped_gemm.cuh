@@ -214,12 +214,6 @@ __device__ __forceinline__ ConsumerThread row_block_thread(const ConsumerThread&
   return block;
 }
 
-// Epilogues that can bring the inputs of later row blocks into L2 ahead (prefetch_inputs).
-template <class E, class = void>
-struct PrefetchesInputs : std::false_type {};
-template <class E>
-struct PrefetchesInputs<E, std::void_t<decltype(E::kPrefetchesZ)>> : std::bool_constant<E::kPrefetchesZ> {};
-
 template <class Gemm>
 __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
                                         const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a, uint8_t* tiles_b,
@@ -244,15 +238,6 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
     const ConsumerThread me0 = row_block_thread<Consumers>(me, 0);
     const AccRows rows(tile, me0);
     typename Epilogue::Inputs inputs = Epilogue::prepare(p.epilogue, out_shape, tile, rows, me0);
-    if constexpr (Consumers::kPingPong && PrefetchesInputs<Epilogue>::value) {
-      // What does not fit in registers goes to L2 during the main loop: the inputs of every row
-      // block (block 0's first chunks are already in flight to registers; a second request for
-      // their lines costs nothing).
-#pragma unroll
-      for (int b = 0; b < kRowBlocks; ++b) {
-        Epilogue::prefetch_inputs(p.epilogue, out_shape, tile, row_block_thread<Consumers>(me, b));
-      }
-    }
     // Ping-pong: wait for the turn the other consumer hands over once it has waited on the last
     // stage of the CTA's previous tile.
     if constexpr (Consumers::kPingPong) {
