@@ -55,6 +55,7 @@ static_assert(kWgmmaM * kSwizzleRowBytes == kMnBoxBytes,
 //                         warpgroup at a time, the turn keeps a consumer from waiting on a stage's
 //                         full barrier while the fill before it (the other's) is still in flight,
 //                         which the parity wait could not tell apart from its own fill.
+//                         Figures: docs/experiments.md#ping-pong-consumers.
 struct CooperativeConsumers {
   static constexpr bool kPingPong = false;
   static constexpr int kRowBlocks = 1;                   // m64 accumulator blocks per consumer
