@@ -348,13 +348,16 @@ __device__ __forceinline__ void store_router_partial(const Args& args, float dot
   if (row_valid && q == 0) args.router_partials[row * args.num_n_tiles + n_tile] = dot;
 }
 
-template <int kBlockN, bool kClamp>
+// kHeldAccRegs: the accumulators a consumer thread holds through the epilogue (kBlockN / 2 for
+// its 64 rows; kBlockN for the two row blocks of a ping-pong tile).
+template <int kBlockN, bool kClamp, int kHeldAccRegs = kBlockN / 2>
 struct DgradSwiGLUEpilogue {
   static constexpr int kStagingBytes = 0;
   // z chunks (16 B of gate + 16 B of up each) in flight ahead of their use: all 8 (2 rows x 4
-  // groups) at width 128; at 256 only one fits the consumers' registers without spilling
-  // (docs/experiments.md#z-ahead).
-  static constexpr int kZAhead = kBlockN == 128 ? 2 * (kBlockN / 32) : 1;
+  // groups) next to 64 accumulators; next to 128, what the 168 registers of the launch bound hold
+  // without spilling in the unclamped instance (the clamp ones spill 12-32 bytes): 1 at width
+  // 256, 2 at width 128 in the ping-pong schedule (docs/experiments.md#z-ahead).
+  static constexpr int kZAhead = kHeldAccRegs == 64 ? 2 * (kBlockN / 32) : (kBlockN == 128 ? 2 : 1);
   using Parts = DgradSwiGLUParts<kBlockN, kClamp, kZAhead, true>;
   static constexpr int kGroups = Parts::kGroups;
   struct Args {

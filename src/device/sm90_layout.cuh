@@ -45,8 +45,31 @@ static_assert(kBlockK * 2 == kSwizzleRowBytes && kBlockK == kMnBoxRows,
 static_assert(kWgmmaM * kSwizzleRowBytes == kMnBoxBytes,
               "a consumer's A operand starts one MN box (or 64 K-major rows) into the stage");
 
+// How the consumer warpgroups share a CTA's tiles, a template choice of each instance:
+//   CooperativeConsumers  both run every tile, consumer c its rows [64c, 64c + 64) (one m64
+//                         accumulator block each); their epilogues run at the same time.
+//   PingPongConsumers     consumer c takes the CTA's tiles of local index i with i % 2 == c whole
+//                         (two m64 blocks, rows [0, 64) and [64, 128)), so one warpgroup's
+//                         epilogue runs under the other's MMAs. The main loops take turns
+//                         (kOrderBarrierId0): besides keeping the tensor cores fed by one
+//                         warpgroup at a time, the turn keeps a consumer from waiting on a stage's
+//                         full barrier while the fill before it (the other's) is still in flight,
+//                         which the parity wait could not tell apart from its own fill.
+//                         Figures: docs/experiments.md#ping-pong-consumers.
+struct CooperativeConsumers {
+  static constexpr bool kPingPong = false;
+  static constexpr int kRowBlocks = 1;                   // m64 accumulator blocks per consumer
+  static constexpr int kWarpgroupsPerTile = kNumConsumers;
+};
+struct PingPongConsumers {
+  static constexpr bool kPingPong = true;
+  static constexpr int kRowBlocks = kBlockM / kWgmmaM;   // the whole tile
+  static constexpr int kWarpgroupsPerTile = 1;
+};
+
 // Named barriers (0 is __syncthreads).
 constexpr uint32_t kConsumersBarrierId = 1;   // both consumer warpgroups
 constexpr uint32_t kStagingBarrierId0 = 2;    // + consumer: one warpgroup's staging
+constexpr uint32_t kOrderBarrierId0 = 4;      // + consumer: its turn to run a main loop (ping-pong)
 
 }  // namespace fusemoe::sm90

@@ -6,7 +6,8 @@
 //
 // full[s] expects one arrival (the thread that posts the TMA byte count) plus, when the A
 // operand is gathered by cp.async, one arrival per producer thread; empty[s] expects one
-// arrival per consumer warp. A fresh barrier counts as having completed the phase of parity 1,
+// arrival per warp of the consumers that read the stage (both warpgroups, or one in the
+// ping-pong schedule, whose consumers skip the other's stages: RingCursor::skip). A fresh barrier counts as having completed the phase of parity 1,
 // so the producer's first pass over the ring does not wait. Each role walks the ring with its
 // own cursor; both see the same (tile, k-block) sequence, so their stages and phases agree.
 // Every wait is bounded (WaitBound, common/device_wait.h): past the timeout the waiting thread
@@ -64,10 +65,10 @@ struct StageRing {
   uint64_t* empty;  // [kStages]
 
   // One thread, before the CTA's first __syncthreads.
-  __device__ __forceinline__ void init(bool all_producer_threads) const {
+  __device__ __forceinline__ void init(bool all_producer_threads, uint32_t consumer_warps) const {
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], 1 + (all_producer_threads ? kThreadsPerWarpgroup : 0));
-      mbarrier_init(&empty[s], kNumConsumers * kWarpsPerWarpgroup);
+      mbarrier_init(&empty[s], consumer_warps);
     }
     fence_barrier_init();
   }
@@ -83,6 +84,12 @@ struct RingCursor {
       stage = 0;
       phase ^= 1;
     }
+  }
+  // Past n stages another role consumes (n >= 0).
+  __device__ __forceinline__ void skip(int32_t n) {
+    const int32_t s = stage + n;
+    phase ^= static_cast<uint32_t>(s / kStages) & 1u;
+    stage = s % kStages;
   }
 };
 

@@ -289,5 +289,10 @@ struct Wgmma {
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t num_threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
+// Arrives on named barrier `id` without waiting: the other `num_threads` minus these threads
+// wait for it with named_barrier_sync.
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t num_threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
+}
 
 }  // namespace fusemoe::sm90

@@ -15,7 +15,9 @@
 //     k-block), running ahead across tiles so the next tile's loads overlap this tile's
 //     epilogue. Thread 0 issues the TMA loads; a gathered A is copied by all 128 threads.
 //   warpgroups 1, 2 (consumers, 232 registers): consumer c issues wgmma m64 x kBlockN x k16 on
-//     tile rows [64c, 64c + 64) into fp32 registers, then runs the epilogue from them.
+//     tile rows [64c, 64c + 64) into fp32 registers, then runs the epilogue from them; or, in
+//     the ping-pong schedule (PingPongConsumers, sm90_layout.cuh), takes every other tile of
+//     the CTA whole, rows [0, 64) and [64, 128), the two main loops taking turns.
 // Shared memory: [kStages x A tile][kStages x B tile][epilogue staging][full, empty][tile table].
 // Rows of a row tile at or past its expert's end are computed but never stored. Weight
 // gradients reduce over an expert's rows in 64-row K-blocks from its first row; the k-rows of
@@ -48,18 +50,20 @@
 namespace fusemoe::sm90 {
 
 // One instance of the kernel: its operand sources, scheduler and epilogue.
-template <class A_, class B_, class Scheduler_, class Epilogue_>
+template <class A_, class B_, class Scheduler_, class Epilogue_, class Consumers_ = CooperativeConsumers>
 struct GroupedGemm {
   using A = A_;
   using B = B_;
   using Scheduler = Scheduler_;
   using Epilogue = Epilogue_;
+  using Consumers = Consumers_;
   static constexpr int kBlockN = B::kBlockN;      // wgmma N
   static constexpr int kTileCols = B::kTileCols;  // output columns per tile (gate/up: kBlockN / 2)
   static constexpr int kTileBBytes = kBlockN * kBlockK * 2;
   static constexpr int kStageBytes = kTileABytes + kTileBBytes;
   static constexpr int kStages = (kSmemDataBytes - Epilogue::kStagingBytes) / kStageBytes;
-  static constexpr int kAccRegs = kBlockN / 2;
+  static constexpr int kAccRegs = kBlockN / 2;  // per m64 row block; a consumer holds Consumers::kRowBlocks
+  static constexpr uint32_t kConsumerWarpsPerStage = Consumers::kWarpgroupsPerTile * kWarpsPerWarpgroup;
   // Blockwise FP8 (sm90_block_scaled.cuh): its own consumer loop and a scale record per stage.
   static constexpr bool kBlockScaled = IsBlockScaled<A>::value;
   static constexpr int kScaleRingBytes = kBlockScaled ? kStages * kStageScalesBytes : 0;
@@ -73,6 +77,10 @@ struct GroupedGemm {
   static_assert(Epilogue::kStagingBytes % kSmemAlign == 0, "staging alignment");
   static_assert(!Scheduler::kReducesOverRows || (!A::kGathered && A::kMnMajor && B::kMnMajor),
                 "a reduction over rows reads both operands as transposed pool boxes");
+  static_assert(!Consumers::kPingPong || (!Scheduler::kReducesOverRows && !kBlockScaled &&
+                                          Epilogue::kStagingBytes == 0 && Consumers::kRowBlocks * kAccRegs <= 128),
+                "ping-pong: row tiles, the bf16 consumer loop, no per-consumer staging, and at most 128 "
+                "accumulators per thread (the 168 registers of the 384-thread launch bound)");
 
   static constexpr size_t smem_bytes(int num_experts) {
     return kSmemAlign + static_cast<size_t>(kStages) * kStageBytes + Epilogue::kStagingBytes + kScaleRingBytes +
@@ -151,7 +159,7 @@ __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm
     for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
       const int stage = cursor.stage;
       bounded_wait(&ring.empty[stage], cursor.phase ^ 1, p.shape.wait, WaitRole::kProducer, WaitObject::kStageEmpty,
-                   stage, kNumConsumers * kWarpsPerWarpgroup);
+                   stage, Gemm::kConsumerWarpsPerStage);
       if (thread == 0) {
         if constexpr (Gemm::kBlockScaled) {
           B::load_scales(p.a.b_scales, smem_addr(scales[stage].b), tile, kb);
@@ -195,26 +203,58 @@ __device__ __forceinline__ void zero_box_rows(uint8_t* box, int valid_rows, int 
   }
 }
 
+// The thread as the epilogue sees row block b of its tile: rows [64b, 64b + 64) in the ping-pong
+// schedule (where ConsumerThread::consumer names the row block, not the warpgroup), its own
+// rows in the cooperative one.
+template <class Consumers>
+__device__ __forceinline__ ConsumerThread row_block_thread(const ConsumerThread& me, int b) {
+  if constexpr (!Consumers::kPingPong) return me;
+  ConsumerThread block = me;
+  block.consumer = b;
+  return block;
+}
+
 template <class Gemm>
 __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
                                         const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a, uint8_t* tiles_b,
                                         uint8_t* staging, const ConsumerThread& me) {
   using Epilogue = typename Gemm::Epilogue;
+  using Consumers = typename Gemm::Consumers;
+  constexpr int kRowBlocks = Consumers::kRowBlocks;
+  // Named barrier over both consumers: one arrives (its turn is over), the other syncs.
+  constexpr uint32_t kOrderThreads = kNumConsumers * kThreadsPerWarpgroup;
   const EpilogueShape out_shape{p.shape.n_valid, p.shape.m_valid};
   RingCursor<Gemm::kStages> cursor;
-  float acc[Gemm::kAccRegs];
+  float acc[kRowBlocks][Gemm::kAccRegs];
   const int32_t num_tiles = sched.num_tiles();
-  for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+  for (int32_t t = blockIdx.x, local = 0; t < num_tiles; t += gridDim.x, ++local) {
     const Tile tile = sched.tile(t);
-    const AccRows rows(tile, me);
-    typename Epilogue::Inputs inputs = Epilogue::prepare(p.epilogue, out_shape, tile, rows, me);
+    if constexpr (Consumers::kPingPong) {
+      if (local % kNumConsumers != me.consumer) {  // the other consumer's tile
+        cursor.skip(tile.num_k_blocks);
+        continue;
+      }
+    }
+    const ConsumerThread me0 = row_block_thread<Consumers>(me, 0);
+    const AccRows rows(tile, me0);
+    typename Epilogue::Inputs inputs = Epilogue::prepare(p.epilogue, out_shape, tile, rows, me0);
+    // Ping-pong: wait for the turn the other consumer hands over once it has waited on the last
+    // stage of the CTA's previous tile.
+    if constexpr (Consumers::kPingPong) {
+      if (local > 0) named_barrier_sync(kOrderBarrierId0 + me.consumer, kOrderThreads);
+    }
+    const bool hands_over = Consumers::kPingPong && t + static_cast<int32_t>(gridDim.x) < num_tiles;
 
-    // ---- main loop: acc[64 rows, kBlockN] = A[this consumer's 64 rows, K] * B[K, kBlockN]
+    // ---- main loop: acc[b][64 rows, kBlockN] = A[row block b, K] * B[K, kBlockN] for this
+    // consumer's row blocks (its own 64 rows, or both blocks of the tile)
     int prev_stage = 0;
     for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
       const int stage = cursor.stage;
       bounded_wait(&ring.full[stage], cursor.phase, p.shape.wait, WaitRole::kConsumer, WaitObject::kStageFull, stage,
                    Gemm::A::kTmaBytes + Gemm::kTileBBytes);
+      if constexpr (Consumers::kPingPong) {
+        if (hands_over && kb == tile.num_k_blocks - 1) named_barrier_arrive(kOrderBarrierId0 + (me.consumer ^ 1), kOrderThreads);
+      }
       uint8_t* tile_a = tiles_a + stage * kTileABytes;
       uint8_t* tile_b = tiles_b + stage * Gemm::kTileBBytes;
       if constexpr (Gemm::A::kGathered) fence_proxy_async_shared();  // cp.async rows -> wgmma reads
@@ -229,14 +269,23 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
           named_barrier_sync(kConsumersBarrierId, kNumConsumers * kThreadsPerWarpgroup);
         }
       }
-      const uint64_t desc_a = make_desc_sw128(tile_a + me.consumer * kWgmmaM * kSwizzleRowBytes,
-                                              Gemm::LayoutA::kLbo, Gemm::LayoutA::kSbo);
+      // Row block b's A rows start b (ping-pong) or `consumer` (cooperative) 64-row blocks into
+      // the stage: 64 K-major rows or one MN box, the same 8 KB.
+      uint64_t desc_a[kRowBlocks];
+#pragma unroll
+      for (int b = 0; b < kRowBlocks; ++b) {
+        desc_a[b] = make_desc_sw128(tile_a + row_block_thread<Consumers>(me, b).consumer * kWgmmaM * kSwizzleRowBytes,
+                                    Gemm::LayoutA::kLbo, Gemm::LayoutA::kSbo);
+      }
       const uint64_t desc_b = make_desc_sw128(tile_b, Gemm::LayoutB::kLbo, Gemm::LayoutB::kSbo);
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kBlockK / kWgmmaK; ++k) {
-        Gemm::Mma::mma(acc, desc_a + k * Gemm::LayoutA::kDescStepK16, desc_b + k * Gemm::LayoutB::kDescStepK16,
-                       (kb > 0 || k > 0) ? 1u : 0u);
+#pragma unroll
+        for (int b = 0; b < kRowBlocks; ++b) {
+          Gemm::Mma::mma(acc[b], desc_a[b] + k * Gemm::LayoutA::kDescStepK16,
+                         desc_b + k * Gemm::LayoutB::kDescStepK16, (kb > 0 || k > 0) ? 1u : 0u);
+        }
       }
       wgmma_commit_group();
       // Keep this K-block's MMAs in flight; the previous block's have finished reading.
@@ -246,14 +295,26 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
       cursor.advance();
     }
     wgmma_wait_group<0>();
-    fence_accumulators(acc);
+#pragma unroll
+    for (int b = 0; b < kRowBlocks; ++b) fence_accumulators(acc[b]);
     if ((!Gemm::Scheduler::kReducesOverRows || tile.num_k_blocks > 0) && me.lane == 0 &&
         !releases_withheld(p.shape.wait)) {
       mbarrier_arrive(&ring.empty[prev_stage]);
     }
 
-    // ---- epilogue
-    Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc, staging, me);
+    // ---- epilogue, one row block at a time. Ping-pong: block 1's inputs load here, under block
+    // 0's stores; loaded before the main loop they would spill (they would share the registers
+    // with 128 accumulators throughout it).
+    static_assert(kRowBlocks <= 2, "one or two row blocks per consumer");
+    if constexpr (kRowBlocks == 1) {
+      Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc[0], staging, me0);
+    } else {
+      const ConsumerThread me_b = row_block_thread<Consumers>(me, 1);
+      const AccRows rows_b(tile, me_b);
+      typename Epilogue::Inputs inputs_b = Epilogue::prepare(p.epilogue, out_shape, tile, rows_b, me_b);
+      Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc[0], staging, me0);
+      Epilogue::store(p.epilogue, out_shape, tile, rows_b, inputs_b, acc[1], staging, me_b);
+    }
   }
   Epilogue::finish(me);
 }
@@ -280,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
     prefetch_tensor_map(&p.map_b);
     if constexpr (TwoBMaps<typename Gemm::B>::value) prefetch_tensor_map(&p.map_b_up);
     Gemm::Epilogue::prefetch(p.epilogue);
-    ring.init(kAllProducerThreads<typename Gemm::A>);
+    ring.init(kAllProducerThreads<typename Gemm::A>, Gemm::kConsumerWarpsPerStage);
   }
   typename Gemm::Scheduler sched = make_scheduler<Gemm>(p.shape, table);
   build_expert_tile_table(p.shape.expert_offsets, sched.table);  // ends with __syncthreads()

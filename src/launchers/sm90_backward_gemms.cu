@@ -5,6 +5,8 @@
 // x read w13, or separate w1 and w3 through two tensor maps (the same tiles).
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
 #include "launchers/sm90_launch_gemm.cuh"
 
 namespace fusemoe {
@@ -18,9 +20,16 @@ using RecomputeZGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsB<256>, sm90::R
                                    sm90::RowStoreEpilogue<256, false, RowDestination::kSortedRow>>;
 using SeparateRecomputeZGemm = GroupedGemm<sm90::PoolRowsA, sm90::SeparateWeightsB<256>, sm90::RowTileScheduler,
                                            sm90::RowStoreEpilogue<256, false, RowDestination::kSortedRow>>;
+// Width 128: the ping-pong schedule (each consumer warpgroup a whole 128-row tile, 128
+// accumulators, its SwiGLU-backward epilogue under the other's MMAs). Width 256 would hold 256
+// accumulators per 128 rows: cooperative.
 template <int kBlockN, bool kClamp>
-using DgradSwigluGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsTransposedB<kBlockN>, sm90::RowTileScheduler,
-                                    sm90::DgradSwiGLUEpilogue<kBlockN, kClamp>>;
+using DgradSwigluGemm = std::conditional_t<
+    kBlockN == 128,
+    GroupedGemm<sm90::PoolRowsA, sm90::WeightsTransposedB<128>, sm90::RowTileScheduler,
+                sm90::DgradSwiGLUEpilogue<128, kClamp, 128>, sm90::PingPongConsumers>,
+    GroupedGemm<sm90::PoolRowsA, sm90::WeightsTransposedB<kBlockN>, sm90::RowTileScheduler,
+                sm90::DgradSwiGLUEpilogue<kBlockN, kClamp>>>;
 template <RowDestination kDest>
 using DgradScatterGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsTransposedB<256>, sm90::RowTileScheduler,
                                      sm90::RowStoreEpilogue<256, false, kDest>>;
