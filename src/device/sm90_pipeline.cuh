@@ -7,8 +7,9 @@
 // full[s] expects one arrival (the thread that posts the TMA byte count) plus, when the A
 // operand is gathered by cp.async, one arrival per producer thread; empty[s] expects one
 // arrival per warp of the consumers that read the stage (both warpgroups, or one in the
-// ping-pong schedule, whose consumers skip the other's stages: RingCursor::skip). A fresh barrier counts as having completed the phase of parity 1,
-// so the producer's first pass over the ring does not wait. Each role walks the ring with its
+// ping-pong schedule, whose consumers skip the other's stages: RingCursor::skip). A fresh
+// barrier counts as having completed the phase of parity 1, so the producer's first pass over
+// the ring does not wait. Each role walks the ring with its
 // own cursor; both see the same (tile, k-block) sequence, so their stages and phases agree.
 // Every wait is bounded (WaitBound, common/device_wait.h): past the timeout the waiting thread
 // records what it waited for in mapped host memory and traps, so a wrong byte count or a

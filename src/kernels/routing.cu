@@ -21,19 +21,21 @@
 #include <cuda/functional>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
 
 #include "common/workspace_carver.h"
 #include "fusemoe/error.h"
+#include "fusemoe/fusemoe.h"  // kMaxExperts
+#include "launchers/sm90_launch_common.h"  // device_info: the SM count, queried once per device
 
 namespace fusemoe {
 namespace {
 
 constexpr int kWarpsPerBlock = kRoutingThreads / 32;
 constexpr int kRoundsPerChunk = kRoutingChunk / kRoutingThreads;
-constexpr int kMaxRoutingExperts = 1024;
+constexpr int kMaxRoutingExperts = static_cast<int>(kMaxExperts);  // one counter per expert in shared memory
 constexpr int kExpertsPerThread = kMaxRoutingExperts / kRoutingThreads;  // the offsets' block scan
+static_assert(kMaxRoutingExperts % kRoutingThreads == 0, "the offsets' block scan covers every expert");
 constexpr int kLoadsInFlight = 16;  // the column sums over chunks are latency-bound otherwise
 
 __global__ void __launch_bounds__(kRoutingThreads)
@@ -217,21 +219,6 @@ constexpr size_t place_smem_bytes(int num_experts) {
 // the 48 KB a launch may take without opting in.
 static_assert(place_smem_bytes(kMaxRoutingExperts) + 2048 <= 48 * 1024, "routing_place's shared memory");
 
-// The device's SM count, per device, queried once.
-int device_sms() {
-  int device = 0;
-  FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[kMaxDevices] = {};
-  if (device >= 0 && device < kMaxDevices) {
-    if (const int sms = known[device].load(std::memory_order_relaxed)) return sms;
-  }
-  int sms = 0;
-  FUSEMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (device >= 0 && device < kMaxDevices) known[device].store(sms, std::memory_order_relaxed);
-  return sms;
-}
-
 }  // namespace
 
 size_t routing_plan_bytes(int64_t max_tokens, int64_t top_k, int64_t num_experts) {
@@ -282,7 +269,7 @@ void launch_routing(const int32_t* topk_idx, int64_t num_tokens, int64_t top_k,
   }
   // At most one block per SM: every block reads all chunks' counts, so more blocks cost more reads.
   // T = 0: one block, no chunks (it still publishes zero counts and offsets).
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(num_chunks, device_sms()));
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(num_chunks, sm90::device_info().num_sms));
   const int64_t chunks_per_block = std::max<int64_t>(1, (num_chunks + blocks - 1) / blocks);
   const int64_t grid = std::max<int64_t>(1, (num_chunks + chunks_per_block - 1) / chunks_per_block);
   const size_t smem = place_smem_bytes(experts);  // 45 KB at E = 1024, under the 48 KB default
