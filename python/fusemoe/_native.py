@@ -15,6 +15,8 @@ binding keeps each as its thread's last error with its kind, so fusemoe's entry 
 the class the ctypes path raises: ValueError, FusemoeError, FusemoeOutOfMemoryError (ops._call).
 """
 import ctypes
+import importlib.machinery
+import importlib.util
 import os
 import warnings
 
@@ -28,6 +30,11 @@ ERROR_KINDS = {1: "fusemoe", 2: "out of memory", 3: "argument"}  # torch_binding
 LOADED = False
 _STATUS = "ctypes: the native binding was not looked for"
 _lib = None
+# The autograd formula in C++ (src/torch_binding/autograd.cpp), built for one torch release and
+# Python: the module when it is loaded (beside the binding, for the running torch), else None and
+# fusemoe.ops' Python formula runs.
+AUTOGRAD = None
+_AUTOGRAD_STATUS = "Python formula: the C++ one was not looked for"
 
 
 def library_path():
@@ -65,9 +72,48 @@ def _load():
     return True, f"native: {path} (PyTorch stable ABI, torch {torch.__version__})"
 
 
+def _autograd_module_path():
+    """The C++ autograd module built for the running torch release and Python, beside the binding."""
+    release = torch.__version__.split("+")[0]
+    name = f"_fusemoe_autograd-torch{release}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    return os.path.join(os.path.dirname(library_path()), name)
+
+
+def _load_autograd():
+    """Loads the C++ autograd module if the binding is loaded and a build for this torch is there;
+    returns (module or None, what the status line says of it)."""
+    if not LOADED:
+        return None, "Python formula"
+    if os.environ.get("FUSEMOE_NATIVE_AUTOGRAD") == "0":
+        return None, "Python formula: FUSEMOE_NATIVE_AUTOGRAD=0"
+    path = _autograd_module_path()
+    if not os.path.isfile(path):
+        return None, (f"Python formula: no C++ module for torch {torch.__version__} (looked at "
+                      f"{path}; it is built against the torch the build found)")
+    try:
+        spec = importlib.util.spec_from_file_location("_fusemoe_autograd", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as e:
+        status = f"Python formula: cannot load {path}: {e}"
+        warnings.warn(f"fusemoe: {status}", RuntimeWarning, stacklevel=3)
+        return None, status
+    return module, f"C++ ({path})"
+
+
+def init_autograd(error_classes):
+    """Gives the C++ autograd module the binding's last-error function and the Python class of each
+    error kind (fusemoe.ops' _NATIVE_ERROR_CLASSES), so its errors are raised as ops._call raises
+    them, also from inside backward()."""
+    if AUTOGRAD is not None:
+        address = ctypes.cast(_lib.fusemoe_torch_last_error, ctypes.c_void_p).value
+        AUTOGRAD.init(address, error_classes[1], error_classes[2], error_classes[3])
+
+
 def status():
-    """One line: "native: <path> ..." when the ops are the binding's, else "ctypes: <why>"."""
-    return _STATUS
+    """One line: "native: <path> ...; autograd: <which formula>" when the ops are the binding's,
+    else "ctypes: <why>"."""
+    return _STATUS if not LOADED else f"{_STATUS}; autograd: {_AUTOGRAD_STATUS}"
 
 
 def last_error():
@@ -94,3 +140,4 @@ def take_reported_error():
 
 
 LOADED, _STATUS = _load()
+AUTOGRAD, _AUTOGRAD_STATUS = _load_autograd()

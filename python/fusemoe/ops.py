@@ -196,6 +196,7 @@ class FusemoeOutOfMemoryError(_capi.FusemoeError, torch.OutOfMemoryError):
 
 
 _NATIVE_ERROR_CLASSES = {1: _capi.FusemoeError, 2: FusemoeOutOfMemoryError, 3: ValueError}
+_native.init_autograd(_NATIVE_ERROR_CLASSES)
 
 
 def _call(op, *args):
@@ -524,6 +525,16 @@ def _gradients(ctx, dy_TH, backward_op, backward_into_op):
             + (None,) * (ctx.num_inputs - 3 - ctx.num_weights))
 
 
+_in_place_backwards = 0  # backward calls of either formula that took grad_in_place's path
+
+
+def _in_place_backward_count():
+    """How many backward calls so far wrote the weight gradients into .grad (grad_in_place), by
+    the Python formula and the C++ one: what tests check the path by."""
+    cpp = _native.AUTOGRAD.in_place_backwards() if _native.AUTOGRAD is not None else 0
+    return _in_place_backwards + cpp
+
+
 def _backward_into_grads(ctx, backward_into):
     """grad_in_place (the bf16 and FP8 ops): backward_into(*grads, accumulate), a gradient buffer
     per Parameter of ctx.params (w13, w2, or w1, w3, w2), adds the weight gradients to the
@@ -533,6 +544,8 @@ def _backward_into_grads(ctx, backward_into):
         raise RuntimeError("fusemoe: grad_in_place=True sets Parameter.grad inside the backward, "
                            "which a compiled backward cannot trace; use grad_in_place=False "
                            "under torch.compile")
+    global _in_place_backwards
+    _in_place_backwards += 1
     params = ctx.params
     fresh = all(param.grad is None for param in params)
     if fresh:
@@ -565,7 +578,7 @@ def _direct(args):
                 or torch._C._has_torch_function(args))
 
 
-def _register_autograd(name, backward, setup_context):
+def _register_autograd(name, backward, setup_context, num_weights=2):
     """Registers the autograd formula of the forward op fusemoe::<name> and returns the function
     fusemoe's own code calls it by. The ctypes path's custom ops take
     torch.library.register_autograd, and are called as they are. The native ops get the kernel it
@@ -574,12 +587,23 @@ def _register_autograd(name, backward, setup_context):
     which reads the schema's argument list from C++ twice per argument (41 us per forward on the
     CPU machine): the defaults are read once here. The returned function runs that kernel's work
     without entering the dispatcher first where nothing would run above it (_direct): one Python
-    kernel call fewer per forward (docs/perf.md#host-cost-of-the-op)."""
+    kernel call fewer per forward (docs/perf.md#host-cost-of-the-op). There, when the C++ autograd
+    module is loaded (fusemoe._native.AUTOGRAD), it runs the forward and links a C++ node whose
+    backward calls the backward ops with no Python: the same formula as backward/setup_context
+    (num_weights: the weights after topk_weights, 3 for w1, w3, w2)."""
     if not _native.LOADED:
         torch.library.register_autograd(f"fusemoe::{name}", backward, setup_context=setup_context)
         return getattr(torch.ops.fusemoe, name)
     op = getattr(torch.ops.fusemoe, name).default
     defaults = tuple(argument.default_value for argument in op._schema.arguments)
+    family = None
+    if _native.AUTOGRAD is not None:
+        stem = name[:-len("_forward")]
+        num_tensors = sum(1 for argument in op._schema.arguments
+                          if isinstance(argument.type, torch._C.TensorType))
+        family = _native.AUTOGRAD.register_ops(f"fusemoe::{name}", f"fusemoe::{stem}_backward",
+                                               f"fusemoe::{stem}_backward_into", num_tensors,
+                                               num_weights)
     below_autograd = torch._C._after_autograd_keyset
 
     class Generated(torch.autograd.Function):
@@ -606,6 +630,11 @@ def _register_autograd(name, backward, setup_context):
         if not _direct(args):
             return op(*args)
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            # Read per call: _native.AUTOGRAD = None selects the Python formula (the tests do).
+            if family is not None and _native.AUTOGRAD is not None:
+                output = _native.AUTOGRAD.forward(family, *args)
+                if output is not NotImplemented:  # NotImplemented: an argument the op will refuse
+                    return output
             return Generated.apply(None, *args)
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args)

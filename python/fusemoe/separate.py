@@ -235,7 +235,8 @@ def _backward(ctx, dy_TH, _dz_unused):
     return _gradients(ctx, dy_TH, moe_experts_w1w3_backward, moe_experts_w1w3_backward_into)
 
 
-_forward_call = _register_autograd("moe_experts_w1w3_forward", _backward, _setup_context)
+_forward_call = _register_autograd("moe_experts_w1w3_forward", _backward, _setup_context,
+                                   num_weights=3)
 
 
 # ------------------------------------------------------------------------------------ FP8 ops
@@ -355,7 +356,7 @@ def _fp8_backward(ctx, dy_TH, _dz_unused):
 
 
 _fp8_forward_call = _register_autograd("moe_experts_w1w3_fp8_forward", _fp8_backward,
-                                       _fp8_setup_context)
+                                       _fp8_setup_context, num_weights=3)
 
 
 def moe_experts_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,

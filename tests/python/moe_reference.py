@@ -95,6 +95,11 @@ def _once(register):
     return run
 
 
+# The accumulate flag of every call of a stand-in _into op (the backward of grad_in_place), in
+# order: how tests see that path taken, whichever autograd formula (Python or C++) called it.
+into_accumulate_flags = []
+
+
 @_once
 def register_cpu_kernels():
     """CPU kernels for the fusemoe ops (fp32 math, outputs in the op's dtypes), so the Python
@@ -124,6 +129,7 @@ def register_cpu_kernels():
     @torch.library.register_kernel("fusemoe::moe_experts_backward_into", "cpu")
     def _backward_into_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13_EFH,
                            dw2_EHI, accumulate, impl, saved_z_SF=None, swiglu_clamp=None):
+        into_accumulate_flags.append(accumulate)
         _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
         dx_TH, dw_TK, g13_EFH, g2_EHI = moe_experts_backward_fp32(
             dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, swiglu_clamp)
@@ -159,6 +165,7 @@ def register_cpu_kernels():
     def _backward_into_w1w3_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
                                 dw1_EIH, dw3_EIH, dw2_EHI, accumulate, impl, saved_z_SF=None,
                                 swiglu_clamp=None):
+        into_accumulate_flags.append(accumulate)
         _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, dy_TH)
         _check_weight_grads_w1w3(dw1_EIH, dw3_EIH, dw2_EHI, w1_EIH, w3_EIH, w2_EHI)
         return backward_into_w1w3(dy_TH, x_TH, topk_idx_TK, topk_weights_TK,
@@ -229,6 +236,7 @@ def register_cpu_fp8_kernels():
     def _backward_into_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                            fp8_weights, dw13_EFH, dw2_EHI, accumulate, impl, saved_z_SF=None,
                            swiglu_clamp=None):
+        into_accumulate_flags.append(accumulate)
         _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
         w13, w2 = weights_of(fp8_weights, w13_EFH, w2_EHI)
         dx_TH, dw_TK, g13_EFH, g2_EHI = moe_experts_backward_fp32(
@@ -290,6 +298,7 @@ def register_cpu_fp8_w1w3_kernels():
     def _backward_into_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
                            fp8_weights, dw1_EIH, dw3_EIH, dw2_EHI, accumulate, impl,
                            saved_z_SF=None, swiglu_clamp=None):
+        into_accumulate_flags.append(accumulate)
         return backward_into(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
                              fp8_weights, (dw1_EIH, dw3_EIH, dw2_EHI), accumulate, swiglu_clamp)
 

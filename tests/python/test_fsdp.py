@@ -75,17 +75,10 @@ def grads_of(module, batches, wrap_input):
     return grads[0], grads[1], dxs
 
 
-def check_fsdp_matches_unsharded(device, impl, grad_in_place, monkeypatch):
+def check_fsdp_matches_unsharded(device, impl, grad_in_place):
     fully_shard, MixedPrecisionPolicy = fully_shard_api()
     from fusemoe import ops
-    in_place_calls = []
-    real_backward_into_grads = ops._backward_into_grads
-
-    def counting(*args):
-        in_place_calls.append(1)
-        return real_backward_into_grads(*args)
-
-    monkeypatch.setattr(ops, "_backward_into_grads", counting)
+    in_place_before = ops._in_place_backward_count()
     w13_EFH, w2_EHI, batches = micro_batches(device)
     module = fusemoe.MoEExperts(8, 256, 128, impl=impl, device=device, dtype=torch.float32,
                                 grad_in_place=grad_in_place)
@@ -112,23 +105,23 @@ def check_fsdp_matches_unsharded(device, impl, grad_in_place, monkeypatch):
     for i, (g, e) in enumerate(zip(got[2], expected[2])):
         assert torch.equal(g, e), f"dx of micro-batch {i}: max diff {(g - e).abs().max().item()}"
     # grad_in_place took its own path (the kernels wrote the unsharded Parameters' .grad).
-    assert len(in_place_calls) == (len(batches) if grad_in_place else 0)
+    assert ops._in_place_backward_count() - in_place_before == (len(batches) if grad_in_place else 0)
 
 
 @pytest.mark.backend("gloo")
 @pytest.mark.parametrize("grad_in_place", [False, True])
-def test_fsdp2_matches_unsharded_cpu(process_group, grad_in_place, monkeypatch):
-    check_fsdp_matches_unsharded("cpu", "unfused", grad_in_place, monkeypatch)
+def test_fsdp2_matches_unsharded_cpu(process_group, grad_in_place):
+    check_fsdp_matches_unsharded("cpu", "unfused", grad_in_place)
 
 
 @pytest.mark.backend("nccl")
 @pytest.mark.parametrize("grad_in_place", [False, True])
 @pytest.mark.parametrize("impl", ["fused", "unfused"])
-def test_fsdp2_matches_unsharded_gpu(impl, grad_in_place, request, monkeypatch):
+def test_fsdp2_matches_unsharded_gpu(impl, grad_in_place, request):
     require_gpu()
     torch.cuda.set_device(0)
     request.getfixturevalue("process_group")  # after the GPU gate: no nccl group without a GPU
-    check_fsdp_matches_unsharded("cuda", impl, grad_in_place, monkeypatch)
+    check_fsdp_matches_unsharded("cuda", impl, grad_in_place)
 
 
 def check_fsdp_fp8_cache_follows_steps(device):

@@ -14,7 +14,8 @@ import fusemoe  # noqa: E402
 from fusemoe import _capi  # noqa: E402
 from moe_reference import (assert_within_noise, make_problem,  # noqa: E402
                            moe_experts_backward_fp32, moe_experts_torch, register_cpu_fp8_kernels,
-                           register_cpu_kernels, rel_err)
+                           register_cpu_fp8_w1w3_kernels, register_cpu_kernels, rel_err,
+                           split_w13)
 
 register_cpu_kernels()
 register_cpu_fp8_kernels()
@@ -154,15 +155,12 @@ def test_fp8_op_under_fake_tensors():
 
 
 @pytest.mark.parametrize("grad_in_place", [False, True])
-def test_fp8_autograd_matches_the_bf16_op(grad_in_place, monkeypatch):
+def test_fp8_autograd_matches_the_bf16_op(grad_in_place):
     """The FP8 op's autograd (shared with the bf16 op's) over the CPU stand-ins, whose FP8 math is
     the bf16 stand-ins': the same outputs and gradients as the bf16 op, and with grad_in_place the
     weight gradients land in .grad (accumulated over two calls) through the _into op."""
     from fusemoe import ops
-    into_calls = []
-    real_backward_into_grads = ops._backward_into_grads
-    monkeypatch.setattr(ops, "_backward_into_grads",
-                        lambda *args: into_calls.append(1) or real_backward_into_grads(*args))
+    in_place_before = ops._in_place_backward_count()
     p = make_problem(37, 128, 128, 6, 2, device="cpu")
     grads = []
     for precision, in_place in (("bf16", False), ("fp8", grad_in_place)):
@@ -173,7 +171,7 @@ def test_fp8_autograd_matches_the_bf16_op(grad_in_place, monkeypatch):
                                     precision=precision, grad_in_place=in_place)
             y.backward(p["dy_TH"])
         grads.append([y.detach()] + [leaf.grad for leaf in leaves])
-    assert len(into_calls) == (2 if grad_in_place else 0)
+    assert ops._in_place_backward_count() - in_place_before == (2 if grad_in_place else 0)
     for name, got, expected in zip(("y", "dx", "d_topk_weights", "dw13", "dw2"), *grads):
         if grad_in_place and name in ("dw13", "dw2"):  # one bf16 rounding less than autograd's
             assert got.dtype == expected.dtype and rel_err(got, expected) <= 1e-2, name
@@ -875,6 +873,61 @@ def test_checkpointing_and_accumulation(problem):
         run(x, True).backward(dy)  # two micro-batches, checkpointed, gradients accumulate
     assert torch.equal(module.gate_up_proj.grad, per_batch[0][0] + per_batch[1][0])
     assert torch.equal(module.down_proj.grad, per_batch[0][1] + per_batch[1][1])
+
+
+def require_cpp_autograd():
+    from fusemoe import _native
+    if _native.AUTOGRAD is None:
+        pytest.skip(f"skipped: the C++ autograd formula is not in use ({_native.status()})")
+
+
+@pytest.mark.parametrize("grad_in_place", [False, True])
+@pytest.mark.parametrize("separate", [False, True], ids=["w13", "w1w3"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_cpp_autograd_formula_equals_the_python_one(precision, separate, grad_in_place,
+                                                    monkeypatch):
+    """The C++ formula (src/torch_binding/autograd.cpp), which eager calls get where it is built:
+    its node is the C++ one, y and every gradient over two micro-batches into the same leaves
+    (swiglu_clamp on) equal the Python formula's bitwise, and it saves as many tensors
+    (saved-tensor hooks, which checkpointing and offloading use, see each of them)."""
+    require_cpp_autograd()
+    register_cpu_fp8_w1w3_kernels()
+    from fusemoe import _native
+    p = make_problem(37, 128, 128, 6, 2, device="cpu")  # FP8: H and I multiples of 128
+    weights = split_w13(p["w13_EFH"]) + (p["w2_EHI"],) if separate else (p["w13_EFH"], p["w2_EHI"])
+    layer = fusemoe.moe_experts_w1w3 if separate else fusemoe.moe_experts
+
+    def run():
+        x, w, *ws = (t.clone().requires_grad_() for t in (p["x_TH"], p["topk_weights_TK"],
+                                                         *weights))
+        names, packed = [], []
+        for batch in range(2):
+            x_in = x.flip(0) if batch else x
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t,
+                                                          lambda t: t):
+                y = layer(x_in, p["topk_idx_TK"], w, *ws, impl="fused", swiglu_clamp=0.5,
+                          precision=precision, grad_in_place=grad_in_place)
+            names.append(y.grad_fn.name())
+            y.backward(p["dy_TH"])
+        return [y.detach(), x.grad, w.grad] + [t.grad for t in ws], names, len(packed)
+
+    cpp_outputs, cpp_names, cpp_packed = run()
+    monkeypatch.setattr(_native, "AUTOGRAD", None)
+    python_outputs, python_names, python_packed = run()
+    assert cpp_names == ["fusemoe::MoEExpertsBackward"] * 2
+    assert "fusemoe" not in python_names[0]
+    assert cpp_packed == python_packed > 0
+    for i, (got, expected) in enumerate(zip(cpp_outputs, python_outputs)):
+        assert got is not None and torch.equal(got, expected), f"output {i}"
+
+
+def test_cpp_autograd_formula_leaves_arguments_it_does_not_parse_to_the_op(problem):
+    """An argument the C++ entry does not parse (here impl not a string) falls back to the op's
+    own call, so the error is the one PyTorch raised before the C++ formula existed."""
+    require_cpp_autograd()
+    x, idx, w, w13, w2 = op_args(problem)
+    with pytest.raises(RuntimeError, match="impl"):
+        fusemoe.ops._forward_call(x, idx, w.clone().requires_grad_(), w13, w2, 3)
 
 
 def test_module_shares_parameters_and_converts_inputs(problem):
