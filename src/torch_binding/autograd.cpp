@@ -16,11 +16,8 @@
 #include <ATen/core/stack.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
-#include <torch/csrc/autograd/edge.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/autograd/saved_variable.h>
 
 #include <atomic>
 #include <cstdint>
@@ -34,8 +31,7 @@
 namespace fusemoe::torch_autograd {
 namespace {
 
-using torch::autograd::Node;
-using torch::autograd::SavedVariable;
+using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // One forward op and its two backward ops (names as the binding defines them).
@@ -93,43 +89,77 @@ void call_below_autograd(const c10::OperatorHandle& op, torch::jit::Stack& stack
   }
 }
 
-// The backward of one forward call: the input order of the forward op's tensors, their
-// gradients in that order (none for topk_idx and the FP8 weight buffer).
-struct ExpertsBackward final : Node {
-  const OpFamily* family = nullptr;
-  std::vector<SavedVariable> saved;  // the forward's tensor arguments, then z
-  std::string impl;
-  std::optional<double> swiglu_clamp;
-  // grad_in_place: the leaf weights themselves, kept outside the saved tensors so that saved-
-  // tensor hooks (checkpointing, offloading) cannot hand back a copy whose .grad nobody sees.
-  std::vector<at::Tensor> params;
+}  // namespace
+}  // namespace fusemoe::torch_autograd
 
-  std::string name() const override { return "fusemoe::MoEExpertsBackward"; }
+namespace fusemoe {
+using torch_autograd::call_below_autograd;
+using torch_autograd::families;
+using torch_autograd::g_in_place_backwards;
+using torch_autograd::OpFamily;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
 
-  void release_variables() override {
-    for (auto& s : saved) s.reset_data();
-    params.clear();
+// Outside the anonymous namespace: its node's name (grad_fn.name()) is "fusemoe::MoEExperts".
+// The forward op of one family with autograd: a torch::autograd::Function (so its node, a
+// CppNode, also runs under compiled autograd, as an opaque call). Inputs: the family, the op's
+// tensors (each an autograd input through the TensorList), its other arguments, and where to put
+// z, which stays outside the graph (no gradient, created without one).
+struct MoEExperts : torch::autograd::Function<MoEExperts> {
+  static variable_list forward(AutogradContext* ctx, int64_t family_index, at::TensorList tensors,
+                               const std::string& impl, bool grad_in_place, bool save_z,
+                               std::optional<double> swiglu_clamp, at::Tensor* z_out) {
+    const OpFamily& family = families()[family_index];
+    torch::jit::Stack stack;
+    stack.reserve(tensors.size() + 4);
+    for (const auto& t : tensors) stack.emplace_back(t);
+    stack.emplace_back(impl);
+    stack.emplace_back(grad_in_place);
+    stack.emplace_back(save_z);
+    stack.emplace_back(swiglu_clamp ? c10::IValue(*swiglu_clamp) : c10::IValue());
+    call_below_autograd(family.forward, stack);
+    at::Tensor y = std::move(stack[0]).toTensor();
+    *z_out = std::move(stack[1]).toTensor();
+    // What ops._save_for_backward saves: the op's tensors and z, through saved-tensor hooks.
+    variable_list to_save(tensors.begin(), tensors.end());
+    to_save.push_back(*z_out);
+    ctx->save_for_backward(to_save);
+    ctx->saved_data["family"] = family_index;
+    ctx->saved_data["impl"] = impl;
+    ctx->saved_data["swiglu_clamp"] = swiglu_clamp ? c10::IValue(*swiglu_clamp) : c10::IValue();
+    if (grad_in_place) {
+      // The leaf weights themselves, outside the saved tensors: a hook's unpack may hand back a
+      // copy, whose .grad nobody would see.
+      const auto weights = tensors.slice(3, family.num_weights);
+      bool leaves = true;
+      for (const auto& w : weights) leaves = leaves && w.is_leaf() && w.requires_grad();
+      if (leaves) ctx->saved_data["params"] = c10::List<at::Tensor>(weights);
+    }
+    ctx->set_materialize_grads(false);  // no gradient reaches y: none to compute
+    return {y};
   }
 
-  variable_list apply(variable_list&& grads) override {
-    variable_list result(family->num_tensors);
-    if (!grads[0].defined()) return result;  // no gradient reached y: every gradient is zero
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const OpFamily& family = families()[ctx->saved_data["family"].toInt()];
+    const size_t n = family.num_tensors;
+    // Gradients per forward input: family, then the tensors, then the 5 other arguments.
+    variable_list result(1 + n + 5);
+    if (!grads[0].defined()) return result;
+    variable_list saved = ctx->get_saved_variables();  // the op's tensors, then z
+    const at::Tensor& z = saved.back();
     torch::jit::Stack stack;
-    stack.reserve(2 * family->num_tensors + 6);
+    stack.reserve(2 * n + 6);
     // dy may arrive expanded (e.g. from y.sum()) or in another layout: the ops need it dense.
     stack.emplace_back(grads[0].contiguous());
-    std::vector<at::Tensor> tensors;
-    tensors.reserve(saved.size());
-    for (auto& s : saved) tensors.push_back(s.unpack());
-    const at::Tensor& z = tensors.back();
-    for (size_t i = 0; i < family->num_tensors; ++i) stack.emplace_back(tensors[i]);
-    const bool in_place = !params.empty();
-    bool fresh = false;
-    std::vector<at::Tensor> weight_grads;
+    for (size_t i = 0; i < n; ++i) stack.emplace_back(saved[i]);
+    const auto params_entry = ctx->saved_data.find("params");
+    const bool in_place = params_entry != ctx->saved_data.end();
+    std::vector<at::Tensor> params, weight_grads;
+    bool fresh = true;
     if (in_place) {
       g_in_place_backwards.fetch_add(1, std::memory_order_relaxed);
+      for (const at::Tensor& p : params_entry->second.toTensorList()) params.push_back(p);
       // As ops._backward_into_grads: written into fresh .grad when none exists, else added.
-      fresh = true;
       for (auto& p : params) fresh = fresh && !p.grad().defined();
       for (auto& p : params) {
         if (fresh) {
@@ -142,22 +172,25 @@ struct ExpertsBackward final : Node {
       }
       stack.emplace_back(!fresh);  // accumulate
     }
-    stack.emplace_back(impl);
+    stack.emplace_back(ctx->saved_data["impl"]);
     stack.emplace_back(z.numel() ? c10::IValue(z) : c10::IValue());
-    stack.emplace_back(swiglu_clamp ? c10::IValue(*swiglu_clamp) : c10::IValue());
-    call_below_autograd(in_place ? family->backward_into : family->backward, stack);
-    result[0] = std::move(stack[0]).toTensor();  // dx
-    result[2] = std::move(stack[1]).toTensor();  // d_topk_weights
-    if (in_place) {
-      if (fresh) {
-        for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = weight_grads[i];
-      }
-    } else {
-      for (size_t i = 0; i < family->num_weights; ++i) result[3 + i] = std::move(stack[2 + i]).toTensor();
+    stack.emplace_back(ctx->saved_data["swiglu_clamp"]);
+    call_below_autograd(in_place ? family.backward_into : family.backward, stack);
+    result[1] = std::move(stack[0]).toTensor();  // dx
+    result[3] = std::move(stack[1]).toTensor();  // d_topk_weights
+    if (!in_place) {
+      for (size_t i = 0; i < family.num_weights; ++i) result[4 + i] = std::move(stack[2 + i]).toTensor();
+    } else if (fresh) {
+      for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = weight_grads[i];
     }
     return result;
   }
 };
+
+}  // namespace fusemoe
+
+namespace fusemoe::torch_autograd {
+namespace {
 
 // ---- the Python entry points ----
 
@@ -213,45 +246,11 @@ PyObject* forward(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   if (impl_utf8 == nullptr) return nullptr;
   std::string impl(impl_utf8);
 
-  torch::jit::Stack stack;
-  stack.reserve(n + 4);
-  for (auto& t : tensors) stack.emplace_back(t);
-  stack.emplace_back(impl);
-  stack.emplace_back(grad_in_place);
-  stack.emplace_back(save_z);
-  stack.emplace_back(swiglu_clamp ? c10::IValue(*swiglu_clamp) : c10::IValue());
-  bool requires_grad = false;
-  if (at::GradMode::is_enabled()) {
-    for (auto& t : tensors) requires_grad = requires_grad || t.requires_grad();
-  }
+  at::Tensor y, z;
   {
     pybind11::gil_scoped_release no_gil;
-    at::AutoGradMode no_grad(false);  // as torch.autograd.Function's forward
-    call_below_autograd(family.forward, stack);
-  }
-  at::Tensor y = std::move(stack[0]).toTensor();
-  at::Tensor z = std::move(stack[1]).toTensor();
-  if (requires_grad) {
-#ifdef FUSEMOE_TORCH_SHARED_NODES
-    auto node = std::shared_ptr<ExpertsBackward>(new ExpertsBackward(), torch::autograd::deleteNode);
-#else
-    auto node = c10::make_intrusive<ExpertsBackward>();
-#endif
-    node->family = &family;
-    node->set_next_edges(torch::autograd::collect_next_edges(at::ArrayRef<at::Tensor>(tensors)));
-    node->saved.reserve(n + 1);
-    for (auto& t : tensors) node->saved.emplace_back(t, /*is_output=*/false);
-    node->saved.emplace_back(z, /*is_output=*/false);
-    node->impl = std::move(impl);
-    node->swiglu_clamp = swiglu_clamp;
-    if (grad_in_place) {
-      bool leaves = true;
-      for (size_t i = 3; i < 3 + family.num_weights; ++i) {
-        leaves = leaves && tensors[i].is_leaf() && tensors[i].requires_grad();
-      }
-      if (leaves) node->params.assign(tensors.begin() + 3, tensors.begin() + 3 + family.num_weights);
-    }
-    torch::autograd::set_history(y, node);  // z stays outside the graph (no gradient)
+    y = fusemoe::MoEExperts::apply(static_cast<int64_t>(index), at::TensorList(tensors), impl, grad_in_place,
+                          save_z, swiglu_clamp, &z)[0];
   }
   PyObject* y_py = THPVariable_Wrap(std::move(y));
   if (!y_py) return nullptr;

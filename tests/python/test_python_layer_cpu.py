@@ -887,7 +887,7 @@ def require_cpp_autograd():
 def test_cpp_autograd_formula_equals_the_python_one(precision, separate, grad_in_place,
                                                     monkeypatch):
     """The C++ formula (src/torch_binding/autograd.cpp), which eager calls get where it is built:
-    its node is the C++ one, y and every gradient over two micro-batches into the same leaves
+    its node is the C++ one (torch::autograd::CppNode<fusemoe::MoEExperts>), y and every gradient over two micro-batches into the same leaves
     (swiglu_clamp on) equal the Python formula's bitwise, and it saves as many tensors
     (saved-tensor hooks, which checkpointing and offloading use, see each of them)."""
     require_cpp_autograd()
@@ -914,11 +914,33 @@ def test_cpp_autograd_formula_equals_the_python_one(precision, separate, grad_in
     cpp_outputs, cpp_names, cpp_packed = run()
     monkeypatch.setattr(_native, "AUTOGRAD", None)
     python_outputs, python_names, python_packed = run()
-    assert cpp_names == ["fusemoe::MoEExpertsBackward"] * 2
+    assert all("fusemoe::MoEExperts" in name for name in cpp_names), cpp_names
     assert "fusemoe" not in python_names[0]
     assert cpp_packed == python_packed > 0
     for i, (got, expected) in enumerate(zip(cpp_outputs, python_outputs)):
         assert got is not None and torch.equal(got, expected), f"output {i}"
+
+
+def test_cpp_autograd_formula_under_compiled_autograd(problem):
+    """A backward of the C++ node under compiled autograd (the node runs as an opaque call) gives
+    the gradients of the eager backward bitwise."""
+    require_cpp_autograd()
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    def grads(compiled):
+        leaves = [problem[k].clone().requires_grad_()
+                  for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
+        y = fusemoe.moe_experts(leaves[0], problem["topk_idx_TK"], *leaves[1:])
+        assert "fusemoe::MoEExperts" in y.grad_fn.name()
+        if compiled:
+            with compiled_autograd._enable(torch.compile(backend="eager")):
+                y.backward(problem["dy_TH"])
+        else:
+            y.backward(problem["dy_TH"])
+        return [leaf.grad for leaf in leaves]
+
+    for got, expected in zip(grads(True), grads(False)):
+        assert got is not None and torch.equal(got, expected)
 
 
 def test_cpp_autograd_formula_leaves_arguments_it_does_not_parse_to_the_op(problem):
