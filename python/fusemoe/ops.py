@@ -629,12 +629,13 @@ def _register_autograd(name, backward, setup_context, num_weights=2):
     def call(*args):
         if not _direct(args):
             return op(*args)
+        # Read per call: _native.AUTOGRAD = None selects the Python formula (the tests do). The C++
+        # entry also takes calls that need no gradient (it then calls the op below autograd).
+        if family is not None and _native.AUTOGRAD is not None:
+            output = _native.AUTOGRAD.forward(family, *args)
+            if output is not NotImplemented:  # NotImplemented: an argument the op will refuse
+                return output
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-            # Read per call: _native.AUTOGRAD = None selects the Python formula (the tests do).
-            if family is not None and _native.AUTOGRAD is not None:
-                output = _native.AUTOGRAD.forward(family, *args)
-                if output is not NotImplemented:  # NotImplemented: an argument the op will refuse
-                    return output
             return Generated.apply(None, *args)
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args)

@@ -25,6 +25,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -89,11 +90,27 @@ void call_below_autograd(const c10::OperatorHandle& op, torch::jit::Stack& stack
   }
 }
 
+// The forward op of `family` below autograd: (y, z).
+std::pair<at::Tensor, at::Tensor> call_forward_op(const OpFamily& family, at::TensorList tensors,
+                                                  const std::string& impl, bool grad_in_place,
+                                                  bool save_z, std::optional<double> swiglu_clamp) {
+  torch::jit::Stack stack;
+  stack.reserve(tensors.size() + 4);
+  for (const auto& t : tensors) stack.emplace_back(t);
+  stack.emplace_back(impl);
+  stack.emplace_back(grad_in_place);
+  stack.emplace_back(save_z);
+  stack.emplace_back(swiglu_clamp ? c10::IValue(*swiglu_clamp) : c10::IValue());
+  call_below_autograd(family.forward, stack);
+  return {std::move(stack[0]).toTensor(), std::move(stack[1]).toTensor()};
+}
+
 }  // namespace
 }  // namespace fusemoe::torch_autograd
 
 namespace fusemoe {
 using torch_autograd::call_below_autograd;
+using torch_autograd::call_forward_op;
 using torch_autograd::families;
 using torch_autograd::g_in_place_backwards;
 using torch_autograd::OpFamily;
@@ -110,16 +127,8 @@ struct MoEExperts : torch::autograd::Function<MoEExperts> {
                                const std::string& impl, bool grad_in_place, bool save_z,
                                std::optional<double> swiglu_clamp, at::Tensor* z_out) {
     const OpFamily& family = families()[family_index];
-    torch::jit::Stack stack;
-    stack.reserve(tensors.size() + 4);
-    for (const auto& t : tensors) stack.emplace_back(t);
-    stack.emplace_back(impl);
-    stack.emplace_back(grad_in_place);
-    stack.emplace_back(save_z);
-    stack.emplace_back(swiglu_clamp ? c10::IValue(*swiglu_clamp) : c10::IValue());
-    call_below_autograd(family.forward, stack);
-    at::Tensor y = std::move(stack[0]).toTensor();
-    *z_out = std::move(stack[1]).toTensor();
+    at::Tensor y;
+    std::tie(y, *z_out) = call_forward_op(family, tensors, impl, grad_in_place, save_z, swiglu_clamp);
     // What ops._save_for_backward saves: the op's tensors and z, through saved-tensor hooks.
     variable_list to_save(tensors.begin(), tensors.end());
     to_save.push_back(*z_out);
@@ -196,7 +205,8 @@ namespace {
 
 bool is_tensor(PyObject* o) { return THPVariable_Check(o); }
 
-// forward(family, *op_args) -> (y, z): the forward op of `family` with autograd linked, or
+// forward(family, *op_args) -> (y, z): the forward op of `family`, with autograd linked when a
+// gradient is needed (grad mode on and an input that requires one), or
 // NotImplemented when an argument is not what its schema takes (ops.py then calls the op the
 // usual way, which raises PyTorch's message).
 PyObject* forward(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
@@ -246,11 +256,19 @@ PyObject* forward(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   if (impl_utf8 == nullptr) return nullptr;
   std::string impl(impl_utf8);
 
+  bool requires_grad = false;
+  if (at::GradMode::is_enabled()) {
+    for (const auto& t : tensors) requires_grad = requires_grad || t.requires_grad();
+  }
   at::Tensor y, z;
   {
     pybind11::gil_scoped_release no_gil;
-    y = fusemoe::MoEExperts::apply(static_cast<int64_t>(index), at::TensorList(tensors), impl, grad_in_place,
-                          save_z, swiglu_clamp, &z)[0];
+    if (requires_grad) {
+      y = fusemoe::MoEExperts::apply(static_cast<int64_t>(index), at::TensorList(tensors), impl,
+                                     grad_in_place, save_z, swiglu_clamp, &z)[0];
+    } else {  // no gradient to compute: the op alone, as the Python path calls it then
+      std::tie(y, z) = call_forward_op(family, tensors, impl, grad_in_place, save_z, swiglu_clamp);
+    }
   }
   PyObject* y_py = THPVariable_Wrap(std::move(y));
   if (!y_py) return nullptr;

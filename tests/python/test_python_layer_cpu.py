@@ -921,6 +921,24 @@ def test_cpp_autograd_formula_equals_the_python_one(precision, separate, grad_in
         assert got is not None and torch.equal(got, expected), f"output {i}"
 
 
+def test_cpp_entry_without_gradients_calls_the_op_alone(problem, monkeypatch):
+    """Calls that need no gradient (no_grad, or no input requiring one) also go through the C++
+    entry, which then calls the op below autograd: y without a grad_fn, equal to the Python
+    path's, and z (not asked for) empty."""
+    require_cpp_autograd()
+    from fusemoe import _native, ops
+    args = op_args(problem)
+    with torch.no_grad():
+        w = args[2].clone().requires_grad_()
+        y, z = ops._forward_call(args[0], args[1], w, *args[3:], "fused")
+    y_plain, z_plain = ops._forward_call(*args, "fused")
+    monkeypatch.setattr(_native, "AUTOGRAD", None)
+    expected = ops._forward_call(*args, "fused")[0]
+    for got, saved_z in ((y, z), (y_plain, z_plain)):
+        assert got.grad_fn is None and not got.requires_grad and saved_z.numel() == 0
+        assert torch.equal(got, expected)
+
+
 def test_cpp_autograd_formula_under_compiled_autograd(problem):
     """A backward of the C++ node under compiled autograd (the node runs as an opaque call) gives
     the gradients of the eager backward bitwise."""
