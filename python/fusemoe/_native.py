@@ -9,6 +9,12 @@ libfusemoe_c.so by name, so it uses that very copy. Without it (built where torc
 importable, FUSEMOE_NATIVE=0, or it cannot be loaded) fusemoe.ops defines the same ops in Python
 over ctypes; status() says which path is in use and why, in one line.
 
+Beside the binding, the autograd formula in C++ (src/torch_binding/autograd.cpp, AUTOGRAD): a
+Python module built against one torch release's C++ API and one Python, named after both
+(_fusemoe_autograd-torch2.11.0.cpython-312-x86_64-linux-gnu.so), so only the build for the running
+pair is looked for; fusemoe.ops' eager calls use it when it is loaded (FUSEMOE_NATIVE_AUTOGRAD=0:
+never), else the Python formula. status() names the formula too.
+
 A native op's error reaches Python as PyTorch translates it, which depends on the release (2.11:
 ValueError for a bad argument, RuntimeError for the rest; 2.15: RuntimeError for all); the
 binding keeps each as its thread's last error with its kind, so fusemoe's entry points re-raise
