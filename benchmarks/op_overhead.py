@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What fusemoe's PyTorch op costs beyond its kernels, on the path in use (the native binding, or
-ctypes: fusemoe.native_binding_status()) and, in a second process with FUSEMOE_NATIVE=0, on the
-ctypes path for comparison.
+ctypes: fusemoe.native_binding_status()) and, for comparison in processes of their own, with the
+Python autograd formula (FUSEMOE_NATIVE_AUTOGRAD=0, where the C++ one is in use) and on the
+ctypes path (FUSEMOE_NATIVE=0); their figures print in brackets beside the path in use's.
 
 1. Host time per call (Qwen3-30B-A3B dims, T = 256, where the GPU finishes first): each burst of
    calls is queued behind a GPU sleep, so the host never waits and wall time is host time. Rows:
@@ -15,7 +16,8 @@ ctypes path for comparison.
    median of --iters. "isolated" repeats it with a sync after the flush, so the GPU also waits for
    the host's work before the first launch. Target: the op within 3% of the C ABI launch. One
    correctness check first: the op's outputs against the C ABI's.
-Usage: python3 benchmarks/op_overhead.py [--impl fused] [--no-ctypes] [--json OUT]
+Usage: python3 benchmarks/op_overhead.py [--impl fused] [--no-ctypes] [--no-python-formula]
+       [--json OUT]
 Exit status 1 when the correctness check fails; the targets are reported, not enforced.
 Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, K top-k.
 """
@@ -235,6 +237,23 @@ def measure(args):
             "gpu": gpu_rows(args.impl, args.tokens, args.iters)}
 
 
+def comparison(args, label, suffix, env):
+    """The measurement in a second process with env set (the other path or formula); its JSON
+    result, or None (said) if it failed."""
+    out = (args.json or "op_overhead") + f".{suffix}.json"
+    if os.path.exists(out):
+        os.remove(out)
+    command = [sys.executable, os.path.abspath(__file__), "--no-ctypes", "--no-python-formula",
+               "--json", out, "--impl", args.impl, "--calls", str(args.calls), "--tokens",
+               str(args.tokens), "--iters", str(args.iters)]
+    done = subprocess.run(command, env=dict(os.environ, **env), stdout=subprocess.DEVNULL)
+    if not os.path.isfile(out):
+        print(f"the {label} comparison process failed (exit {done.returncode}): no {out}")
+        return None
+    with open(out) as f:
+        return json.load(f)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--impl", default="fused")
@@ -242,38 +261,35 @@ def main():
     p.add_argument("--tokens", type=int, default=4096, help="T of the GPU-time comparison")
     p.add_argument("--iters", type=int, default=30, help="timed calls per GPU-time median")
     p.add_argument("--no-ctypes", action="store_true", help="skip the ctypes comparison process")
-    p.add_argument("--json", help="write the results here (the comparison process writes its own)")
+    p.add_argument("--no-python-formula", action="store_true",
+                   help="skip the comparison process with the Python autograd formula "
+                        "(FUSEMOE_NATIVE_AUTOGRAD=0; run only where the C++ one is in use)")
+    p.add_argument("--json", help="write the results here (each comparison process writes its own)")
     args = p.parse_args()
 
     result = measure(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    ctypes_result = None
+    others = []  # (label, result) of the comparison processes
+    if not args.no_python_formula and "autograd: C++" in result["path"]:
+        other = comparison(args, "Python formula", "python_formula", {"FUSEMOE_NATIVE_AUTOGRAD": "0"})
+        if other:
+            others.append(("Python formula", other))
     if not args.no_ctypes and not result["path"].startswith("ctypes"):
-        out = (args.json or "op_overhead") + ".ctypes.json"
-        if os.path.exists(out):
-            os.remove(out)
-        command = [sys.executable, os.path.abspath(__file__), "--no-ctypes", "--json", out,
-                   "--impl", args.impl, "--calls", str(args.calls), "--tokens", str(args.tokens),
-                   "--iters", str(args.iters)]
-        done = subprocess.run(command, env=dict(os.environ, FUSEMOE_NATIVE="0"),
-                              stdout=subprocess.DEVNULL)
-        if os.path.isfile(out):
-            with open(out) as f:
-                ctypes_result = json.load(f)
-        else:
-            print(f"the ctypes comparison process failed (exit {done.returncode}): no {out}")
+        other = comparison(args, "ctypes", "ctypes", {"FUSEMOE_NATIVE": "0"})
+        if other:
+            others.append(("ctypes", other))
 
     print(f"fusemoe op overhead, impl={args.impl}: {torch.cuda.get_device_name()}, torch "
           f"{torch.__version__} (CUDA {torch.version.cuda})")
     print(f"path: {result['path']}")
-    other = ctypes_result["host_us"] if ctypes_result else None
-    print(f"\n1. host time per call, T=256 (us){'    [ctypes path]' if other else ''}")
+    columns = "".join(f"  [{label}]" for label, _ in others)
+    print(f"\n1. host time per call, T=256 (us){columns}")
     for i, (name, us) in enumerate(result["host_us"]):
         target = HOST_TARGETS_US.get(name)
         verdict = "" if target is None else f"  target <= {target:.0f}: {'met' if us <= target else 'NOT met'}"
-        side = f"  [{other[i][1]:8.1f}]" if other else ""
+        side = "".join(f"  [{other['host_us'][i][1]:8.1f}]" for _, other in others)
         print(f"  {us:8.1f}{side}  {name}{verdict}")
     checks, rows = result["gpu"]
     print(f"\n2. GPU time per call, T={args.tokens}, median of {args.iters} (ms)")
@@ -283,17 +299,18 @@ def main():
         failed |= not ok
         print(f"  check {name}: op vs C ABI rel err {err:.2e}{' (bitwise equal)' if bitwise else ''}"
               f"{'' if ok else '  FAIL'}")
-    other = ctypes_result["gpu"][1] if ctypes_result else None
     for i, (name, op_ms, c_ms) in enumerate(rows):
         ratio = op_ms / c_ms
         verdict = f"within {100 * (GPU_TARGET - 1):.0f}%: {'yes' if ratio <= GPU_TARGET else 'NO'}"
-        side = f"   [ctypes path: op {other[i][1]:.3f} = {other[i][1] / other[i][2]:.3f}x]" if other else ""
+        side = "".join(f"   [{label}: op {other['gpu'][1][i][1]:.3f} = "
+                       f"{other['gpu'][1][i][1] / other['gpu'][1][i][2]:.3f}x]"
+                       for label, other in others)
         print(f"  {name:28s} op {op_ms:.3f}  C ABI {c_ms:.3f}  = {ratio:.3f}x  {verdict}{side}")
-    if ctypes_result:
-        for name, bitwise, err in ctypes_result["gpu"][0]:
+    for label, other in others:
+        for name, bitwise, err in other["gpu"][0]:
             if not (err == err and err <= 1e-2):
                 failed = True
-                print(f"  ctypes path check {name}: rel err {err:.2e}  FAIL")
+                print(f"  {label} check {name}: rel err {err:.2e}  FAIL")
     sys.exit(1 if failed else 0)
 
 
