@@ -4,9 +4,10 @@
 // running torch is the one it was built for (fusemoe._native). Elsewhere (torch.compile, modes,
 // functorch, the ctypes path, another torch) the Python formula of ops.py does the same work.
 //
-// forward(op, *op_args) runs the forward op below autograd and links its y to a Node whose
-// backward calls the op's backward (or backward_into for grad_in_place) through the dispatcher:
-// no Python on the backward's path and none per call on the forward's but the entry. The math
+// forward(family, *op_args) runs the forward op below autograd inside a torch::autograd::Function
+// (MoEExperts), whose backward calls the op's backward (or backward_into for grad_in_place)
+// through the dispatcher: no Python on the backward's path and none per call on the forward's
+// but the entry; without a gradient to compute it calls the op alone. The math
 // and the saved tensors are ops._save_for_backward / ops._gradients'; z is saved, never a
 // differentiable output. The ops are found by name (the stable-ABI binding defines them), so
 // this module holds no kernel and no check of its own: the ops' kernels check every argument.
