@@ -34,7 +34,8 @@ struct RoutingPlan {
 // kRoutingThreads threads per block walking the chunk in rounds of kRoutingThreads slots.
 // 1024 slots per chunk: each block walks 4 rounds per chunk, and there are enough chunks to
 // spread over the GPU at a few thousand tokens (4096-slot chunks left most SMs idle:
-// docs/experiments.md#routing-chunk). The per-expert prefix over chunks is one warp per expert.
+// docs/experiments.md#routing-chunk). The per-expert prefix over chunks is one thread per expert
+// in each routing_place block, 16 loads in flight.
 constexpr int kRoutingThreads = 256;
 constexpr int kRoutingChunk = 1024;
 static_assert(kRoutingChunk % kRoutingThreads == 0, "a chunk is a whole number of rounds");
@@ -53,7 +54,8 @@ char* carve_routing_plan(char* base, int64_t max_tokens, int64_t top_k, int64_t 
 // to the host) records any.
 void check_bad_id_record(const int32_t bad[3], int64_t num_experts, int64_t top_k);
 
-// Launches the routing (one cooperative kernel) on `stream` for T = num_tokens (0 allowed: counts become 0).
+// Launches the routing (routing_count, then routing_place: two ordinary launches, no grid barrier)
+// on `stream` for T = num_tokens (0 allowed: counts become 0).
 // caller_report: null, or the caller's ExpertIdReport (fusemoe.h) that a call with bad ids
 // fills if it is still empty.
 void launch_routing(const int32_t* topk_idx, int64_t num_tokens, int64_t top_k,

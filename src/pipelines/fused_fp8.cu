@@ -241,7 +241,7 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
     d2.row_slot = ws.plan.row_slot;
     d2.dx_slots = ws.dx_slots_SH;
     launch_sm90_fp8_dgrad_scatter(d2);
-    // dx, and d_topk_weights from dgrad-1's partials (step 5), in one launch.
+    // dx, and d_topk_weights from dgrad-1's partials (step 4), in one launch.
     launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream,
                          RouterGradReduce{ws.router_partials, sm90_dgrad_num_n_tiles(I, 128), args.d_topk_weights});
   }

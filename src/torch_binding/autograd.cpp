@@ -204,8 +204,6 @@ namespace {
 
 // ---- the Python entry points ----
 
-bool is_tensor(PyObject* o) { return THPVariable_Check(o); }
-
 // forward(family, *op_args) -> (y, z): the forward op of `family`, with autograd linked when a
 // gradient is needed (grad mode on and an input that requires one), or
 // NotImplemented when an argument is not what its schema takes (ops.py then calls the op the
@@ -230,7 +228,7 @@ PyObject* forward(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
     Py_RETURN_NOTIMPLEMENTED;
   }
   for (size_t i = 0; i < n; ++i) {
-    if (!is_tensor(a[i])) Py_RETURN_NOTIMPLEMENTED;
+    if (!THPVariable_Check(a[i])) Py_RETURN_NOTIMPLEMENTED;
   }
   if (!PyUnicode_Check(a[n])) Py_RETURN_NOTIMPLEMENTED;
   bool grad_in_place = false, save_z = false;
