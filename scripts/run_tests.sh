@@ -15,7 +15,7 @@ bash scripts/setup.sh
 echo "[tests] ctest (labels cpu, gpu)"
 ctest --test-dir "$BUILD_DIR" --output-on-failure
 # Python: the interpreter with PyTorch, else a virtual environment with PyPI's torch (installed
-# on first use: ~1 min and ~5.5 GB; CI's clean clone pays it once per run).
+# on first use: ~1 min and ~5.8 GB; CI's clean clone pays it once per run).
 PY=python3
 if ! python3 -c "import torch" 2>/dev/null; then
   VENV="${FUSEMOE_TEST_VENV:-$BUILD_DIR/test-venv}"
@@ -24,11 +24,18 @@ if ! python3 -c "import torch" 2>/dev/null; then
   if ! "$VENV/bin/python" -c "import torch, pytest, transformers, matplotlib" 2>/dev/null; then
     echo "[tests] python3 has no PyTorch: installing tests/python/requirements.txt from PyPI into $VENV"
     start=$SECONDS
-    if python3 -m venv "$VENV" && "$VENV/bin/python" -m pip install -q -r tests/python/requirements.txt; then
+    # No pip cache (the ~3 GB of wheels would stay on disk twice) and pip's scratch beside the
+    # venv, so the install needs room on one disk only, and a full disk is named as such.
+    mkdir -p "$VENV.tmp"
+    if python3 -m venv "$VENV" &&
+       TMPDIR="$VENV.tmp" "$VENV/bin/python" -m pip install -q --no-cache-dir \
+         -r tests/python/requirements.txt; then
       echo "[tests] installed in $((SECONDS - start)) s"
     else
-      echo "[tests] could not install PyTorch into $VENV"
+      echo "[tests] could not install PyTorch into $VENV; free space there:"
+      df -h "$(dirname "$VENV")" || true
     fi
+    rm -rf "$VENV.tmp"
   fi
   PY="$VENV/bin/python"
 elif ! python3 -c "import pytest" 2>/dev/null; then
