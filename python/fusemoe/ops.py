@@ -32,7 +32,9 @@ FusemoeError naming the token, slot and value; the report is then cleared. So a 
 one call late at most, never as a silent wrong result, and the ops never synchronise for it
 ("unfused" syncs anyway: it reads per-expert counts on the host).
 """
+import sys
 import threading
+import warnings
 from typing import Optional
 
 import torch
@@ -511,7 +513,7 @@ def _gradients(ctx, dy_TH, backward_op, backward_into_op):
     saved_z_SF = z_SF if z_SF.numel() else None
     # dy may arrive expanded (e.g. from y.sum()) or in another layout: the op needs it dense.
     dy_TH = dy_TH.contiguous()
-    if ctx.params is not None:
+    if ctx.params is not None and not _compiled_autograd_running():
         dx_TH, d_topk_weights_TK = _backward_into_grads(
             ctx, lambda *grads_and_accumulate: _call(
                 backward_into_op, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights,
@@ -526,6 +528,21 @@ def _gradients(ctx, dy_TH, backward_op, backward_into_op):
 
 
 _in_place_backwards = 0  # backward calls of either formula that took grad_in_place's path
+
+
+def _compiled_autograd_running():
+    """Whether this backward runs inside a compiled autograd graph: the graph accumulates what the
+    backward returns into .grad itself and does not see a .grad the backward wrote, so
+    grad_in_place returns the weight gradients there (both formulas; warned once). The flag is
+    the one torch._dynamo.compiled_autograd sets while its graph runs; that module is imported
+    by compiled autograd, so a backward never imports it."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    if module is None or not getattr(module, "in_compiled_autograd_region", False):
+        return False
+    warnings.warn("fusemoe: grad_in_place=True under compiled autograd returns the weight "
+                  "gradients to autograd, which adds them to .grad (the compiled graph owns .grad)",
+                  stacklevel=2)
+    return True
 
 
 def _in_place_backward_count():
@@ -678,7 +695,9 @@ def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAUL
     without a separate elementwise add; .grad in the Parameters' dtype), and autograd sees no
     gradient for w13/w2, so their hooks (register_post_accumulate_grad_hook, DDP's reducer) do
     not fire; FSDP2 reduces the .grad it finds and works (docs/design.md). Like Megatron's
-    gradient_accumulation_fusion. Not traceable by torch.compile.
+    gradient_accumulation_fusion. Not traceable by torch.compile. Under compiled autograd (eager
+    forward, compiled backward) the weight gradients are returned to autograd as without it, with
+    a warning: the compiled graph owns .grad.
 
     recompute_z: with impl="fused" and gradients required, the forward by default also saves the
     pre-activations z (2·I·K bf16 per token: 24 KiB for Qwen3-30B-A3B) and the backward skips

@@ -79,6 +79,25 @@ PyObject* g_error_classes[4] = {nullptr, nullptr, nullptr, nullptr};
 // Backward calls that took grad_in_place's path (ops._in_place_backward_count, for tests).
 std::atomic<int64_t> g_in_place_backwards{0};
 
+// Whether this backward runs inside a compiled autograd graph (ops._compiled_autograd_running):
+// there it is an opaque call whose weight gradients the graph itself accumulates, and a .grad
+// written here would be overwritten, so grad_in_place returns them instead. Asked only for nodes
+// with grad_in_place, so the plain backward never takes the GIL.
+bool compiled_autograd_running() {
+  pybind11::gil_scoped_acquire gil;
+  static PyObject* const name = PyUnicode_InternFromString("torch._dynamo.compiled_autograd");
+  PyObject* module = PyImport_GetModule(name);  // only if imported: compiled autograd imports it
+  bool running = false;
+  if (module != nullptr) {
+    PyObject* flag = PyObject_GetAttrString(module, "in_compiled_autograd_region");
+    running = flag != nullptr && PyObject_IsTrue(flag) == 1;
+    Py_XDECREF(flag);
+    Py_DECREF(module);
+  }
+  PyErr_Clear();  // no module or no attribute: not running
+  return running;
+}
+
 // The op's call below autograd on an IValue stack (its arguments in, its returns out).
 void call_below_autograd(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -112,6 +131,7 @@ std::pair<at::Tensor, at::Tensor> call_forward_op(const OpFamily& family, at::Te
 namespace fusemoe {
 using torch_autograd::call_below_autograd;
 using torch_autograd::call_forward_op;
+using torch_autograd::compiled_autograd_running;
 using torch_autograd::families;
 using torch_autograd::g_in_place_backwards;
 using torch_autograd::OpFamily;
@@ -139,11 +159,15 @@ struct MoEExperts : torch::autograd::Function<MoEExperts> {
     ctx->saved_data["swiglu_clamp"] = swiglu_clamp ? c10::IValue(*swiglu_clamp) : c10::IValue();
     if (grad_in_place) {
       // The leaf weights themselves, outside the saved tensors: a hook's unpack may hand back a
-      // copy, whose .grad nobody would see.
+      // copy, whose .grad nobody would see. One entry each: compiled autograd lifts tensors of
+      // saved_data into its graph, but not a list of them.
       const auto weights = tensors.slice(3, family.num_weights);
       bool leaves = true;
       for (const auto& w : weights) leaves = leaves && w.is_leaf() && w.requires_grad();
-      if (leaves) ctx->saved_data["params"] = c10::List<at::Tensor>(weights);
+      if (leaves) {
+        ctx->saved_data["num_params"] = static_cast<int64_t>(weights.size());
+        for (size_t i = 0; i < weights.size(); ++i) ctx->saved_data["param" + std::to_string(i)] = weights[i];
+      }
     }
     ctx->set_materialize_grads(false);  // no gradient reaches y: none to compute
     return {y};
@@ -162,13 +186,19 @@ struct MoEExperts : torch::autograd::Function<MoEExperts> {
     // dy may arrive expanded (e.g. from y.sum()) or in another layout: the ops need it dense.
     stack.emplace_back(grads[0].contiguous());
     for (size_t i = 0; i < n; ++i) stack.emplace_back(saved[i]);
-    const auto params_entry = ctx->saved_data.find("params");
-    const bool in_place = params_entry != ctx->saved_data.end();
+    const auto params_entry = ctx->saved_data.find("num_params");
+    bool in_place = params_entry != ctx->saved_data.end();
+    if (in_place && compiled_autograd_running()) {
+      TORCH_WARN_ONCE("fusemoe: grad_in_place=True under compiled autograd returns the weight "
+                      "gradients to autograd, which adds them to .grad (the compiled graph owns .grad)");
+      in_place = false;
+    }
     std::vector<at::Tensor> params, weight_grads;
     bool fresh = true;
     if (in_place) {
       g_in_place_backwards.fetch_add(1, std::memory_order_relaxed);
-      for (const at::Tensor& p : params_entry->second.toTensorList()) params.push_back(p);
+      for (int64_t i = 0; i < params_entry->second.toInt(); ++i)
+        params.push_back(ctx->saved_data["param" + std::to_string(i)].toTensor());
       // As ops._backward_into_grads: written into fresh .grad when none exists, else added.
       for (auto& p : params) fresh = fresh && !p.grad().defined();
       for (auto& p : params) {

@@ -961,6 +961,40 @@ def test_cpp_autograd_formula_under_compiled_autograd(problem):
         assert got is not None and torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("formula", ["cpp", "python"])
+def test_grad_in_place_under_compiled_autograd_returns_the_gradients(problem, formula,
+                                                                     monkeypatch):
+    """grad_in_place=True with the backward under compiled autograd: the compiled graph owns
+    .grad, so a .grad the backward wrote would be lost (both formulas lost the weight gradients,
+    and the C++ node's list of Parameters failed compiled autograd's trace). Both formulas
+    return them there instead, with a warning: two steps into the same leaves give the eager
+    gradients without grad_in_place, bitwise."""
+    import torch._dynamo.compiled_autograd as compiled_autograd
+    from fusemoe import _native
+    if formula == "cpp":
+        require_cpp_autograd()
+    else:
+        monkeypatch.setattr(_native, "AUTOGRAD", None)
+
+    def grads(compiled):
+        leaves = [problem[k].clone().requires_grad_()
+                  for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
+        for _ in range(2):
+            y = fusemoe.moe_experts(leaves[0], problem["topk_idx_TK"], *leaves[1:],
+                                    grad_in_place=compiled)
+            if compiled:
+                with compiled_autograd._enable(torch.compile(backend="eager")):
+                    y.backward(problem["dy_TH"])
+            else:
+                y.backward(problem["dy_TH"])
+        return [leaf.grad for leaf in leaves]
+
+    with pytest.warns(UserWarning, match="grad_in_place=True under compiled autograd"):
+        got = grads(True)
+    for i, (g, expected) in enumerate(zip(got, grads(False))):
+        assert g is not None and torch.equal(g, expected), f"gradient {i}"
+
+
 def test_cpp_autograd_formula_leaves_arguments_it_does_not_parse_to_the_op(problem):
     """An argument the C++ entry does not parse (here impl not a string) falls back to the op's
     own call, so the error is the one PyTorch raised before the C++ formula existed."""
