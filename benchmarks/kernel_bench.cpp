@@ -217,8 +217,14 @@ std::vector<Row> KernelBench::time_case(const Sm90GemmProblem& p, const std::vec
                  launch_gather_rows_device_count(o.x, steps.xs.get(), nullptr, nullptr, o.row_slot, o.offsets + E,
                                                  s.T * s.K, s.K, H, stream_);
                }},
-              {"router gradient reduce", [&] { p.launch_router_reduce(block_n); }},
-              {"combine slots", [&] { launch_combine_slots(o.ys, o.slot_row, s.T, s.K, H, steps.y.get(), stream_); }}},
+              {"combine slots", [&] { launch_combine_slots(o.ys, o.slot_row, s.T, s.K, H, steps.y.get(), stream_); }},
+              // The backward's combine of dx, which also reduces the router-weight gradient's
+              // per-tile partials (no launch of its own since the pipelines fold it in).
+              {"combine dx slots + router gradient",
+               [&] {
+                 launch_combine_slots(o.dx_slots, o.slot_row, s.T, s.K, H, steps.y.get(), stream_,
+                                      {o.partials, sm90_dgrad_num_n_tiles(I, block_n), o.d_topk_w});
+               }}},
              &out);
   return out;
 }
