@@ -81,10 +81,11 @@ std::atomic<int64_t> g_in_place_backwards{0};
 
 // Whether this backward runs inside a compiled autograd graph (ops._compiled_autograd_running):
 // there it is an opaque call whose weight gradients the graph itself accumulates, and a .grad
-// written here would be overwritten, so grad_in_place returns them instead. Asked only for nodes
-// with grad_in_place, so the plain backward never takes the GIL.
+// written here would be overwritten, so grad_in_place returns them instead. That graph calls the
+// node from Python, holding the GIL; the engine calls it with the GIL released, so an eager
+// backward answers without taking the GIL (which another Python thread may hold for ms).
 bool compiled_autograd_running() {
-  pybind11::gil_scoped_acquire gil;
+  if (!PyGILState_Check()) return false;
   static PyObject* const name = PyUnicode_InternFromString("torch._dynamo.compiled_autograd");
   PyObject* module = PyImport_GetModule(name);  // only if imported: compiled autograd imports it
   bool running = false;
