@@ -939,26 +939,31 @@ def test_cpp_entry_without_gradients_calls_the_op_alone(problem, monkeypatch):
         assert torch.equal(got, expected)
 
 
-def test_cpp_autograd_formula_under_compiled_autograd(problem):
-    """A backward of the C++ node under compiled autograd (the node runs as an opaque call) gives
-    the gradients of the eager backward bitwise."""
-    require_cpp_autograd()
+def _steps_into_leaves(problem, compiled, steps=1, **options):
+    """`steps` forward and backward passes of fusemoe.moe_experts(**options) into the same leaf
+    x, topk_weights, w13, w2, each backward under compiled autograd (backend eager) when
+    `compiled`. Returns the leaves' gradients and the last grad_fn's name."""
     import torch._dynamo.compiled_autograd as compiled_autograd
-
-    def grads(compiled):
-        leaves = [problem[k].clone().requires_grad_()
-                  for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
-        y = fusemoe.moe_experts(leaves[0], problem["topk_idx_TK"], *leaves[1:])
-        assert "fusemoe::MoEExperts" in y.grad_fn.name()
+    leaves = [problem[k].clone().requires_grad_()
+              for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
+    for _ in range(steps):
+        y = fusemoe.moe_experts(leaves[0], problem["topk_idx_TK"], *leaves[1:], **options)
         if compiled:
             with compiled_autograd._enable(torch.compile(backend="eager")):
                 y.backward(problem["dy_TH"])
         else:
             y.backward(problem["dy_TH"])
-        return [leaf.grad for leaf in leaves]
+    return [leaf.grad for leaf in leaves], y.grad_fn.name()
 
-    for got, expected in zip(grads(True), grads(False)):
-        assert got is not None and torch.equal(got, expected)
+
+def test_cpp_autograd_formula_under_compiled_autograd(problem):
+    """A backward of the C++ node under compiled autograd (the node runs as an opaque call) gives
+    the gradients of the eager backward bitwise."""
+    require_cpp_autograd()
+    got, name = _steps_into_leaves(problem, compiled=True)
+    assert "fusemoe::MoEExperts" in name
+    for g, expected in zip(got, _steps_into_leaves(problem, compiled=False)[0]):
+        assert g is not None and torch.equal(g, expected)
 
 
 @pytest.mark.parametrize("formula", ["cpp", "python"])
@@ -969,30 +974,17 @@ def test_grad_in_place_under_compiled_autograd_returns_the_gradients(problem, fo
     and the C++ node's list of Parameters failed compiled autograd's trace). Both formulas
     return them there instead, with a warning: two steps into the same leaves give the eager
     gradients without grad_in_place, bitwise."""
-    import torch._dynamo.compiled_autograd as compiled_autograd
     from fusemoe import _native
     if formula == "cpp":
         require_cpp_autograd()
     else:
         monkeypatch.setattr(_native, "AUTOGRAD", None)
-
-    def grads(compiled):
-        leaves = [problem[k].clone().requires_grad_()
-                  for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
-        for _ in range(2):
-            y = fusemoe.moe_experts(leaves[0], problem["topk_idx_TK"], *leaves[1:],
-                                    grad_in_place=compiled)
-            if compiled:
-                with compiled_autograd._enable(torch.compile(backend="eager")):
-                    y.backward(problem["dy_TH"])
-            else:
-                y.backward(problem["dy_TH"])
-        return [leaf.grad for leaf in leaves]
-
     with pytest.warns(UserWarning, match="grad_in_place=True under compiled autograd"):
-        got = grads(True)
-    for i, (g, expected) in enumerate(zip(got, grads(False))):
-        assert g is not None and torch.equal(g, expected), f"gradient {i}"
+        got, name = _steps_into_leaves(problem, compiled=True, steps=2, grad_in_place=True)
+    assert ("fusemoe::MoEExperts" in name) == (formula == "cpp"), name
+    expected = _steps_into_leaves(problem, compiled=False, steps=2)[0]
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g is not None and torch.equal(g, e), f"gradient {i}"
 
 
 def test_cpp_autograd_formula_leaves_arguments_it_does_not_parse_to_the_op(problem):
