@@ -513,7 +513,8 @@ def _gradients(ctx, dy_TH, backward_op, backward_into_op):
     saved_z_SF = z_SF if z_SF.numel() else None
     # dy may arrive expanded (e.g. from y.sum()) or in another layout: the op needs it dense.
     dy_TH = dy_TH.contiguous()
-    if ctx.params is not None and not _compiled_autograd_running():
+    if (ctx.params is not None and not _compiled_autograd_running()
+            and (torch.compiler.is_compiling() or _weight_gradients_wanted(ctx))):
         dx_TH, d_topk_weights_TK = _backward_into_grads(
             ctx, lambda *grads_and_accumulate: _call(
                 backward_into_op, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights,
@@ -528,6 +529,19 @@ def _gradients(ctx, dy_TH, backward_op, backward_into_op):
 
 
 _in_place_backwards = 0  # backward calls of either formula that took grad_in_place's path
+
+
+def _weight_gradients_wanted(ctx):
+    """Whether this backward pass accumulates every weight's gradient: not under
+    torch.autograd.grad(y, x) or backward(inputs=[x]), where grad_in_place must leave .grad alone
+    (the weights' AccumulateGrad nodes do not run), and the weight gradients are returned, for
+    autograd to drop."""
+    edges = ctx.next_functions[3:3 + ctx.num_weights]
+    try:
+        return all(node is not None and torch._C._will_engine_execute_node(node)
+                   for node, _ in edges)
+    except RuntimeError:  # refused for a leaf's node under autograd.grad, which never writes .grad
+        return False
 
 
 def _compiled_autograd_running():
@@ -695,9 +709,11 @@ def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAUL
     without a separate elementwise add; .grad in the Parameters' dtype), and autograd sees no
     gradient for w13/w2, so their hooks (register_post_accumulate_grad_hook, DDP's reducer) do
     not fire; FSDP2 reduces the .grad it finds and works (docs/design.md). Like Megatron's
-    gradient_accumulation_fusion. Not traceable by torch.compile. Under compiled autograd (eager
-    forward, compiled backward) the weight gradients are returned to autograd as without it, with
-    a warning: the compiled graph owns .grad.
+    gradient_accumulation_fusion. Not traceable by torch.compile. Only a backward pass that
+    accumulates every weight's gradient (loss.backward()) writes .grad: torch.autograd.grad and
+    backward(inputs=...) without all the weights leave .grad alone and return what they asked for.
+    Under compiled autograd (eager forward, compiled backward) the weight gradients are returned
+    to autograd as without it, with a warning: the compiled graph owns .grad.
 
     recompute_z: with impl="fused" and gradients required, the forward by default also saves the
     pre-activations z (2·I·K bf16 per token: 24 KiB for Qwen3-30B-A3B) and the backward skips

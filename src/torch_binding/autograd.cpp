@@ -189,6 +189,10 @@ struct MoEExperts : torch::autograd::Function<MoEExperts> {
     for (size_t i = 0; i < n; ++i) stack.emplace_back(saved[i]);
     const auto params_entry = ctx->saved_data.find("num_params");
     bool in_place = params_entry != ctx->saved_data.end();
+    // Only when this pass accumulates every weight's gradient: torch.autograd.grad(y, x) or
+    // backward(inputs=[x]) must leave .grad alone (ops._weight_gradients_wanted). Edges are the
+    // tensors' in order, the weights from 3 on.
+    for (size_t i = 0; in_place && i < family.num_weights; ++i) in_place = ctx->needs_input_grad(3 + i);
     if (in_place && compiled_autograd_running()) {
       TORCH_WARN_ONCE("fusemoe: grad_in_place=True under compiled autograd returns the weight "
                       "gradients to autograd, which adds them to .grad (the compiled graph owns .grad)");

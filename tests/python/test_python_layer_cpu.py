@@ -179,6 +179,42 @@ def test_fp8_autograd_matches_the_bf16_op(grad_in_place):
             assert torch.equal(got, expected), name
 
 
+@pytest.mark.parametrize("formula", ["cpp", "python"])
+def test_grad_in_place_leaves_grad_alone_when_weight_gradients_are_not_asked_for(problem, formula,
+                                                                                 monkeypatch):
+    """grad_in_place=True writes .grad only in a backward pass that accumulates every weight's
+    gradient. torch.autograd.grad(y, x) and backward(inputs=[x]) leave the weights' .grad as it
+    was (both formulas wrote it); autograd.grad(y, [x, w13]) gets w13's gradient returned. Each
+    against the same call without grad_in_place, bitwise."""
+    from fusemoe import _native, ops
+    if formula == "cpp":
+        require_cpp_autograd()
+    else:
+        monkeypatch.setattr(_native, "AUTOGRAD", None)
+
+    def run(grad_in_place, how):
+        x, w, w13, w2 = (problem[k].clone().requires_grad_()
+                         for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI"))
+        y = fusemoe.moe_experts(x, problem["topk_idx_TK"], w, w13, w2,
+                                grad_in_place=grad_in_place)
+        if how == "backward(inputs=[x])":
+            y.backward(problem["dy_TH"], inputs=[x])
+            got = [x.grad]
+        else:
+            got = list(torch.autograd.grad(y, [x] if how == "grad(x)" else [x, w13],
+                                           problem["dy_TH"]))
+        return got, [w.grad, w13.grad, w2.grad]
+
+    for how in ("grad(x)", "backward(inputs=[x])", "grad(x, w13)"):
+        in_place_before = ops._in_place_backward_count()
+        got, grads = run(True, how)
+        assert ops._in_place_backward_count() == in_place_before, how
+        assert grads == [None, None, None], how
+        expected, _ = run(False, how)
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert torch.equal(g, e), f"{how}: gradient {i}"
+
+
 def test_fp8_cache_follows_steps_of_weights_rewritten_in_place():
     """The FP8 weight cache (CPU stand-ins of the FP8 ops) when a wrapper rewrites the working
     weights in place with their version counter preserved and at the same address, as FSDP2's
