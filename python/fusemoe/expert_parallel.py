@@ -341,6 +341,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero-filled gradient of the saved state
     ctx.save_for_backward(x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, saved)
     ctx.context = context
+    ctx.num_weights = 2
     # In-place gradients need the leaf Parameters themselves (as fusemoe.moe_experts).
     ctx.params = ((w13_LFH, w2_LHI) if grad_in_place and w13_LFH.is_leaf and w2_LHI.is_leaf and
                   w13_LFH.requires_grad and w2_LHI.requires_grad else None)
@@ -351,7 +352,8 @@ def _backward(ctx, dy_TH, _saved_grad_unused):
     # Every rank must take part in the backward, so a missing gradient is a zero one.
     dy_TH = torch.zeros_like(x_TH) if dy_TH is None else dy_TH.contiguous()
     saved_state = saved if saved.numel() else None
-    if ctx.params is not None:
+    ops._refuse_create_graph()
+    if ops._in_place_path(ctx):
         dx_TH, d_topk_weights_TK = ops._backward_into_grads(
             ctx, lambda dw13, dw2, accumulate: ep_moe_experts_backward_into(
                 dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, dw13, dw2, accumulate,

@@ -513,8 +513,8 @@ def _gradients(ctx, dy_TH, backward_op, backward_into_op):
     saved_z_SF = z_SF if z_SF.numel() else None
     # dy may arrive expanded (e.g. from y.sum()) or in another layout: the op needs it dense.
     dy_TH = dy_TH.contiguous()
-    if (ctx.params is not None and not _compiled_autograd_running()
-            and (torch.compiler.is_compiling() or _weight_gradients_wanted(ctx))):
+    _refuse_create_graph()
+    if _in_place_path(ctx):
         dx_TH, d_topk_weights_TK = _backward_into_grads(
             ctx, lambda *grads_and_accumulate: _call(
                 backward_into_op, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights,
@@ -529,6 +529,28 @@ def _gradients(ctx, dy_TH, backward_op, backward_into_op):
 
 
 _in_place_backwards = 0  # backward calls of either formula that took grad_in_place's path
+
+
+# Raised by both formulas' backward under create_graph=True: its gradients would be constants of
+# autograd's graph, and a second-order gradient through them silently wrong or missing.
+DOUBLE_BACKWARD_MESSAGE = ("fusemoe: the backward of the fusemoe ops is not differentiable, so "
+                           "create_graph=True (double backward) through them is not supported")
+
+
+def _refuse_create_graph():
+    """Raises under create_graph=True (grad mode on in the backward), eager only: a compiled
+    backward is traced with whatever grad mode its tracer sets."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
+
+
+def _in_place_path(ctx):
+    """Whether this backward writes the weight gradients into .grad (grad_in_place): asked for at
+    the forward (ctx.params), outside compiled autograd, and in a pass that accumulates every
+    weight's gradient. Under torch.compile the path is taken so that _backward_into_grads names
+    the problem."""
+    return (ctx.params is not None and not _compiled_autograd_running()
+            and (torch.compiler.is_compiling() or _weight_gradients_wanted(ctx)))
 
 
 def _weight_gradients_wanted(ctx):

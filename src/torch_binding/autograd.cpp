@@ -15,6 +15,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -180,6 +181,10 @@ struct MoEExperts : torch::autograd::Function<MoEExperts> {
     // Gradients per forward input: family, then the tensors, then the 5 other arguments.
     variable_list result(1 + n + 5);
     if (!grads[0].defined()) return result;
+    // As ops._refuse_create_graph: the gradients below are constants of autograd's graph.
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "fusemoe: the backward of the fusemoe ops is not differentiable, so "
+                "create_graph=True (double backward) through them is not supported");
     variable_list saved = ctx->get_saved_variables();  // the op's tensors, then z
     const at::Tensor& z = saved.back();
     torch::jit::Stack stack;

@@ -215,6 +215,26 @@ def test_grad_in_place_leaves_grad_alone_when_weight_gradients_are_not_asked_for
             assert torch.equal(g, e), f"{how}: gradient {i}"
 
 
+@pytest.mark.parametrize("formula", ["cpp", "python"])
+def test_double_backward_is_refused_by_name(problem, formula, monkeypatch):
+    """create_graph=True through the op raises, naming the problem: its backward is not
+    differentiable, and the gradients it returned under create_graph were constants (the Python
+    formula's second-order gradients silently partial, the C++ one's dx without a grad_fn). A
+    plain backward afterwards still works."""
+    from fusemoe import _native
+    if formula == "cpp":
+        require_cpp_autograd()
+    else:
+        monkeypatch.setattr(_native, "AUTOGRAD", None)
+    x, w, w13, w2 = (problem[k].clone().requires_grad_()
+                     for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI"))
+    y = fusemoe.moe_experts(x, problem["topk_idx_TK"], w, w13, w2)
+    with pytest.raises(RuntimeError, match=r"create_graph=True \(double backward\)"):
+        torch.autograd.grad(y.float().pow(2).sum(), [x], create_graph=True)
+    y.backward(problem["dy_TH"])
+    assert all(t.grad is not None for t in (x, w, w13, w2))
+
+
 def test_fp8_cache_follows_steps_of_weights_rewritten_in_place():
     """The FP8 weight cache (CPU stand-ins of the FP8 ops) when a wrapper rewrites the working
     weights in place with their version counter preserved and at the same address, as FSDP2's
