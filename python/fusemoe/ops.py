@@ -546,10 +546,13 @@ def _refuse_create_graph():
 
 def _in_place_path(ctx):
     """Whether this backward writes the weight gradients into .grad (grad_in_place): asked for at
-    the forward (ctx.params), outside compiled autograd, and in a pass that accumulates every
+    the forward (ctx.params), every existing .grad contiguous (what the kernels write; autograd
+    adds into any other), outside compiled autograd, and in a pass that accumulates every
     weight's gradient. Under torch.compile the path is taken so that _backward_into_grads names
     the problem."""
-    return (ctx.params is not None and not _compiled_autograd_running()
+    return (ctx.params is not None
+            and all(p.grad is None or p.grad.is_contiguous() for p in ctx.params)
+            and not _compiled_autograd_running()
             and (torch.compiler.is_compiling() or _weight_gradients_wanted(ctx)))
 
 

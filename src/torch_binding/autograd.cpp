@@ -127,13 +127,39 @@ std::pair<at::Tensor, at::Tensor> call_forward_op(const OpFamily& family, at::Te
   return {std::move(stack[0]).toTensor(), std::move(stack[1]).toTensor()};
 }
 
+// saved_data's key of the i-th weight kept for grad_in_place.
+std::string param_key(size_t i) { return "param" + std::to_string(i); }
+
+// The leaf weights whose .grad this backward writes (grad_in_place), or none (ops._in_place_path):
+// kept at the forward, each existing .grad contiguous (what the kernels write; autograd adds into
+// any other), every weight's gradient wanted by this pass (torch.autograd.grad(y, x) and
+// backward(inputs=[x]) must leave .grad alone; the weights' edges are 3 on), and not under
+// compiled autograd.
+std::vector<at::Tensor> in_place_params(AutogradContext* ctx, size_t num_weights) {
+  std::vector<at::Tensor> params;
+  for (size_t i = 0; i < num_weights; ++i) {
+    const auto entry = ctx->saved_data.find(param_key(i));
+    if (entry == ctx->saved_data.end() || !ctx->needs_input_grad(3 + i)) return {};
+    at::Tensor param = entry->second.toTensor();
+    if (param.grad().defined() && !param.grad().is_contiguous()) return {};
+    params.push_back(std::move(param));
+  }
+  if (!params.empty() && compiled_autograd_running()) {
+    TORCH_WARN_ONCE("fusemoe: grad_in_place=True under compiled autograd returns the weight "
+                    "gradients to autograd, which adds them to .grad (the compiled graph owns .grad)");
+    return {};
+  }
+  return params;
+}
+
 }  // namespace
 }  // namespace fusemoe::torch_autograd
 
 namespace fusemoe {
 using torch_autograd::call_below_autograd;
 using torch_autograd::call_forward_op;
-using torch_autograd::compiled_autograd_running;
+using torch_autograd::in_place_params;
+using torch_autograd::param_key;
 using torch_autograd::families;
 using torch_autograd::g_in_place_backwards;
 using torch_autograd::OpFamily;
@@ -167,8 +193,7 @@ struct MoEExperts : torch::autograd::Function<MoEExperts> {
       bool leaves = true;
       for (const auto& w : weights) leaves = leaves && w.is_leaf() && w.requires_grad();
       if (leaves) {
-        ctx->saved_data["num_params"] = static_cast<int64_t>(weights.size());
-        for (size_t i = 0; i < weights.size(); ++i) ctx->saved_data["param" + std::to_string(i)] = weights[i];
+        for (size_t i = 0; i < weights.size(); ++i) ctx->saved_data[param_key(i)] = weights[i];
       }
     }
     ctx->set_materialize_grads(false);  // no gradient reaches y: none to compute
@@ -192,26 +217,15 @@ struct MoEExperts : torch::autograd::Function<MoEExperts> {
     // dy may arrive expanded (e.g. from y.sum()) or in another layout: the ops need it dense.
     stack.emplace_back(grads[0].contiguous());
     for (size_t i = 0; i < n; ++i) stack.emplace_back(saved[i]);
-    const auto params_entry = ctx->saved_data.find("num_params");
-    bool in_place = params_entry != ctx->saved_data.end();
-    // Only when this pass accumulates every weight's gradient: torch.autograd.grad(y, x) or
-    // backward(inputs=[x]) must leave .grad alone (ops._weight_gradients_wanted). Edges are the
-    // tensors' in order, the weights from 3 on.
-    for (size_t i = 0; in_place && i < family.num_weights; ++i) in_place = ctx->needs_input_grad(3 + i);
-    if (in_place && compiled_autograd_running()) {
-      TORCH_WARN_ONCE("fusemoe: grad_in_place=True under compiled autograd returns the weight "
-                      "gradients to autograd, which adds them to .grad (the compiled graph owns .grad)");
-      in_place = false;
-    }
-    std::vector<at::Tensor> params, weight_grads;
+    const std::vector<at::Tensor> params = in_place_params(ctx, family.num_weights);
+    const bool in_place = !params.empty();
+    std::vector<at::Tensor> weight_grads;
     bool fresh = true;
     if (in_place) {
       g_in_place_backwards.fetch_add(1, std::memory_order_relaxed);
-      for (int64_t i = 0; i < params_entry->second.toInt(); ++i)
-        params.push_back(ctx->saved_data["param" + std::to_string(i)].toTensor());
       // As ops._backward_into_grads: written into fresh .grad when none exists, else added.
-      for (auto& p : params) fresh = fresh && !p.grad().defined();
-      for (auto& p : params) {
+      for (const auto& p : params) fresh = fresh && !p.grad().defined();
+      for (const auto& p : params) {
         if (fresh) {
           weight_grads.push_back(at::empty_like(p));
         } else {

@@ -216,6 +216,35 @@ def test_grad_in_place_leaves_grad_alone_when_weight_gradients_are_not_asked_for
 
 
 @pytest.mark.parametrize("formula", ["cpp", "python"])
+def test_grad_in_place_adds_through_autograd_into_a_strided_grad(problem, formula, monkeypatch):
+    """An existing .grad that is not contiguous (set by hand; autograd makes contiguous ones), which
+    the kernels cannot write: grad_in_place returns the gradients and autograd adds them, so
+    .grad ends as without grad_in_place (the GPU op would have raised about a "dw13" the caller
+    never passed)."""
+    from fusemoe import _native, ops
+    if formula == "cpp":
+        require_cpp_autograd()
+    else:
+        monkeypatch.setattr(_native, "AUTOGRAD", None)
+
+    def run(grad_in_place):
+        x, w, w13, w2 = (problem[k].clone().requires_grad_()
+                         for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI"))
+        E, F, H = w13.shape
+        w13.grad = torch.ones(E, H, F, dtype=w13.dtype).transpose(1, 2)
+        y = fusemoe.moe_experts(x, problem["topk_idx_TK"], w, w13, w2,
+                                grad_in_place=grad_in_place)
+        y.backward(problem["dy_TH"])
+        return [x.grad, w.grad, w13.grad, w2.grad]
+
+    in_place_before = ops._in_place_backward_count()
+    got = run(True)
+    assert ops._in_place_backward_count() == in_place_before
+    for i, (g, e) in enumerate(zip(got, run(False))):
+        assert torch.equal(g, e), f"gradient {i}"
+
+
+@pytest.mark.parametrize("formula", ["cpp", "python"])
 def test_double_backward_is_refused_by_name(problem, formula, monkeypatch):
     """create_graph=True through the op raises, naming the problem: its backward is not
     differentiable, and the gradients it returned under create_graph were constants (the Python
