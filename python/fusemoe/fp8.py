@@ -152,6 +152,16 @@ class Fp8WeightCache:
         self._buffer = None
         self.quantizations = 0
 
+    # Pickled and copied empty (torch.save of a module, copy.deepcopy): the buffer is derived
+    # from the weights and rebuilt at the next call, and the key holds the quantize op, which
+    # does not pickle.
+    def __getstate__(self):
+        return {"quantizations": self.quantizations}
+
+    def __setstate__(self, state):
+        self.__init__()
+        self.quantizations = state["quantizations"]
+
     def get(self, w13_source, w2_source, w13_EFH=None, w2_EHI=None):
         """w13_source, w2_source: the tensors whose versions decide (e.g. fp32 Parameters);
         w13_EFH, w2_EHI: their bf16 values if not the sources themselves."""

@@ -264,6 +264,35 @@ def test_double_backward_is_refused_by_name(problem, formula, monkeypatch):
     assert all(t.grad is not None for t in (x, w, w13, w2))
 
 
+def test_fp8_modules_and_weights_pickle_and_copy_after_a_call():
+    """torch.save of a whole model and copy.deepcopy (an EMA copy) after FP8 calls: the FP8 weight
+    caches (MoEExperts' own, and the one the functional op keeps on w13) held the quantize op and
+    did not pickle. They travel empty: the copies give the original's outputs, and a copy's
+    changed weights are quantized again without touching the original."""
+    import copy
+    import io
+    p = make_problem(37, 128, 128, 6, 2, device="cpu")
+    module = fusemoe.MoEExperts(6, 128, 128, impl="fused", device="cpu", precision="fp8")
+    with torch.no_grad():
+        module.gate_up_proj.copy_(p["w13_EFH"])
+        module.down_proj.copy_(p["w2_EHI"])
+    w13, w2 = p["w13_EFH"].clone().requires_grad_(), p["w2_EHI"].clone().requires_grad_()
+    args = (p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"])
+    y = module(*args)
+    y_functional = fusemoe.moe_experts(*args, w13, w2, precision="fp8")
+    buffer = io.BytesIO()
+    torch.save((module, w13, w2), buffer)
+    buffer.seek(0)
+    loaded, w13_loaded, w2_loaded = torch.load(buffer, weights_only=False)
+    copied = copy.deepcopy(module)
+    assert torch.equal(loaded(*args), y) and torch.equal(copied(*args), y)
+    assert torch.equal(fusemoe.moe_experts(*args, w13_loaded, w2_loaded, precision="fp8"),
+                       y_functional)
+    with torch.no_grad():
+        copied.gate_up_proj.mul_(2)
+    assert not torch.equal(copied(*args), y) and torch.equal(module(*args), y)
+
+
 def test_fp8_cache_follows_steps_of_weights_rewritten_in_place():
     """The FP8 weight cache (CPU stand-ins of the FP8 ops) when a wrapper rewrites the working
     weights in place with their version counter preserved and at the same address, as FSDP2's
