@@ -158,11 +158,11 @@ std::vector<at::Tensor> in_place_params(AutogradContext* ctx, size_t num_weights
 namespace fusemoe {
 using torch_autograd::call_below_autograd;
 using torch_autograd::call_forward_op;
-using torch_autograd::in_place_params;
-using torch_autograd::param_key;
 using torch_autograd::families;
 using torch_autograd::g_in_place_backwards;
+using torch_autograd::in_place_params;
 using torch_autograd::OpFamily;
+using torch_autograd::param_key;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
