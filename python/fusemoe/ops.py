@@ -531,17 +531,14 @@ def _gradients(ctx, dy_TH, backward_op, backward_into_op):
 _in_place_backwards = 0  # backward calls of either formula that took grad_in_place's path
 
 
-# Raised by both formulas' backward under create_graph=True: its gradients would be constants of
-# autograd's graph, and a second-order gradient through them silently wrong or missing.
-DOUBLE_BACKWARD_MESSAGE = ("fusemoe: the backward of the fusemoe ops is not differentiable, so "
-                           "create_graph=True (double backward) through them is not supported")
-
-
 def _refuse_create_graph():
-    """Raises under create_graph=True (grad mode on in the backward), eager only: a compiled
-    backward is traced with whatever grad mode its tracer sets."""
+    """Raises under create_graph=True (grad mode on in the backward), eager only (a compiled
+    backward is traced with whatever grad mode its tracer sets): the gradients would be constants
+    of autograd's graph, and a second-order gradient through them silently wrong or missing. The
+    C++ formula raises the same message."""
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
+        raise RuntimeError("fusemoe: the backward of the fusemoe ops is not differentiable, so "
+                           "create_graph=True (double backward) through them is not supported")
 
 
 def _in_place_path(ctx):

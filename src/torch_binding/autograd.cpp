@@ -395,13 +395,5 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_fusemoe_autograd",
 }  // namespace
 }  // namespace fusemoe::torch_autograd
 
-PyMODINIT_FUNC PyInit__fusemoe_autograd() {
-  PyObject* module = PyModule_Create(&fusemoe::torch_autograd::module_def);
-  if (module == nullptr) return nullptr;
-  // The release this module was compiled against: fusemoe._native loads it only under that one.
-  if (PyModule_AddStringConstant(module, "TORCH_VERSION", FUSEMOE_TORCH_VERSION) != 0) {
-    Py_DECREF(module);
-    return nullptr;
-  }
-  return module;
-}
+// The release it serves is in its file name, by which fusemoe._native finds it.
+PyMODINIT_FUNC PyInit__fusemoe_autograd() { return PyModule_Create(&fusemoe::torch_autograd::module_def); }

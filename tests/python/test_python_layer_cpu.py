@@ -186,15 +186,11 @@ def test_grad_in_place_leaves_grad_alone_when_weight_gradients_are_not_asked_for
     gradient. torch.autograd.grad(y, x) and backward(inputs=[x]) leave the weights' .grad as it
     was (both formulas wrote it); autograd.grad(y, [x, w13]) gets w13's gradient returned. Each
     against the same call without grad_in_place, bitwise."""
-    from fusemoe import _native, ops
-    if formula == "cpp":
-        require_cpp_autograd()
-    else:
-        monkeypatch.setattr(_native, "AUTOGRAD", None)
+    from fusemoe import ops
+    use_formula(formula, monkeypatch)
 
     def run(grad_in_place, how):
-        x, w, w13, w2 = (problem[k].clone().requires_grad_()
-                         for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI"))
+        x, w, w13, w2 = fresh_leaves(problem)
         y = fusemoe.moe_experts(x, problem["topk_idx_TK"], w, w13, w2,
                                 grad_in_place=grad_in_place)
         if how == "backward(inputs=[x])":
@@ -221,15 +217,11 @@ def test_grad_in_place_adds_through_autograd_into_a_strided_grad(problem, formul
     the kernels cannot write: grad_in_place returns the gradients and autograd adds them, so
     .grad ends as without grad_in_place (the GPU op would have raised about a "dw13" the caller
     never passed)."""
-    from fusemoe import _native, ops
-    if formula == "cpp":
-        require_cpp_autograd()
-    else:
-        monkeypatch.setattr(_native, "AUTOGRAD", None)
+    from fusemoe import ops
+    use_formula(formula, monkeypatch)
 
     def run(grad_in_place):
-        x, w, w13, w2 = (problem[k].clone().requires_grad_()
-                         for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI"))
+        x, w, w13, w2 = fresh_leaves(problem)
         E, F, H = w13.shape
         w13.grad = torch.ones(E, H, F, dtype=w13.dtype).transpose(1, 2)
         y = fusemoe.moe_experts(x, problem["topk_idx_TK"], w, w13, w2,
@@ -250,13 +242,8 @@ def test_double_backward_is_refused_by_name(problem, formula, monkeypatch):
     differentiable, and the gradients it returned under create_graph were constants (the Python
     formula's second-order gradients silently partial, the C++ one's dx without a grad_fn). A
     plain backward afterwards still works."""
-    from fusemoe import _native
-    if formula == "cpp":
-        require_cpp_autograd()
-    else:
-        monkeypatch.setattr(_native, "AUTOGRAD", None)
-    x, w, w13, w2 = (problem[k].clone().requires_grad_()
-                     for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI"))
+    use_formula(formula, monkeypatch)
+    x, w, w13, w2 = fresh_leaves(problem)
     y = fusemoe.moe_experts(x, problem["topk_idx_TK"], w, w13, w2)
     with pytest.raises(RuntimeError, match=r"create_graph=True \(double backward\)"):
         torch.autograd.grad(y.float().pow(2).sum(), [x], create_graph=True)
@@ -995,6 +982,22 @@ def require_cpp_autograd():
         pytest.skip(f"skipped: the C++ autograd formula is not in use ({_native.status()})")
 
 
+def use_formula(formula, monkeypatch):
+    """Runs the test on the C++ autograd formula ("cpp", skipped where it is not in use) or the
+    Python one ("python")."""
+    from fusemoe import _native
+    if formula == "cpp":
+        require_cpp_autograd()
+    else:
+        monkeypatch.setattr(_native, "AUTOGRAD", None)
+
+
+def fresh_leaves(problem):
+    """Fresh leaf x, topk_weights, w13, w2 of the problem, requiring gradients."""
+    return [problem[k].clone().requires_grad_()
+            for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
+
+
 @pytest.mark.parametrize("grad_in_place", [False, True])
 @pytest.mark.parametrize("separate", [False, True], ids=["w13", "w1w3"])
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -1058,16 +1061,15 @@ def _steps_into_leaves(problem, compiled, steps=1, **options):
     x, topk_weights, w13, w2, each backward under compiled autograd (backend eager) when
     `compiled`. Returns the leaves' gradients and the last grad_fn's name."""
     import torch._dynamo.compiled_autograd as compiled_autograd
-    leaves = [problem[k].clone().requires_grad_()
-              for k in ("x_TH", "topk_weights_TK", "w13_EFH", "w2_EHI")]
+    x, *rest = fresh_leaves(problem)
     for _ in range(steps):
-        y = fusemoe.moe_experts(leaves[0], problem["topk_idx_TK"], *leaves[1:], **options)
+        y = fusemoe.moe_experts(x, problem["topk_idx_TK"], *rest, **options)
         if compiled:
             with compiled_autograd._enable(torch.compile(backend="eager")):
                 y.backward(problem["dy_TH"])
         else:
             y.backward(problem["dy_TH"])
-    return [leaf.grad for leaf in leaves], y.grad_fn.name()
+    return [leaf.grad for leaf in (x, *rest)], y.grad_fn.name()
 
 
 def test_cpp_autograd_formula_under_compiled_autograd(problem):
@@ -1088,11 +1090,7 @@ def test_grad_in_place_under_compiled_autograd_returns_the_gradients(problem, fo
     and the C++ node's list of Parameters failed compiled autograd's trace). Both formulas
     return them there instead, with a warning: two steps into the same leaves give the eager
     gradients without grad_in_place, bitwise."""
-    from fusemoe import _native
-    if formula == "cpp":
-        require_cpp_autograd()
-    else:
-        monkeypatch.setattr(_native, "AUTOGRAD", None)
+    use_formula(formula, monkeypatch)
     with pytest.warns(UserWarning, match="grad_in_place=True under compiled autograd"):
         got, name = _steps_into_leaves(problem, compiled=True, steps=2, grad_in_place=True)
     assert ("fusemoe::MoEExperts" in name) == (formula == "cpp"), name
