@@ -175,6 +175,9 @@ struct BackwardArgs {
   // caller's choice, independent of the form of the weights (w13 or w1/w3).
   void* dw1 = nullptr;
   void* dw3 = nullptr;
+  // Frozen weights: with no gate/up gradient output (dw13, dw1 and dw3 all null) dW13 is not
+  // computed, and with dw2 null dW2 is not; dx and d_topk_weights are the same either way. With
+  // both null the backward runs its dgrad GEMMs only (about half its FLOPs).
   WeightGradDtype weight_grad_dtype = WeightGradDtype::kFloat32;
   // false: dw13 (or dw1, dw3) and dw2 are overwritten (experts with no rows get zeros).
   // true : the gradients are added to what they hold (gradient accumulation).

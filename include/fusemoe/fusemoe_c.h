@@ -116,7 +116,8 @@ typedef struct FusemoeCBackwardArgs {
   void* dw13;                        /* [E, 2I, H] weight_grad_dtype (output) */
   void* dw2;                         /* [E, H, I] weight_grad_dtype (output) */
   /* Instead of dw13 (then NULL): [E, I, H] weight_grad_dtype each (outputs), both or neither,
-   * not overlapping; independent of the weights' form. */
+   * not overlapping; independent of the weights' form. Frozen weights: dw13, dw1 and dw3 all
+   * NULL skips the gate/up gradient, dw2 NULL the down gradient (BackwardArgs). */
   void* dw1;
   void* dw3;
   int32_t accumulate_weight_grads;   /* != 0: add to the gradients instead of overwriting them */

@@ -298,7 +298,8 @@ bool check_bf16_weights_arg(const LayerConfig& config, const void* w13, const vo
   return separate;
 }
 
-// dw13, or dw1 and dw3, which the kernels write concurrently: they must not overlap.
+// dw13, or dw1 and dw3, which the kernels write concurrently: they must not overlap. (None of the
+// three, frozen gate/up weights, is allowed by the caller, checked_layer_call.)
 bool check_gate_up_grads_arg(const LayerConfig& config, WeightGradDtype dtype, const void* dw13, const void* dw1,
                              const void* dw3) {
   if (!check_gate_up_form(dw13, dw1, dw3, "dw13", "dw1", "dw3")) return false;
@@ -422,14 +423,18 @@ void checked_layer_call(const LayerConfig& config, Impl impl, const Args& a,
   const bool separate_weights = check_bf16_weights_arg(config, a.w13, a.w1, a.w3, a.w2);
   bool separate_grads = false;
   if constexpr (kBackward) {
-    separate_grads = check_gate_up_grads_arg(config, a.weight_grad_dtype, a.dw13, a.dw1, a.dw3);
-    if (separate_grads) {
-      outputs_always[num_outputs_always++] = NamedTensor{a.dw1, "dw1", kTmaAlignment};
-      outputs_always[num_outputs_always++] = NamedTensor{a.dw3, "dw3", kTmaAlignment};
-    } else {
-      outputs_always[num_outputs_always++] = NamedTensor{a.dw13, "dw13", kTmaAlignment};
+    // No gate/up gradient output (dw13, dw1, dw3 all null) or no dw2: that gradient is not
+    // computed (frozen weights).
+    if (a.dw13 != nullptr || a.dw1 != nullptr || a.dw3 != nullptr) {
+      separate_grads = check_gate_up_grads_arg(config, a.weight_grad_dtype, a.dw13, a.dw1, a.dw3);
+      if (separate_grads) {
+        outputs_always[num_outputs_always++] = NamedTensor{a.dw1, "dw1", kTmaAlignment};
+        outputs_always[num_outputs_always++] = NamedTensor{a.dw3, "dw3", kTmaAlignment};
+      } else {
+        outputs_always[num_outputs_always++] = NamedTensor{a.dw13, "dw13", kTmaAlignment};
+      }
     }
-    outputs_always[num_outputs_always++] = NamedTensor{a.dw2, "dw2", kTmaAlignment};
+    if (a.dw2 != nullptr) outputs_always[num_outputs_always++] = NamedTensor{a.dw2, "dw2", kTmaAlignment};
   }
   check_fp8_weights_arg(config, a.fp8_weights);
   check_tensors(outputs_always, outputs_always + num_outputs_always);

@@ -64,7 +64,8 @@ void launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, v
   w2g.n = rows.intermediate;
   w2g.bf16_grad = dtype == WeightGradDtype::kBFloat16;
   w2g.accumulate = accumulate;
-  launch_sm90_weight_grad(w2g);
+  if (dw2 != nullptr) launch_sm90_weight_grad(w2g);
+  if (dw13 == nullptr) return;  // frozen gate/up weights
   Sm90WeightGradParams w13g = w2g;
   w13g.act_m = b.dz;
   w13g.act_n = b.xs;

@@ -45,7 +45,8 @@ int64_t launch_backward_dgrad(const Sm90Rows& rows, const LayerConfig& config, c
 // dW2 = dys^T wh and dW13 = dz^T xs for every expert of rows (zeroed or untouched when empty). dw3
 // null: dw13 [E, 2I, H]; set: dW1 = dz[:, :I]^T xs into dw13 (then dw1 [E, I, H]) and dW3 =
 // dz[:, I:]^T xs into dw3, two launches whose tiles are those of dW13 (I % 128 == 0, checked at the
-// API), so every element is the same sum in the same order.
+// API), so every element is the same sum in the same order. dw2 null skips dW2, dw13 null skips
+// dW13 (frozen weights: BackwardArgs).
 void launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, void* dw13, void* dw3, void* dw2,
                                   WeightGradDtype dtype, bool accumulate);
 

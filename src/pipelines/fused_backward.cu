@@ -8,7 +8,9 @@
 //   5. dgrad scatter      dxs = dz W13_e written to the slot row dx_slots[t*K + j]
 //   6. combine            dx_t = sum_j dx_slots[t*K + j] in slot order (deterministic), and in the
 //                         same launch d_topk_w[s] = sum of the row's partials (0 for masked slots)
-//   7. weight gradients   dW2_e = dys^T wh, dW13_e = dz^T xs, one CTA per output tile
+//   7. weight gradients   dW2_e = dys^T wh, dW13_e = dz^T xs, one CTA per output tile; each skipped
+//                         when its output is null (frozen weights), and then with saved z and no
+//                         dW13 the x pool is not gathered either
 // Few launches: at small T the call's host time is mostly launches (docs/perf.md#host-cost-of-the-op).
 // W13_e is w13's [2I, H], or w1's and w3's [I, H] each read in place (separate gate and up weights);
 // dW13 likewise goes to dw13, or to dw1 and dw3.
@@ -65,10 +67,14 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
   b.weight_index = ws.plan.row_slot;  // a row's weight is its slot's
   b.weights = args.topk_weights;
 
+  // dw1 with dw3 (separate gate and up gradients), else dw13; null: the gate/up weights are frozen.
+  void* gate_up_grads = args.dw3 != nullptr ? args.dw1 : args.dw13;
   if (num_slots > 0) {
     const int32_t* num_rows_device = ws.plan.expert_offsets + E;
-    launch_gather_rows_device_count(args.x, ws.xs_RH, args.dy, ws.dys_RH, ws.plan.row_slot, num_rows_device,
-                                    num_slots, c.top_k, H, stream);
+    // x rows feed only the z recompute and dW13.
+    const bool need_xs = args.saved_z == nullptr || gate_up_grads != nullptr;
+    launch_gather_rows_device_count(args.dy, ws.dys_RH, need_xs ? args.x : nullptr, need_xs ? ws.xs_RH : nullptr,
+                                    ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, stream);
     // w1 with w3 (separate gate and up weights), else w13.
     const void* gate_weights = args.w3 != nullptr ? args.w1 : args.w13;
     const int64_t num_n_tiles = launch_backward_dgrad(rows, c, b, gate_weights, args.w3, args.w2);
@@ -85,9 +91,8 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
                          RouterGradReduce{ws.router_partials, num_n_tiles, args.d_topk_weights});
   }
   // No rows: zeroed, or untouched when accumulating.
-  // dw1 with dw3 (separate gate and up gradients), else dw13.
-  launch_backward_weight_grads(rows, b, args.dw3 != nullptr ? args.dw1 : args.dw13, args.dw3, args.dw2,
-                               args.weight_grad_dtype, args.accumulate_weight_grads);
+  launch_backward_weight_grads(rows, b, gate_up_grads, args.dw3, args.dw2, args.weight_grad_dtype,
+                               args.accumulate_weight_grads);
 }
 
 }  // namespace fusemoe

@@ -194,15 +194,21 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
   cudaStream_t stream = args.stream;
   launch_routing(args.topk_idx, args.num_tokens, c.top_k, E, ws.plan, args.expert_id_report, stream);
   const Sm90Rows rows = rows_problem(c, ws.plan, num_slots, stream);
+  // dw1 with dw3 (separate gate and up gradients), else dw13; null: the gate/up weights are frozen.
+  void* gate_up_grads = args.dw3 != nullptr ? args.dw1 : args.dw13;
 
   if (num_slots > 0) {
     const int32_t* num_rows_device = ws.plan.expert_offsets + E;
-    // With saved z, x's plain pool comes with dy's quantization (one pass over the row map);
-    // without, x is quantized for the z recompute and its pool comes with that.
+    // With saved z, x's plain pool (dW13's operand: none when the gate/up weights are frozen)
+    // comes with dy's quantization (one pass over the row map); without, x is quantized for the z
+    // recompute and its pool comes with that.
     const void* z_RF = args.saved_z;
-    const Fp8RowsPlainCopy x_pool = z_RF != nullptr ? Fp8RowsPlainCopy{args.x, ws.xs_RH} : Fp8RowsPlainCopy{};
-    launch_quantize_rows_fp8(args.dy, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, ws.dys_RH,
-                             ws.dys_fp8_RH, ws.dys_scales, Fp8ScaleLayout{1, rows_pad}, stream, x_pool);
+    const Fp8RowsPlainCopy x_pool =
+        z_RF != nullptr && gate_up_grads != nullptr ? Fp8RowsPlainCopy{args.x, ws.xs_RH} : Fp8RowsPlainCopy{};
+    // dy's plain pool is dW2's operand only.
+    launch_quantize_rows_fp8(args.dy, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H,
+                             args.dw2 != nullptr ? ws.dys_RH : nullptr, ws.dys_fp8_RH, ws.dys_scales,
+                             Fp8ScaleLayout{1, rows_pad}, stream, x_pool);
     if (z_RF == nullptr) {
       launch_quantize_rows_fp8(args.x, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, ws.xs_RH,
                                ws.xs_fp8_RH, ws.xs_scales, Fp8ScaleLayout{1, rows_pad}, stream);
@@ -247,9 +253,8 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
   }
 
   // Weight gradients from the bf16 pools with the BF16 path's step (no rows: zeroed, or untouched).
-  // dw1 with dw3 (separate gate and up gradients), else dw13.
-  launch_backward_weight_grads(rows, ws.weight_grad_rows(), args.dw3 != nullptr ? args.dw1 : args.dw13, args.dw3,
-                               args.dw2, args.weight_grad_dtype, args.accumulate_weight_grads);
+  launch_backward_weight_grads(rows, ws.weight_grad_rows(), gate_up_grads, args.dw3, args.dw2, args.weight_grad_dtype,
+                               args.accumulate_weight_grads);
 }
 
 }  // namespace fusemoe

@@ -281,6 +281,8 @@ void backward_impl(const LayerConfig& c, const BackwardArgs& args) {
   GemmBatch recompute_z{{}, pool_type<Pool>(), pool_type<Pool>(), 0.0f};
   GemmBatch dy_w2{{}, pool_type<Pool>(), pool_type<Pool>(), 0.0f};
   GemmBatch dxs{{}, pool_type<Pool>(), pool_type<Pool>(), 0.0f};
+  // A null dw2 or dw13 (frozen weights): its GEMMs, zeroing and finalise are skipped.
+  const bool want_dw2 = args.dw2 != nullptr, want_dw13 = args.dw13 != nullptr;
   GemmBatch dw2{{}, pool_type<Pool>(), pool_type<Pool>(), grad_beta};
   GemmBatch dw13{{}, pool_type<Pool>(), pool_type<Pool>(), grad_beta};
   int64_t row0 = 0;
@@ -299,11 +301,15 @@ void backward_impl(const LayerConfig& c, const BackwardArgs& args) {
       dxs.problems.push_back({ws.dz_RF + row0 * 2 * I, w13 + e * 2 * I * H, ws.dxs_RH + row0 * H,
                               rows, int(H), int(2 * I), false, false, int(2 * I), int(H), int(H)});
       // dW2_e[H,I] = dys^T[H,rows] . wh[rows,I]
-      dw2.problems.push_back({dys_RH + row0 * H, ws.h_or_wh_RI + row0 * I, dw2_e,
-                              int(H), int(I), rows, true, false, int(H), int(I), int(I)});
+      if (want_dw2) {
+        dw2.problems.push_back({dys_RH + row0 * H, ws.h_or_wh_RI + row0 * I, dw2_e,
+                                int(H), int(I), rows, true, false, int(H), int(I), int(I)});
+      }
       // dW13_e[2I,H] = dz^T[2I,rows] . xs[rows,H]
-      dw13.problems.push_back({ws.dz_RF + row0 * 2 * I, ws.xs_RH + row0 * H, dw13_e,
-                               int(2 * I), int(H), rows, true, false, int(2 * I), int(H), int(H)});
+      if (want_dw13) {
+        dw13.problems.push_back({ws.dz_RF + row0 * 2 * I, ws.xs_RH + row0 * H, dw13_e,
+                                 int(2 * I), int(H), rows, true, false, int(2 * I), int(H), int(H)});
+      }
     }
     row0 += rows;
   }
@@ -317,18 +323,19 @@ void backward_impl(const LayerConfig& c, const BackwardArgs& args) {
   run_gemm_batch(dw13, ptrs, stream);
   launch_combine_backward(ws.dxs_RH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx,
                           args.d_topk_weights, stream);
+  const int64_t dw13_elems = want_dw13 ? 2 * I * H : 0, dw2_elems = want_dw2 ? H * I : 0;
   if (direct) {
     if (!args.accumulate_weight_grads) {
-      launch_zero_empty_expert_grads(ws.plan.expert_counts, E, 2 * I * H, H * I, true, args.dw13,
+      launch_zero_empty_expert_grads(ws.plan.expert_counts, E, dw13_elems, dw2_elems, true, args.dw13,
                                      args.dw2, stream);
     }
   } else {
     // Experts with no rows: their scratch was never written; zero it so finalise is exact.
-    launch_zero_empty_expert_grads(ws.plan.expert_counts, E, 2 * I * H, H * I, !kReference,
+    launch_zero_empty_expert_grads(ws.plan.expert_counts, E, dw13_elems, dw2_elems, !kReference,
                                    ws.dw13_scratch, ws.dw2_scratch, stream);
-    launch_finalize_weight_grad(ws.dw13_scratch, E * 2 * I * H, args.accumulate_weight_grads,
+    launch_finalize_weight_grad(ws.dw13_scratch, E * dw13_elems, args.accumulate_weight_grads,
                                 bf16_grads, args.dw13, stream);
-    launch_finalize_weight_grad(ws.dw2_scratch, E * H * I, args.accumulate_weight_grads,
+    launch_finalize_weight_grad(ws.dw2_scratch, E * dw2_elems, args.accumulate_weight_grads,
                                 bf16_grads, args.dw2, stream);
   }
 }

@@ -115,14 +115,12 @@ TEST(SeparateGateUp, BackwardFormsNamed) {
       {[](BackwardArgs& a) { a.dw13 = at_mut(0x90000); }, "pass either dw13 or dw1 and dw3, not both"},
       {[](BackwardArgs& a) { a.dw3 = nullptr; }, "dw3 must not be null when dw1 is set"},
       {[](BackwardArgs& a) { a.dw1 = nullptr; }, "dw1 must not be null when dw3 is set"},
-      {[](BackwardArgs& a) { a.dw1 = a.dw3 = nullptr; }, "dw13 must not be null (or pass dw1 and dw3)"},
       {[](BackwardArgs& a) { a.dw1 = at_mut(kDw1 + 4); }, "dw1 must be 16-byte aligned"},
       {[](BackwardArgs& a) { a.dw3 = at_mut(kDw3 + 4); }, "dw3 must be 16-byte aligned"},
       {[](BackwardArgs& a) { a.dw3 = a.dw1; }, "dw1 and dw3 must not overlap"},
       // fp32 [8, 128, 256] is 0x100000 bytes: dw3 starts inside dw1, and dw1 inside dw3.
       {[](BackwardArgs& a) { a.dw3 = at_mut(kDw1 + 0x80000); }, "dw1 and dw3 must not overlap"},
       {[](BackwardArgs& a) { a.dw1 = at_mut(kDw3 + 0xffff0); }, "dw1 and dw3 must not overlap"},
-      {[](BackwardArgs& a) { a.dw2 = nullptr; }, "dw2 must not be null"},
       {[](BackwardArgs& a) { a.dy = nullptr; }, "dy must not be null"},
   };
   struct WellFormed {
@@ -149,6 +147,10 @@ TEST(SeparateGateUp, BackwardFormsNamed) {
          a.dw13 = at_mut(0x90000);
        },
        kWeightsNotYet},
+      // Frozen weights: no gate/up gradient output, no dw2, or neither.
+      {[](BackwardArgs& a) { a.dw1 = a.dw3 = nullptr; }, kWeightsNotYet},
+      {[](BackwardArgs& a) { a.dw2 = nullptr; }, kWeightsNotYet},
+      {[](BackwardArgs& a) { a.dw1 = a.dw3 = a.dw2 = nullptr; }, kWeightsNotYet},
   };
   for (Impl impl : {Impl::kUnfused, Impl::kFused}) {
     for (bool caller_checked_pointers : {false, true}) {

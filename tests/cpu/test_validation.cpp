@@ -144,8 +144,14 @@ TEST(Validation, BackwardArgumentsNamed) {
       {[](BackwardArgs& a) { a.dy = nullptr; }, "dy must not be null"},
       {[](BackwardArgs& a) { a.dx = reinterpret_cast<void*>(0x70002); }, "dx must be 16-byte aligned"},
       {[](BackwardArgs& a) { a.d_topk_weights = nullptr; }, "d_topk_weights"},
-      {[](BackwardArgs& a) { a.dw13 = nullptr; }, "dw13"},
-      {[](BackwardArgs& a) { a.dw2 = nullptr; }, "dw2"},
+      {[](BackwardArgs& a) { a.dw13 = reinterpret_cast<void*>(0x90004); }, "dw13 must be 16-byte aligned"},
+      {[](BackwardArgs& a) { a.dw2 = reinterpret_cast<void*>(0xa0004); }, "dw2 must be 16-byte aligned"},
+      // A null dw13 or dw2 means frozen weights (not computed); the other output is still checked.
+      {[](BackwardArgs& a) {
+         a.dw13 = nullptr;
+         a.dw2 = reinterpret_cast<void*>(0xa0004);
+       },
+       "dw2 must be 16-byte aligned"},
       {[](BackwardArgs& a) { a.weight_grad_dtype = static_cast<WeightGradDtype>(7); }, "weight_grad_dtype"},
       {[](BackwardArgs& a) { a.num_tokens = 100; }, "num_tokens"},
       {[](BackwardArgs& a) { a.workspace_bytes = 0; }, "workspace_bytes"},

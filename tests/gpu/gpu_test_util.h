@@ -209,6 +209,10 @@ struct RunOptions {
   // rebuilt from dw1 and dw3 on the host, so outputs of either form compare directly.
   bool separate_weights = false;
   bool separate_grads = false;
+  // Frozen weights: the backward gets null gate/up gradient outputs (dw13, or dw1 and dw3) or a
+  // null dw2. Their buffers stay as poisoned (NaN) unless the call writes them anyway.
+  bool frozen_gate_up = false;
+  bool frozen_down = false;
 };
 
 // Rows [row0, row0 + rows) of each expert's [rows_per_expert, cols] matrix of `all` (any element type).
@@ -361,13 +365,15 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   BackwardArgs ba = in.args<BackwardArgs>(d.T, bwd_workspace);
   ba.dx = dx.get();
   ba.d_topk_weights = dtw.as<float>();
-  if (opt.separate_grads) {
+  if (opt.frozen_gate_up) {
+    ba.dw13 = nullptr;
+  } else if (opt.separate_grads) {
     ba.dw1 = dw13.get();
     ba.dw3 = dw3.get();
   } else {
     ba.dw13 = dw13.get();
   }
-  ba.dw2 = dw2.get();
+  ba.dw2 = opt.frozen_down ? nullptr : dw2.get();
   ba.weight_grad_dtype = opt.grad_dtype;
   ba.accumulate_weight_grads = opt.accumulate;
   set_options(ba);

@@ -3,6 +3,7 @@
 // most 2 x the unfused bf16 baseline's error + kAtol. Edge routings and token counts, clamp,
 // bf16 and accumulated weight gradients, NaN-poisoned outputs and workspace (run_layer), and
 // bitwise determinism over repeated calls, on a stream and from a CUDA-graph replay.
+#include <cmath>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -82,6 +83,67 @@ TEST(FusedBackward, Bf16AndAccumulatedWeightGrads) {
   const Dims d = small_dims(199);
   const HostProblem p = make_problem(d, Routing::kFewExperts, 9100);  // empty experts too
   for_each_weight_grad_mode(d, 9, [&](const RunOptions& opt) { expect_all_fa3(p, opt); });
+}
+
+// Frozen weights (a null gate/up or down gradient output): the other outputs are bitwise those of
+// the call with every gradient, and the frozen gradient's buffer is never written (it stays NaN).
+// Every single-GPU path: fused BF16 and FP8 with z saved or recomputed, separate gate and up
+// gradients, and the unfused pipeline.
+TEST(FusedBackward, FrozenWeightsSkipTheirGradientsOnly) {
+  const Dims d = medium_dims(300);
+  const HostProblem p = make_problem(d, Routing::kFewExperts, 9150);  // empty experts too
+  auto all_nan = [](const std::vector<double>& v) {
+    for (double x : v) {
+      if (!std::isnan(x)) return false;
+    }
+    return !v.empty();
+  };
+  struct Path {
+    const char* name;
+    Impl impl;
+    RunOptions opt;
+  };
+  std::vector<Path> paths;
+  for (bool save_z : {false, true}) {
+    for (Precision precision : {Precision::kBf16, Precision::kFp8Blockwise}) {
+      RunOptions opt;
+      opt.save_z = save_z;
+      opt.precision = precision;
+      paths.push_back({precision == Precision::kBf16 ? "fused bf16" : "fused fp8", Impl::kFused, opt});
+    }
+  }
+  RunOptions separate;
+  separate.separate_grads = true;
+  separate.save_z = true;
+  paths.push_back({"fused, dw1/dw3", Impl::kFused, separate});
+  RunOptions bf16_grads;
+  bf16_grads.grad_dtype = WeightGradDtype::kBFloat16;
+  paths.push_back({"unfused", Impl::kUnfused, RunOptions{}});
+  paths.push_back({"unfused, bf16 grads", Impl::kUnfused, bf16_grads});
+  for (const Path& path : paths) {
+    const LayerOutputs all = run_layer(path.impl, p, path.opt);
+    for (int frozen = 1; frozen <= 3; ++frozen) {  // gate/up, down, both
+      RunOptions opt = path.opt;
+      opt.frozen_gate_up = frozen & 1;
+      opt.frozen_down = frozen & 2;
+      const std::string what = std::string(path.name) + (path.opt.save_z ? ", z saved" : "") +
+                               (opt.frozen_gate_up ? ", gate/up frozen" : "") + (opt.frozen_down ? ", down frozen" : "");
+      const LayerOutputs got = run_layer(path.impl, p, opt);
+      EXPECT_TRUE(got.y == all.y) << what << ": y differs";
+      EXPECT_TRUE(got.dx == all.dx) << what << ": dx differs";
+      EXPECT_TRUE(got.d_topk_w == all.d_topk_w) << what << ": d_topk_weights differs";
+      if (opt.frozen_gate_up) {
+        EXPECT_TRUE(all_nan(got.dw13)) << what << ": the frozen dw13 buffer was written";
+      } else {
+        EXPECT_TRUE(got.dw13 == all.dw13) << what << ": dw13 differs";
+      }
+      if (opt.frozen_down) {
+        EXPECT_TRUE(all_nan(got.dw2)) << what << ": the frozen dw2 buffer was written";
+      } else {
+        EXPECT_TRUE(got.dw2 == all.dw2) << what << ": dw2 differs";
+      }
+    }
+  }
 }
 
 TEST(FusedBackward, BitwiseDeterministic) {
