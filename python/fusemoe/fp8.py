@@ -27,9 +27,9 @@ from torch import Tensor
 
 from . import _capi
 from .ops import (API, _backward_fake, _call, _check_cuda, _check_tensor, _check_w2_matches_w13,
-                  _fail,
-                  _forward_fake, _gradients, _launch_backward, _launch_forward, _op,
-                  _register_autograd, _save_for_backward, _wants_saved_z)
+                  _fail, _forward_fake, _fresh_weight_grads, _gradients, _launch_backward,
+                  _launch_forward, _op, _register_autograd, _returned_weight_grads,
+                  _save_for_backward, _wants_saved_z)
 
 _BLOCK = 128       # E4M3 scale block: 1 x 128 for activations, 128 x 128 for weights
 _ALIGNMENT = 256   # each array of the weight buffer starts 256-byte aligned
@@ -240,22 +240,23 @@ def _moe_experts_fp8_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w
 def moe_experts_fp8_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                              topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
                              fp8_weights: Tensor, impl: str, saved_z_SF: Optional[Tensor] = None,
-                             swiglu_clamp: Optional[float] = None
-                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                             swiglu_clamp: Optional[float] = None, gate_up_grad: bool = True,
+                             down_grad: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_topk_weights, dw13, dw2) as fusemoe::moe_experts_backward, at FP8."""
-    dw13_EFH = torch.empty_like(w13_EFH)
-    dw2_EHI = torch.empty_like(w2_EHI)
+    grads = _fresh_weight_grads((w13_EFH, w2_EHI), gate_up_grad, down_grad)
     dx_TH, d_topk_weights_TK = _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH,
-                                                w2_EHI, dw13_EFH, dw2_EHI, False, impl,
-                                                saved_z_SF, swiglu_clamp, fp8_weights)
-    return dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI
+                                                w2_EHI, *grads, False, impl, saved_z_SF,
+                                                swiglu_clamp, fp8_weights)
+    return (dx_TH, d_topk_weights_TK, *_returned_weight_grads(grads, (w13_EFH, w2_EHI)))
 
 
 @torch.library.register_fake("fusemoe::moe_experts_fp8_backward")
 def _moe_experts_fp8_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
-                                   fp8_weights, impl, saved_z_SF=None, swiglu_clamp=None):
+                                   fp8_weights, impl, saved_z_SF=None, swiglu_clamp=None,
+                                   gate_up_grad=True, down_grad=True):
     return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                          saved_z_SF, swiglu_clamp, fp8_weights=fp8_weights)
+                          saved_z_SF, swiglu_clamp, fp8_weights=fp8_weights,
+                          gate_up_grad=gate_up_grad, down_grad=down_grad)
 
 
 @_op("moe_experts_fp8_backward_into", mutates_args=("dw13_EFH", "dw2_EHI"))

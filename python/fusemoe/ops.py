@@ -385,38 +385,61 @@ def _check_saved_z(saved_z_SF, dims, x_TH, impl):
 def moe_experts_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                          topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
                          impl: str, saved_z_SF: Optional[Tensor] = None,
-                         swiglu_clamp: Optional[float] = None
-                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         swiglu_clamp: Optional[float] = None, gate_up_grad: bool = True,
+                         down_grad: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dx [T, H] bf16, d_topk_weights [T, K] fp32, dw13 [E, F, H], dw2 [E, H, I]).
     saved_z: the z output of the forward of these inputs (skips recomputing it), or None.
-    swiglu_clamp: the forward's."""
-    dw13_EFH = torch.empty_like(w13_EFH)
-    dw2_EHI = torch.empty_like(w2_EHI)
+    swiglu_clamp: the forward's. gate_up_grad / down_grad False (frozen weights): dw13 / dw2 is
+    not computed and comes back as a 0-element tensor."""
+    grads = _fresh_weight_grads((w13_EFH, w2_EHI), gate_up_grad, down_grad)
     dx_TH, d_topk_weights_TK = _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK,
-                                                w13_EFH, w2_EHI, dw13_EFH, dw2_EHI, False, impl,
+                                                w13_EFH, w2_EHI, *grads, False, impl,
                                                 saved_z_SF, swiglu_clamp)
-    return dx_TH, d_topk_weights_TK, dw13_EFH, dw2_EHI
+    return (dx_TH, d_topk_weights_TK, *_returned_weight_grads(grads, (w13_EFH, w2_EHI)))
+
+
+def _fresh_weight_grads(weights, gate_up_grad, down_grad):
+    """The fresh gradient buffers of a backward op that returns them: per weight (w13, w2, or w1,
+    w3, w2) one of its dtype, or None for a frozen weight's, which the library then skips
+    (gate_up_grad covers every weight but the last, down_grad the last)."""
+    wanted = (gate_up_grad,) * (len(weights) - 1) + (down_grad,)
+    return tuple(torch.empty_like(w) if want else None for w, want in zip(weights, wanted))
+
+
+def _returned_weight_grads(grads, weights):
+    """What a backward op returns for _fresh_weight_grads' buffers: a 0-element tensor for a
+    frozen weight's (an op returns tensors)."""
+    return tuple(g if g is not None else w.new_empty(0) for g, w in zip(grads, weights))
 
 
 def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13_EFH,
                      dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp, fp8_weights=None):
-    """The backward ops' call, on the bf16 weights or the FP8 buffer as _launch_forward."""
+    """The backward ops' call, on the bf16 weights or the FP8 buffer as _launch_forward. dw13 or
+    dw2 None: that gradient is not computed (frozen weights)."""
     dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
     _check_cuda(x_TH)
-    grad_dtype = _check_weight_grads(dw13_EFH, dw2_EHI, w13_EFH, w2_EHI)
+    # A frozen weight stands in for its gradient: the checks are those of a call with both.
+    grad_dtype = _check_weight_grads(w13_EFH if dw13_EFH is None else dw13_EFH,
+                                     w2_EHI if dw2_EHI is None else dw2_EHI, w13_EFH, w2_EHI)
     saved_z_SF = _check_saved_z(saved_z_SF, dims, x_TH, impl)
     _check_swiglu_clamp(swiglu_clamp)
     layer, weights = _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights)
     return _call_backward(layer, dims, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, saved_z_SF,
                           grad_dtype, accumulate, weights,
-                          dict(dw13=dw13_EFH.data_ptr(), dw2=dw2_EHI.data_ptr()))
+                          dict(dw13=_pointer(dw13_EFH), dw2=_pointer(dw2_EHI)))
+
+
+def _pointer(t):
+    """A tensor's device pointer for the C ABI, or None (NULL) for no tensor."""
+    return None if t is None else t.data_ptr()
 
 
 def _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, saved_z_SF,
-                   swiglu_clamp, weight_grads=None, fp8_weights=None):
+                   swiglu_clamp, weight_grads=None, fp8_weights=None, gate_up_grad=True,
+                   down_grad=True):
     """The backward ops' fake kernels: the launch's checks that need no device, then empty outputs
     (dx, d_topk_weights, and dw13, dw2 unless weight_grads (dw13, dw2) are given, as the _into
-    ops take them); fp8_weights for the FP8 ops."""
+    ops take them: 0-element for a frozen weight's); fp8_weights for the FP8 ops."""
     dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
     if weight_grads is not None:
         _check_weight_grads(*weight_grads, w13_EFH, w2_EHI)
@@ -427,15 +450,19 @@ def _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, i
     _check_swiglu_clamp(swiglu_clamp)
     grads = (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK))
     if weight_grads is None:
-        grads += (torch.empty_like(w13_EFH), torch.empty_like(w2_EHI))
+        weights = (w13_EFH, w2_EHI)
+        grads += _returned_weight_grads(_fresh_weight_grads(weights, gate_up_grad, down_grad),
+                                        weights)
     return grads
 
 
 @torch.library.register_fake("fusemoe::moe_experts_backward")
 def _moe_experts_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                               saved_z_SF=None, swiglu_clamp=None):
+                               saved_z_SF=None, swiglu_clamp=None, gate_up_grad=True,
+                               down_grad=True):
     return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                          saved_z_SF, swiglu_clamp)
+                          saved_z_SF, swiglu_clamp, gate_up_grad=gate_up_grad,
+                          down_grad=down_grad)
 
 
 @_op("moe_experts_backward_into", mutates_args=("dw13_EFH", "dw2_EHI"))
@@ -502,6 +529,9 @@ def _save_for_backward(ctx, tensors, impl, grad_in_place, save_z, swiglu_clamp, 
     weights = tensors[3:3 + num_weights]
     ctx.params = (weights if grad_in_place and all(w.is_leaf and w.requires_grad for w in weights)
                   else None)
+    # Which weight gradients autograd wants (needs_input_grad, read here where the op's inputs are
+    # indexed alike in both registrations): a frozen weight's GEMM is skipped in the backward.
+    ctx.weights_need_grad = tuple(w.requires_grad for w in weights)
 
 
 def _gradients(ctx, dy_TH, backward_op, backward_into_op):
@@ -521,9 +551,11 @@ def _gradients(ctx, dy_TH, backward_op, backward_into_op):
                 *grads_and_accumulate, ctx.impl, saved_z_SF, ctx.swiglu_clamp))
         weight_grads = (None,) * ctx.num_weights
     else:
+        wanted = ctx.weights_need_grad
         dx_TH, d_topk_weights_TK, *weight_grads = _call(
             backward_op, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights, ctx.impl,
-            saved_z_SF, ctx.swiglu_clamp)
+            saved_z_SF, ctx.swiglu_clamp, any(wanted[:-1]), wanted[-1])
+        weight_grads = [g if want else None for g, want in zip(weight_grads, wanted)]
     return ((dx_TH, None, d_topk_weights_TK, *weight_grads)
             + (None,) * (ctx.num_inputs - 3 - ctx.num_weights))
 

@@ -32,8 +32,9 @@ from . import _capi
 from .fp8 import _check_fp8_buffer_bytes, _check_fp8_dims, cached_buffer, fp8_weights_bytes
 from .ops import (DEFAULT_IMPL, _call, _call_backward, _call_forward, _check_cuda, _check_dtypes,
                   _check_impl, _check_routing, _check_save_z, _check_saved_z, _check_swiglu_clamp,
-                  _check_tensor, _empty_saved_z, _fail, _gradients, _op, _register_autograd,
-                  _save_for_backward, _wants_saved_z, _weight_grad_dtype)
+                  _check_tensor, _empty_saved_z, _fail, _fresh_weight_grads, _gradients, _op,
+                  _pointer, _register_autograd, _returned_weight_grads, _save_for_backward,
+                  _wants_saved_z, _weight_grad_dtype)
 
 API = "fusemoe.moe_experts_w1w3"
 
@@ -114,26 +115,31 @@ def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, 
     buffers. Returns (dx, d_topk_weights)."""
     dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, dy_TH)
     _check_cuda(x_TH, API)
-    grad_dtype = _check_weight_grads_w1w3(dw1_EIH, dw3_EIH, dw2_EHI, w1_EIH, w3_EIH, w2_EHI)
+    # A frozen weight stands in for its gradient (None): the checks are those of a call with all.
+    grad_dtype = _check_weight_grads_w1w3(
+        *(w if g is None else g for g, w in ((dw1_EIH, w1_EIH), (dw3_EIH, w3_EIH), (dw2_EHI, w2_EHI))),
+        w1_EIH, w3_EIH, w2_EHI)
     saved_z_SF = _check_saved_z(saved_z_SF, dims, x_TH, impl)
     _check_swiglu_clamp(swiglu_clamp)
     layer, weights = _layer_and_weights(dims, impl, swiglu_clamp, w1_EIH, w3_EIH, w2_EHI,
                                         fp8_weights)
     return _call_backward(layer, dims, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, saved_z_SF,
                           grad_dtype, accumulate, weights,
-                          dict(dw13=None, dw1=dw1_EIH.data_ptr(), dw3=dw3_EIH.data_ptr(),
-                               dw2=dw2_EHI.data_ptr()))
+                          dict(dw13=None, dw1=_pointer(dw1_EIH), dw3=_pointer(dw3_EIH),
+                               dw2=_pointer(dw2_EHI)))
 
 
 def _launch_backward_fresh(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
-                           impl, saved_z_SF, swiglu_clamp, fp8_weights=None):
+                           impl, saved_z_SF, swiglu_clamp, gate_up_grad, down_grad,
+                           fp8_weights=None):
     """The backward into fresh gradients of the weights' dtype: (dx, d_topk_weights, dw1, dw3,
-    dw2)."""
-    grads = tuple(torch.empty_like(w) for w in (w1_EIH, w3_EIH, w2_EHI))
+    dw2); gate_up_grad / down_grad False: dw1 and dw3 / dw2 not computed, 0-element."""
+    weights = (w1_EIH, w3_EIH, w2_EHI)
+    grads = _fresh_weight_grads(weights, gate_up_grad, down_grad)
     dx_TH, d_topk_weights_TK = _launch_backward(
         dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, *grads, False, impl,
         saved_z_SF, swiglu_clamp, fp8_weights)
-    return (dx_TH, d_topk_weights_TK, *grads)
+    return (dx_TH, d_topk_weights_TK, *_returned_weight_grads(grads, weights))
 
 
 def _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl, save_z,
@@ -149,9 +155,10 @@ def _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, im
 
 
 def _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
-                   saved_z_SF, swiglu_clamp, weight_grads=None, fp8_weights=None):
+                   saved_z_SF, swiglu_clamp, weight_grads=None, fp8_weights=None,
+                   gate_up_grad=True, down_grad=True):
     """The backward ops' fake kernels: (dx, d_topk_weights) and, unless weight_grads (dw1, dw3,
-    dw2) are given as the _into ops take them, empty dw1, dw3, dw2."""
+    dw2) are given as the _into ops take them, empty dw1, dw3, dw2 (0-element when frozen)."""
     dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, dy_TH)
     if weight_grads is not None:
         _check_weight_grads_w1w3(*weight_grads, w1_EIH, w3_EIH, w2_EHI)
@@ -162,7 +169,9 @@ def _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2
     _check_swiglu_clamp(swiglu_clamp)
     grads = (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK))
     if weight_grads is None:
-        grads += tuple(torch.empty_like(w) for w in (w1_EIH, w3_EIH, w2_EHI))
+        weights = (w1_EIH, w3_EIH, w2_EHI)
+        grads += _returned_weight_grads(_fresh_weight_grads(weights, gate_up_grad, down_grad),
+                                        weights)
     return grads
 
 
@@ -190,19 +199,23 @@ def _moe_experts_w1w3_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w
 def moe_experts_w1w3_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                               topk_weights_TK: Tensor, w1_EIH: Tensor, w3_EIH: Tensor,
                               w2_EHI: Tensor, impl: str, saved_z_SF: Optional[Tensor] = None,
-                              swiglu_clamp: Optional[float] = None
+                              swiglu_clamp: Optional[float] = None, gate_up_grad: bool = True,
+                              down_grad: bool = True
                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dx [T, H] bf16, d_topk_weights [T, K] fp32, dw1, dw3 [E, I, H], dw2 [E, H, I]),
-    the weight gradients in the weights' dtype, written apart (no concatenated buffer)."""
+    the weight gradients in the weights' dtype, written apart (no concatenated buffer);
+    gate_up_grad / down_grad as fusemoe::moe_experts_backward's."""
     return _launch_backward_fresh(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH,
-                                  w2_EHI, impl, saved_z_SF, swiglu_clamp)
+                                  w2_EHI, impl, saved_z_SF, swiglu_clamp, gate_up_grad, down_grad)
 
 
 @torch.library.register_fake("fusemoe::moe_experts_w1w3_backward")
 def _moe_experts_w1w3_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH,
-                                    w2_EHI, impl, saved_z_SF=None, swiglu_clamp=None):
+                                    w2_EHI, impl, saved_z_SF=None, swiglu_clamp=None,
+                                    gate_up_grad=True, down_grad=True):
     return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
-                          saved_z_SF, swiglu_clamp)
+                          saved_z_SF, swiglu_clamp, gate_up_grad=gate_up_grad,
+                          down_grad=down_grad)
 
 
 @_op("moe_experts_w1w3_backward_into", mutates_args=("dw1_EIH", "dw3_EIH", "dw2_EHI"))
@@ -307,19 +320,22 @@ def moe_experts_w1w3_fp8_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tens
                                   topk_weights_TK: Tensor, w1_EIH: Tensor, w3_EIH: Tensor,
                                   w2_EHI: Tensor, fp8_weights: Tensor, impl: str,
                                   saved_z_SF: Optional[Tensor] = None,
-                                  swiglu_clamp: Optional[float] = None
+                                  swiglu_clamp: Optional[float] = None, gate_up_grad: bool = True,
+                                  down_grad: bool = True
                                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """moe_experts_w1w3_backward at FP8."""
     return _launch_backward_fresh(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH,
-                                  w2_EHI, impl, saved_z_SF, swiglu_clamp, fp8_weights)
+                                  w2_EHI, impl, saved_z_SF, swiglu_clamp, gate_up_grad, down_grad,
+                                  fp8_weights)
 
 
 @torch.library.register_fake("fusemoe::moe_experts_w1w3_fp8_backward")
 def _moe_experts_w1w3_fp8_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH,
                                         w3_EIH, w2_EHI, fp8_weights, impl, saved_z_SF=None,
-                                        swiglu_clamp=None):
+                                        swiglu_clamp=None, gate_up_grad=True, down_grad=True):
     return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
-                          saved_z_SF, swiglu_clamp, fp8_weights=fp8_weights)
+                          saved_z_SF, swiglu_clamp, fp8_weights=fp8_weights,
+                          gate_up_grad=gate_up_grad, down_grad=down_grad)
 
 
 @_op("moe_experts_w1w3_fp8_backward_into", mutates_args=("dw1_EIH", "dw3_EIH", "dw2_EHI"))

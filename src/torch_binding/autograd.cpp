@@ -213,7 +213,7 @@ struct MoEExperts : torch::autograd::Function<MoEExperts> {
     variable_list saved = ctx->get_saved_variables();  // the op's tensors, then z
     const at::Tensor& z = saved.back();
     torch::jit::Stack stack;
-    stack.reserve(2 * n + 6);
+    stack.reserve(2 * n + 8);
     // dy may arrive expanded (e.g. from y.sum()) or in another layout: the ops need it dense.
     stack.emplace_back(grads[0].contiguous());
     for (size_t i = 0; i < n; ++i) stack.emplace_back(saved[i]);
@@ -239,11 +239,21 @@ struct MoEExperts : torch::autograd::Function<MoEExperts> {
     stack.emplace_back(ctx->saved_data["impl"]);
     stack.emplace_back(z.numel() ? c10::IValue(z) : c10::IValue());
     stack.emplace_back(ctx->saved_data["swiglu_clamp"]);
+    if (!in_place) {
+      // As ops._gradients: a frozen weight's gradient is not computed (gate_up_grad covers every
+      // weight but the last, down_grad the last).
+      bool gate_up_grad = false;
+      for (size_t i = 0; i + 1 < family.num_weights; ++i) gate_up_grad = gate_up_grad || ctx->needs_input_grad(3 + i);
+      stack.emplace_back(gate_up_grad);
+      stack.emplace_back(ctx->needs_input_grad(3 + family.num_weights - 1));
+    }
     call_below_autograd(in_place ? family.backward_into : family.backward, stack);
     result[1] = std::move(stack[0]).toTensor();  // dx
     result[3] = std::move(stack[1]).toTensor();  // d_topk_weights
     if (!in_place) {
-      for (size_t i = 0; i < family.num_weights; ++i) result[4 + i] = std::move(stack[2 + i]).toTensor();
+      for (size_t i = 0; i < family.num_weights; ++i) {
+        if (ctx->needs_input_grad(3 + i)) result[4 + i] = std::move(stack[2 + i]).toTensor();
+      }
     } else if (fresh) {
       for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = weight_grads[i];
     }

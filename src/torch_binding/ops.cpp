@@ -246,22 +246,37 @@ struct Gradients {
   WeightGrads weight_grads;
 };
 
+// Which weight gradients a backward op with fresh gradients computes: a frozen weight's is not
+// computed (its output is a 0-element tensor and the library gets a null pointer).
+struct WantedGrads {
+  bool gate_up = true;  // dw13, or dw1 and dw3
+  bool down = true;     // dw2
+};
+
 // The backward ops: the weight gradients are written into fresh tensors of the weights' dtype
-// (given null), or written (accumulate false) or added into the given ones.
+// (given null; only the wanted ones), or written (accumulate false) or added into the given ones.
 Gradients launch_backward(const Tensor& dy_TH, const Inputs& in, const WeightGrads* given, bool accumulate,
                           const std::string& impl, const OptionalTensor& saved_z_SF,
-                          std::optional<double> swiglu_clamp) {
+                          std::optional<double> swiglu_clamp, WantedGrads wanted = {}) {
   const LayerDims d = check_call_inputs(in, &dy_TH);
   const int32_t device = in.x_TH.get_device_index();
+  auto fresh = [&](bool want, const Tensor& weight, const char* name) {
+    return want ? empty_like_cuda(weight, device, name) : empty_cuda({0}, dtype_of(weight), device, name);
+  };
   const WeightGrads g = given != nullptr    ? *given
-                        : in.separate() ? WeightGrads{empty_like_cuda(in.w13_EFH, device, "dw1"),
-                                                      empty_like_cuda(*in.w3_EIH, device, "dw3"),
-                                                      empty_like_cuda(in.w2_EHI, device, "dw2")}
-                                        : WeightGrads{empty_like_cuda(in.w13_EFH, device, "dw13"), std::nullopt,
-                                                      empty_like_cuda(in.w2_EHI, device, "dw2")};
+                        : in.separate() ? WeightGrads{fresh(wanted.gate_up, in.w13_EFH, "dw1"),
+                                                      fresh(wanted.gate_up, *in.w3_EIH, "dw3"),
+                                                      fresh(wanted.down, in.w2_EHI, "dw2")}
+                                        : WeightGrads{fresh(wanted.gate_up, in.w13_EFH, "dw13"), std::nullopt,
+                                                      fresh(wanted.down, in.w2_EHI, "dw2")};
+  // A frozen weight stands in for its gradient in the check: the dtype a fresh gradient would
+  // have, so the checks (one dtype among the gradients) are those of a call with every gradient.
+  const Tensor& gate_up = wanted.gate_up ? g.gate_up : in.w13_EFH;
+  const Tensor& down = wanted.down ? g.dw2_EHI : in.w2_EHI;
   const int32_t grad_dtype =
-      in.separate() ? check_weight_grads_w1w3(g.gate_up, *g.dw3, g.dw2_EHI, in.w13_EFH, *in.w3_EIH, in.w2_EHI)
-                    : check_weight_grads(g.gate_up, g.dw2_EHI, in.w13_EFH, in.w2_EHI);
+      in.separate() ? check_weight_grads_w1w3(gate_up, wanted.gate_up ? *g.dw3 : *in.w3_EIH, down, in.w13_EFH,
+                                              *in.w3_EIH, in.w2_EHI)
+                    : check_weight_grads(gate_up, down, in.w13_EFH, in.w2_EHI);
   const Tensor* saved_z = check_saved_z(saved_z_SF, d, in.x_TH, impl);
   const FusemoeCLayer layer = call_layer(d, in, impl, swiglu_clamp);
   Tensor dx_TH = empty_like_cuda(in.x_TH, device, "dx");
@@ -277,13 +292,15 @@ Gradients launch_backward(const Tensor& dy_TH, const Inputs& in, const WeightGra
   a.dy = data(dy_TH);
   a.dx = data(dx_TH);
   a.d_topk_weights = static_cast<float*>(data(d_topk_weights_TK));
-  if (in.separate()) {
+  if (!wanted.gate_up) {
+    // dw13, dw1 and dw3 stay null: dW13 is not computed.
+  } else if (in.separate()) {
     a.dw1 = data(g.gate_up);
     a.dw3 = data(*g.dw3);
   } else {
     a.dw13 = data(g.gate_up);
   }
-  a.dw2 = data(g.dw2_EHI);
+  a.dw2 = wanted.down ? data(g.dw2_EHI) : nullptr;
   a.accumulate_weight_grads = accumulate ? 1 : 0;
   a.saved_z = saved_z != nullptr ? data(*saved_z) : nullptr;
   check_c_status(fusemoe_c_backward(&layer, &a));
@@ -312,17 +329,20 @@ std::tuple<Tensor, Tensor> moe_experts_fp8_forward(const Tensor& x_TH, const Ten
 using FourTensors = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 using FiveTensors = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-// The backward ops of fresh gradients of w13: (dx, d_topk_weights, dw13, dw2).
+// The backward ops of fresh gradients of w13: (dx, d_topk_weights, dw13, dw2); an unwanted
+// gradient (frozen weight) is a 0-element tensor.
 FourTensors w13_backward_fresh(const Tensor& dy_TH, const Inputs& in, const std::string& impl,
-                               const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
-  Gradients g = launch_backward(dy_TH, in, nullptr, false, impl, saved_z_SF, swiglu_clamp);
+                               const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp,
+                               WantedGrads wanted) {
+  Gradients g = launch_backward(dy_TH, in, nullptr, false, impl, saved_z_SF, swiglu_clamp, wanted);
   return {g.dx_TH, g.d_topk_weights_TK, g.weight_grads.gate_up, g.weight_grads.dw2_EHI};
 }
 
-// The backward ops of fresh gradients of w1, w3: (dx, d_topk_weights, dw1, dw3, dw2).
+// The backward ops of fresh gradients of w1, w3: (dx, d_topk_weights, dw1, dw3, dw2), as above.
 FiveTensors w1w3_backward_fresh(const Tensor& dy_TH, const Inputs& in, const std::string& impl,
-                                const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
-  Gradients g = launch_backward(dy_TH, in, nullptr, false, impl, saved_z_SF, swiglu_clamp);
+                                const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp,
+                                WantedGrads wanted) {
+  Gradients g = launch_backward(dy_TH, in, nullptr, false, impl, saved_z_SF, swiglu_clamp, wanted);
   return {g.dx_TH, g.d_topk_weights_TK, g.weight_grads.gate_up, *g.weight_grads.dw3, g.weight_grads.dw2_EHI};
 }
 
@@ -337,17 +357,18 @@ std::tuple<Tensor, Tensor> backward_into(const Tensor& dy_TH, const Inputs& in, 
 FourTensors moe_experts_backward(const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK,
                                  const Tensor& topk_weights_TK, const Tensor& w13_EFH, const Tensor& w2_EHI,
                                  const std::string& impl, const OptionalTensor& saved_z_SF,
-                                 std::optional<double> swiglu_clamp) {
+                                 std::optional<double> swiglu_clamp, bool gate_up_grad, bool down_grad) {
   return w13_backward_fresh(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, nullptr}, impl, saved_z_SF,
-                            swiglu_clamp);
+                            swiglu_clamp, {gate_up_grad, down_grad});
 }
 
 FourTensors moe_experts_fp8_backward(const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK,
                                      const Tensor& topk_weights_TK, const Tensor& w13_EFH, const Tensor& w2_EHI,
                                      const Tensor& fp8_weights, const std::string& impl,
-                                     const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
+                                     const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp,
+                                     bool gate_up_grad, bool down_grad) {
   return w13_backward_fresh(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &fp8_weights}, impl,
-                            saved_z_SF, swiglu_clamp);
+                            saved_z_SF, swiglu_clamp, {gate_up_grad, down_grad});
 }
 
 std::tuple<Tensor, Tensor> moe_experts_backward_into(const Tensor& dy_TH, const Tensor& x_TH,
@@ -393,17 +414,19 @@ std::tuple<Tensor, Tensor> moe_experts_w1w3_fp8_forward(const Tensor& x_TH, cons
 FiveTensors moe_experts_w1w3_backward(const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK,
                                       const Tensor& topk_weights_TK, const Tensor& w1_EIH, const Tensor& w3_EIH,
                                       const Tensor& w2_EHI, const std::string& impl,
-                                      const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
+                                      const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp,
+                                      bool gate_up_grad, bool down_grad) {
   return w1w3_backward_fresh(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, nullptr, &w3_EIH}, impl,
-                             saved_z_SF, swiglu_clamp);
+                             saved_z_SF, swiglu_clamp, {gate_up_grad, down_grad});
 }
 
 FiveTensors moe_experts_w1w3_fp8_backward(const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK,
                                           const Tensor& topk_weights_TK, const Tensor& w1_EIH, const Tensor& w3_EIH,
                                           const Tensor& w2_EHI, const Tensor& fp8_weights, const std::string& impl,
-                                          const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
+                                          const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp,
+                                          bool gate_up_grad, bool down_grad) {
   return w1w3_backward_fresh(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights, &w3_EIH},
-                             impl, saved_z_SF, swiglu_clamp);
+                             impl, saved_z_SF, swiglu_clamp, {gate_up_grad, down_grad});
 }
 
 std::tuple<Tensor, Tensor> moe_experts_w1w3_backward_into(
@@ -481,8 +504,8 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fusemoe, m) {
         "Tensor w2_EHI, str impl, bool grad_in_place=False, bool save_z=False, float? swiglu_clamp=None) "
         "-> (Tensor, Tensor)");
   m.def("moe_experts_backward(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, "
-        "Tensor w13_EFH, Tensor w2_EHI, str impl, Tensor? saved_z_SF=None, float? swiglu_clamp=None) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor w13_EFH, Tensor w2_EHI, str impl, Tensor? saved_z_SF=None, float? swiglu_clamp=None, "
+        "bool gate_up_grad=True, bool down_grad=True) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_experts_backward_into(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, "
         "Tensor w13_EFH, Tensor w2_EHI, Tensor(a6!) dw13_EFH, Tensor(a7!) dw2_EHI, bool accumulate, str impl, "
         "Tensor? saved_z_SF=None, float? swiglu_clamp=None) -> (Tensor, Tensor)");
@@ -491,7 +514,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fusemoe, m) {
         "float? swiglu_clamp=None) -> (Tensor, Tensor)");
   m.def("moe_experts_fp8_backward(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, "
         "Tensor w13_EFH, Tensor w2_EHI, Tensor fp8_weights, str impl, Tensor? saved_z_SF=None, "
-        "float? swiglu_clamp=None) -> (Tensor, Tensor, Tensor, Tensor)");
+        "float? swiglu_clamp=None, bool gate_up_grad=True, bool down_grad=True) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_experts_fp8_backward_into(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, "
         "Tensor w13_EFH, Tensor w2_EHI, Tensor fp8_weights, Tensor(a7!) dw13_EFH, Tensor(a8!) dw2_EHI, "
         "bool accumulate, str impl, Tensor? saved_z_SF=None, float? swiglu_clamp=None) -> (Tensor, Tensor)");
@@ -501,7 +524,8 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fusemoe, m) {
         "float? swiglu_clamp=None) -> (Tensor, Tensor)");
   m.def("moe_experts_w1w3_backward(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, "
         "Tensor w1_EIH, Tensor w3_EIH, Tensor w2_EHI, str impl, Tensor? saved_z_SF=None, "
-        "float? swiglu_clamp=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "float? swiglu_clamp=None, bool gate_up_grad=True, bool down_grad=True) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_experts_w1w3_backward_into(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, "
         "Tensor w1_EIH, Tensor w3_EIH, Tensor w2_EHI, Tensor(a7!) dw1_EIH, Tensor(a8!) dw3_EIH, "
         "Tensor(a9!) dw2_EHI, bool accumulate, str impl, Tensor? saved_z_SF=None, float? swiglu_clamp=None) "
@@ -512,7 +536,8 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fusemoe, m) {
         "bool save_z=False, float? swiglu_clamp=None) -> (Tensor, Tensor)");
   m.def("moe_experts_w1w3_fp8_backward(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, "
         "Tensor w1_EIH, Tensor w3_EIH, Tensor w2_EHI, Tensor fp8_weights, str impl, Tensor? saved_z_SF=None, "
-        "float? swiglu_clamp=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "float? swiglu_clamp=None, bool gate_up_grad=True, bool down_grad=True) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_experts_w1w3_fp8_backward_into(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, "
         "Tensor topk_weights_TK, Tensor w1_EIH, Tensor w3_EIH, Tensor w2_EHI, Tensor fp8_weights, "
         "Tensor(a8!) dw1_EIH, Tensor(a9!) dw3_EIH, Tensor(a10!) dw2_EHI, bool accumulate, str impl, "

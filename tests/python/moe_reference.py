@@ -98,6 +98,19 @@ def _once(register):
 # The accumulate flag of every call of a stand-in _into op (the backward of grad_in_place), in
 # order: how tests see that path taken, whichever autograd formula (Python or C++) called it.
 into_accumulate_flags = []
+# (gate_up_grad, down_grad) of every call of a stand-in backward op of fresh gradients, in order:
+# which weight gradients a formula asked for (frozen weights ask for none).
+weight_grad_requests = []
+
+
+def fresh_weight_grads(grads, weights, gate_up_grad, down_grad):
+    """What a stand-in backward op of fresh gradients returns for computed grads of weights (w13,
+    w2 or w1, w3, w2): each in its weight's dtype, or a 0-element tensor when not asked for (as
+    the library's ops); records the request."""
+    weight_grad_requests.append((gate_up_grad, down_grad))
+    wanted = (gate_up_grad,) * (len(weights) - 1) + (down_grad,)
+    return tuple(g.to(w.dtype) if want else w.new_empty(0)
+                 for g, w, want in zip(grads, weights, wanted))
 
 
 @_once
@@ -120,11 +133,12 @@ def register_cpu_kernels():
 
     @torch.library.register_kernel("fusemoe::moe_experts_backward", "cpu")
     def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                      saved_z_SF=None, swiglu_clamp=None):
+                      saved_z_SF=None, swiglu_clamp=None, gate_up_grad=True, down_grad=True):
         _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
         dx_TH, dw_TK, dw13_EFH, dw2_EHI = moe_experts_backward_fp32(
             dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, swiglu_clamp)
-        return dx_TH.to(x_TH.dtype), dw_TK, dw13_EFH.to(w13_EFH.dtype), dw2_EHI.to(w2_EHI.dtype)
+        return (dx_TH.to(x_TH.dtype), dw_TK,
+                *fresh_weight_grads((dw13_EFH, dw2_EHI), (w13_EFH, w2_EHI), gate_up_grad, down_grad))
 
     @torch.library.register_kernel("fusemoe::moe_experts_backward_into", "cpu")
     def _backward_into_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13_EFH,
@@ -152,14 +166,16 @@ def register_cpu_kernels():
 
     @torch.library.register_kernel("fusemoe::moe_experts_w1w3_backward", "cpu")
     def _backward_w1w3_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
-                           impl, saved_z_SF=None, swiglu_clamp=None):
+                           impl, saved_z_SF=None, swiglu_clamp=None, gate_up_grad=True,
+                           down_grad=True):
         _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, dy_TH)
         dx_TH, dw_TK, dw13_EFH, dw2_EHI = moe_experts_backward_fp32(
             dy_TH, x_TH, topk_idx_TK, topk_weights_TK, torch.cat([w1_EIH, w3_EIH], dim=1), w2_EHI,
             swiglu_clamp)
         intermediate = w1_EIH.shape[1]
-        return (dx_TH.to(x_TH.dtype), dw_TK, dw13_EFH[:, :intermediate].to(w1_EIH.dtype),
-                dw13_EFH[:, intermediate:].to(w3_EIH.dtype), dw2_EHI.to(w2_EHI.dtype))
+        grads = (dw13_EFH[:, :intermediate], dw13_EFH[:, intermediate:], dw2_EHI)
+        return (dx_TH.to(x_TH.dtype), dw_TK,
+                *fresh_weight_grads(grads, (w1_EIH, w3_EIH, w2_EHI), gate_up_grad, down_grad))
 
     @torch.library.register_kernel("fusemoe::moe_experts_w1w3_backward_into", "cpu")
     def _backward_into_w1w3_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
@@ -225,12 +241,13 @@ def register_cpu_fp8_kernels():
 
     @torch.library.register_kernel("fusemoe::moe_experts_fp8_backward", "cpu")
     def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights,
-                      impl, saved_z_SF=None, swiglu_clamp=None):
+                      impl, saved_z_SF=None, swiglu_clamp=None, gate_up_grad=True, down_grad=True):
         _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
         w13, w2 = weights_of(fp8_weights, w13_EFH, w2_EHI)
         dx_TH, dw_TK, dw13_EFH, dw2_EHI = moe_experts_backward_fp32(
             dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13, w2, swiglu_clamp)
-        return dx_TH.to(x_TH.dtype), dw_TK, dw13_EFH.to(w13_EFH.dtype), dw2_EHI.to(w2_EHI.dtype)
+        return (dx_TH.to(x_TH.dtype), dw_TK,
+                *fresh_weight_grads((dw13_EFH, dw2_EHI), (w13_EFH, w2_EHI), gate_up_grad, down_grad))
 
     @torch.library.register_kernel("fusemoe::moe_experts_fp8_backward_into", "cpu")
     def _backward_into_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
@@ -289,10 +306,13 @@ def register_cpu_fp8_w1w3_kernels():
 
     @torch.library.register_kernel("fusemoe::moe_experts_w1w3_fp8_backward", "cpu")
     def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
-                      fp8_weights, impl, saved_z_SF=None, swiglu_clamp=None):
-        grads = tuple(torch.empty_like(w) for w in (w1_EIH, w3_EIH, w2_EHI))
-        return backward_into(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
-                             fp8_weights, grads, False, swiglu_clamp) + grads
+                      fp8_weights, impl, saved_z_SF=None, swiglu_clamp=None, gate_up_grad=True,
+                      down_grad=True):
+        weights = (w1_EIH, w3_EIH, w2_EHI)
+        grads = tuple(torch.empty_like(w) for w in weights)
+        dx_and_dw = backward_into(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights,
+                                  fp8_weights, grads, False, swiglu_clamp)
+        return dx_and_dw + fresh_weight_grads(grads, weights, gate_up_grad, down_grad)
 
     @torch.library.register_kernel("fusemoe::moe_experts_w1w3_fp8_backward_into", "cpu")
     def _backward_into_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,

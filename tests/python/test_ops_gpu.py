@@ -210,6 +210,32 @@ def test_grad_in_place_accumulates_into_grad(impl):
         assert err < 4e-3, f"accumulated weight gradient rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("frozen", ["experts", "down", "gate_up"])
+def test_frozen_weights_skip_their_gradients(frozen, precision):
+    """Weights that do not require grad: the library skips their gradient GEMMs; dx,
+    d_topk_weights and the trainable weights' gradients are bitwise those of the run with every
+    weight trainable, and the frozen weights' .grad stays None."""
+    p = make_problem(300, 256, 128, 8, 2, "cuda", seed=23)
+    gate_up_frozen, down_frozen = frozen in ("experts", "gate_up"), frozen in ("experts", "down")
+
+    def run(freeze):
+        x, w = (p[k].clone().requires_grad_() for k in ("x_TH", "topk_weights_TK"))
+        w13 = p["w13_EFH"].clone().requires_grad_(not (freeze and gate_up_frozen))
+        w2 = p["w2_EHI"].clone().requires_grad_(not (freeze and down_frozen))
+        y = fusemoe.moe_experts(x, p["topk_idx_TK"], w, w13, w2, precision=precision)
+        y.backward(p["dy_TH"])
+        return y.detach(), x.grad, w.grad, w13.grad, w2.grad
+
+    every = run(False)
+    got = run(True)
+    for name, a, b in zip(("y", "dx", "d_topk_weights"), got, every):
+        assert torch.equal(a, b), name
+    assert (got[3] is None) == gate_up_frozen and (got[4] is None) == down_frozen
+    for name, a, b in (("dw13", got[3], every[3]), ("dw2", got[4], every[4])):
+        assert a is None or torch.equal(a, b), name
+
+
 @each_impl
 def test_bad_expert_ids_are_reported_without_a_sync(impl):
     p = make_problem(16, 128, 64, 4, 2, "cuda")

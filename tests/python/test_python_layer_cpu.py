@@ -1038,6 +1038,44 @@ def test_cpp_autograd_formula_equals_the_python_one(precision, separate, grad_in
         assert got is not None and torch.equal(got, expected), f"output {i}"
 
 
+@pytest.mark.parametrize("formula", ["cpp", "python"])
+@pytest.mark.parametrize("frozen", ["experts", "down", "gate_up"])
+@pytest.mark.parametrize("separate", [False, True], ids=["w13", "w1w3"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_frozen_weights_are_not_differentiated(precision, separate, frozen, formula, monkeypatch):
+    """Weights that do not require grad (frozen experts, or only the down or only the gate/up
+    projection) are not differentiated: the backward op is asked for the other gradients only
+    (the library then skips the frozen ones' GEMMs), the frozen weights' .grad stays None, and
+    every other gradient equals the run with all weights trainable, bitwise."""
+    import moe_reference
+    register_cpu_fp8_w1w3_kernels()
+    use_formula(formula, monkeypatch)
+    p = make_problem(37, 128, 128, 6, 2, device="cpu")  # FP8: H and I multiples of 128
+    weights = split_w13(p["w13_EFH"]) + (p["w2_EHI"],) if separate else (p["w13_EFH"], p["w2_EHI"])
+    layer = fusemoe.moe_experts_w1w3 if separate else fusemoe.moe_experts
+    gate_up_frozen, down_frozen = frozen in ("experts", "gate_up"), frozen in ("experts", "down")
+    trainable = [not gate_up_frozen] * (len(weights) - 1) + [not down_frozen]
+
+    def run(frozen_weights):
+        x, w = (t.clone().requires_grad_() for t in (p["x_TH"], p["topk_weights_TK"]))
+        ws = [t.clone().requires_grad_(not frozen_weights or train)
+              for t, train in zip(weights, trainable)]
+        requests_before = len(moe_reference.weight_grad_requests)
+        y = layer(x, p["topk_idx_TK"], w, *ws, impl="fused", precision=precision)
+        y.backward(p["dy_TH"])
+        return [y.detach(), x.grad, w.grad] + [t.grad for t in ws], \
+            moe_reference.weight_grad_requests[requests_before:]
+
+    everything, all_requests = run(False)
+    got, requests = run(True)
+    assert all_requests == [(True, True)]
+    assert requests == [(not gate_up_frozen, not down_frozen)]
+    for i, (a, b) in enumerate(zip(got[:3], everything[:3])):
+        assert torch.equal(a, b), f"output {i}"
+    for i, (a, b, train) in enumerate(zip(got[3:], everything[3:], trainable)):
+        assert (torch.equal(a, b) if train else a is None), f"weight {i}"
+
+
 def test_cpp_entry_without_gradients_calls_the_op_alone(problem, monkeypatch):
     """Calls that need no gradient (no_grad, or no input requiring one) also go through the C++
     entry, which then calls the op below autograd: y without a grad_fn, equal to the Python
