@@ -7,8 +7,8 @@
 //   h W2^T      2 R I H                 down + routing weight
 //   dys W2      2 R H I                 dgrad + SwiGLU backward at tile width 128 and 256
 //   dz W13      2 R 2I H                dgrad of x into the slot rows
-//   dys^T wh    2 R H I                 dW2 (fp32, bf16, fp32 accumulated)
-//   dz^T xs     2 R 2I H                dW13 (fp32, bf16, fp32 accumulated)
+//   dys^T wh    2 R H I                 dW2 (fp32, bf16, each also accumulated)
+//   dz^T xs     2 R 2I H                dW13 (fp32, bf16, each also accumulated)
 // One run: GPU facts → bf16 GEMM ceiling (cuBLAS 8192³) → per preset and T: routing, a
 // correctness check of every instance against the fp32 GPU reference (the first T of each
 // preset, tests/common/sm90_gemm_problem.h), then per GEMM its fusemoe instances and the cuBLAS
@@ -203,7 +203,8 @@ std::vector<Row> KernelBench::time_case(const Sm90GemmProblem& p, const std::vec
     time_group(w2 ? "dys^T wh (dW2)" : "dz^T xs (dW13)", 2 * rows * m * n,
                with({{"weight grad fp32", [&p, which] { p.launch_weight_grad(which, false, false); }},
                      {"weight grad bf16", [&p, which] { p.launch_weight_grad(which, true, false); }},
-                     {"weight grad fp32 accumulate", [&p, which] { p.launch_weight_grad(which, false, true); }}},
+                     {"weight grad fp32 accumulate", [&p, which] { p.launch_weight_grad(which, false, true); }},
+                     {"weight grad bf16 accumulate", [&p, which] { p.launch_weight_grad(which, true, true); }}},
                     cublas_ops(expert_weight_grads(er, act_m, act_n, c, m, n),
                                {act_m, true, act_n, false, c, m, n, R})),
                &out);

@@ -180,7 +180,10 @@ struct BackwardArgs {
   // both null the backward runs its dgrad GEMMs only (about half its FLOPs).
   WeightGradDtype weight_grad_dtype = WeightGradDtype::kFloat32;
   // false: dw13 (or dw1, dw3) and dw2 are overwritten (experts with no rows get zeros).
-  // true : the gradients are added to what they hold (gradient accumulation).
+  // true : the gradients are added to what they hold (gradient accumulation). Impl::kFused:
+  //        fp32 adds the fp32 gradient; bf16 adds the bf16-rounded gradient and rounds the sum,
+  //        as autograd adds a bf16 gradient into a bf16 .grad. The cuBLAS impls add the fp32
+  //        result before their one rounding.
   bool accumulate_weight_grads = false;
   int64_t num_tokens = 0;
   void* workspace = nullptr;

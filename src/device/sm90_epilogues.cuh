@@ -423,10 +423,12 @@ struct DgradSwiGLUEpilogue {
 // shared-memory staging, 4 boxes of [64 rows][128 B] per pass (the 128-byte swizzle: chunk c
 // of row r at c ^ (r % 8), so the fragment writes are bank-conflict free), and out through TMA
 // stores that drain while the warpgroup runs the next tile's main loop. fp32: two passes of 128
-// columns (32 per box); bf16: one pass of 256 (64 per box). Accumulate adds the old value in
-// fp32 first. kAccumulate is a template parameter so the overwrite pass has no load and no
-// branch per element whatever the compiler's unswitching decides
-// (docs/experiments.md#kernelargs-size).
+// columns (32 per box); bf16: one pass of 256 (64 per box). Accumulate: the boxes go out as TMA
+// reduce-adds, old + new added per element in the memory system with no load in the SM (the
+// loads stalled the epilogue: 4.5x the overwrite's time, docs/experiments.md#tma-reduce-add).
+// bf16 adds the rounded new value, as autograd adds a bf16 gradient into a bf16 .grad. kAccumulate
+// is a template parameter so the overwrite pass has no branch per element whatever the
+// compiler's unswitching decides (docs/experiments.md#kernelargs-size).
 template <bool kFp32, bool kAccumulate>
 struct WeightGradEpilogue {
   static constexpr int kBlockN = 256;
@@ -438,8 +440,7 @@ struct WeightGradEpilogue {
   static constexpr int kChunksPerPass = kStagingBoxes * kChunksPerBox;
   static constexpr int kPasses = kBlockN / 8 / kChunksPerPass;
   struct Args {
-    CUtensorMap map;  // grad as [E*M rows, N], boxes of [64 rows][128 B]
-    void* grad;       // [E, M, N] fp32 or bf16 (the old values, kAccumulate)
+    CUtensorMap map;  // grad [E, M, N] fp32 or bf16 as [E*M rows, N], boxes of [64 rows][128 B]
   };
   struct Inputs {};
   __device__ static void prefetch(const Args& args) { prefetch_tensor_map(&args.map); }
@@ -460,25 +461,11 @@ struct WeightGradEpilogue {
 #pragma unroll
     for (int j = 0; j < kChunksPerPass; ++j) {
       const int box = j / kChunksPerBox;
-      const int64_t col = n0 + 8 * (kFirst + j) + 2 * q;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = me.row_in_wg + 8 * h;
         float v0 = acc_valid ? acc[4 * (kFirst + j) + 2 * h] : 0.0f;
         float v1 = acc_valid ? acc[4 * (kFirst + j) + 2 * h + 1] : 0.0f;
-        const int64_t offset = static_cast<int64_t>(row0 + r) * N + col;
-        if (kAccumulate && col < N) {
-          if constexpr (kFp32) {
-            const float2 old = *reinterpret_cast<const float2*>(static_cast<const float*>(args.grad) + offset);
-            v0 += old.x;
-            v1 += old.y;
-          } else {
-            const __nv_bfloat162 old =
-                *reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(args.grad) + offset);
-            v0 += __low2float(old);
-            v1 += __high2float(old);
-          }
-        }
         uint8_t* line = staging + box * kStagingBoxBytes + r * 128;
         if constexpr (kFp32) {
           const int chunk = 2 * (j % 4) + q / 2;  // byte 32 (j % 4) + 8q of the line
@@ -496,7 +483,10 @@ struct WeightGradEpilogue {
 #pragma unroll
       for (int b = 0; b < kStagingBoxes; ++b) {
         const int32_t col = n0 + 8 * kFirst + b * kBoxCols;
-        if (col < N) tma_store_2d(&args.map, staging + b * kStagingBoxBytes, col, row0);
+        if (col < N) {
+          if constexpr (kAccumulate) tma_reduce_add_2d(&args.map, staging + b * kStagingBoxBytes, col, row0);
+          else tma_store_2d(&args.map, staging + b * kStagingBoxBytes, col, row0);
+        }
       }
       bulk_commit_group();
     }

@@ -127,6 +127,16 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
                : "memory");
 }
 
+// As tma_store_2d, but each element of the box is added to what global memory holds (an fp32 add
+// for an fp32 tensor map), in the memory system: the SM loads nothing. Tracked as a store.
+__device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap* map, const void* smem_src, int32_t inner,
+                                                  int32_t outer) {
+  asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(inner), "r"(outer), "r"(smem_addr(smem_src))
+               : "memory");
+}
+
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
 // Waits until at most kPending of this thread's committed store groups still read their

@@ -68,7 +68,6 @@ void launch_weight_grad(const Sm90WeightGradParams& p) {
                                                        sm90::kMnBoxRows, "act_m");
   params.map_b = sm90::make_tensor_map_bf16(p.act_n, p.n, rows.max_rows, sm90::kMnBoxRows, "act_n");
   params.epilogue.map = sm90::make_store_tensor_map(p.grad, kFp32, p.n, rows.num_experts * p.m, sm90::kWgmmaM, "grad");
-  params.epilogue.grad = p.grad;
   sm90::GemmShape& s = params.shape;
   s.expert_offsets = rows.expert_offsets;
   s.num_experts = static_cast<int32_t>(rows.num_experts);

@@ -76,7 +76,8 @@ class Sm90GemmProblem {
   std::vector<Check> check_dgrad_swiglu(int block_n, bool clamp, bool determinism);
   std::vector<Check> check_dgrad_scatter(bool determinism);
   // fp32 and bf16 x overwrite and accumulate (onto itself: exactly 2x in fp32; onto random
-  // values: ref + init, experts without rows untouched); overwritten experts without rows are 0.
+  // values: ref + init in fp32, init + the bf16 gradient rounded once in bf16; experts without
+  // rows untouched); overwritten experts without rows are 0.
   std::vector<Check> check_weight_grad(WeightGrad which, bool determinism);
 
   // Output buffers, for tests that compare launches with each other.

@@ -147,8 +147,8 @@ def register_cpu_kernels():
         _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
         dx_TH, dw_TK, g13_EFH, g2_EHI = moe_experts_backward_fp32(
             dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, swiglu_clamp)
-        for out, grad in ((dw13_EFH, g13_EFH), (dw2_EHI, g2_EHI)):  # one rounding, as the kernels
-            out.copy_(out.float() + grad if accumulate else grad)
+        for out, grad in ((dw13_EFH, g13_EFH), (dw2_EHI, g2_EHI)):
+            add_into(out, grad, accumulate)
         return dx_TH.to(x_TH.dtype), dw_TK
 
     # Separate gate and up weights (fusemoe.separate): the same math on [w1; w3] per expert. The
@@ -192,15 +192,25 @@ def register_cpu_kernels():
 def backward_into_w1w3(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, weight_grads,
                        accumulate, swiglu_clamp):
     """The _into stand-ins of fusemoe.separate on w13 = [w1; w3]: dw13's halves and dw2 written or
-    added into weight_grads (dw1, dw3, dw2) with one rounding, as the w13 stand-ins and the
-    kernels. Returns (dx, d_topk_weights)."""
+    added into weight_grads (dw1, dw3, dw2) as the w13 stand-ins and the kernels (add_into).
+    Returns (dx, d_topk_weights)."""
     dx_TH, dw_TK, g13_EFH, g2_EHI = moe_experts_backward_fp32(
         dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, swiglu_clamp)
     intermediate = w13_EFH.shape[1] // 2
     grads = (g13_EFH[:, :intermediate], g13_EFH[:, intermediate:], g2_EHI)
     for out, grad in zip(weight_grads, grads):
-        out.copy_(out.float() + grad if accumulate else grad)
+        add_into(out, grad, accumulate)
     return dx_TH.to(x_TH.dtype), dw_TK
+
+
+def add_into(out, grad_fp32, accumulate):
+    """What the weight-gradient kernels do with a gradient and its buffer: written, or added as
+    the kernels' TMA reduce-add does, in the buffer's dtype (fp32: one add; bf16: the gradient
+    rounded to bf16 first, as autograd's add of a bf16 gradient into a bf16 .grad)."""
+    if accumulate:
+        out.add_(grad_fp32.to(out.dtype))
+    else:
+        out.copy_(grad_fp32)
 
 
 @_once
@@ -259,7 +269,7 @@ def register_cpu_fp8_kernels():
         dx_TH, dw_TK, g13_EFH, g2_EHI = moe_experts_backward_fp32(
             dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13, w2, swiglu_clamp)
         for out, grad in ((dw13_EFH, g13_EFH), (dw2_EHI, g2_EHI)):
-            out.copy_(out.float() + grad if accumulate else grad)
+            add_into(out, grad, accumulate)
         return dx_TH.to(x_TH.dtype), dw_TK
 
 
@@ -500,6 +510,6 @@ def register_cpu_ep_kernels():
         ops._check_weight_grads(dw13_LFH, dw2_LHI, w13_LFH, w2_LHI, ep.API)
         dx, dw, dw13, dw2 = backward_fp32(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH,
                                           w2_LHI, context, saved_state)
-        for out, grad in ((dw13_LFH, dw13), (dw2_LHI, dw2)):  # one rounding, as the kernels
-            out.copy_(out.float() + grad if accumulate else grad)
+        for out, grad in ((dw13_LFH, dw13), (dw2_LHI, dw2)):
+            add_into(out, grad, accumulate)
         return dx, dw

@@ -189,8 +189,8 @@ def grad_in_place_steps(rank, p, tokens, dims, grad_in_place):
 
 def check_grad_in_place(rank, device):
     """grad_in_place=True: the first micro-batch's backward writes .grad bitwise what autograd
-    gives; the second adds in the kernel (one rounding of fp32 gradient + bf16 .grad: close to,
-    not bitwise, autograd's bf16 add); dx and d_topk_weights are autograd's bitwise."""
+    gives; the second adds in the kernel (the TMA reduce-add of the bf16-rounded gradient, as
+    autograd's bf16 add); dx and d_topk_weights are autograd's bitwise."""
     tokens, dims, seed, _ = OP_CASES["uneven_recompute_z"]
     p = make_problem(sum(tokens), *dims, device, seed=seed)
     calls = []

@@ -189,8 +189,10 @@ def test_checkpointing_and_two_micro_batches(impl):
 @each_impl
 def test_grad_in_place_accumulates_into_grad(impl):
     """grad_in_place: the first micro-batch writes .grad (bitwise the autograd gradient), the
-    second adds in the kernel (one rounding of fp32 acc + bf16 .grad, so close to, not bitwise,
-    autograd's bf16 add), and x / topk_weights still get their gradients through autograd."""
+    second adds in the kernel (fused: the TMA reduce-add of the bf16-rounded gradient, the same
+    add as autograd's, so bitwise; unfused: cuBLAS's beta = 1, one rounding of fp32 acc + bf16
+    .grad, so close to autograd's), and x / topk_weights still get their gradients through
+    autograd."""
     module, p, idx, w = module_and_inputs(199, seed=17, impl=impl)
     batches = [p["x_TH"], p["x_TH"].flip(0).contiguous()]
     separate = []
@@ -208,6 +210,8 @@ def test_grad_in_place_accumulates_into_grad(impl):
         exact = parts[0].float() + parts[1].float()
         err = rel_err(grad, exact)
         assert err < 4e-3, f"accumulated weight gradient rel err {err:.2e}"
+        if impl == "fused":
+            assert torch.equal(grad, parts[0] + parts[1]), "not autograd's bf16 add"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
