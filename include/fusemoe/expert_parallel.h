@@ -100,7 +100,7 @@ struct EpBackwardArgs {
   void* dx = nullptr;                    // [T, H] bf16 (output)
   float* d_topk_weights = nullptr;       // [T, K] fp32 (output; 0 for masked slots)
   void* dw13 = nullptr;                  // [E/R, 2I, H] weight_grad_dtype (output)
-  void* dw2 = nullptr;                   // [E/R, H, I] (both required: no frozen-weights form here yet)
+  void* dw2 = nullptr;                   // [E/R, H, I]; a null dw13 or dw2: not computed (frozen)
   WeightGradDtype weight_grad_dtype = WeightGradDtype::kFloat32;
   bool accumulate_weight_grads = false;
   const void* saved_state = nullptr;     // the forward's EpForwardArgs::saved_state, or null

@@ -194,8 +194,8 @@ typedef struct FusemoeCEpBackwardArgs {
   const void* dy;                    /* [T, H] bf16 */
   void* dx;                          /* [T, H] bf16 (output) */
   float* d_topk_weights;             /* [T, K] fp32 (output) */
-  void* dw13;                        /* [E/R, 2I, H] weight_grad_dtype (output) */
-  void* dw2;                         /* [E/R, H, I] weight_grad_dtype (output) */
+  void* dw13;                        /* [E/R, 2I, H] weight_grad_dtype (output; NULL: frozen) */
+  void* dw2;                         /* [E/R, H, I] weight_grad_dtype (output; NULL: frozen) */
   int32_t accumulate_weight_grads;   /* != 0: add to dw13/dw2 instead of overwriting them */
   int32_t num_sms;                   /* as in FusemoeCEpForwardArgs */
   int64_t num_tokens;

@@ -269,27 +269,32 @@ def _check_saved_state(ctx, saved_state, x_TH):
 @torch.library.custom_op("fusemoe::ep_moe_experts_backward", mutates_args=())
 def ep_moe_experts_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                             topk_weights_TK: Tensor, w13_LFH: Tensor, w2_LHI: Tensor,
-                            context: int, saved_state: Optional[Tensor] = None
+                            context: int, saved_state: Optional[Tensor] = None,
+                            gate_up_grad: bool = True, down_grad: bool = True
                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dx [T, H] bf16, d_topk_weights [T, K] fp32, dw13 [L, F, H], dw2 [L, H, I]) in
-    the weights' dtype; saved_state: the forward's (skips recomputing z), or None."""
-    dw13_LFH, dw2_LHI = torch.empty_like(w13_LFH), torch.empty_like(w2_LHI)
+    the weights' dtype; saved_state: the forward's (skips recomputing z), or None.
+    gate_up_grad / down_grad as fusemoe::moe_experts_backward's (frozen weights: 0-element)."""
+    weights = (w13_LFH, w2_LHI)
+    grads = ops._fresh_weight_grads(weights, gate_up_grad, down_grad)
     dx_TH, d_topk_weights_TK = _ep_backward_call(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH,
-                                                 w2_LHI, dw13_LFH, dw2_LHI, False, context,
-                                                 saved_state)
-    return dx_TH, d_topk_weights_TK, dw13_LFH, dw2_LHI
+                                                 w2_LHI, *grads, False, context, saved_state)
+    return (dx_TH, d_topk_weights_TK, *ops._returned_weight_grads(grads, weights))
 
 
 def _ep_backward_call(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, dw13_LFH,
                       dw2_LHI, accumulate, context, saved_state):
-    """The C ABI's EP backward into dw13/dw2 (overwritten, or added to with accumulate);
-    returns (dx, d_topk_weights)."""
+    """The C ABI's EP backward into dw13/dw2 (overwritten, or added to with accumulate; None:
+    not computed); returns (dx, d_topk_weights)."""
     ctx, num_tokens = _check_call(context, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI,
                                   dy_TH)
     ops._check_cuda(x_TH, API)
     saved_state = _check_saved_state(ctx, saved_state, x_TH)
     dx_TH, d_topk_weights_TK = torch.empty_like(x_TH), torch.empty_like(topk_weights_TK)
-    grad_dtype = ops._check_weight_grads(dw13_LFH, dw2_LHI, w13_LFH, w2_LHI, API)
+    # A frozen weight stands in for its gradient: the checks are those of a call with both.
+    grad_dtype = ops._check_weight_grads(w13_LFH if dw13_LFH is None else dw13_LFH,
+                                         w2_LHI if dw2_LHI is None else dw2_LHI, w13_LFH, w2_LHI,
+                                         API)
     c = ctx.config
     with torch.cuda.device(x_TH.device):
         report = ops._expert_id_report(x_TH.device, c.num_experts, c.top_k, raise_pending=False)
@@ -297,8 +302,8 @@ def _ep_backward_call(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI
         workspace, num_bytes = ops._workspace(c, x_TH.device, use)
         _capi.ep_backward(c, x_TH.data_ptr(), topk_idx_TK.data_ptr(), topk_weights_TK.data_ptr(),
                           w13_LFH.data_ptr(), w2_LHI.data_ptr(), dy_TH.data_ptr(),
-                          dx_TH.data_ptr(), d_topk_weights_TK.data_ptr(), dw13_LFH.data_ptr(),
-                          dw2_LHI.data_ptr(), grad_dtype, bool(accumulate), num_tokens,
+                          dx_TH.data_ptr(), d_topk_weights_TK.data_ptr(), ops._pointer(dw13_LFH),
+                          ops._pointer(dw2_LHI), grad_dtype, bool(accumulate), num_tokens,
                           ctx.peer_table_address, workspace.data_ptr(), num_bytes, report,
                           saved_state.data_ptr() if saved_state is not None else None,
                           torch.cuda.current_stream(x_TH.device).cuda_stream)
@@ -307,11 +312,13 @@ def _ep_backward_call(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI
 
 @ep_moe_experts_backward.register_fake
 def _ep_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context,
-                      saved_state=None):
+                      saved_state=None, gate_up_grad=True, down_grad=True):
     ctx, _ = _check_call(context, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, dy_TH)
     _check_saved_state(ctx, saved_state, x_TH)
-    return (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK), torch.empty_like(w13_LFH),
-            torch.empty_like(w2_LHI))
+    weights = (w13_LFH, w2_LHI)
+    return (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK),
+            *ops._returned_weight_grads(ops._fresh_weight_grads(weights, gate_up_grad, down_grad),
+                                        weights))
 
 
 @torch.library.custom_op("fusemoe::ep_moe_experts_backward_into", mutates_args=("dw13_LFH", "dw2_LHI"))
@@ -345,6 +352,7 @@ def _setup_context(ctx, inputs, output):
     # In-place gradients need the leaf Parameters themselves (as fusemoe.moe_experts).
     ctx.params = ((w13_LFH, w2_LHI) if grad_in_place and w13_LFH.is_leaf and w2_LHI.is_leaf and
                   w13_LFH.requires_grad and w2_LHI.requires_grad else None)
+    ctx.weights_need_grad = (w13_LFH.requires_grad, w2_LHI.requires_grad)  # as ops
 
 
 def _backward(ctx, dy_TH, _saved_grad_unused):
@@ -360,8 +368,13 @@ def _backward(ctx, dy_TH, _saved_grad_unused):
                 ctx.context, saved_state))
         dw13_LFH = dw2_LHI = None
     else:
+        # Frozen weights' gradients are not computed (every rank asks the same: weights are
+        # frozen on all ranks or none, as the model's parameters are).
+        need_dw13, need_dw2 = ctx.weights_need_grad
         dx_TH, d_topk_weights_TK, dw13_LFH, dw2_LHI = ep_moe_experts_backward(
-            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, ctx.context, saved_state)
+            dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, ctx.context, saved_state,
+            need_dw13, need_dw2)
+        dw13_LFH, dw2_LHI = (dw13_LFH if need_dw13 else None), (dw2_LHI if need_dw2 else None)
     return dx_TH, None, d_topk_weights_TK, dw13_LFH, dw2_LHI, None, None, None
 
 

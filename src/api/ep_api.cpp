@@ -5,6 +5,7 @@
 #include <initializer_list>
 #include <iterator>
 #include <limits>
+#include <vector>
 
 #include "api/checks.h"
 #include "fusemoe/expert_parallel.h"
@@ -53,13 +54,13 @@ void check_common(const EpConfig& c, void* const* peer_symmetric, void* workspac
 // mapped into this process), then the call, then the expert-id check the caller chose.
 template <class Run>
 void run_checked(const EpConfig& c, const EpCall& a, const void* saved_state, WorkspaceUse use,
-                 std::initializer_list<NamedTensor> outputs, std::initializer_list<NamedTensor> with_tokens, Run run) {
+                 std::vector<NamedTensor> outputs, std::initializer_list<NamedTensor> with_tokens, Run run) {
   check_common(c, a.peer_symmetric, a.workspace, a.workspace_bytes, use, a.num_tokens, a.num_sms);
   const NamedTensor weights[] = {{a.w13, "w13", kTmaAlignment}, {a.w2, "w2", kTmaAlignment}};
   const NamedTensor tokens[] = {
       {a.x, "x", kTmaAlignment}, {a.topk_idx, "topk_idx", 4}, {a.topk_weights, "topk_weights", 4}};
   check_tensors(std::begin(weights), std::end(weights));
-  check_tensors(outputs.begin(), outputs.end());
+  check_tensors(outputs.data(), outputs.data() + outputs.size());
   if (a.num_tokens > 0) {
     check_tensors(std::begin(tokens), std::end(tokens));
     check_tensors(with_tokens.begin(), with_tokens.end());
@@ -68,7 +69,7 @@ void run_checked(const EpConfig& c, const EpCall& a, const void* saved_state, Wo
   if (a.expert_id_report != nullptr) check_tensor(a.expert_id_report, "expert_id_report", 4);
   check_device();
   check_device_pointers(std::begin(weights), std::end(weights));
-  check_device_pointers(outputs.begin(), outputs.end());
+  check_device_pointers(outputs.data(), outputs.data() + outputs.size());
   check_device_pointer(a.workspace, "workspace");
   if (a.num_tokens > 0) {
     check_device_pointers(std::begin(tokens), std::end(tokens));
@@ -142,9 +143,13 @@ void ep_forward(const EpConfig& c, const EpForwardArgs& a) {
 void ep_backward(const EpConfig& c, const EpBackwardArgs& a) {
   FUSEMOE_CHECK(a.weight_grad_dtype == WeightGradDtype::kFloat32 || a.weight_grad_dtype == WeightGradDtype::kBFloat16,
                 "weight_grad_dtype: unknown value " << static_cast<int>(a.weight_grad_dtype));
+  // A null dw13 or dw2: that weight is frozen and its gradient not computed (BackwardArgs).
+  std::vector<NamedTensor> weight_grads;
+  if (a.dw13 != nullptr) weight_grads.push_back({a.dw13, "dw13", kTmaAlignment});
+  if (a.dw2 != nullptr) weight_grads.push_back({a.dw2, "dw2", kTmaAlignment});
   run_checked(c, a.call, a.saved_state,
               a.saved_state != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward,
-              {{a.dw13, "dw13", kTmaAlignment}, {a.dw2, "dw2", kTmaAlignment}},
+              std::move(weight_grads),
               {{a.dy, "dy", kTmaAlignment}, {a.dx, "dx", kTmaAlignment}, {a.d_topk_weights, "d_topk_weights", 4}},
               [&] { ep_layer_backward(c, a); });
 }

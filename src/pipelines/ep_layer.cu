@@ -139,8 +139,10 @@ void ep_layer_backward(const EpConfig& c, const EpBackwardArgs& a) {
 
   const Sm90Rows rows = owner_rows(c, ws, a.call.num_sms, a.call.stream);
   const int32_t* num_rows_device = ws.owner.expert_offsets + El;
-  launch_gather_rows_device_count(ws.x_pool, ws.xs, ws.dy_pool, ws.dys, ws.owner.row_pool, num_rows_device,
-                                  rows.max_rows, 1, H, a.call.stream);
+  // x rows feed only the z recompute and dW13 (a null dw13: frozen gate/up weights).
+  const bool need_xs = a.saved_state == nullptr || a.dw13 != nullptr;
+  launch_gather_rows_device_count(ws.dy_pool, ws.dys, need_xs ? ws.x_pool : nullptr, need_xs ? ws.xs : nullptr,
+                                  ws.owner.row_pool, num_rows_device, rows.max_rows, 1, H, a.call.stream);
   BackwardRows b;
   b.xs = ws.xs;
   b.dys = ws.dys;
@@ -163,7 +165,8 @@ void ep_layer_backward(const EpConfig& c, const EpBackwardArgs& a) {
   launch_sm90_dgrad_scatter(d2);
   launch_ep_signal(peers, own, /*to_owners=*/false, a.call.stream);
 
-  // The weight gradients stay local; they run while the sources combine.
+  // The weight gradients stay local; they run while the sources combine (each skipped when its
+  // output is null).
   launch_backward_weight_grads(rows, b, a.dw13, nullptr, a.dw2, a.weight_grad_dtype, a.accumulate_weight_grads);
 
   launch_ep_wait(peers, own, /*from_sources=*/false, a.call.stream);

@@ -7,6 +7,7 @@
 // workspaces are NaN-poisoned first.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -44,6 +45,9 @@ struct EpCase {
   // The backward adds the weight gradients to what dw13/dw2 hold (initial_grads), as gradient
   // accumulation over micro-batches does, on both sides of the comparison.
   bool accumulate = false;
+  // The backward gets null dw13 and dw2 (frozen experts): their buffers must keep their poison
+  // and every other output is the single-GPU layer's.
+  bool frozen_experts = false;
 };
 
 // Bytes of the whole layer's initial dw13 or dw2 for an accumulating backward: element i holds
@@ -138,6 +142,10 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
     k.dtw = DeviceBuffer(T * d.K * 4);
     k.dw13 = DeviceBuffer(El * 2 * d.I * d.H * g);
     k.dw2 = DeviceBuffer(El * d.H * d.I * g);
+    if (c.frozen_experts) {
+      k.dw13.poison();
+      k.dw2.poison();
+    }
     k.ws = DeviceBuffer(ep_workspace_bytes(config));
     k.saved = DeviceBuffer(c.save_z ? ep_saved_state_bytes(config) : 0);
     k.symmetric = DeviceBuffer(ep_symmetric_bytes(config));
@@ -188,8 +196,8 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
           ba.dy = k.in.dy.get();
           ba.dx = k.dx.get();
           ba.d_topk_weights = static_cast<float*>(k.dtw.get());
-          ba.dw13 = k.dw13.get();
-          ba.dw2 = k.dw2.get();
+          ba.dw13 = c.frozen_experts ? nullptr : k.dw13.get();
+          ba.dw2 = c.frozen_experts ? nullptr : k.dw2.get();
           ba.weight_grad_dtype = c.grad_dtype;
           ba.accumulate_weight_grads = c.accumulate;
           ba.saved_state = fa.saved_state;
@@ -254,6 +262,14 @@ void run_case(const EpCase& c) {
       EXPECT_BITWISE(o.y, rows_of(single.y, first[r], c.tokens[r], d.H), where + " y");
       EXPECT_BITWISE(o.dx, rows_of(single.dx, first[r], c.tokens[r], d.H), where + " dx");
       EXPECT_BITWISE(o.d_topk_w, rows_of(single.d_topk_w, first[r], c.tokens[r], d.K), where + " d_topk_weights");
+      if (c.frozen_experts) {
+        const auto poisoned = [](const std::vector<uint8_t>& v) {
+          return std::all_of(v.begin(), v.end(), [](uint8_t b) { return b == 0xFF; });
+        };
+        EXPECT_TRUE(poisoned(o.dw13)) << where << " dw13 was written (frozen)";
+        EXPECT_TRUE(poisoned(o.dw2)) << where << " dw2 was written (frozen)";
+        continue;
+      }
       EXPECT_BITWISE(o.dw13, rows_of(single.dw13, r * El, El, 2 * d.I * d.H * g), where + " dw13");
       EXPECT_BITWISE(o.dw2, rows_of(single.dw2, r * El, El, d.H * d.I * g), where + " dw2");
     }
@@ -297,6 +313,16 @@ TEST(ExpertParallel, FourRanksAccumulateFp32WeightGradsRecomputedZ) {
   c.save_z = false;
   c.grad_dtype = WeightGradDtype::kFloat32;
   run_case(c);
+}
+// Frozen experts: no weight gradients asked for, so none written; dx and d_topk_weights are the
+// single-GPU layer's (which computes them), with z saved and recomputed.
+TEST(ExpertParallel, FrozenExpertsWriteNoWeightGradients) {
+  for (bool save_z : {true, false}) {
+    EpCase c{2, {211, 96}, Routing::kUniform};
+    c.frozen_experts = true;
+    c.save_z = save_z;
+    run_case(c);
+  }
 }
 TEST(ExpertParallel, MaskedSlotsAndEmptyExperts) {
   run_case({2, {200, 150}, Routing::kMasked});

@@ -498,10 +498,11 @@ def register_cpu_ep_kernels():
 
     @torch.library.register_kernel("fusemoe::ep_moe_experts_backward", "cpu")
     def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context,
-                      saved_state=None):
+                      saved_state=None, gate_up_grad=True, down_grad=True):
         dx, dw, dw13, dw2 = backward_fp32(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH,
                                           w2_LHI, context, saved_state)
-        return dx, dw, dw13.to(w13_LFH.dtype), dw2.to(w2_LHI.dtype)
+        return (dx, dw, *fresh_weight_grads((dw13, dw2), (w13_LFH, w2_LHI), gate_up_grad,
+                                            down_grad))
 
     @torch.library.register_kernel("fusemoe::ep_moe_experts_backward_into", "cpu")
     def _backward_into_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, dw13_LFH,

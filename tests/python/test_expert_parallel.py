@@ -164,6 +164,7 @@ def op_worker(rank, world_size, device):
     check_case(rank, "uneven_recompute_z", device, call="compiled")
     check_case(rank, "even", device, call="checkpointed")
     check_grad_in_place(rank, device)
+    check_frozen_experts(rank, device)
     if device == "cuda":
         check_bad_id_is_reported_on_its_rank(rank)
 
@@ -185,6 +186,36 @@ def grad_in_place_steps(rank, p, tokens, dims, grad_in_place):
         steps.append((x_TH.grad, topk_weights_TK.grad, module.gate_up_proj.grad.clone(),
                       module.down_proj.grad.clone()))
     return steps
+
+
+def check_frozen_experts(rank, device):
+    """Expert weights that do not require grad: the backward asks for no weight gradient (the
+    library then computes none), .grad stays None, and dx and d_topk_weights are the trainable
+    module's bitwise."""
+    import moe_reference
+    tokens, dims, seed, _ = OP_CASES["uneven_recompute_z"]
+    p = make_problem(sum(tokens), *dims, device, seed=seed)
+    hidden, intermediate, num_experts, top_k = dims
+    first, count = sum(tokens[:rank]), tokens[rank]
+    rows = slice(first, first + count)
+    grads = []
+    for frozen in (False, True):
+        whole = types.SimpleNamespace(gate_up_proj=p["w13_EFH"], down_proj=p["w2_EHI"])
+        module = fusemoe.ExpertParallelMoEExperts.from_experts(
+            whole, max_tokens_per_rank=max(tokens), top_k=top_k)
+        module.requires_grad_(not frozen)
+        x_TH = p["x_TH"][rows].clone().requires_grad_()
+        topk_weights_TK = p["topk_weights_TK"][rows].clone().requires_grad_()
+        requests = len(moe_reference.weight_grad_requests)
+        module(x_TH, p["topk_idx_TK"][rows], topk_weights_TK).backward(p["dy_TH"][rows])
+        if device == "cpu":  # the stand-ins record what each backward asked for
+            asked = moe_reference.weight_grad_requests[requests:]
+            assert asked == [(not frozen, not frozen)], f"rank {rank}: asked {asked}"
+        grads.append((x_TH.grad, topk_weights_TK.grad, module.gate_up_proj.grad,
+                      module.down_proj.grad))
+    assert grads[1][2] is None and grads[1][3] is None, f"rank {rank}: frozen weights got .grad"
+    for name, a, b in zip(("dx", "d_topk_weights"), grads[1], grads[0]):
+        assert_bitwise(rank, f"frozen experts {name}", a, b)
 
 
 def check_grad_in_place(rank, device):

@@ -714,8 +714,9 @@ def c_error(fn, *args):
      r"FusemoeCEpBackwardArgs.struct_size: 8"),
     (lambda: ("fusemoe_c_ep_backward", ep_config_struct(), ep_backward_args(weight_grad_dtype=7)),
      r"weight_grad_dtype: unknown value 7"),
-    (lambda: ("fusemoe_c_ep_backward", ep_config_struct(), ep_backward_args(dw2=None)),
-     r": dw2 must not be null"),
+    (lambda: ("fusemoe_c_ep_backward", ep_config_struct(),
+              ep_backward_args(dw2=FAKE_DEVICE_ADDRESS + 4)),
+     r": dw2 must be 16-byte aligned"),
     (lambda: ("fusemoe_c_ep_backward", ep_config_struct(), ep_backward_args(dy=None)),
      r": dy must not be null"),
 ])
