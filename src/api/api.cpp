@@ -298,8 +298,8 @@ bool check_bf16_weights_arg(const LayerConfig& config, const void* w13, const vo
   return separate;
 }
 
-// dw13, or dw1 and dw3, which the kernels write concurrently: they must not overlap. (None of the
-// three, frozen gate/up weights, is allowed by the caller, checked_layer_call.)
+// dw13, or dw1 and dw3, which the kernels write concurrently: they must not overlap. Called when
+// one of the three is set (none of them: frozen gate/up weights, which checked_layer_call allows).
 bool check_gate_up_grads_arg(const LayerConfig& config, WeightGradDtype dtype, const void* dw13, const void* dw1,
                              const void* dw3) {
   if (!check_gate_up_form(dw13, dw1, dw3, "dw13", "dw1", "dw3")) return false;
