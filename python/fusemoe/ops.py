@@ -398,11 +398,16 @@ def moe_experts_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
     return (dx_TH, d_topk_weights_TK, *_returned_weight_grads(grads, (w13_EFH, w2_EHI)))
 
 
+def _wanted_per_weight(num_weights, gate_up_grad, down_grad):
+    """The backward ops' gate_up_grad / down_grad per weight (w13, w2, or w1, w3, w2): gate_up_grad
+    covers every weight but the last, down_grad the last."""
+    return (gate_up_grad,) * (num_weights - 1) + (down_grad,)
+
+
 def _fresh_weight_grads(weights, gate_up_grad, down_grad):
-    """The fresh gradient buffers of a backward op that returns them: per weight (w13, w2, or w1,
-    w3, w2) one of its dtype, or None for a frozen weight's, which the library then skips
-    (gate_up_grad covers every weight but the last, down_grad the last)."""
-    wanted = (gate_up_grad,) * (len(weights) - 1) + (down_grad,)
+    """The fresh gradient buffers of a backward op that returns them: per weight one of its dtype,
+    or None for a frozen weight's, which the library then skips."""
+    wanted = _wanted_per_weight(len(weights), gate_up_grad, down_grad)
     return tuple(torch.empty_like(w) if want else None for w, want in zip(weights, wanted))
 
 

@@ -5,7 +5,6 @@
 #include <initializer_list>
 #include <iterator>
 #include <limits>
-#include <vector>
 
 #include "api/checks.h"
 #include "fusemoe/expert_parallel.h"
@@ -54,13 +53,14 @@ void check_common(const EpConfig& c, void* const* peer_symmetric, void* workspac
 // mapped into this process), then the call, then the expert-id check the caller chose.
 template <class Run>
 void run_checked(const EpConfig& c, const EpCall& a, const void* saved_state, WorkspaceUse use,
-                 std::vector<NamedTensor> outputs, std::initializer_list<NamedTensor> with_tokens, Run run) {
+                 const NamedTensor* outputs, int num_outputs, std::initializer_list<NamedTensor> with_tokens,
+                 Run run) {
   check_common(c, a.peer_symmetric, a.workspace, a.workspace_bytes, use, a.num_tokens, a.num_sms);
   const NamedTensor weights[] = {{a.w13, "w13", kTmaAlignment}, {a.w2, "w2", kTmaAlignment}};
   const NamedTensor tokens[] = {
       {a.x, "x", kTmaAlignment}, {a.topk_idx, "topk_idx", 4}, {a.topk_weights, "topk_weights", 4}};
   check_tensors(std::begin(weights), std::end(weights));
-  check_tensors(outputs.data(), outputs.data() + outputs.size());
+  check_tensors(outputs, outputs + num_outputs);
   if (a.num_tokens > 0) {
     check_tensors(std::begin(tokens), std::end(tokens));
     check_tensors(with_tokens.begin(), with_tokens.end());
@@ -69,7 +69,7 @@ void run_checked(const EpConfig& c, const EpCall& a, const void* saved_state, Wo
   if (a.expert_id_report != nullptr) check_tensor(a.expert_id_report, "expert_id_report", 4);
   check_device();
   check_device_pointers(std::begin(weights), std::end(weights));
-  check_device_pointers(outputs.data(), outputs.data() + outputs.size());
+  check_device_pointers(outputs, outputs + num_outputs);
   check_device_pointer(a.workspace, "workspace");
   if (a.num_tokens > 0) {
     check_device_pointers(std::begin(tokens), std::end(tokens));
@@ -136,7 +136,7 @@ size_t ep_saved_state_bytes(const EpConfig& config) {
 }
 
 void ep_forward(const EpConfig& c, const EpForwardArgs& a) {
-  run_checked(c, a.call, a.saved_state, WorkspaceUse::kForward, {}, {{a.y, "y", kTmaAlignment}},
+  run_checked(c, a.call, a.saved_state, WorkspaceUse::kForward, nullptr, 0, {{a.y, "y", kTmaAlignment}},
               [&] { ep_layer_forward(c, a); });
 }
 
@@ -144,12 +144,13 @@ void ep_backward(const EpConfig& c, const EpBackwardArgs& a) {
   FUSEMOE_CHECK(a.weight_grad_dtype == WeightGradDtype::kFloat32 || a.weight_grad_dtype == WeightGradDtype::kBFloat16,
                 "weight_grad_dtype: unknown value " << static_cast<int>(a.weight_grad_dtype));
   // A null dw13 or dw2: that weight is frozen and its gradient not computed (BackwardArgs).
-  std::vector<NamedTensor> weight_grads;
-  if (a.dw13 != nullptr) weight_grads.push_back({a.dw13, "dw13", kTmaAlignment});
-  if (a.dw2 != nullptr) weight_grads.push_back({a.dw2, "dw2", kTmaAlignment});
+  NamedTensor weight_grads[2] = {};
+  int num_weight_grads = 0;
+  if (a.dw13 != nullptr) weight_grads[num_weight_grads++] = {a.dw13, "dw13", kTmaAlignment};
+  if (a.dw2 != nullptr) weight_grads[num_weight_grads++] = {a.dw2, "dw2", kTmaAlignment};
   run_checked(c, a.call, a.saved_state,
               a.saved_state != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward,
-              std::move(weight_grads),
+              weight_grads, num_weight_grads,
               {{a.dy, "dy", kTmaAlignment}, {a.dx, "dx", kTmaAlignment}, {a.d_topk_weights, "d_topk_weights", 4}},
               [&] { ep_layer_backward(c, a); });
 }

@@ -107,10 +107,12 @@ def fresh_weight_grads(grads, weights, gate_up_grad, down_grad):
     """What a stand-in backward op of fresh gradients returns for computed grads of weights (w13,
     w2 or w1, w3, w2): each in its weight's dtype, or a 0-element tensor when not asked for (as
     the library's ops); records the request."""
+    from fusemoe import ops
     weight_grad_requests.append((gate_up_grad, down_grad))
-    wanted = (gate_up_grad,) * (len(weights) - 1) + (down_grad,)
-    return tuple(g.to(w.dtype) if want else w.new_empty(0)
-                 for g, w, want in zip(grads, weights, wanted))
+    wanted = ops._wanted_per_weight(len(weights), gate_up_grad, down_grad)
+    return ops._returned_weight_grads(
+        tuple(g.to(w.dtype) if want else None for g, w, want in zip(grads, weights, wanted)),
+        weights)
 
 
 @_once
