@@ -40,9 +40,6 @@ struct Sm90Rows {
   // beside this one (co-resident ranks of an expert-parallel layer on one GPU).
   int num_sms = 0;
   cudaStream_t stream = nullptr;
-  // [2] zeroed before the first launch (RoutingPlan::tile_counter): the GEMMs then take their
-  // tiles in a dynamic order and leave it at zero. Null: the static order t = CTA + i * grid.
-  int32_t* tile_counter = nullptr;
 };
 
 // Output rows that go to other ranks' slot buffers (expert parallelism, pipelines/ep_layer.cu):
@@ -56,10 +53,8 @@ struct Sm90PeerRows {
 
 // The rows problem of a layer call: experts and their offsets, capacity, the layer's H and I.
 inline Sm90Rows make_sm90_rows(const int32_t* expert_offsets, int64_t max_rows, int64_t num_experts,
-                               int64_t hidden, int64_t intermediate, int num_sms, cudaStream_t stream,
-                               int32_t* tile_counter) {
+                               int64_t hidden, int64_t intermediate, int num_sms, cudaStream_t stream) {
   Sm90Rows rows;
-  rows.tile_counter = tile_counter;
   rows.expert_offsets = expert_offsets;
   rows.max_rows = max_rows;
   rows.hidden = hidden;

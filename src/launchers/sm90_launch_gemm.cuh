@@ -47,7 +47,6 @@ void launch_grouped_gemm(GemmParams<Gemm> params, const Sm90Rows& rows, WaitKern
   static std::atomic<uint64_t> configured{0};
   raise_smem_limit_once(reinterpret_cast<const void*>(kernel), smem_limit, info.device, &configured);
   const int grid = rows.num_sms > 0 ? std::min(rows.num_sms, info.num_sms) : info.num_sms;
-  if constexpr (Gemm::kDynamicTiles) params.shape.tile_counter = rows.tile_counter;
   kernel<<<grid, kThreads, smem_bytes, rows.stream>>>(params);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }

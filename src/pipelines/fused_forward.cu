@@ -58,8 +58,7 @@ void fused_forward(const LayerConfig& c, const ForwardArgs& args) {
   if (num_slots == 0) return;
 
   const Sm90Rows rows =
-      make_sm90_rows(ws.plan.expert_offsets, num_slots, c.num_experts, c.hidden, c.intermediate, 0, args.stream,
-                     ws.plan.tile_counter);
+      make_sm90_rows(ws.plan.expert_offsets, num_slots, c.num_experts, c.hidden, c.intermediate, 0, args.stream);
 
   Sm90GateUpParams gate_up;
   gate_up.rows = rows;

@@ -113,8 +113,7 @@ struct Fp8BackwardWorkspace : BackwardPools {
 };
 
 Sm90Rows rows_problem(const LayerConfig& c, const RoutingPlan& plan, int64_t num_slots, cudaStream_t stream) {
-  return make_sm90_rows(plan.expert_offsets, num_slots, c.num_experts, c.hidden, c.intermediate, 0, stream,
-                        plan.tile_counter);
+  return make_sm90_rows(plan.expert_offsets, num_slots, c.num_experts, c.hidden, c.intermediate, 0, stream);
 }
 
 }  // namespace
