@@ -214,104 +214,6 @@ __device__ __forceinline__ ConsumerThread row_block_thread(const ConsumerThread&
   return block;
 }
 
-// One tile's main loop over its K-blocks for the first kLiveBlocks of the consumer's row blocks:
-// acc[b][64 rows, kBlockN] = A[row block b, K] * B[K, kBlockN]. Each count is its own straight-line
-// copy: a branch around some of the wgmmas makes ptxas wait for every wgmma before the next.
-template <class Gemm, int kLiveBlocks>
-__device__ __forceinline__ void main_loop(const GemmParams<Gemm>& p, const Tile& tile, const StageRing<Gemm::kStages>& ring,
-                                          uint8_t* tiles_a, uint8_t* tiles_b, RingCursor<Gemm::kStages>& cursor,
-                                          float (&acc)[Gemm::Consumers::kRowBlocks][Gemm::kAccRegs],
-                                          const ConsumerThread& me, bool hands_over) {
-  using Consumers = typename Gemm::Consumers;
-  constexpr uint32_t kOrderThreads = kNumConsumers * kThreadsPerWarpgroup;
-  int prev_stage = 0;
-  for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
-    const int stage = cursor.stage;
-    bounded_wait(&ring.full[stage], cursor.phase, p.shape.wait, WaitRole::kConsumer, WaitObject::kStageFull, stage,
-                 Gemm::A::kTmaBytes + Gemm::kTileBBytes);
-    if constexpr (Consumers::kPingPong) {
-      if (hands_over && kb == tile.num_k_blocks - 1) named_barrier_arrive(kOrderBarrierId0 + (me.consumer ^ 1), kOrderThreads);
-    }
-    uint8_t* tile_a = tiles_a + stage * kTileABytes;
-    uint8_t* tile_b = tiles_b + stage * Gemm::kTileBBytes;
-    if constexpr (Gemm::A::kGathered) fence_proxy_async_shared();  // cp.async rows -> wgmma reads
-    if constexpr (Gemm::Scheduler::kReducesOverRows) {
-      const int32_t valid_rows = tile.row_end - tile.row_begin - kb * kBlockK;
-      if (valid_rows < kBlockK) {  // the expert's last, partial K-block: the same for both consumers
-        zero_box_rows(tile_a + me.consumer * kMnBoxBytes, valid_rows, me.tid_in_wg);
-        for (int j = me.consumer; j < Gemm::kBlockN / 64; j += kNumConsumers) {
-          zero_box_rows(tile_b + j * kMnBoxBytes, valid_rows, me.tid_in_wg);
-        }
-        fence_proxy_async_shared();
-        named_barrier_sync(kConsumersBarrierId, kNumConsumers * kThreadsPerWarpgroup);
-      }
-    }
-    // Row block b's A rows start b (ping-pong) or `consumer` (cooperative) 64-row blocks into
-    // the stage: 64 K-major rows or one MN box, the same 8 KB.
-    uint64_t desc_a[kLiveBlocks];
-#pragma unroll
-    for (int b = 0; b < kLiveBlocks; ++b) {
-      desc_a[b] = make_desc_sw128(tile_a + row_block_thread<Consumers>(me, b).consumer * kWgmmaM * kSwizzleRowBytes,
-                                  Gemm::LayoutA::kLbo, Gemm::LayoutA::kSbo);
-    }
-    const uint64_t desc_b = make_desc_sw128(tile_b, Gemm::LayoutB::kLbo, Gemm::LayoutB::kSbo);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kBlockK / kWgmmaK; ++k) {
-#pragma unroll
-      for (int b = 0; b < kLiveBlocks; ++b) {
-        Gemm::Mma::mma(acc[b], desc_a[b] + k * Gemm::LayoutA::kDescStepK16, desc_b + k * Gemm::LayoutB::kDescStepK16,
-                       (kb > 0 || k > 0) ? 1u : 0u);
-      }
-    }
-    wgmma_commit_group();
-    // Keep this K-block's MMAs in flight; the previous block's have finished reading.
-    wgmma_wait_group<1>();
-    if (kb > 0 && me.lane == 0 && !releases_withheld(p.shape.wait)) mbarrier_arrive(&ring.empty[prev_stage]);
-    prev_stage = stage;
-    cursor.advance();
-  }
-  wgmma_wait_group<0>();
-#pragma unroll
-  for (int b = 0; b < kLiveBlocks; ++b) fence_accumulators(acc[b]);
-  if ((!Gemm::Scheduler::kReducesOverRows || tile.num_k_blocks > 0) && me.lane == 0 &&
-      !releases_withheld(p.shape.wait)) {
-    mbarrier_arrive(&ring.empty[prev_stage]);
-  }
-}
-
-// A cooperative consumer whose 64 rows all lie past the tile's expert's end: it reads nothing,
-// but waits on and releases every stage in turn, as the ring's parity waits need.
-template <class Gemm>
-__device__ __forceinline__ void idle_loop(const GemmParams<Gemm>& p, const Tile& tile, const StageRing<Gemm::kStages>& ring,
-                                          RingCursor<Gemm::kStages>& cursor, const ConsumerThread& me) {
-  for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
-    const int stage = cursor.stage;
-    bounded_wait(&ring.full[stage], cursor.phase, p.shape.wait, WaitRole::kConsumer, WaitObject::kStageFull, stage,
-                 Gemm::A::kTmaBytes + Gemm::kTileBBytes);
-    if (me.lane == 0 && !releases_withheld(p.shape.wait)) mbarrier_arrive(&ring.empty[stage]);
-    cursor.advance();
-  }
-}
-
-// Row blocks of this consumer that hold rows of the tile's expert: all of them, except in an
-// expert's last row tile when it holds <= 64 rows (20-23% of the MMA rows at 256-320 rows per
-// expert are past an expert's end, half of that in such tiles). Weight gradients: all.
-template <class Gemm>
-__device__ __forceinline__ int live_row_blocks(const Tile& tile, const ConsumerThread& me) {
-  using Consumers = typename Gemm::Consumers;
-  if constexpr (Gemm::Scheduler::kReducesOverRows) {
-    return Consumers::kRowBlocks;
-  } else {
-    int live = 0;
-#pragma unroll
-    for (int b = 0; b < Consumers::kRowBlocks; ++b) {
-      live += tile.row_begin + row_block_thread<Consumers>(me, b).consumer * kWgmmaM < tile.row_end ? 1 : 0;
-    }
-    return live;
-  }
-}
-
 template <class Gemm>
 __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
                                         const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a, uint8_t* tiles_b,
@@ -319,7 +221,6 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
   using Epilogue = typename Gemm::Epilogue;
   using Consumers = typename Gemm::Consumers;
   constexpr int kRowBlocks = Consumers::kRowBlocks;
-  static_assert(kRowBlocks <= 2, "one or two row blocks per consumer");
   // Named barrier over both consumers: one arrives (its turn is over), the other syncs.
   constexpr uint32_t kOrderThreads = kNumConsumers * kThreadsPerWarpgroup;
   const EpilogueShape out_shape{p.shape.n_valid, p.shape.m_valid};
@@ -334,19 +235,6 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
         continue;
       }
     }
-    const int live = live_row_blocks<Gemm>(tile, me);
-    // Cooperative: consumer 1 idles through a tile of <= 64 rows, then waits for consumer 0 to
-    // finish it. Run ahead, it would stay a few stages ahead for good, and the ring's depth
-    // would then no longer hide the loads of either.
-    const bool one_idle = !Consumers::kPingPong && !Gemm::Scheduler::kReducesOverRows &&
-                          tile.row_begin + kWgmmaM >= tile.row_end;
-    if constexpr (!Consumers::kPingPong) {
-      if (live == 0) {  // nothing to compute or store
-        idle_loop<Gemm>(p, tile, ring, cursor, me);
-        named_barrier_sync(kConsumersBarrierId, kNumConsumers * kThreadsPerWarpgroup);
-        continue;
-      }
-    }
     const ConsumerThread me0 = row_block_thread<Consumers>(me, 0);
     const AccRows rows(tile, me0);
     typename Epilogue::Inputs inputs = Epilogue::prepare(p.epilogue, out_shape, tile, rows, me0);
@@ -356,19 +244,71 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
       if (local > 0) named_barrier_sync(kOrderBarrierId0 + me.consumer, kOrderThreads);
     }
     const bool hands_over = Consumers::kPingPong && t + static_cast<int32_t>(gridDim.x) < num_tiles;
-    if (kRowBlocks == 1 || live == kRowBlocks) {
-      main_loop<Gemm, kRowBlocks>(p, tile, ring, tiles_a, tiles_b, cursor, acc, me, hands_over);
-    } else {
-      main_loop<Gemm, 1>(p, tile, ring, tiles_a, tiles_b, cursor, acc, me, hands_over);
+
+    // ---- main loop: acc[b][64 rows, kBlockN] = A[row block b, K] * B[K, kBlockN] for this
+    // consumer's row blocks (its own 64 rows, or both blocks of the tile)
+    int prev_stage = 0;
+    for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
+      const int stage = cursor.stage;
+      bounded_wait(&ring.full[stage], cursor.phase, p.shape.wait, WaitRole::kConsumer, WaitObject::kStageFull, stage,
+                   Gemm::A::kTmaBytes + Gemm::kTileBBytes);
+      if constexpr (Consumers::kPingPong) {
+        if (hands_over && kb == tile.num_k_blocks - 1) named_barrier_arrive(kOrderBarrierId0 + (me.consumer ^ 1), kOrderThreads);
+      }
+      uint8_t* tile_a = tiles_a + stage * kTileABytes;
+      uint8_t* tile_b = tiles_b + stage * Gemm::kTileBBytes;
+      if constexpr (Gemm::A::kGathered) fence_proxy_async_shared();  // cp.async rows -> wgmma reads
+      if constexpr (Gemm::Scheduler::kReducesOverRows) {
+        const int32_t valid_rows = tile.row_end - tile.row_begin - kb * kBlockK;
+        if (valid_rows < kBlockK) {  // the expert's last, partial K-block: the same for both consumers
+          zero_box_rows(tile_a + me.consumer * kMnBoxBytes, valid_rows, me.tid_in_wg);
+          for (int j = me.consumer; j < Gemm::kBlockN / 64; j += kNumConsumers) {
+            zero_box_rows(tile_b + j * kMnBoxBytes, valid_rows, me.tid_in_wg);
+          }
+          fence_proxy_async_shared();
+          named_barrier_sync(kConsumersBarrierId, kNumConsumers * kThreadsPerWarpgroup);
+        }
+      }
+      // Row block b's A rows start b (ping-pong) or `consumer` (cooperative) 64-row blocks into
+      // the stage: 64 K-major rows or one MN box, the same 8 KB.
+      uint64_t desc_a[kRowBlocks];
+#pragma unroll
+      for (int b = 0; b < kRowBlocks; ++b) {
+        desc_a[b] = make_desc_sw128(tile_a + row_block_thread<Consumers>(me, b).consumer * kWgmmaM * kSwizzleRowBytes,
+                                    Gemm::LayoutA::kLbo, Gemm::LayoutA::kSbo);
+      }
+      const uint64_t desc_b = make_desc_sw128(tile_b, Gemm::LayoutB::kLbo, Gemm::LayoutB::kSbo);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBlockK / kWgmmaK; ++k) {
+#pragma unroll
+        for (int b = 0; b < kRowBlocks; ++b) {
+          Gemm::Mma::mma(acc[b], desc_a[b] + k * Gemm::LayoutA::kDescStepK16,
+                         desc_b + k * Gemm::LayoutB::kDescStepK16, (kb > 0 || k > 0) ? 1u : 0u);
+        }
+      }
+      wgmma_commit_group();
+      // Keep this K-block's MMAs in flight; the previous block's have finished reading.
+      wgmma_wait_group<1>();
+      if (kb > 0 && me.lane == 0 && !releases_withheld(p.shape.wait)) mbarrier_arrive(&ring.empty[prev_stage]);
+      prev_stage = stage;
+      cursor.advance();
+    }
+    wgmma_wait_group<0>();
+#pragma unroll
+    for (int b = 0; b < kRowBlocks; ++b) fence_accumulators(acc[b]);
+    if ((!Gemm::Scheduler::kReducesOverRows || tile.num_k_blocks > 0) && me.lane == 0 &&
+        !releases_withheld(p.shape.wait)) {
+      mbarrier_arrive(&ring.empty[prev_stage]);
     }
 
     // ---- epilogue, one row block at a time. Ping-pong: block 1's inputs load here, under block
     // 0's stores; loaded before the main loop they would spill (they would share the registers
     // with 128 accumulators throughout it).
+    static_assert(kRowBlocks <= 2, "one or two row blocks per consumer");
     if constexpr (kRowBlocks == 1) {
       Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc[0], staging, me0);
-      if (one_idle) named_barrier_arrive(kConsumersBarrierId, kNumConsumers * kThreadsPerWarpgroup);
-    } else {  // block 1 of a tile with <= 64 rows stores nothing (its rows are past the end)
+    } else {
       const ConsumerThread me_b = row_block_thread<Consumers>(me, 1);
       const AccRows rows_b(tile, me_b);
       typename Epilogue::Inputs inputs_b = Epilogue::prepare(p.epilogue, out_shape, tile, rows_b, me_b);
