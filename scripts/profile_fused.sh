@@ -12,13 +12,14 @@ for impl in fused unfused; do
     --kernel-name-base demangled -k 'regex:routing|gather|combine|swiglu|Gemm|gemm|sm90' \
     --csv "$BUILD_DIR/fusemoe_bench" --preset "$PRESET" --tokens "$TOKENS" --impl "$impl" \
     --iters 1 --warmup 0 --no-check >"$OUTDIR/ncu_${impl}_${PRESET}_${TOKENS}.csv" 2>"$OUTDIR/ncu_${impl}.err"
-  python3 - "$OUTDIR/ncu_${impl}_${PRESET}_${TOKENS}.csv" <<'PY'
+  python3 - "$OUTDIR/ncu_${impl}_${PRESET}_${TOKENS}.csv" "$(dirname "${BASH_SOURCE[0]}")" <<'PY'
 import csv, sys
+sys.path.insert(0, sys.argv[2])
+from bound_table import TIME_UNITS as scale  # ncu's time units -> µs, one table for both scripts
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 head, body = rows[0], rows[1:]
 ki, mi, vi = head.index("Kernel Name"), head.index("Metric Name"), head.index("Metric Value")
 ui = head.index("Metric Unit")
-scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
 print(sys.argv[1])
 total = 0.0
 for r in body:

@@ -34,9 +34,8 @@ BACKWARD_FP32 = [("count", 4000, 0, 1, 2, 0.1, 1.97e9), ("place", 10000, 0, 0, 4
                  ("gather", 100000, 1, 80, 94, 160, 1.94e9), ("dgrad1", 300000, 44, 66, 88, 800, 1.7e9),
                  ("dgrad2", 380000, 81, 58, 79, 900, 1.55e9), ("combine", 40000, 0, 80, 85, 130, 1.97e9),
                  ("dw_fp32", 330000, 37, 60, 73, 180, 1.7e9), ("dw_fp32", 690000, 36, 55, 64, 230, 1.7e9)]
-BACKWARD_BF16 = [row if row[0] != "dw_fp32" else ("dw_bf16",) + row[1:] for row in BACKWARD_FP32]
-BACKWARD_BF16[-2] = ("dw_bf16", 250000, 50, 46, 70, 185, 1.68e9)
-BACKWARD_BF16[-1] = ("dw_bf16", 530000, 48, 40, 53, 235, 1.69e9)
+BACKWARD_BF16 = BACKWARD_FP32[:-2] + [("dw_bf16", 250000, 50, 46, 70, 185, 1.68e9),
+                                      ("dw_bf16", 530000, 48, 40, 53, 235, 1.69e9)]
 
 
 def case_file(path, launches, with_layer=True):
