@@ -11,8 +11,9 @@
 //                                       (clamp masks), wh = w h, and the router-gradient
 //                                       partial <h, a> of the tile's columns
 //   WeightGradEpilogue<kFp32, kAccumulate>
-//                                       an expert's gradient tile through shared-memory staging
-//                                       and TMA stores, fp32 or bf16, overwritten or added to
+//                                       an expert's gradient tile box by box through two
+//                                       shared-memory staging boxes per consumer and TMA
+//                                       stores, fp32 or bf16, overwritten or added to
 //
 // Each has Args (its kernel arguments), kStagingBytes (its share of shared memory), prefetch()
 // (its tensor maps, once per CTA), prepare()
@@ -25,6 +26,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "device/sm90_fragment.cuh"
 #include "device/sm90_layout.cuh"
@@ -419,26 +421,27 @@ struct DgradSwiGLUEpilogue {
 
 // ---------------------------------------------------------------------------- weight gradient
 
-// Each consumer warpgroup's 64 rows x 256 columns of the output tile go through its 32 KB of
-// shared-memory staging, 4 boxes of [64 rows][128 B] per pass (the 128-byte swizzle: chunk c
-// of row r at c ^ (r % 8), so the fragment writes are bank-conflict free), and out through TMA
-// stores that drain while the warpgroup runs the next tile's main loop. fp32: two passes of 128
-// columns (32 per box); bf16: one pass of 256 (64 per box). Accumulate: the boxes go out as TMA
-// reduce-adds, old + new added per element in the memory system with no load in the SM (the
-// loads stalled the epilogue: 4.5x the overwrite's time, docs/experiments.md#tma-reduce-add).
-// bf16 adds the rounded new value, as autograd adds a bf16 gradient into a bf16 .grad. kAccumulate
-// is a template parameter so the overwrite pass has no branch per element whatever the
-// compiler's unswitching decides (docs/experiments.md#kernelargs-size).
+// Each consumer warpgroup's 64 rows x 256 columns of the output tile go out box by box through
+// its two 8 KB staging boxes ([64 rows][128 B], the 128-byte swizzle: chunk c of row r at
+// c ^ (r % 8), so the fragment writes are bank-conflict free), alternating, by TMA stores that
+// drain while the warpgroup writes the next box and runs the next tile's main loop: fp32 is 8
+// boxes of 32 columns, bf16 4 of 64. Two boxes (not a whole 32 KB block) leave room for a fourth
+// stage in the ring. Accumulate: the boxes go out as TMA reduce-adds, old + new added per
+// element in the memory system with no load in the SM (the loads stalled the epilogue: 4.5x the
+// overwrite's time, docs/experiments.md#tma-reduce-add). bf16 adds the rounded new value, as
+// autograd adds a bf16 gradient into a bf16 .grad. kAccumulate is a template parameter so the
+// overwrite pass has no branch per element whatever the compiler's unswitching decides
+// (docs/experiments.md#kernelargs-size).
 template <bool kFp32, bool kAccumulate>
 struct WeightGradEpilogue {
   static constexpr int kBlockN = 256;
   static constexpr int kStagingBoxBytes = kWgmmaM * 128;  // one TMA store box: 64 rows x 128 B
-  static constexpr int kStagingBoxes = 4;                 // per consumer warpgroup and pass
+  static constexpr int kStagingBoxes = 2;                 // per consumer warpgroup, used in turn
   static constexpr int kStagingBytesPerConsumer = kStagingBoxes * kStagingBoxBytes;
   static constexpr int kStagingBytes = kNumConsumers * kStagingBytesPerConsumer;
-  static constexpr int kChunksPerBox = kFp32 ? 4 : 8;    // 128 B of fp32 or bf16
-  static constexpr int kChunksPerPass = kStagingBoxes * kChunksPerBox;
-  static constexpr int kPasses = kBlockN / 8 / kChunksPerPass;
+  static constexpr int kChunksPerBox = kFp32 ? 4 : 8;  // 8-column accumulator chunks in 128 B
+  static constexpr int kBoxCols = 8 * kChunksPerBox;
+  static constexpr int kBoxes = kBlockN / kBoxCols;
   struct Args {
     CUtensorMap map;  // grad [E, M, N] fp32 or bf16 as [E*M rows, N], boxes of [64 rows][128 B]
   };
@@ -449,29 +452,30 @@ struct WeightGradEpilogue {
     return {};
   }
 
-  template <int kFirst, int kRegs>
-  __device__ static void pass(const Args& args, const EpilogueShape& s, uint8_t* staging, int32_t row0, int32_t n0,
-                              bool acc_valid, const float (&acc)[kRegs], const ConsumerThread& me) {
-    const int64_t N = s.n_valid;
+  // Box b: accumulator chunks [b * kChunksPerBox, (b + 1) * kChunksPerBox), columns n0 + b * kBoxCols.
+  template <int kBox, int kRegs>
+  __device__ static void box(const Args& args, const EpilogueShape& s, uint8_t* staging, int32_t row0, int32_t n0,
+                             bool acc_valid, const float (&acc)[kRegs], const ConsumerThread& me) {
     const int q = me.lane % 4;
     const uint32_t barrier_id = kStagingBarrierId0 + me.consumer;
-    // The staging is free once the previous pass's stores have read it.
-    if (me.tid_in_wg == 0) bulk_wait_group_read<0>();
+    uint8_t* buffer = staging + (kBox % kStagingBoxes) * kStagingBoxBytes;
+    // The buffer is free once the store issued two boxes ago (its last use) has read it.
+    if (me.tid_in_wg == 0) bulk_wait_group_read<kStagingBoxes - 1>();
     named_barrier_sync(barrier_id, kThreadsPerWarpgroup);
 #pragma unroll
-    for (int j = 0; j < kChunksPerPass; ++j) {
-      const int box = j / kChunksPerBox;
+    for (int c = 0; c < kChunksPerBox; ++c) {
+      const int j = kBox * kChunksPerBox + c;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = me.row_in_wg + 8 * h;
-        float v0 = acc_valid ? acc[4 * (kFirst + j) + 2 * h] : 0.0f;
-        float v1 = acc_valid ? acc[4 * (kFirst + j) + 2 * h + 1] : 0.0f;
-        uint8_t* line = staging + box * kStagingBoxBytes + r * 128;
+        const float v0 = acc_valid ? acc[4 * j + 2 * h] : 0.0f;
+        const float v1 = acc_valid ? acc[4 * j + 2 * h + 1] : 0.0f;
+        uint8_t* line = buffer + r * 128;
         if constexpr (kFp32) {
-          const int chunk = 2 * (j % 4) + q / 2;  // byte 32 (j % 4) + 8q of the line
+          const int chunk = 2 * c + q / 2;  // byte 32 c + 8q of the line
           *reinterpret_cast<float2*>(line + ((chunk ^ (r % 8)) * 16) + (q % 2) * 8) = make_float2(v0, v1);
         } else {
-          const int chunk = j % 8;  // byte 16 (j % 8) + 4q of the line
+          const int chunk = c;  // byte 16 c + 4q of the line
           *reinterpret_cast<uint32_t*>(line + ((chunk ^ (r % 8)) * 16) + q * 4) = pack_bf16x2(v0, v1);
         }
       }
@@ -479,17 +483,20 @@ struct WeightGradEpilogue {
     fence_proxy_async_shared();
     named_barrier_sync(barrier_id, kThreadsPerWarpgroup);
     if (me.tid_in_wg == 0) {
-      constexpr int kBoxCols = 8 * kChunksPerBox;
-#pragma unroll
-      for (int b = 0; b < kStagingBoxes; ++b) {
-        const int32_t col = n0 + 8 * kFirst + b * kBoxCols;
-        if (col < N) {
-          if constexpr (kAccumulate) tma_reduce_add_2d(&args.map, staging + b * kStagingBoxBytes, col, row0);
-          else tma_store_2d(&args.map, staging + b * kStagingBoxBytes, col, row0);
-        }
+      const int32_t col = n0 + kBox * kBoxCols;
+      if (col < s.n_valid) {
+        if constexpr (kAccumulate) tma_reduce_add_2d(&args.map, buffer, col, row0);
+        else tma_store_2d(&args.map, buffer, col, row0);
       }
-      bulk_commit_group();
+      bulk_commit_group();  // a group per box, empty or not, so the wait above counts boxes
     }
+  }
+
+  template <int kRegs, int... kBox>
+  __device__ static void boxes(const Args& args, const EpilogueShape& s, uint8_t* staging, int32_t row0, int32_t n0,
+                               bool acc_valid, const float (&acc)[kRegs], const ConsumerThread& me,
+                               std::integer_sequence<int, kBox...>) {
+    (box<kBox>(args, s, staging, row0, n0, acc_valid, acc, me), ...);
   }
 
   template <int kRegs>
@@ -503,8 +510,7 @@ struct WeightGradEpilogue {
     uint8_t* mine = staging + me.consumer * kStagingBytesPerConsumer;
     const int32_t row0 = tile.expert * s.m_valid + tile.m_tile * kBlockM + me.consumer * kWgmmaM;
     const int32_t n0 = tile.n_tile * kBlockN;
-    pass<0>(args, s, mine, row0, n0, acc_valid, acc, me);
-    if constexpr (kPasses == 2) pass<kChunksPerPass>(args, s, mine, row0, n0, acc_valid, acc, me);
+    boxes(args, s, mine, row0, n0, acc_valid, acc, me, std::make_integer_sequence<int, kBoxes>{});
   }
   // The CTA's shared memory must outlive the stores still reading it.
   __device__ static void finish(const ConsumerThread& me) {

@@ -12,6 +12,8 @@
 // ExpertOutputTileScheduler (weight gradients): output tile (m, n) of an expert's [M, N]
 // gradient, reducing over all of the expert's rows (K = its row count, in 64-row blocks from
 // its first row; one CTA per output tile, so the sum has a fixed order). Expert-major, m fastest.
+// It needs no table: a tile reads its expert's two offsets from global memory (L1-cached), which
+// leaves the table's shared memory to the stage ring.
 #pragma once
 
 #include <cstdint>
@@ -78,6 +80,8 @@ __device__ __forceinline__ void build_expert_tile_table(const int32_t* __restric
 // row-tile cursor walks the experts forward once per CTA, and all roles see the same sequence.
 struct RowTileScheduler {
   static constexpr bool kReducesOverRows = false;
+  static constexpr bool kTableInSmem = true;
+  static constexpr int kL2ReadAheadBlocks = 0;
   ExpertTileTable table;
   int32_t num_k_blocks;  // K / 64
   int32_t expert = 0;    // cursor
@@ -103,24 +107,28 @@ struct RowTileScheduler {
 
 struct ExpertOutputTileScheduler {
   static constexpr bool kReducesOverRows = true;
-  ExpertTileTable table;
-  int32_t num_m_tiles;  // M / 128
+  // The CTAs of a wave walk one expert's rows in step, so a K-block that misses L2 stalls them
+  // all at once: the producer asks L2 for the K-block this many ahead of the one it loads.
+  static constexpr int kL2ReadAheadBlocks = 4;
+  static constexpr bool kTableInSmem = false;
+  const int32_t* offsets;  // [E + 1] expert_offsets, global
+  int32_t num_experts;
+  int32_t num_n_tiles;
+  int32_t num_m_tiles;     // M / 128
 
-  __device__ __forceinline__ int32_t num_tiles() const {
-    return table.num_experts * num_m_tiles * table.num_n_tiles;
-  }
+  __device__ __forceinline__ int32_t num_tiles() const { return num_experts * num_m_tiles * num_n_tiles; }
 
   __device__ __forceinline__ Tile tile(int32_t t) const {
     // m varies fastest inside an expert, so neighbouring CTAs share the act_n slice (n) and the
     // expert's rows stay in L2 while its tiles run.
-    const int32_t per_expert = num_m_tiles * table.num_n_tiles;
+    const int32_t per_expert = num_m_tiles * num_n_tiles;
     Tile out;
     out.expert = t / per_expert;
     const int32_t local = t - out.expert * per_expert;
     out.n_tile = local / num_m_tiles;
     out.m_tile = local - out.n_tile * num_m_tiles;
-    out.row_begin = table.offsets[out.expert];
-    out.row_end = table.offsets[out.expert + 1];
+    out.row_begin = offsets[out.expert];
+    out.row_end = offsets[out.expert + 1];
     out.num_k_blocks = (out.row_end - out.row_begin + kBlockK - 1) / kBlockK;
     return out;
   }

@@ -18,7 +18,8 @@
 //     tile rows [64c, 64c + 64) into fp32 registers, then runs the epilogue from them; or, in
 //     the ping-pong schedule (PingPongConsumers, sm90_layout.cuh), takes every other tile of
 //     the CTA whole, rows [0, 64) and [64, 128), the two main loops taking turns.
-// Shared memory: [kStages x A tile][kStages x B tile][epilogue staging][full, empty][tile table].
+// Shared memory: [kStages x A tile][kStages x B tile][epilogue staging][full, empty][tile table,
+// row tiles only].
 // Rows of a row tile at or past its expert's end are computed but never stored. Weight
 // gradients reduce over an expert's rows in 64-row K-blocks from its first row; the k-rows of
 // the last block that belong to the next expert (or lie past the pool) are zeroed in shared
@@ -61,7 +62,8 @@ struct GroupedGemm {
   static constexpr int kTileCols = B::kTileCols;  // output columns per tile (gate/up: kBlockN / 2)
   static constexpr int kTileBBytes = kBlockN * kBlockK * 2;
   static constexpr int kStageBytes = kTileABytes + kTileBBytes;
-  static constexpr int kStages = (kSmemDataBytes - Epilogue::kStagingBytes) / kStageBytes;
+  static constexpr int kStages =
+      ((Scheduler::kTableInSmem ? kSmemDataBytes : kSmemDataBytesNoTable) - Epilogue::kStagingBytes) / kStageBytes;
   static constexpr int kAccRegs = kBlockN / 2;  // per m64 row block; a consumer holds Consumers::kRowBlocks
   static constexpr uint32_t kConsumerWarpsPerStage = Consumers::kWarpgroupsPerTile * kWarpsPerWarpgroup;
   // Blockwise FP8 (sm90_block_scaled.cuh): its own consumer loop and a scale record per stage.
@@ -84,8 +86,10 @@ struct GroupedGemm {
 
   static constexpr size_t smem_bytes(int num_experts) {
     return kSmemAlign + static_cast<size_t>(kStages) * kStageBytes + Epilogue::kStagingBytes + kScaleRingBytes +
-           2 * kStages * sizeof(uint64_t) + 2 * (static_cast<size_t>(num_experts) + 1) * sizeof(int32_t);
+           2 * kStages * sizeof(uint64_t) +
+           (Scheduler::kTableInSmem ? 2 * (static_cast<size_t>(num_experts) + 1) * sizeof(int32_t) : 0);
   }
+  static_assert(smem_bytes(kMaxExperts) <= kSmemOptinBytes, "shared memory beyond sm90's opt-in limit");
 };
 
 // Sizes every instance reads.
@@ -124,14 +128,18 @@ struct GemmParams : UpWeightMap<TwoBMaps<typename Gemm::B>::value> {
 template <class Gemm>
 __device__ __forceinline__ typename Gemm::Scheduler make_scheduler(const GemmShape& s, int32_t* table_smem) {
   typename Gemm::Scheduler sched;
-  sched.table.offsets = table_smem;
-  sched.table.m_prefix = table_smem + s.num_experts + 1;
-  sched.table.num_experts = s.num_experts;
-  sched.table.num_n_tiles = (s.n_valid + Gemm::kTileCols - 1) / Gemm::kTileCols;
-  if constexpr (Gemm::Scheduler::kReducesOverRows) {
-    sched.num_m_tiles = s.m_valid / kBlockM;
-  } else {
+  const int32_t num_n_tiles = (s.n_valid + Gemm::kTileCols - 1) / Gemm::kTileCols;
+  if constexpr (Gemm::Scheduler::kTableInSmem) {
+    sched.table.offsets = table_smem;
+    sched.table.m_prefix = table_smem + s.num_experts + 1;
+    sched.table.num_experts = s.num_experts;
+    sched.table.num_n_tiles = num_n_tiles;
     sched.num_k_blocks = s.num_k_blocks;
+  } else {
+    sched.offsets = s.expert_offsets;
+    sched.num_experts = s.num_experts;
+    sched.num_n_tiles = num_n_tiles;
+    sched.num_m_tiles = s.m_valid / kBlockM;
   }
   return sched;
 }
@@ -151,12 +159,29 @@ __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm
   const BShape b_shape{p.shape.n_valid, p.shape.b_rows_per_expert};
   RingCursor<Gemm::kStages> cursor;
   const int32_t num_tiles = sched.num_tiles();
+  constexpr int kReadAhead = Gemm::Scheduler::kL2ReadAheadBlocks;
   for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const Tile tile = sched.tile(t);
     typename A::ThreadRows rows{};
     if constexpr (A::kGathered) rows = A::rows_of(p.a, tile, tile.num_k_blocks, thread);
     const uint32_t stage_bytes = announced_stage_bytes(A::kTmaBytes + B::bytes(tile, b_shape), p.shape.wait);
     for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
+      if constexpr (kReadAhead > 0) {
+        // Past this tile's end the read-ahead reaches into the CTA's next tile, derived here
+        // (kept across the loop it spilled the producer's 40 registers).
+        const int32_t ahead = kb + kReadAhead;
+        const int32_t t_next = t + static_cast<int32_t>(gridDim.x);
+        if (thread == 0 && ahead < tile.num_k_blocks) {
+          A::prefetch_l2(p.a, tile, ahead);
+          B::prefetch_l2(&p.map_b, tile, ahead, b_shape);
+        } else if (thread == 0 && t_next < num_tiles) {
+          const Tile next = sched.tile(t_next);
+          if (ahead - tile.num_k_blocks < next.num_k_blocks) {
+            A::prefetch_l2(p.a, next, ahead - tile.num_k_blocks);
+            B::prefetch_l2(&p.map_b, next, ahead - tile.num_k_blocks, b_shape);
+          }
+        }
+      }
       const int stage = cursor.stage;
       bounded_wait(&ring.empty[stage], cursor.phase ^ 1, p.shape.wait, WaitRole::kProducer, WaitObject::kStageEmpty,
                    stage, Gemm::kConsumerWarpsPerStage);
@@ -344,7 +369,11 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
     ring.init(kAllProducerThreads<typename Gemm::A>, Gemm::kConsumerWarpsPerStage);
   }
   typename Gemm::Scheduler sched = make_scheduler<Gemm>(p.shape, table);
-  build_expert_tile_table(p.shape.expert_offsets, sched.table);  // ends with __syncthreads()
+  if constexpr (Gemm::Scheduler::kTableInSmem) {
+    build_expert_tile_table(p.shape.expert_offsets, sched.table);  // ends with __syncthreads()
+  } else {
+    __syncthreads();  // the ring's barriers are initialised
+  }
 
   if (warpgroup == 0) {
     setmaxnreg_dec<kProducerRegs>();
