@@ -60,13 +60,6 @@ struct PoolRowsTransposedA {
     tma_load_2d(&a.map, full, dst, m0, row);
     tma_load_2d(&a.map, full, dst + kMnBoxBytes, m0 + kWgmmaM, row);
   }
-  // The same boxes into L2 only (the weight gradients' read-ahead: sm90_schedulers.cuh).
-  __device__ static void prefetch_l2(const Args& a, const Tile& tile, int32_t kb) {
-    const int32_t row = tile.row_begin + kb * kBlockK;
-    const int32_t m0 = tile.m_tile * kBlockM;
-    tma_prefetch_l2_2d(&a.map, m0, row);
-    tma_prefetch_l2_2d(&a.map, m0 + kWgmmaM, row);
-  }
 };
 
 // Row r of a tile is token row_slot[r] / top_k of x. Thread p copies 16-byte chunk p % 8 of
@@ -236,12 +229,6 @@ struct TransposedB {
     const int32_t k_row = k_row0 + kb * kBlockK;
     const int32_t n0 = tile.n_tile * kBlockN, boxes = count(tile, s);
     for (int j = 0; j < boxes; ++j) tma_load_2d(map, full, dst + j * kMnBoxBytes, n0 + 64 * j, k_row);
-  }
-  __device__ static void prefetch_l2(const CUtensorMap* map, const Tile& tile, int32_t kb, const BShape& s) {
-    const int32_t k_row0 = kRows == TransposedBRows::kExpertWeight ? tile.expert * s.b_rows_per_expert : tile.row_begin;
-    const int32_t k_row = k_row0 + kb * kBlockK;
-    const int32_t n0 = tile.n_tile * kBlockN, boxes = count(tile, s);
-    for (int j = 0; j < boxes; ++j) tma_prefetch_l2_2d(map, n0 + 64 * j, k_row);
   }
 };
 

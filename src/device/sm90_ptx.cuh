@@ -115,14 +115,6 @@ __device__ __forceinline__ void tma_load_2d(const CUtensorMap* map, uint64_t* ba
       : "memory");
 }
 
-// Asks L2 to fetch the box at (inner, outer) from global memory; nothing lands in shared memory
-// and nothing signals completion (a hint: elements outside the tensor are ignored).
-__device__ __forceinline__ void tma_prefetch_l2_2d(const CUtensorMap* map, int32_t inner, int32_t outer) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(reinterpret_cast<uint64_t>(map)),
-               "r"(inner), "r"(outer)
-               : "memory");
-}
-
 // Stores the shared-memory box at smem_src to element coordinates (inner, outer); elements
 // outside the tensor are not written. The copy runs asynchronously in the TMA unit: the
 // issuing thread tracks it with bulk_commit_group / bulk_wait_group*, and the smem bytes

@@ -81,7 +81,6 @@ __device__ __forceinline__ void build_expert_tile_table(const int32_t* __restric
 struct RowTileScheduler {
   static constexpr bool kReducesOverRows = false;
   static constexpr bool kTableInSmem = true;
-  static constexpr int kL2ReadAheadBlocks = 0;
   ExpertTileTable table;
   int32_t num_k_blocks;  // K / 64
   int32_t expert = 0;    // cursor
@@ -107,9 +106,6 @@ struct RowTileScheduler {
 
 struct ExpertOutputTileScheduler {
   static constexpr bool kReducesOverRows = true;
-  // The CTAs of a wave walk one expert's rows in step, so a K-block that misses L2 stalls them
-  // all at once: the producer asks L2 for the K-block this many ahead of the one it loads.
-  static constexpr int kL2ReadAheadBlocks = 4;
   static constexpr bool kTableInSmem = false;
   const int32_t* offsets;  // [E + 1] expert_offsets, global
   int32_t num_experts;

@@ -159,29 +159,12 @@ __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm
   const BShape b_shape{p.shape.n_valid, p.shape.b_rows_per_expert};
   RingCursor<Gemm::kStages> cursor;
   const int32_t num_tiles = sched.num_tiles();
-  constexpr int kReadAhead = Gemm::Scheduler::kL2ReadAheadBlocks;
   for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const Tile tile = sched.tile(t);
     typename A::ThreadRows rows{};
     if constexpr (A::kGathered) rows = A::rows_of(p.a, tile, tile.num_k_blocks, thread);
     const uint32_t stage_bytes = announced_stage_bytes(A::kTmaBytes + B::bytes(tile, b_shape), p.shape.wait);
     for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
-      if constexpr (kReadAhead > 0) {
-        // Past this tile's end the read-ahead reaches into the CTA's next tile, derived here
-        // (kept across the loop it spilled the producer's 40 registers).
-        const int32_t ahead = kb + kReadAhead;
-        const int32_t t_next = t + static_cast<int32_t>(gridDim.x);
-        if (thread == 0 && ahead < tile.num_k_blocks) {
-          A::prefetch_l2(p.a, tile, ahead);
-          B::prefetch_l2(&p.map_b, tile, ahead, b_shape);
-        } else if (thread == 0 && t_next < num_tiles) {
-          const Tile next = sched.tile(t_next);
-          if (ahead - tile.num_k_blocks < next.num_k_blocks) {
-            A::prefetch_l2(p.a, next, ahead - tile.num_k_blocks);
-            B::prefetch_l2(&p.map_b, next, ahead - tile.num_k_blocks, b_shape);
-          }
-        }
-      }
       const int stage = cursor.stage;
       bounded_wait(&ring.empty[stage], cursor.phase ^ 1, p.shape.wait, WaitRole::kProducer, WaitObject::kStageEmpty,
                    stage, Gemm::kConsumerWarpsPerStage);
