@@ -333,8 +333,10 @@ template <class Gemm>
 __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __grid_constant__ GemmParams<Gemm> p) {
   constexpr int kStages = Gemm::kStages;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) &
-                                             ~uintptr_t(kSmemAlign - 1));
+  // Aligned by an offset from smem_raw, not by casting through an integer, so the compiler still
+  // knows these are shared-memory addresses: the epilogue staging writes become STS with 32-bit
+  // addresses rather than generic 64-bit stores.
+  uint8_t* smem = smem_raw + ((kSmemAlign - smem_addr(smem_raw) % kSmemAlign) % kSmemAlign);
   uint8_t* tiles_a = smem;                                          // [kStages][128 x 64] bf16
   uint8_t* tiles_b = tiles_a + kStages * kTileABytes;               // [kStages][kBlockN x 64] bf16
   uint8_t* staging = tiles_b + kStages * Gemm::kTileBBytes;         // epilogue staging, if any
