@@ -129,7 +129,6 @@ std::string describe_device_wait(const DeviceWaitRecord& r) {
   out << "device wait timed out: " << kernel_name(kernel) << " block " << r.block << " thread " << r.thread << " ("
       << (role == static_cast<int32_t>(WaitRole::kProducer)   ? "producer"
           : role == static_cast<int32_t>(WaitRole::kConsumer) ? "consumer"
-          : role == static_cast<int32_t>(WaitRole::kStorer)   ? "store warp"
                                                               : "exchange")
       << ") waited "
       << static_cast<double>(r.waited_ns) * 1e-9 << " s for ";
@@ -149,13 +148,6 @@ std::string describe_device_wait(const DeviceWaitRecord& r) {
     case WaitObject::kPeerRows:
       out << "the output rows of owner rank " << r.peer << " (rank " << r.rank << " waiting; call " << r.wanted
           << ", flag at " << r.observed << ")";
-      break;
-    case WaitObject::kStagingFull:
-      out << "staging box " << stage << " to be written (parity " << r.parity << ", " << r.expected
-          << " consumer-warp arrivals expected)";
-      break;
-    case WaitObject::kStagingFree:
-      out << "staging box " << stage << " to be read by its TMA store (parity " << r.parity << ")";
       break;
     default:
       out << "object " << object << " (stage " << stage << ")";

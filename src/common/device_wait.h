@@ -28,7 +28,7 @@ enum class WaitKernel : int32_t {
 // Size of a table indexed by WaitKernel (the values start at 1; entry 0 is unused).
 constexpr int kNumWaitKernels = static_cast<int>(WaitKernel::kFp8DgradScatter) + 1;
 
-enum class WaitRole : int32_t { kProducer = 1, kConsumer, kExchange, kStorer };
+enum class WaitRole : int32_t { kProducer = 1, kConsumer, kExchange };
 
 // What it waited for.
 enum class WaitObject : int32_t {
@@ -36,8 +36,6 @@ enum class WaitObject : int32_t {
   kStageEmpty,     // the consumers' release of a ring stage
   kPeerMessage,    // expert parallelism: a source rank's routing message (and staged rows)
   kPeerRows,       // expert parallelism: an owner rank's pushed output rows
-  kStagingFull,    // a consumer warpgroup's write of an epilogue staging box (the store warp waits)
-  kStagingFree,    // the store warp's TMA store having read a staging box (a consumer waits)
 };
 
 // Written once, by the first wait that times out on a device (state 0 -> -1 while written ->

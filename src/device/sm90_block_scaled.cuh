@@ -215,7 +215,7 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
   static_assert(kNumBScales == 1 || kNumBScales == kHalves, "one B scale per tile or per half");
   // The second half's B rows start 128 swizzle rows into the stage (descriptor address units of 16 B).
   constexpr uint64_t kDescHalfStep = 128 * kSwizzleRowBytes / 16;
-  const EpilogueShape out_shape{p.shape.n_valid, p.shape.m_valid, &p.shape.wait};
+  const EpilogueShape out_shape{p.shape.n_valid, p.shape.m_valid};
   const int a_row = me.consumer * kWgmmaM + me.row_in_wg;  // this thread's rows: a_row, a_row + 8
   RingCursor<Gemm::kStages> cursor;
   float acc[kAcc], tmp[Mma::kAccRegs];

@@ -12,9 +12,8 @@
 //                                       partial <h, a> of the tile's columns
 //   WeightGradEpilogue<kFp32, kAccumulate>
 //                                       an expert's gradient tile box by box through two
-//                                       shared-memory staging boxes per consumer, stored by a
-//                                       store warp's TMA stores, fp32 or bf16, overwritten or
-//                                       added to
+//                                       shared-memory staging boxes per consumer and TMA
+//                                       stores, fp32 or bf16, overwritten or added to
 //
 // Each has Args (its kernel arguments), kStagingBytes (its share of shared memory), prefetch()
 // (its tensor maps, once per CTA), prepare()
@@ -27,12 +26,10 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <type_traits>
 #include <utility>
 
 #include "device/sm90_fragment.cuh"
 #include "device/sm90_layout.cuh"
-#include "device/sm90_pipeline.cuh"
 #include "device/sm90_ptx.cuh"
 #include "device/sm90_schedulers.cuh"
 
@@ -64,16 +61,7 @@ struct AccRows {
 struct EpilogueShape {
   int32_t n_valid;  // output columns N
   int32_t m_valid;  // weight gradients: rows M of one expert's output
-  const WaitBound* wait;  // the bound of an epilogue's own waits (the weight gradients' staging)
 };
-
-// Whether an epilogue has a store warp (kStoreWarp: warp 1 of the producer warpgroup runs its
-// drain(), which issues the TMA stores of what the consumers staged).
-template <class Epilogue, class = void>
-struct HasStoreWarp : std::false_type {};
-template <class Epilogue>
-struct HasStoreWarp<Epilogue, std::void_t<decltype(Epilogue::kStoreWarp)>> : std::bool_constant<Epilogue::kStoreWarp> {};
-constexpr int kStoreWarpThread = 32;  // lane 0 of the producer warpgroup's warp 1
 
 // silu(g) = g * sigmoid(g) with the approximate reciprocal (MUFU.RCP): the result is rounded
 // to bf16 (8 bits), far coarser than its ~2 ulp fp32 error. For g < -87 the denominator
@@ -435,81 +423,45 @@ struct DgradSwiGLUEpilogue {
 
 // Each consumer warpgroup's 64 rows x 256 columns of the output tile go out box by box through
 // its two 8 KB staging boxes ([64 rows][128 B], the 128-byte swizzle: chunk c of row r at
-// c ^ (r % 8), so the fragment writes are bank-conflict free), used in turn: fp32 is 8 boxes of
-// 32 columns, bf16 4 of 64. The consumers only write: each warp arrives on the box's full
-// barrier, and the store warp (drain(), one thread of the producer warpgroup) issues the box's
-// TMA store and, once the store has read it, arrives on its free barrier, which the consumer
-// waits on before writing the box again. So the consumers never wait for a store or for each
-// other (named barriers and one thread's store waits had made the epilogue ~25% of their time at
-// 4 K-blocks per tile: docs/experiments.md#weight-gradient-store-warp), and two boxes rather than
-// a whole block leave room for a fourth ring stage. Accumulate: the boxes go out as TMA
-// reduce-adds, old + new added per element in the memory system with no load in the SM (the
-// loads stalled the epilogue: 4.5x the overwrite's time, docs/experiments.md#tma-reduce-add).
-// bf16 adds the rounded new value, as autograd adds a bf16 gradient into a bf16 .grad.
-// kAccumulate is a template parameter so the overwrite pass has no branch per element whatever
-// the compiler's unswitching decides (docs/experiments.md#kernelargs-size).
+// c ^ (r % 8), so the fragment writes are bank-conflict free), alternating, by TMA stores that
+// drain while the warpgroup writes the next box and runs the next tile's main loop: fp32 is 8
+// boxes of 32 columns, bf16 4 of 64. Two boxes (not a whole 32 KB block) leave room for a fourth
+// stage in the ring. Accumulate: the boxes go out as TMA reduce-adds, old + new added per
+// element in the memory system with no load in the SM (the loads stalled the epilogue: 4.5x the
+// overwrite's time, docs/experiments.md#tma-reduce-add). bf16 adds the rounded new value, as
+// autograd adds a bf16 gradient into a bf16 .grad. kAccumulate is a template parameter so the
+// overwrite pass has no branch per element whatever the compiler's unswitching decides
+// (docs/experiments.md#kernelargs-size).
 template <bool kFp32, bool kAccumulate>
 struct WeightGradEpilogue {
   static constexpr int kBlockN = 256;
-  static constexpr bool kStoreWarp = true;
   static constexpr int kStagingBoxBytes = kWgmmaM * 128;  // one TMA store box: 64 rows x 128 B
   static constexpr int kStagingBoxes = 2;                 // per consumer warpgroup, used in turn
   static constexpr int kStagingBytesPerConsumer = kStagingBoxes * kStagingBoxBytes;
-  static constexpr int kBarrierBytes = 1024;              // after the boxes; keeps the staging 1024-B sized
-  static constexpr int kStagingBytes = kNumConsumers * kStagingBytesPerConsumer + kBarrierBytes;
+  static constexpr int kStagingBytes = kNumConsumers * kStagingBytesPerConsumer;
   static constexpr int kChunksPerBox = kFp32 ? 4 : 8;  // 8-column accumulator chunks in 128 B
   static constexpr int kBoxCols = 8 * kChunksPerBox;
   static constexpr int kBoxes = kBlockN / kBoxCols;
-  // The store warp frees a box once the store issued this many after it has been issued (so
-  // at most this many + 1 stores read staging at once: two per consumer).
-  static constexpr int kStoresInFlight = kNumConsumers * kStagingBoxes - 1;
-  // Each box is used an even number of times per tile, so the parity of its barriers' phases
-  // depends on the box index within the tile only, and no count has to outlive a tile.
-  static_assert(kBoxes % (2 * kStagingBoxes) == 0, "an even number of uses of each staging box per tile");
-  struct Barriers {
-    uint64_t full[kNumConsumers][kStagingBoxes];  // 4 consumer-warp arrivals: the box is written
-    uint64_t free[kNumConsumers][kStagingBoxes];  // 1 arrival: its store has read it
-  };
-  static_assert(sizeof(Barriers) <= kBarrierBytes, "staging barriers");
   struct Args {
     CUtensorMap map;  // grad [E, M, N] fp32 or bf16 as [E*M rows, N], boxes of [64 rows][128 B]
   };
   struct Inputs {};
-  __device__ static Barriers* barriers(uint8_t* staging) {
-    return reinterpret_cast<Barriers*>(staging + kNumConsumers * kStagingBytesPerConsumer);
-  }
-  __device__ static uint8_t* box_of(uint8_t* staging, int consumer, int buffer) {
-    return staging + consumer * kStagingBytesPerConsumer + buffer * kStagingBoxBytes;
-  }
-  // Thread 0, before the ring's barrier-init fence.
-  __device__ static void init_barriers(uint8_t* staging) {
-    Barriers* bars = barriers(staging);
-    for (int c = 0; c < kNumConsumers; ++c) {
-      for (int b = 0; b < kStagingBoxes; ++b) {
-        mbarrier_init(&bars->full[c][b], kWarpsPerWarpgroup);
-        mbarrier_init(&bars->free[c][b], 1);
-      }
-    }
-  }
   __device__ static void prefetch(const Args& args) { prefetch_tensor_map(&args.map); }
   __device__ static Inputs prepare(const Args&, const EpilogueShape&, const Tile&, const AccRows&,
                                    const ConsumerThread&) {
     return {};
   }
-  // A tile whose gradient is left untouched: an expert without rows, accumulating.
-  __device__ static bool skips(const Tile& tile) { return kAccumulate && tile.num_k_blocks == 0; }
 
-  // Box kBox: accumulator chunks [kBox * kChunksPerBox, (kBox + 1) * kChunksPerBox).
+  // Box b: accumulator chunks [b * kChunksPerBox, (b + 1) * kChunksPerBox), columns n0 + b * kBoxCols.
   template <int kBox, int kRegs>
-  __device__ static void box(const EpilogueShape& s, uint8_t* staging, bool acc_valid, const float (&acc)[kRegs],
-                             const ConsumerThread& me) {
-    constexpr int kBuffer = kBox % kStagingBoxes;
-    constexpr uint32_t kUse = kBox / kStagingBoxes;  // this tile's use of the buffer
-    Barriers* bars = barriers(staging);
-    bounded_wait(&bars->free[me.consumer][kBuffer], (kUse & 1u) ^ 1u, *s.wait, WaitRole::kConsumer,
-                 WaitObject::kStagingFree, me.consumer * kStagingBoxes + kBuffer, 1);
+  __device__ static void box(const Args& args, const EpilogueShape& s, uint8_t* staging, int32_t row0, int32_t n0,
+                             bool acc_valid, const float (&acc)[kRegs], const ConsumerThread& me) {
     const int q = me.lane % 4;
-    uint8_t* buffer = box_of(staging, me.consumer, kBuffer);
+    const uint32_t barrier_id = kStagingBarrierId0 + me.consumer;
+    uint8_t* buffer = staging + (kBox % kStagingBoxes) * kStagingBoxBytes;
+    // The buffer is free once the store issued two boxes ago (its last use) has read it.
+    if (me.tid_in_wg == 0) bulk_wait_group_read<kStagingBoxes - 1>();
+    named_barrier_sync(barrier_id, kThreadsPerWarpgroup);
 #pragma unroll
     for (int c = 0; c < kChunksPerBox; ++c) {
       const int j = kBox * kChunksPerBox + c;
@@ -528,66 +480,41 @@ struct WeightGradEpilogue {
         }
       }
     }
-    fence_proxy_async_shared();  // this thread's writes -> the TMA store's reads
-    __syncwarp();
-    if (me.lane == 0) mbarrier_arrive(&bars->full[me.consumer][kBuffer]);
+    fence_proxy_async_shared();
+    named_barrier_sync(barrier_id, kThreadsPerWarpgroup);
+    if (me.tid_in_wg == 0) {
+      const int32_t col = n0 + kBox * kBoxCols;
+      if (col < s.n_valid) {
+        if constexpr (kAccumulate) tma_reduce_add_2d(&args.map, buffer, col, row0);
+        else tma_store_2d(&args.map, buffer, col, row0);
+      }
+      bulk_commit_group();  // a group per box, empty or not, so the wait above counts boxes
+    }
   }
 
   template <int kRegs, int... kBox>
-  __device__ static void boxes(const EpilogueShape& s, uint8_t* staging, bool acc_valid, const float (&acc)[kRegs],
-                               const ConsumerThread& me, std::integer_sequence<int, kBox...>) {
-    (box<kBox>(s, staging, acc_valid, acc, me), ...);
+  __device__ static void boxes(const Args& args, const EpilogueShape& s, uint8_t* staging, int32_t row0, int32_t n0,
+                               bool acc_valid, const float (&acc)[kRegs], const ConsumerThread& me,
+                               std::integer_sequence<int, kBox...>) {
+    (box<kBox>(args, s, staging, row0, n0, acc_valid, acc, me), ...);
   }
 
   template <int kRegs>
-  __device__ static void store(const Args&, const EpilogueShape& s, const Tile& tile, const AccRows&, Inputs&,
+  __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows&, Inputs&,
                                const float (&acc)[kRegs], uint8_t* staging, const ConsumerThread& me) {
     // An expert without rows issued no MMA: its acc holds stale values, so zeros are stored
     // instead (zeroing acc in a branch would make ptxas serialise the wgmma pipeline, C7518),
-    // and an accumulated gradient is left untouched (drain() skips the tile too).
-    if (skips(tile)) return;
-    boxes(s, staging, tile.num_k_blocks > 0, acc, me, std::make_integer_sequence<int, kBoxes>{});
+    // and an accumulated gradient is left untouched.
+    const bool acc_valid = tile.num_k_blocks > 0;
+    if (kAccumulate && !acc_valid) return;
+    uint8_t* mine = staging + me.consumer * kStagingBytesPerConsumer;
+    const int32_t row0 = tile.expert * s.m_valid + tile.m_tile * kBlockM + me.consumer * kWgmmaM;
+    const int32_t n0 = tile.n_tile * kBlockN;
+    boxes(args, s, mine, row0, n0, acc_valid, acc, me, std::make_integer_sequence<int, kBoxes>{});
   }
-  __device__ static void finish(const ConsumerThread&) {}
-
-  // The store warp: for every tile of the CTA, box by box and consumer by consumer (the order
-  // the consumers fill them), waits until the box is written, issues its TMA store (none for a
-  // box wholly past N, but a commit group all the same, so the groups count stores), and frees
-  // the box of the store kStoresInFlight before. Store e used consumer e % 2's box (e / 2) % 2:
-  // every tile issues a multiple of 4 stores.
-  template <class Scheduler>
-  __device__ static void drain(const Args& args, const EpilogueShape& s, Scheduler sched, uint8_t* staging) {
-    Barriers* bars = barriers(staging);
-    uint32_t issued = 0;
-    const int32_t num_tiles = sched.num_tiles();
-    for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const Tile tile = sched.tile(t);
-      if (skips(tile)) continue;
-      const int32_t n0 = tile.n_tile * kBlockN;
-      const int32_t row_base = tile.expert * s.m_valid + tile.m_tile * kBlockM;
-      for (int b = 0; b < kBoxes; ++b) {
-        const int buffer = b % kStagingBoxes;
-        const uint32_t use = static_cast<uint32_t>(b / kStagingBoxes);
-        for (int c = 0; c < kNumConsumers; ++c) {
-          bounded_wait(&bars->full[c][buffer], use & 1u, *s.wait, WaitRole::kStorer, WaitObject::kStagingFull,
-                       c * kStagingBoxes + buffer, kWarpsPerWarpgroup);
-          const int32_t col = n0 + b * kBoxCols;
-          if (col < s.n_valid) {
-            uint8_t* src = box_of(staging, c, buffer);
-            if constexpr (kAccumulate) tma_reduce_add_2d(&args.map, src, col, row_base + c * kWgmmaM);
-            else tma_store_2d(&args.map, src, col, row_base + c * kWgmmaM);
-          }
-          bulk_commit_group();
-          bulk_wait_group_read<kStoresInFlight>();
-          if (issued >= kStoresInFlight) {
-            const uint32_t done = issued - kStoresInFlight;
-            mbarrier_arrive(&bars->free[done % kNumConsumers][(done / kNumConsumers) % kStagingBoxes]);
-          }
-          ++issued;
-        }
-      }
-    }
-    bulk_wait_group_all();  // the CTA's shared memory must outlive the stores reading it
+  // The CTA's shared memory must outlive the stores still reading it.
+  __device__ static void finish(const ConsumerThread& me) {
+    if (me.tid_in_wg == 0) bulk_wait_group_all();
   }
 };
 

@@ -32,8 +32,8 @@ static_assert(kProducerRegs * kThreadsPerWarpgroup + kConsumerRegs * kThreadsPer
 // block-scaled (FP8) instances, the ring of stage scale records.
 constexpr int kSmemDataBytes = 208 * 1024;
 // An instance whose scheduler keeps no tile table in shared memory (the weight gradients) has
-// 17 KB more: with their staging and its barriers that is a fourth 48 KB stage.
-constexpr int kSmemDataBytesNoTable = 225 * 1024;
+// 16 KB more: with their staging that is a fourth 48 KB stage.
+constexpr int kSmemDataBytesNoTable = 224 * 1024;
 constexpr int kSmemOptinBytes = 227 * 1024;  // sm90's most dynamic shared memory per block
 constexpr int kSmemAlign = 1024;  // 128B-swizzle atoms start 1024-byte aligned
 constexpr int kMaxExperts = 1024;

@@ -13,8 +13,7 @@
 // Thread roles (384 threads, one CTA per SM, tiles t = blockIdx.x + i * gridDim.x):
 //   warpgroup 0 (producer, 40 registers): fills the kStages-deep stage ring for every (tile,
 //     k-block), running ahead across tiles so the next tile's loads overlap this tile's
-//     epilogue. Thread 0 issues the TMA loads; a gathered A is copied by all 128 threads. An
-//     epilogue with a store warp (the weight gradients) has thread 32 issue its TMA stores.
+//     epilogue. Thread 0 issues the TMA loads; a gathered A is copied by all 128 threads.
 //   warpgroups 1, 2 (consumers, 232 registers): consumer c issues wgmma m64 x kBlockN x k16 on
 //     tile rows [64c, 64c + 64) into fp32 registers, then runs the epilogue from them; or, in
 //     the ping-pong schedule (PingPongConsumers, sm90_layout.cuh), takes every other tile of
@@ -232,7 +231,7 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
   constexpr int kRowBlocks = Consumers::kRowBlocks;
   // Named barrier over both consumers: one arrives (its turn is over), the other syncs.
   constexpr uint32_t kOrderThreads = kNumConsumers * kThreadsPerWarpgroup;
-  const EpilogueShape out_shape{p.shape.n_valid, p.shape.m_valid, &p.shape.wait};
+  const EpilogueShape out_shape{p.shape.n_valid, p.shape.m_valid};
   RingCursor<Gemm::kStages> cursor;
   float acc[kRowBlocks][Gemm::kAccRegs];
   const int32_t num_tiles = sched.num_tiles();
@@ -352,7 +351,6 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
     prefetch_tensor_map(&p.map_b);
     if constexpr (TwoBMaps<typename Gemm::B>::value) prefetch_tensor_map(&p.map_b_up);
     Gemm::Epilogue::prefetch(p.epilogue);
-    if constexpr (HasStoreWarp<typename Gemm::Epilogue>::value) Gemm::Epilogue::init_barriers(staging);
     ring.init(kAllProducerThreads<typename Gemm::A>, Gemm::kConsumerWarpsPerStage);
   }
   typename Gemm::Scheduler sched = make_scheduler<Gemm>(p.shape, table);
@@ -366,13 +364,6 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
     setmaxnreg_dec<kProducerRegs>();
     if (kAllProducerThreads<typename Gemm::A> || threadIdx.x == 0) {
       produce<Gemm>(p, sched, ring, tiles_a, tiles_b, stage_scales, threadIdx.x);
-    }
-    if constexpr (HasStoreWarp<typename Gemm::Epilogue>::value) {
-      static_assert(!kAllProducerThreads<typename Gemm::A>, "the store warp is a producer warp that loads nothing");
-      if (threadIdx.x == kStoreWarpThread) {
-        Gemm::Epilogue::drain(p.epilogue, EpilogueShape{p.shape.n_valid, p.shape.m_valid, &p.shape.wait}, sched,
-                              staging);
-      }
     }
   } else {
     setmaxnreg_inc<kConsumerRegs>();

@@ -28,22 +28,6 @@ TEST(DeviceWaitRecord, NamesKernelRoleAndBarrier) {
   EXPECT_NE(describe_device_wait(r).find("gate/up GEMM block 17"), std::string::npos);
 }
 
-// The weight gradients' store warp and its staging boxes (sm90_epilogues.cuh).
-TEST(DeviceWaitRecord, NamesStoreWarpAndStagingBoxes) {
-  DeviceWaitRecord r{};
-  r.state = 1;
-  r.site = wait_site(WaitKernel::kWeightGrad, WaitRole::kStorer, WaitObject::kStagingFull, 3);
-  r.expected = 4;
-  r.thread = 32;
-  std::string text = describe_device_wait(r);
-  EXPECT_NE(text.find("thread 32 (store warp) waited 0 s for staging box 3 to be written (parity 0, 4 consumer-warp"),
-            std::string::npos)
-      << text;
-  r.site = wait_site(WaitKernel::kWeightGrad, WaitRole::kConsumer, WaitObject::kStagingFree, 1);
-  text = describe_device_wait(r);
-  EXPECT_NE(text.find("(consumer) waited 0 s for staging box 1 to be read by its TMA store"), std::string::npos) << text;
-}
-
 // Every kernel that bounds its waits has a name of its own (the FP8 instances included).
 TEST(DeviceWaitRecord, EveryKernelIsNamed) {
   DeviceWaitRecord r{};
