@@ -12,8 +12,8 @@
 // ExpertOutputTileScheduler (weight gradients): output tile (m, n) of an expert's [M, N]
 // gradient, reducing over all of the expert's rows (K = its row count, in 64-row blocks from
 // its first row; one CTA per output tile, so the sum has a fixed order). Expert-major, m fastest.
-// It needs no table: a tile reads its expert's two offsets from global memory (L1-cached), which
-// leaves the table's shared memory to the stage ring.
+// It needs no table: a tile reads its expert's two offsets from global memory (two loads per
+// tile of 4+ K-blocks), which leaves the table's shared memory to the stage ring.
 #pragma once
 
 #include <cstdint>
