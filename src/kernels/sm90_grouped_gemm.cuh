@@ -343,7 +343,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
   StageScales* stage_scales = reinterpret_cast<StageScales*>(staging + Gemm::Epilogue::kStagingBytes);  // FP8
   uint8_t* barriers = staging + Gemm::Epilogue::kStagingBytes + Gemm::kScaleRingBytes;
   const StageRing<kStages> ring{reinterpret_cast<uint64_t*>(barriers), reinterpret_cast<uint64_t*>(barriers) + kStages};
-  int32_t* table = reinterpret_cast<int32_t*>(ring.empty + kStages);  // [2][E + 1]
+  // [2][E + 1], row tiles only: the expert-output scheduler reserves no table memory.
+  int32_t* table = Gemm::Scheduler::kTableInSmem ? reinterpret_cast<int32_t*>(ring.empty + kStages) : nullptr;
 
   const int warpgroup = threadIdx.x / kThreadsPerWarpgroup;
   if (threadIdx.x == 0) {
