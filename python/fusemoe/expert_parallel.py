@@ -22,6 +22,8 @@ Collective rules (the layer's ranks wait for each other on the GPU):
   backward;
 - a rank that never arrives makes the others fail after FUSEMOE_WAIT_TIMEOUT_S (default 30 s)
   with an error naming the ranks, instead of hanging.
+Teardown: a layer keeps no reference to its group, so dist.destroy_process_group() frees it
+(call it before the process exits); a layer whose group was destroyed refuses calls.
 Expert ids outside [-1, E) never index memory and are reported without blocking, as by
 fusemoe.moe_experts, but the expert-parallel ops never raise a report themselves (a rank that
 stopped calling would leave its peers waiting): fusemoe.check_expert_ids() raises it, called where
@@ -40,6 +42,7 @@ import ctypes
 import os
 import socket
 import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -48,6 +51,13 @@ from torch import Tensor, nn
 
 from . import _capi, ops
 from .modules import op_inputs, op_weights, output_like
+
+if dist.is_available() and not dist.is_initialized():
+    # torch.distributed.nn's functions take group=group.WORLD as a default argument: imported
+    # after init_process_group (torch._dynamo imports it lazily), they keep the default group
+    # alive past destroy_process_group into interpreter exit, where gloo's threads can abort the
+    # process. Imported now, the defaults are None.
+    import torch.distributed.nn  # noqa: F401
 
 API = "fusemoe.ExpertParallelMoEExperts"
 WORLD_SIZES = (1, 2, 4, 8)  # fusemoe::EpConfig::world_size
@@ -63,13 +73,26 @@ class _EpContext:
     alive here) and the host table of the R ranks' workspaces as mapped in this process."""
 
     def __init__(self, group, device, config, symmetric, handle, peers):
-        self.group = group
+        # Weakly: dist.destroy_process_group() must free the group (and join its threads) while
+        # the contexts live on; a process exiting with gloo's threads alive can abort.
+        self._group = weakref.ref(group)
         self.device = device
         self.config = config
         self.symmetric = symmetric
         self.handle = handle
         self.peer_table = (ctypes.c_void_p * len(peers))(*peers)
         self.peer_table_address = ctypes.addressof(self.peer_table)
+
+    def built_on(self, group):
+        return self._group() is group
+
+    @property
+    def group(self):
+        group = self._group()
+        if group is None:
+            _fail("the process group this expert-parallel layer was built on was destroyed "
+                  "(build the module again on a live group)")
+        return group
 
 
 _contexts_lock = threading.Lock()
@@ -81,7 +104,9 @@ def _context(context_id):
     if not isinstance(context_id, int) or not 0 <= context_id < len(_contexts):
         _fail(f"context {context_id!r} is not an expert-parallel context of this process "
               "(use fusemoe.ExpertParallelMoEExperts)")
-    return _contexts[context_id]
+    ctx = _contexts[context_id]
+    ctx.group  # raises if the group was destroyed: its peers' workspaces may be gone
+    return ctx
 
 
 def check_layer(world_size, num_experts, hidden_dim, intermediate_dim, top_k,
@@ -190,7 +215,8 @@ def _ep_context(group, device, hidden, intermediate, num_experts, top_k, max_tok
            max_tokens, swiglu_clamp)
     with _contexts_lock:
         context_id = _context_ids.get(key)
-        if context_id is not None:
+        # A group destroyed and initialized again may reuse the name: a new context then.
+        if context_id is not None and _contexts[context_id].built_on(group):
             return context_id
         config = _capi.ep_config(hidden, intermediate, num_experts, top_k, max_tokens,
                                  world_size, rank, swiglu_clamp)

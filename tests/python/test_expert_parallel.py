@@ -20,6 +20,7 @@ autograd and fake kernels and the example's data-parallel loop without the CUDA 
 Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, L = E / R local
 experts, K top-k.
 """
+import gc
 import json
 import os
 import socket
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import time
 import types
+import weakref
 
 import pytest
 
@@ -449,6 +451,35 @@ def test_module_needs_an_initialized_group():
         pytest.skip("skipped: a process group is already initialized in this process")
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         fusemoe.ExpertParallelMoEExperts(8, 256, 128, 2, 64, device="cpu")
+
+
+def destroyed_group_worker(rank, world_size, store):
+    """destroy_process_group frees the group although a layer's context was built on it (a group
+    kept alive keeps gloo's threads running into interpreter exit, where a late one can abort the
+    process); the layer then refuses calls, and a group initialized again gets a new context."""
+    expert_parallel._connect = cpu_connect
+    register_cpu_kernels()
+    register_cpu_ep_kernels()
+    tokens, dims, seed, _ = OP_CASES["even"]
+    p = make_problem(sum(tokens), *dims, "cpu", seed=seed)
+    _, module = ep_outputs(rank, p, tokens, dims, False, "cpu")
+    group = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    gc.collect()
+    assert group() is None, f"rank {rank}: the destroyed group is still referenced"
+    rows = slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
+    with pytest.raises(ValueError, match="the process group this expert-parallel layer was built "
+                                         "on was destroyed"):
+        module(p["x_TH"][rows], p["topk_idx_TK"][rows], p["topk_weights_TK"][rows])
+    dist.init_process_group("gloo", init_method=f"file://{store}-again", rank=rank,
+                            world_size=world_size)
+    got, again = ep_outputs(rank, p, tokens, dims, False, "cpu")
+    assert again.context != module.context
+    assert torch.isfinite(got["y"]).all()
+
+
+def test_destroyed_group_is_freed_and_refused(tmp_path):
+    run_ranks(destroyed_group_worker, tmp_path, str(tmp_path / "store"))
 
 
 def test_unknown_context_is_refused():
