@@ -90,13 +90,14 @@ struct Row {
 // expert-sorted rows), the x gather of the backward, the router-gradient reduce and the k-way
 // combine of the slot rows.
 struct PipelineSteps {
-  DeviceBuffer idx, plan_memory, xs, y;
+  DeviceBuffer idx, plan_memory, xs, dys, y;
   RoutingPlan plan;
 
   PipelineSteps(const harness::MoeShape& s, const std::vector<int32_t>& idx_TK)
       : idx(DeviceBuffer::from(idx_TK)),
         plan_memory(routing_plan_bytes(s.T, s.K, s.E)),
         xs(s.T * s.K * s.H * 2),
+        dys(s.T * s.K * s.H * 2),
         y(s.T * s.H * 2) {
     carve_routing_plan(plan_memory.as<char>(), s.T, s.K, s.E, &plan);
   }
@@ -217,6 +218,18 @@ std::vector<Row> KernelBench::time_case(const Sm90GemmProblem& p, const std::vec
                [&] {
                  launch_gather_rows_device_count(o.x, steps.xs.get(), nullptr, nullptr, o.row_slot, o.offsets + E,
                                                  s.T * s.K, s.K, H, stream_);
+               }},
+              // The backward's two pools (y stands in for dy): by pool rows, each token row read
+              // K times, against token-major, read once (what the fused backward runs).
+              {"x and dy pools by rows",
+               [&] {
+                 launch_gather_rows_device_count(o.x, steps.xs.get(), steps.y.get(), steps.dys.get(), o.row_slot,
+                                                 o.offsets + E, s.T * s.K, s.K, H, stream_);
+               }},
+              {"x and dy pools by tokens",
+               [&] {
+                 launch_scatter_token_rows(o.x, steps.xs.get(), steps.y.get(), steps.dys.get(), o.slot_row, s.T,
+                                           s.K, H, stream_);
                }},
               {"combine slots", [&] { launch_combine_slots(o.ys, o.slot_row, s.T, s.K, H, steps.y.get(), stream_); }},
               // The backward's combine of dx, which also reduces the router-weight gradient's

@@ -21,22 +21,22 @@ constexpr int kThreads = 256;
 constexpr int kLanesPerRowBlock = kFp8Block / 8;  // 16 lanes x 8 bf16
 constexpr int64_t kMaxGrid = 65535LL * 16;
 
-// One warp handles two (row, block) items per step, one per half-warp; the half-warps of a warp
-// stay together (an item past the end computes on zeros and stores nothing) so the shuffles see
-// all 32 lanes.
-__global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, const int32_t* __restrict__ row_slot,
-                                         const int32_t* __restrict__ num_rows_device, int64_t max_rows, int64_t top_k,
-                                         int64_t hidden, __nv_bfloat16* __restrict__ dst_bf16,
-                                         uint8_t* __restrict__ dst_fp8, float* __restrict__ scales,
-                                         Fp8ScaleLayout layout, Fp8RowsPlainCopy also) {
+// One warp handles two (source row, block) items per step, one per half-warp; the half-warps of a
+// warp stay together (an item past the end computes on zeros and stores nothing) so the shuffles
+// see all 32 lanes. A source row's block is quantized once and stored to each of its destination
+// rows: the row itself (slot_row null) or its valid slots' rows slot_row[row * top_k + j].
+__global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, const int32_t* __restrict__ slot_row,
+                                         int64_t num_src_rows, int64_t top_k, int64_t hidden,
+                                         __nv_bfloat16* __restrict__ dst_bf16, uint8_t* __restrict__ dst_fp8,
+                                         float* __restrict__ scales, Fp8ScaleLayout layout, Fp8RowsPlainCopy also) {
   const auto* also_src = static_cast<const __nv_bfloat16*>(also.src_bf16);
   auto* also_dst = static_cast<__nv_bfloat16*>(also.dst_bf16_RH);
-  const int64_t rows = num_rows_device ? static_cast<int64_t>(*num_rows_device) : max_rows;
   const int64_t blocks_per_row = hidden / kFp8Block;
-  const int64_t items = rows * blocks_per_row;
+  const int64_t items = num_src_rows * blocks_per_row;
   const int lane = threadIdx.x % 32;
   const int half = lane / kLanesPerRowBlock, sub = lane % kLanesPerRowBlock;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const int64_t dsts = slot_row != nullptr ? top_k : 1;
   for (int64_t pair = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; 2 * pair < items;
        pair += warps) {
     const int64_t item = 2 * pair + half;
@@ -45,14 +45,11 @@ __global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, 
     const int64_t block = valid ? item - row * blocks_per_row : 0;
     const int64_t col = block * kFp8Block + sub * 8;
     float v[8] = {};
-    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+    uint4 raw = make_uint4(0u, 0u, 0u, 0u), also_raw = raw;
     if (valid) {
-      const int64_t src_row = row_slot ? __ldg(row_slot + row) / top_k : row;
-      raw = *reinterpret_cast<const uint4*>(src + src_row * hidden + col);
-      if (also_src != nullptr) {  // issued before the reduction: both loads in flight together
-        *reinterpret_cast<uint4*>(also_dst + row * hidden + col) =
-            *reinterpret_cast<const uint4*>(also_src + src_row * hidden + col);
-      }
+      raw = *reinterpret_cast<const uint4*>(src + row * hidden + col);
+      // issued before the reduction: both loads in flight together
+      if (also_src != nullptr) also_raw = *reinterpret_cast<const uint4*>(also_src + row * hidden + col);
       sm90::unpack_bf16x8(raw, v);
     }
     float amax = sm90::amax8(v);
@@ -62,9 +59,15 @@ __global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, 
     }
     if (!valid) continue;
     const sm90::Fp8Scale s = sm90::fp8_block_scale(amax);
-    *reinterpret_cast<uint2*>(dst_fp8 + row * hidden + col) = sm90::quantize_e4m3x8(v, s.inv);
-    if (dst_bf16) *reinterpret_cast<uint4*>(dst_bf16 + row * hidden + col) = raw;
-    if (sub == 0) scales[row * layout.row_stride + block * layout.block_stride] = s.scale;
+    const uint2 q = sm90::quantize_e4m3x8(v, s.inv);
+    for (int64_t j = 0; j < dsts; ++j) {
+      const int64_t dst = slot_row != nullptr ? __ldg(slot_row + row * top_k + j) : row;
+      if (dst < 0) continue;  // a masked slot: no pool row
+      *reinterpret_cast<uint2*>(dst_fp8 + dst * hidden + col) = q;
+      if (dst_bf16) *reinterpret_cast<uint4*>(dst_bf16 + dst * hidden + col) = raw;
+      if (also_dst != nullptr) *reinterpret_cast<uint4*>(also_dst + dst * hidden + col) = also_raw;
+      if (sub == 0) scales[dst * layout.row_stride + block * layout.block_stride] = s.scale;
+    }
   }
 }
 
@@ -156,18 +159,18 @@ __global__ void __launch_bounds__(kThreads) quantize_weights_fp8_kernel(const __
 
 }  // namespace
 
-void launch_quantize_rows_fp8(const void* src_bf16, const int32_t* row_slot, const int32_t* num_rows_device,
-                              int64_t max_rows, int64_t top_k, int64_t hidden, void* dst_bf16_RH, void* fp8_RH,
-                              float* scales, Fp8ScaleLayout layout, cudaStream_t stream, const Fp8RowsPlainCopy& also) {
+void launch_quantize_rows_fp8(const void* src_bf16, const int32_t* slot_row, int64_t num_src_rows, int64_t top_k,
+                              int64_t hidden, void* dst_bf16_RH, void* fp8_RH, float* scales, Fp8ScaleLayout layout,
+                              cudaStream_t stream, const Fp8RowsPlainCopy& also) {
   FUSEMOE_CHECK(hidden > 0 && hidden % kFp8Block == 0, "internal error: FP8 rows need hidden % 128 == 0");
   FUSEMOE_CHECK((also.src_bf16 == nullptr) == (also.dst_bf16_RH == nullptr),
                 "internal error: a plain row copy needs both its source and its destination");
-  FUSEMOE_CHECK(row_slot == nullptr || top_k >= 1, "internal error: a gather needs top_k >= 1");
-  if (max_rows == 0) return;
-  const int64_t warps = (max_rows * (hidden / kFp8Block) + 1) / 2;
+  FUSEMOE_CHECK(slot_row == nullptr || top_k >= 1, "internal error: a scatter needs top_k >= 1");
+  if (num_src_rows == 0) return;
+  const int64_t warps = (num_src_rows * (hidden / kFp8Block) + 1) / 2;
   const int64_t grid = std::max<int64_t>(1, std::min(kMaxGrid, (warps * 32 + kThreads - 1) / kThreads));
   quantize_rows_fp8_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(src_bf16), row_slot, num_rows_device, max_rows, top_k, hidden,
+      static_cast<const __nv_bfloat16*>(src_bf16), slot_row, num_src_rows, top_k, hidden,
       static_cast<__nv_bfloat16*>(dst_bf16_RH), static_cast<uint8_t*>(fp8_RH), scales, layout, also);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }

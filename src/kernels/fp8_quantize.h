@@ -3,7 +3,7 @@
 // src/device/fp8_quantize.cuh and, bit for bit, reference/fp8_host.h.
 //
 //   activations  1 x 128 blocks along the row (H): x once per token in the forward; the
-//                backward's gathered x and dy rows, with their bf16 copies in the same pass
+//                backward's x and dy pool rows, with their bf16 copies in the same pass
 //   weights      128 x 128 blocks of each expert's [R, C] matrix, plus the transposed [C, R] copy
 //                (same blocks, same scales) that Hopper's K-major-only FP8 wgmma needs where the
 //                BF16 path reads the weight N-major
@@ -23,22 +23,22 @@ struct Fp8ScaleLayout {
   int64_t block_stride = 0;
 };
 
-// A second bf16 [*, H] source that a row quantization also gathers, as a plain copy, by the same
-// row map in the same pass (the FP8 backward's x pool beside its dy quantization); src null: none.
+// A second bf16 [*, H] source that a row quantization also copies, plain, to the same destination
+// rows in the same pass (the FP8 backward's x pool beside its dy quantization); src null: none.
 struct Fp8RowsPlainCopy {
   const void* src_bf16 = nullptr;
   void* dst_bf16_RH = nullptr;
 };
 
-// Quantizes rows of a bf16 [*, H] matrix in 1 x 128 blocks: row r of the output is source row
-// r (row_slot null) or row_slot[r] / top_k (a gather from token rows). Rows r < the row count:
-// *num_rows_device when given (read on the device: no host sync), else max_rows. Writes
-// fp8_RH [rows, H] E4M3, the scales (layout above) and, when dst_bf16_RH is not null, the plain
-// bf16 copy of each row (the BF16 weight gradients' pools); `also` is copied the same way.
-void launch_quantize_rows_fp8(const void* src_bf16, const int32_t* row_slot, const int32_t* num_rows_device,
-                              int64_t max_rows, int64_t top_k, int64_t hidden, void* dst_bf16_RH,
-                              void* fp8_RH, float* scales, Fp8ScaleLayout layout, cudaStream_t stream,
-                              const Fp8RowsPlainCopy& also = {});
+// Quantizes the num_src_rows rows of a bf16 [*, H] matrix in 1 x 128 blocks, each once, and stores
+// source row t to output row t (slot_row null: x once per token) or to each of its valid slots'
+// pool rows slot_row[t * top_k + j] >= 0 (the backward's pools, token-major: every token read
+// once). Writes fp8_RH [rows, H] E4M3, the scales (layout above) and, when dst_bf16_RH is not null,
+// the plain bf16 copy of each row (the BF16 weight gradients' pools); `also` is copied the same
+// way. Rows no slot maps to stay untouched.
+void launch_quantize_rows_fp8(const void* src_bf16, const int32_t* slot_row, int64_t num_src_rows, int64_t top_k,
+                              int64_t hidden, void* dst_bf16_RH, void* fp8_RH, float* scales, Fp8ScaleLayout layout,
+                              cudaStream_t stream, const Fp8RowsPlainCopy& also = {});
 
 // Quantizes E matrices [rows, cols] (bf16, both multiples of 128) in 128 x 128 blocks:
 // q [E, rows, cols] E4M3, q_t [E, cols, rows] (the transpose; skipped when null) and

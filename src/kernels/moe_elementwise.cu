@@ -97,6 +97,22 @@ __global__ void gather_rows_kernel(const Src* __restrict__ src, const int32_t* _
   });
 }
 
+// Thread i copies 16-byte vector i of a token row to each of the token's pool rows.
+__global__ void scatter_token_rows_kernel(const bf16* __restrict__ src, const int32_t* __restrict__ slot_row,
+                                          int64_t num_tokens, int64_t top_k, int64_t hidden, bf16* __restrict__ dst,
+                                          const bf16* __restrict__ src_b, bf16* __restrict__ dst_b) {
+  for_each_vec8(num_tokens, hidden, [&](int64_t token, int64_t col) {
+    const uint4 a = *reinterpret_cast<const uint4*>(src + token * hidden + col);
+    const uint4 b = src_b != nullptr ? *reinterpret_cast<const uint4*>(src_b + token * hidden + col) : uint4{};
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int64_t row = __ldg(slot_row + token * top_k + j);
+      if (row < 0) continue;
+      *reinterpret_cast<uint4*>(dst + row * hidden + col) = a;
+      if (dst_b != nullptr) *reinterpret_cast<uint4*>(dst_b + row * hidden + col) = b;
+    }
+  });
+}
+
 // d_topk_w[s] from the per-tile partials of slot s's row, n in increasing order (0: no row).
 __device__ __forceinline__ float router_grad_of_slot(const float* __restrict__ partials, int32_t num_n_tiles,
                                                      int32_t row) {
@@ -299,6 +315,17 @@ void launch_gather_rows_device_count(const void* src_a_TH, void* dst_a_RH, const
   gather_rows_kernel<<<grid_for(max_rows * hidden / kVec), kThreads, 0, stream>>>(
       static_cast<const bf16*>(src_a_TH), row_slot, num_rows_device, max_rows, top_k, hidden,
       static_cast<bf16*>(dst_a_RH), static_cast<const bf16*>(src_b_TH), static_cast<bf16*>(dst_b_RH));
+  FUSEMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_scatter_token_rows(const void* src_a_TH, void* dst_a_RH, const void* src_b_TH, void* dst_b_RH,
+                               const int32_t* slot_row, int64_t num_tokens, int64_t top_k, int64_t hidden,
+                               cudaStream_t stream) {
+  FUSEMOE_ASSERT((src_b_TH == nullptr) == (dst_b_RH == nullptr));
+  if (num_tokens == 0) return;
+  scatter_token_rows_kernel<<<grid_for(num_tokens * hidden / kVec), kThreads, 0, stream>>>(
+      static_cast<const bf16*>(src_a_TH), slot_row, num_tokens, top_k, hidden, static_cast<bf16*>(dst_a_RH),
+      static_cast<const bf16*>(src_b_TH), static_cast<bf16*>(dst_b_RH));
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
 

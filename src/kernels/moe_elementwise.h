@@ -23,11 +23,20 @@ void launch_gather_rows(const Src* src_TH, const int32_t* row_slot, int64_t num_
 
 // As launch_gather_rows for bf16 rows, but the row count is read on the device
 // (*num_rows_device, e.g. expert_offsets[E]) and the grid is sized for max_rows: no host
-// synchronisation. The backward's x and dy pools: a second source (src_b -> dst_b, or both null)
-// is gathered by the same row map in the same launch.
+// synchronisation. The expert-parallel backward's x and dy pools (its sources are the received
+// rows, each feeding one pool row, so read once here too): a second source (src_b -> dst_b, or both null) is gathered by the same row map in the
+// same launch.
 void launch_gather_rows_device_count(const void* src_a_TH, void* dst_a_RH, const void* src_b_TH, void* dst_b_RH,
                                      const int32_t* row_slot, const int32_t* num_rows_device, int64_t max_rows,
                                      int64_t top_k, int64_t hidden, cudaStream_t stream);
+
+// The fused backward's x and dy pools, token-major: dst_a_RH[slot_row[t*K + j]] = src_a_TH[t] for
+// every valid slot (slot_row >= 0; masked slots have no row), and the same for a second source
+// (src_b -> dst_b, or both null). Each token row is read once and written K times, where the gather
+// by pool rows above reads it K times, from DRAM once the sources outgrow the L2.
+void launch_scatter_token_rows(const void* src_a_TH, void* dst_a_RH, const void* src_b_TH, void* dst_b_RH,
+                               const int32_t* slot_row, int64_t num_tokens, int64_t top_k, int64_t hidden,
+                               cudaStream_t stream);
 
 // d_topk_w[s] = sum_{n < num_n_tiles} router_partials[slot_row[s] * num_n_tiles + n], n in
 // increasing order (deterministic); 0 where slot_row[s] < 0 (masked or invalid slot). The

@@ -2,7 +2,8 @@
 // call can be captured in a CUDA graph. The forward saved its inputs and, optionally, z
 // (BackwardArgs::saved_z). Stream order:
 //   1. routing            the forward's stable counting sort, recomputed (kernels/routing.cu)
-//   2. dispatch           gather x and dy rows into the expert-sorted pools xs, dys [R, H] (one launch)
+//   2. dispatch           copy x and dy rows into the expert-sorted pools xs, dys [R, H] (one launch,
+//                         token-major: each token row read once, written to its K rows)
 //   3. recompute z        z = xs W13_e^T (skipped with saved_z)            -> z [R, 2I] bf16
 //   4. dgrad + SwiGLU     a = dys W2_e; dz, w*h, per-tile <h, a>           -> dz, wh, partials
 //   5. dgrad scatter      dxs = dz W13_e written to the slot row dx_slots[t*K + j]
@@ -70,11 +71,10 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
   // dw1 with dw3 (separate gate and up gradients), else dw13; null: the gate/up weights are frozen.
   void* gate_up_grads = args.dw3 != nullptr ? args.dw1 : args.dw13;
   if (num_slots > 0) {
-    const int32_t* num_rows_device = ws.plan.expert_offsets + E;
     // x rows feed only the z recompute and dW13.
     const bool need_xs = args.saved_z == nullptr || gate_up_grads != nullptr;
-    launch_gather_rows_device_count(args.dy, ws.dys_RH, need_xs ? args.x : nullptr, need_xs ? ws.xs_RH : nullptr,
-                                    ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, stream);
+    launch_scatter_token_rows(args.dy, ws.dys_RH, need_xs ? args.x : nullptr, need_xs ? ws.xs_RH : nullptr,
+                              ws.plan.slot_row, args.num_tokens, c.top_k, H, stream);
     // w1 with w3 (separate gate and up weights), else w13.
     const void* gate_weights = args.w3 != nullptr ? args.w1 : args.w13;
     const int64_t num_n_tiles = launch_backward_dgrad(rows, c, b, gate_weights, args.w3, args.w2);

@@ -7,9 +7,9 @@
 //                scales (and bf16 z when saved)
 //             4. down + weight -> bf16 slot rows ys      5. combine (fp32, slot order)
 //   backward  1. routing
-//             2. dy gathered and quantized per routed row -> dys (bf16) + dys_fp8 + scales;
-//                x gathered -> xs (bf16): in the same pass with saved z, else with its own
-//                quantization -> xs_fp8 + scales for the z recompute
+//             2. dy quantized once per token and stored to its routed rows -> dys (bf16) +
+//                dys_fp8 + scales; x copied -> xs (bf16): in the same pass with saved z, else with
+//                its own quantization -> xs_fp8 + scales for the z recompute
 //             3. recompute z (FP8 GEMM, the forward's operands: bitwise the saved z) unless saved
 //             4. dgrad + SwiGLU on W2^T, dz quantized in the epilogue -> dz (bf16), dz_fp8 +
 //                scales, wh, router partials
@@ -154,7 +154,7 @@ void fused_fp8_forward(const LayerConfig& c, const ForwardArgs& args) {
                  args.stream);
   if (num_slots == 0) return;
   const int64_t H = c.hidden;
-  launch_quantize_rows_fp8(args.x, nullptr, nullptr, args.num_tokens, 1, H, nullptr, ws.x_fp8_TH, ws.x_scales,
+  launch_quantize_rows_fp8(args.x, nullptr, args.num_tokens, 1, H, nullptr, ws.x_fp8_TH, ws.x_scales,
                            Fp8ScaleLayout{H / 128, 1}, args.stream);
 
   const Sm90Rows rows = rows_problem(c, ws.plan, num_slots, args.stream);
@@ -198,19 +198,18 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
   void* gate_up_grads = args.dw3 != nullptr ? args.dw1 : args.dw13;
 
   if (num_slots > 0) {
-    const int32_t* num_rows_device = ws.plan.expert_offsets + E;
     // With saved z, x's plain pool (dW13's operand: none when the gate/up weights are frozen)
-    // comes with dy's quantization (one pass over the row map); without, x is quantized for the z
+    // comes with dy's quantization (one pass over the tokens); without, x is quantized for the z
     // recompute and its pool comes with that.
     const void* z_RF = args.saved_z;
     const Fp8RowsPlainCopy x_pool =
         z_RF != nullptr && gate_up_grads != nullptr ? Fp8RowsPlainCopy{args.x, ws.xs_RH} : Fp8RowsPlainCopy{};
     // dy's plain pool is dW2's operand only.
-    launch_quantize_rows_fp8(args.dy, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H,
+    launch_quantize_rows_fp8(args.dy, ws.plan.slot_row, args.num_tokens, c.top_k, H,
                              args.dw2 != nullptr ? ws.dys_RH : nullptr, ws.dys_fp8_RH, ws.dys_scales,
                              Fp8ScaleLayout{1, rows_pad}, stream, x_pool);
     if (z_RF == nullptr) {
-      launch_quantize_rows_fp8(args.x, ws.plan.row_slot, num_rows_device, num_slots, c.top_k, H, ws.xs_RH,
+      launch_quantize_rows_fp8(args.x, ws.plan.slot_row, args.num_tokens, c.top_k, H, ws.xs_RH,
                                ws.xs_fp8_RH, ws.xs_scales, Fp8ScaleLayout{1, rows_pad}, stream);
       Sm90Fp8RecomputeZParams z;
       z.rows = rows;

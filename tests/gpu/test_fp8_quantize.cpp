@@ -1,8 +1,9 @@
 // GPU tests of the FP8 quantization kernels (src/kernels/fp8_quantize.h) against the host recipe
 // (reference/fp8_host.h), bit for bit: E4M3 codes, scales, the transposed weight copies, the
-// gathered rows' bf16 copies and both scale layouts. Edge blocks: all zeros, one huge value among
-// small ones, denormals only, a NaN element. Outputs are poisoned (0xFF) first; rows past the
-// device-side row count must keep the poison.
+// pool rows' bf16 copies and both scale layouts. Edge blocks: all zeros, one huge value among
+// small ones, denormals only, a NaN element. Outputs are poisoned (0xFF) first; pool rows no slot
+// maps to must keep the poison.
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -56,7 +57,7 @@ TEST(Fp8Quantize, TokenRowsMatchHostRecipe) {
   DeviceBuffer x_dev = DeviceBuffer::from(x), q_dev(T * H), s_dev(T * blocks * 4);
   q_dev.poison();
   s_dev.poison();
-  launch_quantize_rows_fp8(x_dev.get(), nullptr, nullptr, T, 1, H, nullptr, q_dev.get(),
+  launch_quantize_rows_fp8(x_dev.get(), nullptr, T, 1, H, nullptr, q_dev.get(),
                            static_cast<float*>(s_dev.get()), Fp8ScaleLayout{blocks, 1}, nullptr);
   TEST_CUDA(cudaDeviceSynchronize());
   std::vector<uint8_t> q_want(T * H);
@@ -71,34 +72,40 @@ TEST(Fp8Quantize, TokenRowsMatchHostRecipe) {
   for (float s : s_got) EXPECT_TRUE(std::isfinite(s) && s > 0.0f) << "scale " << s;
 }
 
-// The backward's pools: rows gathered by row_slot / K, bf16 copies beside the FP8 rows, scales
-// block-major [H/128, R_pad], and a second source's plain copy by the same row map (x beside dy);
-// the row count is read on the device, rows past it stay untouched.
-TEST(Fp8Quantize, GatheredRowsMatchHostRecipe) {
+// The backward's pools: token t's rows stored to its slots' rows slot_row[t * K + j], masked slots
+// (-1) skipped, bf16 copies beside the FP8 rows, scales block-major [H/128, R_pad], and a second
+// source's plain copy to the same rows (x beside dy); rows no slot maps to stay untouched.
+TEST(Fp8Quantize, ScatteredRowsMatchHostRecipe) {
   const int64_t T = 50, H = 256, K = 3, max_rows = T * K, blocks = H / 128;
   const int64_t rows_pad = (max_rows + 3) / 4 * 4;
   const std::vector<uint16_t> x = rows_with_edge_blocks(T, H, 12);
-  std::vector<int32_t> row_slot(max_rows);
+  // Slots in a shuffled order take rows 0, 1, ...; every fourth slot is masked, so the last rows
+  // of the pool belong to no slot.
   std::mt19937_64 rng(13);
-  for (auto& s : row_slot) s = static_cast<int32_t>(rng() % (T * K));
-  const int32_t num_rows = 101;
-  DeviceBuffer x_dev = DeviceBuffer::from(x), slot_dev = DeviceBuffer::from(row_slot),
-               count_dev = DeviceBuffer::from(std::vector<int32_t>{num_rows});
+  std::vector<int32_t> slots(T * K), slot_row(T * K, -1);
+  for (int64_t i = 0; i < T * K; ++i) slots[i] = static_cast<int32_t>(i);
+  std::shuffle(slots.begin(), slots.end(), rng);
+  int32_t num_rows = 0;
+  for (int32_t slot : slots) {
+    if (slot % 4 != 3) slot_row[slot] = num_rows++;
+  }
+  ASSERT_LT(num_rows, max_rows);
+  DeviceBuffer x_dev = DeviceBuffer::from(x), slot_dev = DeviceBuffer::from(slot_row);
   const std::vector<uint16_t> other = random_bf16(T * H, 1.0, rng);
   DeviceBuffer other_dev = DeviceBuffer::from(other), other_pool_dev(max_rows * H * 2);
   DeviceBuffer bf16_dev(max_rows * H * 2), q_dev(max_rows * H), s_dev(blocks * rows_pad * 4);
   for (DeviceBuffer* b : {&bf16_dev, &q_dev, &s_dev, &other_pool_dev}) b->poison();
-  launch_quantize_rows_fp8(x_dev.get(), static_cast<const int32_t*>(slot_dev.get()),
-                           static_cast<const int32_t*>(count_dev.get()), max_rows, K, H, bf16_dev.get(), q_dev.get(),
-                           static_cast<float*>(s_dev.get()), Fp8ScaleLayout{1, rows_pad}, nullptr,
+  launch_quantize_rows_fp8(x_dev.get(), static_cast<const int32_t*>(slot_dev.get()), T, K, H, bf16_dev.get(),
+                           q_dev.get(), static_cast<float*>(s_dev.get()), Fp8ScaleLayout{1, rows_pad}, nullptr,
                            Fp8RowsPlainCopy{other_dev.get(), other_pool_dev.get()});
   TEST_CUDA(cudaDeviceSynchronize());
   std::vector<uint8_t> q_want(max_rows * H, 0xFF);
   std::vector<uint16_t> bf16_want(max_rows * H, 0xFFFF), other_want(max_rows * H, 0xFFFF);
   std::vector<float> s_want(blocks * rows_pad), row(H), s_row(blocks);
   std::memset(s_want.data(), 0xFF, s_want.size() * sizeof(float));
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t t = row_slot[r] / K;
+  for (int64_t slot = 0; slot < T * K; ++slot) {
+    const int64_t r = slot_row[slot], t = slot / K;
+    if (r < 0) continue;
     for (int64_t c = 0; c < H; ++c) {
       row[c] = host::bf16_bits_to_float(x[t * H + c]);
       bf16_want[r * H + c] = x[t * H + c];
@@ -108,9 +115,9 @@ TEST(Fp8Quantize, GatheredRowsMatchHostRecipe) {
     for (int64_t b = 0; b < blocks; ++b) s_want[b * rows_pad + r] = s_row[b];
   }
   expect_codes_equal("xs_fp8", q_dev.to_host<uint8_t>(), q_want);
-  EXPECT_TRUE(bf16_dev.to_host<uint16_t>() == bf16_want) << "bf16 copies differ (or rows past the count written)";
+  EXPECT_TRUE(bf16_dev.to_host<uint16_t>() == bf16_want) << "bf16 copies differ (or rows no slot maps to written)";
   EXPECT_TRUE(other_pool_dev.to_host<uint16_t>() == other_want)
-      << "the second source's copies differ (or rows past the count written)";
+      << "the second source's copies differ (or rows no slot maps to written)";
   expect_floats_bitwise("xs_scales", s_dev.to_host<float>(), s_want);
 }
 

@@ -3,10 +3,12 @@
 // the bad-id record and the caller's report. The plan is poisoned (0xFF) before every call.
 // Shapes cover T = 0, one expert, all slots on one expert, masked and invalid ids, E = 1024, and
 // more chunks (1024 slots each) than SMs, where a block of routing_place takes several chunks.
+// Also the backward's pools built from the plan, by tokens and by rows, against the host plan.
 #include <climits>
 #include <string>
 
 #include "gpu/gpu_test_util.h"
+#include "kernels/moe_elementwise.h"
 #include "kernels/routing.h"
 
 namespace fusemoe::test {
@@ -110,6 +112,47 @@ TEST(Routing, MaskedAndInvalidIds) {
   idx[1900 * K + 1] = -2;
   idx[2400 * K + 7] = 1 << 30;
   expect_routing_matches("masked + invalid", idx, T, K, E);
+}
+
+// The backward's x and dy pools from a device plan with masked slots: pool row r holds token
+// row_slot[r] / K of each source, built token-major (the fused backward's) and by pool rows (the
+// expert-parallel backward's); rows past the row count keep their poison.
+TEST(Routing, PoolsByTokensAndByRowsHoldEachRowsToken) {
+  const int64_t T = 1500, K = 8, E = 64, H = 256;
+  std::vector<int32_t> idx = random_ids(T * K, E, 9);
+  for (int64_t s = 0; s < T * K; s += 5) idx[s] = -1;
+  const HostPlan want = host_routing(idx, E);
+  const int64_t num_rows = want.offsets[E], max_rows = T * K;
+  DeviceBuffer plan_dev(routing_plan_bytes(T, K, E));
+  RoutingPlan plan;
+  carve_routing_plan(static_cast<char*>(plan_dev.get()), T, K, E, &plan);
+  DeviceBuffer idx_dev = DeviceBuffer::from(idx);
+  launch_routing(static_cast<const int32_t*>(idx_dev.get()), T, K, E, plan, nullptr, nullptr);
+  std::mt19937_64 rng(10);
+  const std::vector<uint16_t> a = random_bf16(T * H, 1.0, rng), b = random_bf16(T * H, 1.0, rng);
+  DeviceBuffer a_dev = DeviceBuffer::from(a), b_dev = DeviceBuffer::from(b);
+  std::vector<uint16_t> a_want(max_rows * H, 0xFFFF), b_want(max_rows * H, 0xFFFF);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t t = want.row_slot[r] / K;
+    std::copy(a.begin() + t * H, a.begin() + (t + 1) * H, a_want.begin() + r * H);
+    std::copy(b.begin() + t * H, b.begin() + (t + 1) * H, b_want.begin() + r * H);
+  }
+  for (const bool by_tokens : {true, false}) {
+    SCOPED_TRACE(by_tokens ? "by tokens" : "by rows");
+    DeviceBuffer a_pool(max_rows * H * 2), b_pool(max_rows * H * 2);
+    a_pool.poison();
+    b_pool.poison();
+    if (by_tokens) {
+      launch_scatter_token_rows(a_dev.get(), a_pool.get(), b_dev.get(), b_pool.get(), plan.slot_row, T, K, H,
+                                nullptr);
+    } else {
+      launch_gather_rows_device_count(a_dev.get(), a_pool.get(), b_dev.get(), b_pool.get(), plan.row_slot,
+                                      plan.expert_offsets + E, max_rows, K, H, nullptr);
+    }
+    TEST_CUDA(cudaDeviceSynchronize());
+    EXPECT_TRUE(a_pool.to_host<uint16_t>() == a_want) << "first pool";
+    EXPECT_TRUE(b_pool.to_host<uint16_t>() == b_want) << "second pool";
+  }
 }
 
 // The record is rewritten by every call: a clean call after a bad one records nothing, and the
