@@ -23,9 +23,10 @@ void launch_gather_rows(const Src* src_TH, const int32_t* row_slot, int64_t num_
 
 // As launch_gather_rows for bf16 rows, but the row count is read on the device
 // (*num_rows_device, e.g. expert_offsets[E]) and the grid is sized for max_rows: no host
-// synchronisation. The expert-parallel backward's x and dy pools (its sources are the received
-// rows, each feeding one pool row, so read once here too): a second source (src_b -> dst_b, or both null) is gathered by the same row map in the
-// same launch.
+// synchronisation. The expert-parallel backward's x and dy pools, from the received token rows
+// (row_pool: a token row is read once per local expert it routes to; its plan keeps no inverse
+// map for a token-major copy): a second source (src_b -> dst_b, or both null) is gathered by the
+// same row map in the same launch.
 void launch_gather_rows_device_count(const void* src_a_TH, void* dst_a_RH, const void* src_b_TH, void* dst_b_RH,
                                      const int32_t* row_slot, const int32_t* num_rows_device, int64_t max_rows,
                                      int64_t top_k, int64_t hidden, cudaStream_t stream);
