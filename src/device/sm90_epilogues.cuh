@@ -356,8 +356,8 @@ template <int kBlockN, bool kClamp, int kHeldAccRegs = kBlockN / 2>
 struct DgradSwiGLUEpilogue {
   static constexpr int kStagingBytes = 0;
   // z chunks (16 B of gate + 16 B of up each) in flight ahead of their use: all 8 (2 rows x 4
-  // groups) next to 64 accumulators; next to 128, what the 168 registers of the launch bound hold
-  // without spilling in the unclamped instance (the clamp ones spill 12-32 bytes): 1 at width
+  // groups) next to 64 accumulators; next to 128, what the consumers' 232 registers (setmaxnreg)
+  // hold without spilling in the unclamped instance (the clamp ones spill 12-32 bytes): 1 at width
   // 256, 2 at width 128 in the ping-pong schedule (docs/experiments.md#z-ahead).
   static constexpr int kZAhead = kHeldAccRegs == 64 ? 2 * (kBlockN / 32) : (kBlockN == 128 ? 2 : 1);
   using Parts = DgradSwiGLUParts<kBlockN, kClamp, kZAhead, true>;
@@ -452,10 +452,46 @@ struct WeightGradEpilogue {
     return {};
   }
 
-  // Box b: accumulator chunks [b * kChunksPerBox, (b + 1) * kChunksPerBox), columns n0 + b * kBoxCols.
+  // The last kHeldBoxes boxes of a tile wait in registers (16 words a box: 64 registers) and go
+  // out during the next tile's main loop, one per K-block, so the tensor cores are not idle
+  // while they are written (docs/experiments.md#held-weight-gradient-boxes). bf16: the whole
+  // tile; fp32: its second half (its 128 values a thread do not fit beside the next
+  // accumulators); none for fp32 reduce-adds, which measured slower held.
+  static constexpr int kWordsPerBox = 16;
+  static constexpr int kHeldBoxes = kFp32 && kAccumulate ? 0 : 4;
+  static_assert(kBoxes % kStagingBoxes == 0 && kHeldBoxes <= kBoxes, "boxes alternate buffers across tiles");
+  struct Held {
+    uint32_t words[kHeldBoxes > 0 ? kHeldBoxes : 1][kWordsPerBox];
+    int32_t row0, n0;
+    bool pending;  // boxes waiting to go out
+  };
+
+  // Box kBox's words from this thread's accumulators: chunks [kBox * kChunksPerBox, +kChunksPerBox),
+  // each chunk's two row halves, as two fp32 words or one bf16 pair.
   template <int kBox, int kRegs>
-  __device__ static void box(const Args& args, const EpilogueShape& s, uint8_t* staging, int32_t row0, int32_t n0,
-                             bool acc_valid, const float (&acc)[kRegs], const ConsumerThread& me) {
+  __device__ static void pack_box(const float (&acc)[kRegs], bool acc_valid, uint32_t (&w)[kWordsPerBox]) {
+#pragma unroll
+    for (int c = 0; c < kChunksPerBox; ++c) {
+      const int j = kBox * kChunksPerBox + c;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float v0 = acc_valid ? acc[4 * j + 2 * h] : 0.0f;
+        const float v1 = acc_valid ? acc[4 * j + 2 * h + 1] : 0.0f;
+        if constexpr (kFp32) {
+          w[4 * c + 2 * h] = __float_as_uint(v0);
+          w[4 * c + 2 * h + 1] = __float_as_uint(v1);
+        } else {
+          w[2 * c + h] = pack_bf16x2(v0, v1);
+        }
+      }
+    }
+  }
+
+  // Writes box kBox (the tile's box index: it picks the staging buffer and the columns) into
+  // staging and issues its TMA store.
+  template <int kBox>
+  __device__ static void write_box(const Args& args, const EpilogueShape& s, uint8_t* staging, int32_t row0,
+                                   int32_t n0, const uint32_t (&w)[kWordsPerBox], const ConsumerThread& me) {
     const int q = me.lane % 4;
     const uint32_t barrier_id = kStagingBarrierId0 + me.consumer;
     uint8_t* buffer = staging + (kBox % kStagingBoxes) * kStagingBoxBytes;
@@ -464,19 +500,17 @@ struct WeightGradEpilogue {
     named_barrier_sync(barrier_id, kThreadsPerWarpgroup);
 #pragma unroll
     for (int c = 0; c < kChunksPerBox; ++c) {
-      const int j = kBox * kChunksPerBox + c;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = me.row_in_wg + 8 * h;
-        const float v0 = acc_valid ? acc[4 * j + 2 * h] : 0.0f;
-        const float v1 = acc_valid ? acc[4 * j + 2 * h + 1] : 0.0f;
         uint8_t* line = buffer + r * 128;
         if constexpr (kFp32) {
           const int chunk = 2 * c + q / 2;  // byte 32 c + 8q of the line
-          *reinterpret_cast<float2*>(line + ((chunk ^ (r % 8)) * 16) + (q % 2) * 8) = make_float2(v0, v1);
+          *reinterpret_cast<uint2*>(line + ((chunk ^ (r % 8)) * 16) + (q % 2) * 8) =
+              make_uint2(w[4 * c + 2 * h], w[4 * c + 2 * h + 1]);
         } else {
           const int chunk = c;  // byte 16 c + 4q of the line
-          *reinterpret_cast<uint32_t*>(line + ((chunk ^ (r % 8)) * 16) + q * 4) = pack_bf16x2(v0, v1);
+          *reinterpret_cast<uint32_t*>(line + ((chunk ^ (r % 8)) * 16) + q * 4) = w[2 * c + h];
         }
       }
     }
@@ -493,25 +527,58 @@ struct WeightGradEpilogue {
   }
 
   template <int kRegs, int... kBox>
-  __device__ static void boxes(const Args& args, const EpilogueShape& s, uint8_t* staging, int32_t row0, int32_t n0,
-                               bool acc_valid, const float (&acc)[kRegs], const ConsumerThread& me,
-                               std::integer_sequence<int, kBox...>) {
-    (box<kBox>(args, s, staging, row0, n0, acc_valid, acc, me), ...);
+  __device__ static void write_now(const Args& args, const EpilogueShape& s, uint8_t* staging, int32_t row0,
+                                   int32_t n0, bool acc_valid, const float (&acc)[kRegs], const ConsumerThread& me,
+                                   std::integer_sequence<int, kBox...>) {
+    ([&] {
+      uint32_t w[kWordsPerBox];
+      pack_box<kBox>(acc, acc_valid, w);
+      write_box<kBox>(args, s, staging, row0, n0, w, me);
+    }(), ...);
   }
 
+  template <int kRegs, int... kHeld>
+  __device__ static void pack_held(const float (&acc)[kRegs], bool acc_valid, Held& held,
+                                   std::integer_sequence<int, kHeld...>) {
+    (pack_box<kBoxes - kHeldBoxes + kHeld>(acc, acc_valid, held.words[kHeld]), ...);
+  }
+
+  // The tile's first kBoxes - kHeldBoxes boxes go out now; the rest wait in `held` for drain().
   template <int kRegs>
   __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows&, Inputs&,
-                               const float (&acc)[kRegs], uint8_t* staging, const ConsumerThread& me) {
+                               const float (&acc)[kRegs], uint8_t* staging, Held& held, const ConsumerThread& me) {
     // An expert without rows issued no MMA: its acc holds stale values, so zeros are stored
     // instead (zeroing acc in a branch would make ptxas serialise the wgmma pipeline, C7518),
     // and an accumulated gradient is left untouched.
     const bool acc_valid = tile.num_k_blocks > 0;
+    held.pending = false;
     if (kAccumulate && !acc_valid) return;
     uint8_t* mine = staging + me.consumer * kStagingBytesPerConsumer;
     const int32_t row0 = tile.expert * s.m_valid + tile.m_tile * kBlockM + me.consumer * kWgmmaM;
     const int32_t n0 = tile.n_tile * kBlockN;
-    boxes(args, s, mine, row0, n0, acc_valid, acc, me, std::make_integer_sequence<int, kBoxes>{});
+    write_now(args, s, mine, row0, n0, acc_valid, acc, me, std::make_integer_sequence<int, kBoxes - kHeldBoxes>{});
+    pack_held(acc, acc_valid, held, std::make_integer_sequence<int, kHeldBoxes>{});
+    held.row0 = row0;
+    held.n0 = n0;
+    held.pending = true;
   }
+
+  // Held box i (a runtime index, uniform over the warpgroup) out, if any is pending.
+  template <int... kHeld>
+  __device__ static void drain_one(const Args& args, const EpilogueShape& s, uint8_t* staging, const Held& held,
+                                   int i, const ConsumerThread& me, std::integer_sequence<int, kHeld...>) {
+    uint8_t* mine = staging + me.consumer * kStagingBytesPerConsumer;
+    ((i == kHeld ? write_box<kBoxes - kHeldBoxes + kHeld>(args, s, mine, held.row0, held.n0, held.words[kHeld], me)
+                 : void()),
+     ...);
+  }
+  __device__ static void drain(const Args& args, const EpilogueShape& s, uint8_t* staging, const Held& held, int i,
+                               const ConsumerThread& me) {
+    if (held.pending && i < kHeldBoxes) {
+      drain_one(args, s, staging, held, i, me, std::make_integer_sequence<int, kHeldBoxes>{});
+    }
+  }
+
   // The CTA's shared memory must outlive the stores still reading it.
   __device__ static void finish(const ConsumerThread& me) {
     if (me.tid_in_wg == 0) bulk_wait_group_all();

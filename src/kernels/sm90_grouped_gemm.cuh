@@ -82,7 +82,7 @@ struct GroupedGemm {
   static_assert(!Consumers::kPingPong || (!Scheduler::kReducesOverRows && !kBlockScaled &&
                                           Epilogue::kStagingBytes == 0 && Consumers::kRowBlocks * kAccRegs <= 128),
                 "ping-pong: row tiles, the bf16 consumer loop, no per-consumer staging, and at most 128 "
-                "accumulators per thread (the 168 registers of the 384-thread launch bound)");
+                "accumulators per thread (the consumers' 232 registers after setmaxnreg)");
 
   static constexpr size_t smem_bytes(int num_experts) {
     return kSmemAlign + static_cast<size_t>(kStages) * kStageBytes + Epilogue::kStagingBytes + kScaleRingBytes +
@@ -222,6 +222,22 @@ __device__ __forceinline__ ConsumerThread row_block_thread(const ConsumerThread&
   return block;
 }
 
+// Epilogues that hold a tile's last output boxes in registers and write them under the next
+// tile's main loop (the weight gradients') declare Held, kHeldBoxes and drain(); the others
+// store a tile whole after its main loop.
+template <class Epilogue, class = void>
+struct HeldBoxes {
+  struct Held {};
+  static constexpr bool kHolds = false;
+  static constexpr int kBoxes = 0;
+};
+template <class Epilogue>
+struct HeldBoxes<Epilogue, std::void_t<typename Epilogue::Held>> {
+  using Held = typename Epilogue::Held;
+  static constexpr bool kHolds = true;
+  static constexpr int kBoxes = Epilogue::kHeldBoxes;  // may be 0 for some of its instances
+};
+
 template <class Gemm>
 __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
                                         const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a, uint8_t* tiles_b,
@@ -234,6 +250,9 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
   const EpilogueShape out_shape{p.shape.n_valid, p.shape.m_valid};
   RingCursor<Gemm::kStages> cursor;
   float acc[kRowBlocks][Gemm::kAccRegs];
+  constexpr int kHeldBoxes = HeldBoxes<Epilogue>::kBoxes;
+  static_assert(kHeldBoxes == 0 || (kRowBlocks == 1 && !Consumers::kPingPong), "held boxes: cooperative tiles");
+  typename HeldBoxes<Epilogue>::Held held{};
   const int32_t num_tiles = sched.num_tiles();
   for (int32_t t = blockIdx.x, local = 0; t < num_tiles; t += gridDim.x, ++local) {
     const Tile tile = sched.tile(t);
@@ -296,6 +315,8 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
         }
       }
       wgmma_commit_group();
+      // The previous tile's held boxes go out one per K-block, under these MMAs.
+      if constexpr (kHeldBoxes > 0) Epilogue::drain(p.epilogue, out_shape, staging, held, kb, me);
       // Keep this K-block's MMAs in flight; the previous block's have finished reading.
       wgmma_wait_group<1>();
       if (kb > 0 && me.lane == 0 && !releases_withheld(p.shape.wait)) mbarrier_arrive(&ring.empty[prev_stage]);
@@ -314,7 +335,11 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
     // 0's stores; loaded before the main loop they would spill (they would share the registers
     // with 128 accumulators throughout it).
     static_assert(kRowBlocks <= 2, "one or two row blocks per consumer");
-    if constexpr (kRowBlocks == 1) {
+    if constexpr (HeldBoxes<Epilogue>::kHolds) {
+      // A tile with fewer K-blocks than held boxes: the rest of the previous tile's go out first.
+      for (int i = tile.num_k_blocks; i < kHeldBoxes; ++i) Epilogue::drain(p.epilogue, out_shape, staging, held, i, me);
+      Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc[0], staging, held, me0);
+    } else if constexpr (kRowBlocks == 1) {
       Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc[0], staging, me0);
     } else {
       const ConsumerThread me_b = row_block_thread<Consumers>(me, 1);
@@ -323,6 +348,9 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
       Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc[0], staging, me0);
       Epilogue::store(p.epilogue, out_shape, tile, rows_b, inputs_b, acc[1], staging, me_b);
     }
+  }
+  if constexpr (kHeldBoxes > 0) {
+    for (int i = 0; i < kHeldBoxes; ++i) Epilogue::drain(p.epilogue, out_shape, staging, held, i, me);
   }
   Epilogue::finish(me);
 }
