@@ -230,17 +230,6 @@ struct TransposedB {
     const int32_t n0 = tile.n_tile * kBlockN, boxes = count(tile, s);
     for (int j = 0; j < boxes; ++j) tma_load_2d(map, full, dst + j * kMnBoxBytes, n0 + 64 * j, k_row);
   }
-  // A 2-CTA cluster on the same tile columns: CTA `rank` loads boxes j = rank, rank + 2, ... into
-  // both CTAs' stage, so each box leaves L2 once per pair; each CTA's full barrier gets them all.
-  __device__ static void load_pair(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile,
-                                   int32_t kb, const BShape& s, uint32_t rank) {
-    const int32_t k_row0 = kRows == TransposedBRows::kExpertWeight ? tile.expert * s.b_rows_per_expert : tile.row_begin;
-    const int32_t k_row = k_row0 + kb * kBlockK;
-    const int32_t n0 = tile.n_tile * kBlockN, boxes = count(tile, s);
-    for (int j = static_cast<int>(rank); j < boxes; j += 2) {
-      tma_load_2d_multicast(map, full, dst + j * kMnBoxBytes, n0 + 64 * j, k_row, uint16_t{0b11});
-    }
-  }
 };
 
 template <int kBlockN>

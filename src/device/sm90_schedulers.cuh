@@ -14,15 +14,9 @@
 // its first row; one CTA per output tile, so the sum has a fixed order). Expert-major, m fastest.
 // It needs no table: a tile reads its expert's two offsets from global memory (two loads per
 // tile of 4+ K-blocks), which leaves the table's shared memory to the stage ring.
-//
-// PairedExpertOutputTileScheduler: the same tiles, run by 2-CTA clusters. With an even number of
-// m-tiles and an even grid, CTAs 2c and 2c + 1 always hold tiles t and t + 1: the same expert and
-// n, m and m + 1, the same K-blocks. They share the B operand (the act_n rows) by TMA multicast,
-// each loading half of its boxes into both CTAs.
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "device/sm90_layout.cuh"
 
@@ -135,16 +129,5 @@ struct ExpertOutputTileScheduler {
     return out;
   }
 };
-
-struct PairedExpertOutputTileScheduler : ExpertOutputTileScheduler {
-  static constexpr int kClusterCtas = 2;
-};
-
-// CTAs per cluster of a scheduler's tiles: 1 unless it declares kClusterCtas.
-template <class Scheduler, class = void>
-struct ClusterCtasOf : std::integral_constant<int, 1> {};
-template <class Scheduler>
-struct ClusterCtasOf<Scheduler, std::void_t<decltype(Scheduler::kClusterCtas)>>
-    : std::integral_constant<int, Scheduler::kClusterCtas> {};
 
 }  // namespace fusemoe::sm90

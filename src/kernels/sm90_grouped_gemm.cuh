@@ -66,9 +66,6 @@ struct GroupedGemm {
       ((Scheduler::kTableInSmem ? kSmemDataBytes : kSmemDataBytesNoTable) - Epilogue::kStagingBytes) / kStageBytes;
   static constexpr int kAccRegs = kBlockN / 2;  // per m64 row block; a consumer holds Consumers::kRowBlocks
   static constexpr uint32_t kConsumerWarpsPerStage = Consumers::kWarpgroupsPerTile * kWarpsPerWarpgroup;
-  // 2: CTA pairs sharing B by multicast, so a stage is free once both CTAs' consumers release it.
-  static constexpr int kClusterCtas = ClusterCtasOf<Scheduler>::value;
-  static constexpr uint32_t kStageReleasers = kConsumerWarpsPerStage * kClusterCtas;
   // Blockwise FP8 (sm90_block_scaled.cuh): its own consumer loop and a scale record per stage.
   static constexpr bool kBlockScaled = IsBlockScaled<A>::value;
   static constexpr int kScaleRingBytes = kBlockScaled ? kStages * kStageScalesBytes : 0;
@@ -77,9 +74,6 @@ struct GroupedGemm {
   using LayoutB = OperandLayout<B::kMnMajor>;
 
   static_assert(kBlockN == 128 || kBlockN == 256, "wgmma N of the wrappers");
-  static_assert(kClusterCtas == 1 || (kClusterCtas == 2 && Scheduler::kReducesOverRows && !A::kGathered &&
-                                      !kBlockScaled && !Consumers::kPingPong),
-                "CTA pairs: the weight gradients' tiles (TMA operands, cooperative consumers)");
   static_assert(kStages >= 3, "a ring of at least 3 stages keeps TMA ahead of the MMAs");
   static_assert(kTileABytes % kSmemAlign == 0 && kTileBBytes % kSmemAlign == 0, "stage alignment");
   static_assert(Epilogue::kStagingBytes % kSmemAlign == 0, "staging alignment");
@@ -163,7 +157,6 @@ __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm
   using A = typename Gemm::A;
   using B = typename Gemm::B;
   const BShape b_shape{p.shape.n_valid, p.shape.b_rows_per_expert};
-  const uint32_t rank = Gemm::kClusterCtas > 1 ? cluster_cta_rank() : 0u;
   RingCursor<Gemm::kStages> cursor;
   const int32_t num_tiles = sched.num_tiles();
   for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
@@ -174,7 +167,7 @@ __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm
     for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
       const int stage = cursor.stage;
       bounded_wait(&ring.empty[stage], cursor.phase ^ 1, p.shape.wait, WaitRole::kProducer, WaitObject::kStageEmpty,
-                   stage, Gemm::kStageReleasers);
+                   stage, Gemm::kConsumerWarpsPerStage);
       if (thread == 0) {
         if constexpr (Gemm::kBlockScaled) {
           B::load_scales(p.a.b_scales, smem_addr(scales[stage].b), tile, kb);
@@ -185,8 +178,6 @@ __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm
         uint8_t* tile_b = tiles_b + stage * Gemm::kTileBBytes;
         if constexpr (TwoBMaps<B>::value) {
           B::load(&p.map_b, &p.map_b_up, &ring.full[stage], tile_b, tile, kb, b_shape);
-        } else if constexpr (Gemm::kClusterCtas > 1) {
-          B::load_pair(&p.map_b, &ring.full[stage], tile_b, tile, kb, b_shape, rank);
         } else {
           B::load(&p.map_b, &ring.full[stage], tile_b, tile, kb, b_shape);
         }
@@ -231,16 +222,6 @@ __device__ __forceinline__ ConsumerThread row_block_thread(const ConsumerThread&
   return block;
 }
 
-// A consumer warp's release of a stage: lane 0 on its CTA's empty barrier and, in a CTA pair,
-// lane 1 on the partner's (whose producer also writes this CTA's stage).
-template <class Gemm>
-__device__ __forceinline__ void release_stage(uint64_t* empty, int lane, uint32_t partner) {
-  if (lane == 0) mbarrier_arrive(empty);
-  if constexpr (Gemm::kClusterCtas > 1) {
-    if (lane == 1) mbarrier_arrive_cluster(empty, partner);
-  }
-}
-
 // Epilogues that hold a tile's last output boxes in registers and write them under the next
 // tile's main loop (the weight gradients') declare Held, kHeldBoxes and drain(); the others
 // store a tile whole after its main loop.
@@ -272,7 +253,6 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
   constexpr int kHeldBoxes = HeldBoxes<Epilogue>::kBoxes;
   static_assert(kHeldBoxes == 0 || (kRowBlocks == 1 && !Consumers::kPingPong), "held boxes: cooperative tiles");
   typename HeldBoxes<Epilogue>::Held held{};
-  const uint32_t partner = Gemm::kClusterCtas > 1 ? (cluster_cta_rank() ^ 1u) : 0u;
   const int32_t num_tiles = sched.num_tiles();
   for (int32_t t = blockIdx.x, local = 0; t < num_tiles; t += gridDim.x, ++local) {
     const Tile tile = sched.tile(t);
@@ -339,15 +319,16 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
       if constexpr (kHeldBoxes > 0) Epilogue::drain(p.epilogue, out_shape, staging, held, kb, me);
       // Keep this K-block's MMAs in flight; the previous block's have finished reading.
       wgmma_wait_group<1>();
-      if (kb > 0 && !releases_withheld(p.shape.wait)) release_stage<Gemm>(&ring.empty[prev_stage], me.lane, partner);
+      if (kb > 0 && me.lane == 0 && !releases_withheld(p.shape.wait)) mbarrier_arrive(&ring.empty[prev_stage]);
       prev_stage = stage;
       cursor.advance();
     }
     wgmma_wait_group<0>();
 #pragma unroll
     for (int b = 0; b < kRowBlocks; ++b) fence_accumulators(acc[b]);
-    if ((!Gemm::Scheduler::kReducesOverRows || tile.num_k_blocks > 0) && !releases_withheld(p.shape.wait)) {
-      release_stage<Gemm>(&ring.empty[prev_stage], me.lane, partner);
+    if ((!Gemm::Scheduler::kReducesOverRows || tile.num_k_blocks > 0) && me.lane == 0 &&
+        !releases_withheld(p.shape.wait)) {
+      mbarrier_arrive(&ring.empty[prev_stage]);
     }
 
     // ---- epilogue, one row block at a time. Ping-pong: block 1's inputs load here, under block
@@ -399,13 +380,11 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
     prefetch_tensor_map(&p.map_b);
     if constexpr (TwoBMaps<typename Gemm::B>::value) prefetch_tensor_map(&p.map_b_up);
     Gemm::Epilogue::prefetch(p.epilogue);
-    ring.init(kAllProducerThreads<typename Gemm::A>, Gemm::kStageReleasers);
+    ring.init(kAllProducerThreads<typename Gemm::A>, Gemm::kConsumerWarpsPerStage);
   }
   typename Gemm::Scheduler sched = make_scheduler<Gemm>(p.shape, table);
   if constexpr (Gemm::Scheduler::kTableInSmem) {
     build_expert_tile_table(p.shape.expert_offsets, sched.table);  // ends with __syncthreads()
-  } else if constexpr (Gemm::kClusterCtas > 1) {
-    cluster_sync();  // both CTAs' barriers are initialised before either signals the other's
   } else {
     __syncthreads();  // the ring's barriers are initialised
   }
@@ -427,9 +406,6 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
       consume<Gemm>(p, sched, ring, tiles_a, tiles_b, staging, me);
     }
   }
-  // A CTA pair: neither exits while the other may still load into its stages or arrive on its
-  // barriers.
-  if constexpr (Gemm::kClusterCtas > 1) cluster_sync();
 }
 
 }  // namespace fusemoe::sm90

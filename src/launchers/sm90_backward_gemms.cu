@@ -37,13 +37,9 @@ using DgradScatterGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsTransposedB<2
 template <RowDestination kDest>
 using SeparateDgradScatterGemm = GroupedGemm<sm90::PoolRowsA, sm90::SeparateWeightsTransposedB<256>,
                                              sm90::RowTileScheduler, sm90::RowStoreEpilogue<256, false, kDest>>;
-// kPairs: 2-CTA clusters on neighbouring m-tiles sharing the act_n boxes by multicast (an even
-// number of m-tiles, the whole GPU); otherwise one CTA per tile.
-template <bool kFp32, bool kAccumulate, bool kPairs>
-using WeightGradGemm = GroupedGemm<
-    sm90::PoolRowsTransposedA, sm90::PoolRowsTransposedB<256>,
-    std::conditional_t<kPairs, sm90::PairedExpertOutputTileScheduler, sm90::ExpertOutputTileScheduler>,
-    sm90::WeightGradEpilogue<kFp32, kAccumulate>>;
+template <bool kFp32, bool kAccumulate>
+using WeightGradGemm = GroupedGemm<sm90::PoolRowsTransposedA, sm90::PoolRowsTransposedB<256>,
+                                   sm90::ExpertOutputTileScheduler, sm90::WeightGradEpilogue<kFp32, kAccumulate>>;
 
 template <int kBlockN, bool kClamp>
 void launch_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
@@ -60,9 +56,9 @@ void launch_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
                                     "dys", "w2");
 }
 
-template <bool kFp32, bool kAccumulate, bool kPairs>
+template <bool kFp32, bool kAccumulate>
 void launch_weight_grad(const Sm90WeightGradParams& p) {
-  using Gemm = WeightGradGemm<kFp32, kAccumulate, kPairs>;
+  using Gemm = WeightGradGemm<kFp32, kAccumulate>;
   const Sm90Rows& rows = p.rows;
   GemmParams<Gemm> params{};
   // Both operands are pool rows read as MN-major boxes [64 rows][64 columns]; grad is stored as
@@ -152,17 +148,8 @@ void launch_sm90_weight_grad(const Sm90WeightGradParams& p) {
     return;
   }
   FUSEMOE_ASSERT(p.act_m && p.act_n && rows.expert_offsets);
-  // CTA pairs only on the whole GPU: a caller that gives the kernels part of the SMs (co-resident
-  // expert-parallel ranks) keeps one CTA per tile, so no cluster waits for SM pairs that another
-  // rank's kernel holds.
-  const sm90::DeviceInfo info = sm90::device_info();
-  const bool pairs = (p.m / sm90::kBlockM) % 2 == 0 && sm90::persistent_grid(rows, info) == info.num_sms;
   sm90::with_bool_constants(!p.bf16_grad, p.accumulate, [&](auto fp32, auto accumulate) {
-    if (pairs) {
-      launch_weight_grad<decltype(fp32)::value, decltype(accumulate)::value, true>(p);
-    } else {
-      launch_weight_grad<decltype(fp32)::value, decltype(accumulate)::value, false>(p);
-    }
+    launch_weight_grad<decltype(fp32)::value, decltype(accumulate)::value>(p);
   });
 }
 

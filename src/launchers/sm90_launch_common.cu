@@ -5,11 +5,9 @@
 #include <cuda_runtime_api.h>
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
-#include <algorithm>
 #include <mutex>
 #include <vector>
 
-#include "device/sm90_layout.cuh"
 #include "fusemoe/error.h"
 
 namespace fusemoe::sm90 {
@@ -62,28 +60,6 @@ void raise_smem_limit_once(const void* kernel, size_t limit_bytes, int device,
   FUSEMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(limit_bytes)));
   configured->fetch_or(device_bit, std::memory_order_acq_rel);
-}
-
-int paired_grid(const void* kernel, size_t smem_bytes, int grid, int device, std::atomic<int>* known) {
-  const bool cached = device >= 0 && device < 64;
-  int clusters = cached ? known[device].load(std::memory_order_acquire) : 0;
-  if (clusters == 0) {
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(std::max(2, grid - grid % 2)));
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = smem_bytes;
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = 2;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    FUSEMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
-    FUSEMOE_CHECK(clusters >= 1, "no 2-CTA cluster of the weight-gradient kernel fits on device " << device);
-    if (cached) known[device].store(clusters, std::memory_order_release);
-  }
-  return std::min(grid / 2, clusters) * 2;
 }
 
 namespace {

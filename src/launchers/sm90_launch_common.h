@@ -37,12 +37,6 @@ DeviceInfo device_info();
 void raise_smem_limit_once(const void* kernel, size_t limit_bytes, int device,
                            std::atomic<uint64_t>* configured);
 
-// The largest even grid of 2-CTA clusters of `kernel` (kThreads threads, smem_bytes of dynamic
-// shared memory) that runs at once on `device`, at most `grid` CTAs: each cluster's CTAs must
-// share a GPC, so this can be below the SM count. Queried once per device and kernel:
-// `known` is the caller's static per-kernel cache (entry d for device d < 64, 0 = not yet).
-int paired_grid(const void* kernel, size_t smem_bytes, int grid, int device, std::atomic<int>* known);
-
 // Row-major bf16 matrix [outer, inner] read in boxes of [box_outer, kTensorMapBoxInner] with
 // the 128-byte swizzle; out-of-range elements read as zero. `name` goes into errors.
 CUtensorMap make_tensor_map_bf16(const void* base, uint64_t inner, uint64_t outer,

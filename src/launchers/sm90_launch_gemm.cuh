@@ -31,13 +31,7 @@ inline GemmShape rows_shape(const Sm90Rows& rows, int64_t k, int64_t n, int64_t 
   return s;
 }
 
-// The persistent grid: one CTA per SM, or rows.num_sms of them.
-inline int persistent_grid(const Sm90Rows& rows, const DeviceInfo& info) {
-  return rows.num_sms > 0 ? std::min(rows.num_sms, info.num_sms) : info.num_sms;
-}
-
-// One CTA per SM (or rows.num_sms of them; an even number in 2-CTA clusters, no more than run at
-// once). The dynamic shared-memory limit is raised once per
+// One CTA per SM (or rows.num_sms of them). The dynamic shared-memory limit is raised once per
 // device and instance, to what the largest E needs (a limit, not an allocation: each launch asks
 // for its own E's bytes), so later calls make no attribute call and threads running layers of
 // different E never race on it.
@@ -52,27 +46,9 @@ void launch_grouped_gemm(GemmParams<Gemm> params, const Sm90Rows& rows, WaitKern
   auto kernel = sm90_grouped_gemm_kernel<Gemm>;
   static std::atomic<uint64_t> configured{0};
   raise_smem_limit_once(reinterpret_cast<const void*>(kernel), smem_limit, info.device, &configured);
-  const int grid = persistent_grid(rows, info);
-  if constexpr (Gemm::kClusterCtas > 1) {
-    static std::atomic<int> known_clusters[64];
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(
-        paired_grid(reinterpret_cast<const void*>(kernel), smem_bytes, grid, info.device, known_clusters)));
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = smem_bytes;
-    config.stream = rows.stream;
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = Gemm::kClusterCtas;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    FUSEMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, params));
-  } else {
-    kernel<<<grid, kThreads, smem_bytes, rows.stream>>>(params);
-    FUSEMOE_CUDA_CHECK(cudaGetLastError());
-  }
+  const int grid = rows.num_sms > 0 ? std::min(rows.num_sms, info.num_sms) : info.num_sms;
+  kernel<<<grid, kThreads, smem_bytes, rows.stream>>>(params);
+  FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 // The assertions every row-tile launch makes of its rows problem.

@@ -133,20 +133,6 @@ TEST_P(Sm90Gemms, WeightGradsFp32Bf16OverwriteAccumulate) {
   expect_checks(p.check_weight_grad(WeightGrad::kW13, /*determinism=*/true));
 }
 
-// On the whole GPU the weight gradients run in 2-CTA clusters where the m-tiles pair up (every
-// case here but H384_I192's 3 m-tiles); given part of the SMs (as co-resident expert-parallel
-// ranks are) they run one CTA per tile. The one-CTA instance on these shapes, each CTA looping
-// over many tiles.
-TEST_P(Sm90Gemms, WeightGradsOnFewSms) {
-  Sm90GemmProblem p = make_problem(GetParam());
-  for (int sms : {3, 1}) {
-    std::printf("  %d SMs\n", sms);
-    p.set_num_sms(sms);
-    expect_checks(p.check_weight_grad(WeightGrad::kW2, /*determinism=*/true));
-    expect_checks(p.check_weight_grad(WeightGrad::kW13, /*determinism=*/false));
-  }
-}
-
 INSTANTIATE_TEST_SUITE_P(Cases, Sm90Gemms, ::testing::ValuesIn(gemm_cases()),
                          [](const ::testing::TestParamInfo<GemmCase>& info) { return std::string(info.param.name); });
 
