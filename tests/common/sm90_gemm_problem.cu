@@ -156,6 +156,7 @@ Sm90Rows Sm90GemmProblem::sm90_rows() const {
   rows.intermediate = shape_.I;
   rows.num_experts = shape_.E;
   rows.stream = stream_;
+  rows.num_sms = num_sms_;
   return rows;
 }
 

@@ -53,6 +53,8 @@ class Sm90GemmProblem {
   const ExpertRows& expert_rows() const { return rows_; }
   int64_t num_rows() const { return rows_.num_rows(); }
   int64_t num_slots() const { return shape_.T * shape_.K; }
+  // CTAs of every launch after this: at most n (Sm90Rows::num_sms); 0 = one per SM.
+  void set_num_sms(int n) { num_sms_ = n; }
 
   // The clamp limit the *_clamp launches use: z ~ N(0, 1), so it is active on ~7% of g and
   // ~13% of u.
@@ -96,6 +98,7 @@ class Sm90GemmProblem {
 
  private:
   Sm90Rows sm90_rows() const;
+  int num_sms_ = 0;
   // The rows r (or slots) with keep[r] still hold 0xFF bytes.
   Check kept_poison(const std::string& what, const DeviceBuffer& buffer, int64_t row_bytes,
                     const DeviceBuffer& keep) const;

@@ -133,6 +133,19 @@ TEST_P(Sm90Gemms, WeightGradsFp32Bf16OverwriteAccumulate) {
   expect_checks(p.check_weight_grad(WeightGrad::kW13, /*determinism=*/true));
 }
 
+// The weight gradients on few CTAs (as co-resident expert-parallel ranks give part of the SMs),
+// each looping over many tiles of many experts: a tile's held output boxes go out under the next
+// tile's main loop, across expert boundaries and tiles with fewer K-blocks than held boxes.
+TEST_P(Sm90Gemms, WeightGradsOnFewSms) {
+  Sm90GemmProblem p = make_problem(GetParam());
+  for (int sms : {3, 1}) {
+    std::printf("  %d SMs\n", sms);
+    p.set_num_sms(sms);
+    expect_checks(p.check_weight_grad(WeightGrad::kW2, /*determinism=*/true));
+    expect_checks(p.check_weight_grad(WeightGrad::kW13, /*determinism=*/false));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, Sm90Gemms, ::testing::ValuesIn(gemm_cases()),
                          [](const ::testing::TestParamInfo<GemmCase>& info) { return std::string(info.param.name); });
 
