@@ -18,9 +18,10 @@ Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, K to
 import argparse
 import json
 import sys
-import time
 
 import torch
+
+from host_timing import per_call_us
 
 CUDA_SHAPE = (256, 2048, 768, 128, 8)  # T, H, I, E, K: the 30B layer at op_overhead.py's T
 CPU_SHAPE = (2, 8, 4, 2, 1)  # tiny: on the CPU the gradient adds would otherwise be the time
@@ -54,21 +55,6 @@ class PassThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_TH):
         return dy_TH, None, None, None, None
-
-
-def per_call_us(fn, calls, repeats, cuda):
-    best = float("inf")
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda._sleep(100_000_000)  # cycles: tens of ms at H200 clocks
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    if cuda:
-        torch.cuda.synchronize()
-    return best
 
 
 def main():

@@ -27,12 +27,12 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import fusemoe  # noqa: E402
+from host_timing import per_call_us  # noqa: E402
 from fusemoe import _capi, ops  # noqa: E402
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 2048, 768, 128, 8  # Qwen3-30B-A3B
@@ -94,21 +94,6 @@ class CAbi:
 
 
 # ---- 1. host time ----
-
-def per_call_us(fn, calls, repeats=5):
-    """Best of `repeats` bursts of `calls` calls, each queued behind a GPU sleep of tens of ms
-    and short enough that the launch queue never fills: the host never waits for the GPU."""
-    best = float("inf")
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(100_000_000)  # cycles: tens of ms at H200 clocks
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
-    return best
-
 
 CHAIN_LAYERS = 8  # layers under one backward() in the per-layer backward row
 
