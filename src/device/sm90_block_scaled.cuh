@@ -274,7 +274,7 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
       }
       cursor.advance();
     }
-    Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc, staging, me);
+    store_tile_now<Epilogue>(p.epilogue, out_shape, tile, rows, inputs, acc, staging, me);
   }
   Epilogue::finish(me);
 }

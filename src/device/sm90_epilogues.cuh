@@ -26,6 +26,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "device/sm90_fragment.cuh"
@@ -57,6 +58,22 @@ struct AccRows {
   }
 };
 
+// Epilogues that hold a tile's output in registers and write it under the next tile's main
+// loop declare Held, kHeldBoxes (the units drained, one per K-block) and drain(); the others
+// store a tile whole after its main loop.
+template <class Epilogue, class = void>
+struct HeldBoxes {
+  struct Held {};
+  static constexpr bool kHolds = false;
+  static constexpr int kBoxes = 0;
+};
+template <class Epilogue>
+struct HeldBoxes<Epilogue, std::void_t<typename Epilogue::Held>> {
+  using Held = typename Epilogue::Held;
+  static constexpr bool kHolds = true;
+  static constexpr int kBoxes = Epilogue::kHeldBoxes;  // may be 0 for some of its instances
+};
+
 // The output shape the epilogues read (the kernel's GemmShape).
 struct EpilogueShape {
   int32_t n_valid;  // output columns N
@@ -68,21 +85,29 @@ struct EpilogueShape {
 // overflows and the result is -0, where the exact value is below 1e-36 in magnitude anyway.
 __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
-// Stores one accumulator row fragment: words[j] = bf16 pairs of output columns col0 + 8j + 2q,
-// +1 (q = lane % 4). A 4x4 transpose inside the quad turns every 4 chunks into one 16-byte
-// store per lane (lane q writes chunk 4a+q whole: docs/experiments.md#quad-transposed-stores).
-// Columns at or past n_valid are not stored (n_valid is a multiple of 8).
+// Stores group a of one accumulator row fragment: words[p] = bf16 pairs of output columns
+// col0 + 8(4a + p) + 2q, +1 (q = lane % 4). A 4x4 transpose inside the quad turns the 4 chunks
+// into one 16-byte store per lane (lane q writes chunk 4a+q whole:
+// docs/experiments.md#quad-transposed-stores). Columns at or past n_valid are not stored (n_valid
+// is a multiple of 8).
+__device__ __forceinline__ void store_quad_group(const uint32_t (&words)[4], __nv_bfloat16* row_ptr, bool row_valid,
+                                                 int col0, int a, int n_valid, int lane) {
+  const int q = lane % 4;
+  uint32_t w[4] = {words[0], words[1], words[2], words[3]};
+  quad_transpose(w, q);
+  const int col = col0 - 2 * q + 8 * (4 * a + q);  // lane q now holds chunk 4a+q
+  if (row_valid && col < n_valid) *reinterpret_cast<uint4*>(row_ptr + col) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Stores one accumulator row fragment: words[j] = bf16 pairs of output columns col0 + 8j + 2q, +1.
 template <int kChunks>
 __device__ __forceinline__ void store_row_fragment(uint32_t (&words)[kChunks], __nv_bfloat16* row_ptr,
                                                    bool row_valid, int col0, int n_valid, int lane) {
   static_assert(kChunks % 4 == 0, "the quad transpose works on groups of 4 chunks");
-  const int q = lane % 4;
 #pragma unroll
   for (int a = 0; a < kChunks / 4; ++a) {
-    uint32_t w[4] = {words[4 * a], words[4 * a + 1], words[4 * a + 2], words[4 * a + 3]};
-    quad_transpose(w, q);
-    const int col = col0 - 2 * q + 8 * (4 * a + q);  // lane q now holds chunk 4a+q
-    if (row_valid && col < n_valid) *reinterpret_cast<uint4*>(row_ptr + col) = make_uint4(w[0], w[1], w[2], w[3]);
+    const uint32_t w[4] = {words[4 * a], words[4 * a + 1], words[4 * a + 2], words[4 * a + 3]};
+    store_quad_group(w, row_ptr, row_valid, col0, a, n_valid, lane);
   }
 }
 
@@ -109,11 +134,9 @@ __device__ __forceinline__ void store_z_row(const float (&acc)[kRegs], int h, __
   }
 }
 
-// h = silu(g) * u of chunk j, row half h, as a bf16 pair; g, u clamped first when kClamp.
-template <bool kClamp, int kChunks, int kRegs>
-__device__ __forceinline__ uint32_t swiglu_bf16x2(const float (&acc)[kRegs], int j, int h, float clamp) {
-  const int gate = 4 * j + 2 * h, up = gate + 4 * kChunks;
-  float g0 = acc[gate], g1 = acc[gate + 1], u0 = acc[up], u1 = acc[up + 1];
+// h = silu(g) * u of two columns as a bf16 pair; g, u clamped first when kClamp.
+template <bool kClamp>
+__device__ __forceinline__ uint32_t swiglu_pair(float g0, float g1, float u0, float u1, float clamp) {
   if constexpr (kClamp) {
     g0 = fminf(g0, clamp);
     g1 = fminf(g1, clamp);
@@ -123,16 +146,47 @@ __device__ __forceinline__ uint32_t swiglu_bf16x2(const float (&acc)[kRegs], int
   return pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
 }
 
+// h of chunk j, row half h, from the fp32 accumulators.
+template <bool kClamp, int kChunks, int kRegs>
+__device__ __forceinline__ uint32_t swiglu_bf16x2(const float (&acc)[kRegs], int j, int h, float clamp) {
+  const int gate = 4 * j + 2 * h, up = gate + 4 * kChunks;
+  return swiglu_pair<kClamp>(acc[gate], acc[gate + 1], acc[up], acc[up + 1], clamp);
+}
+
+// h from a bf16 pair of g and the bf16 pair of u of the same two columns.
+template <bool kClamp>
+__device__ __forceinline__ uint32_t swiglu_of_bf16(uint32_t g, uint32_t u, float clamp) {
+  const float2 gf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g));
+  const float2 uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+  return swiglu_pair<kClamp>(gf.x, gf.y, uf.x, uf.y, clamp);
+}
+
+// Row-tile epilogues that hold (HeldBoxes in sm90_grouped_gemm.cuh): store() packs the tile into
+// bf16 words in registers, freeing the accumulators, and drain(i) writes unit i of them during
+// the next tile's main loop, one unit per K-block, so the tensor cores do not wait for the
+// tile's stores and arithmetic (docs/experiments.md#held-row-tiles).
+
+// h = silu(g) * u from the tile's z = [g | u] rounded to bf16 (the values the backward
+// recomputes h from, and PyTorch's bf16 SwiGLU reads), z stored when kStoreZ.
 template <int kBlockN, bool kClamp, bool kStoreZ>
 struct SwiGLUEpilogue {
   static constexpr int kStagingBytes = 0;
   static constexpr int kOutChunks = kBlockN / 16;  // n8 chunks of h per row: half the accumulators
+  static constexpr int kGroups = kOutChunks / 4;   // 16-byte stores of h per row
+  static constexpr int kHeldBoxes = 2 * kGroups;   // units: (row half, group)
   struct Args {
     __nv_bfloat16* h;  // [R_max, I]
     __nv_bfloat16* z;  // [R_max, 2I] pre-activations [g | u] for the backward (kStoreZ)
     float clamp;       // c > 0 (kClamp): g <- min(g, c), u <- clamp(u, -c, c)
   };
   struct Inputs {};
+  struct Held {
+    uint32_t z[2][2 * kOutChunks];  // row half h: gate chunk j at [j], up chunk j at [kOutChunks + j]
+    int32_t row[2];
+    bool valid[2];
+    int32_t col0;
+    bool pending;
+  };
   __device__ static void prefetch(const Args&) {}
   __device__ static Inputs prepare(const Args&, const EpilogueShape&, const Tile&, const AccRows&,
                                    const ConsumerThread&) {
@@ -140,23 +194,54 @@ struct SwiGLUEpilogue {
   }
 
   template <int kRegs>
-  __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
-                               Inputs&, const float (&acc)[kRegs], uint8_t*, const ConsumerThread& me) {
+  __device__ static void store(const Args&, const EpilogueShape&, const Tile& tile, const AccRows& rows, Inputs&,
+                               const float (&acc)[kRegs], uint8_t*, Held& held, const ConsumerThread& me) {
     static_assert(8 * kOutChunks == kRegs, "gate and up halves fill the accumulators");
-    const int I = s.n_valid;
-    const int col0 = tile.n_tile * (kBlockN / 2) + 2 * (me.lane % 4);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      if constexpr (kStoreZ) {
-        store_z_row<kOutChunks>(acc, h, args.z + static_cast<int64_t>(rows.row[h]) * 2 * I, rows.valid[h], col0, I,
-                                me.lane);
-      }
-      uint32_t words[kOutChunks];
 #pragma unroll
-      for (int j = 0; j < kOutChunks; ++j) words[j] = swiglu_bf16x2<kClamp, kOutChunks>(acc, j, h, args.clamp);
-      store_row_fragment<kOutChunks>(words, args.h + static_cast<int64_t>(rows.row[h]) * I, rows.valid[h], col0, I,
-                                     me.lane);
+      for (int j = 0; j < 2 * kOutChunks; ++j) held.z[h][j] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      held.row[h] = rows.row[h];
+      held.valid[h] = rows.valid[h];
     }
+    held.col0 = tile.n_tile * (kBlockN / 2) + 2 * (me.lane % 4);
+    held.pending = true;
+  }
+
+  template <int kUnit>
+  __device__ static void drain_unit(const Args& args, const EpilogueShape& s, const Held& held, int lane) {
+    constexpr int h = kUnit / kGroups, a = kUnit % kGroups;
+    const int I = s.n_valid;
+    // Opaque copies: the held values are invariant over the main loop, and ptxas would otherwise
+    // compute from all of them ahead of it (their fp32 values, every unit's addresses: more
+    // live registers than there are, and spills).
+    uint32_t g[4], u[4], out[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      g[p] = held.z[h][4 * a + p];
+      u[p] = held.z[h][kOutChunks + 4 * a + p];
+      asm volatile("" : "+r"(g[p]), "+r"(u[p]));
+    }
+    int32_t row = held.row[h], col0 = held.col0;
+    asm volatile("" : "+r"(row), "+r"(col0));
+    if constexpr (kStoreZ) {
+      __nv_bfloat16* z_row = args.z + static_cast<int64_t>(row) * 2 * I;
+      store_quad_group(g, z_row, held.valid[h], col0, a, I, lane);
+      store_quad_group(u, z_row + I, held.valid[h], col0, a, I, lane);
+    }
+#pragma unroll
+    for (int p = 0; p < 4; ++p) out[p] = swiglu_of_bf16<kClamp>(g[p], u[p], args.clamp);
+    store_quad_group(out, args.h + static_cast<int64_t>(row) * I, held.valid[h], col0, a, I, lane);
+  }
+  template <int... kUnit>
+  __device__ static void drain_one(const Args& args, const EpilogueShape& s, const Held& held, int i, int lane,
+                                   std::integer_sequence<int, kUnit...>) {
+    ((i == kUnit ? drain_unit<kUnit>(args, s, held, lane) : void()), ...);
+  }
+  // Unit i (a runtime index, uniform over the warpgroup) of the held tile out, if one is held.
+  __device__ static void drain(const Args& args, const EpilogueShape& s, uint8_t*, const Held& held, int i,
+                               const ConsumerThread& me) {
+    if (held.pending && i < kHeldBoxes) drain_one(args, s, held, i, me.lane, std::make_integer_sequence<int, kHeldBoxes>{});
   }
   __device__ static void finish(const ConsumerThread&) {}
 };
@@ -212,14 +297,23 @@ struct RowStoreEpilogue {
     }
     return in;
   }
+  // Held: the tile's rows as bf16 pairs (weighted), 64 words a thread; units are the 16-byte
+  // column groups, both row halves each.
+  static constexpr int kGroups = kChunks / 4;
+  static constexpr int kHeldBoxes = kGroups;
+  struct Held {
+    uint32_t words[2][kChunks];
+    __nv_bfloat16* row_ptr[2];
+    bool valid[2];
+    int32_t col0;
+    bool pending;
+  };
   template <int kRegs>
   __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
-                               Inputs& in, const float (&acc)[kRegs], uint8_t*, const ConsumerThread& me) {
+                               Inputs& in, const float (&acc)[kRegs], uint8_t*, Held& held, const ConsumerThread& me) {
     static_assert(4 * kChunks == kRegs, "the chunks fill the accumulators");
-    const int col0 = tile.n_tile * kBlockN + 2 * (me.lane % 4);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      uint32_t words[kChunks];
 #pragma unroll
       for (int j = 0; j < kChunks; ++j) {
         float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
@@ -227,16 +321,35 @@ struct RowStoreEpilogue {
           v0 *= in.weight[h];
           v1 *= in.weight[h];
         }
-        words[j] = pack_bf16x2(v0, v1);
+        held.words[h][j] = pack_bf16x2(v0, v1);
       }
-      __nv_bfloat16* row_ptr;
       if constexpr (kToPeers) {
-        row_ptr = in.peer_row[h];
+        held.row_ptr[h] = in.peer_row[h];
       } else {
-        row_ptr = args.out + static_cast<int64_t>(in.dest[h]) * s.n_valid;
+        held.row_ptr[h] = args.out + static_cast<int64_t>(in.dest[h]) * s.n_valid;
       }
-      store_row_fragment<kChunks>(words, row_ptr, rows.valid[h], col0, s.n_valid, me.lane);
+      held.valid[h] = rows.valid[h];
     }
+    held.col0 = tile.n_tile * kBlockN + 2 * (me.lane % 4);
+    held.pending = true;
+  }
+  template <int... kUnit>
+  __device__ static void drain_one(const EpilogueShape& s, const Held& held, int i, int lane,
+                                   std::integer_sequence<int, kUnit...>) {
+    ([&] {
+      if (i != kUnit) return;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t w[4] = {held.words[h][4 * kUnit], held.words[h][4 * kUnit + 1], held.words[h][4 * kUnit + 2],
+                               held.words[h][4 * kUnit + 3]};
+        store_quad_group(w, held.row_ptr[h], held.valid[h], held.col0, kUnit, s.n_valid, lane);
+      }
+    }(), ...);
+  }
+  // Unit i (a runtime index, uniform over the warpgroup) of the held tile out, if one is held.
+  __device__ static void drain(const Args&, const EpilogueShape& s, uint8_t*, const Held& held, int i,
+                               const ConsumerThread& me) {
+    if (held.pending && i < kHeldBoxes) drain_one(s, held, i, me.lane, std::make_integer_sequence<int, kHeldBoxes>{});
   }
   __device__ static void finish(const ConsumerThread&) {}
 };
@@ -603,5 +716,22 @@ struct WeightGradEpilogue {
     if (me.tid_in_wg == 0) bulk_wait_group_all();
   }
 };
+
+// Stores a tile whole now, a holding epilogue's units drained at once: for the FP8 consumer
+// loop, whose 64 promotion registers leave no room to hold a tile.
+template <class Epilogue, int kRegs>
+__device__ __forceinline__ void store_tile_now(const typename Epilogue::Args& args, const EpilogueShape& s,
+                                               const Tile& tile, const AccRows& rows,
+                                               typename Epilogue::Inputs& inputs, const float (&acc)[kRegs],
+                                               uint8_t* staging, const ConsumerThread& me) {
+  if constexpr (HeldBoxes<Epilogue>::kHolds) {
+    typename Epilogue::Held held{};
+    Epilogue::store(args, s, tile, rows, inputs, acc, staging, held, me);
+#pragma unroll
+    for (int i = 0; i < HeldBoxes<Epilogue>::kBoxes; ++i) Epilogue::drain(args, s, staging, held, i, me);
+  } else {
+    Epilogue::store(args, s, tile, rows, inputs, acc, staging, me);
+  }
+}
 
 }  // namespace fusemoe::sm90

@@ -222,22 +222,6 @@ __device__ __forceinline__ ConsumerThread row_block_thread(const ConsumerThread&
   return block;
 }
 
-// Epilogues that hold a tile's last output boxes in registers and write them under the next
-// tile's main loop (the weight gradients') declare Held, kHeldBoxes and drain(); the others
-// store a tile whole after its main loop.
-template <class Epilogue, class = void>
-struct HeldBoxes {
-  struct Held {};
-  static constexpr bool kHolds = false;
-  static constexpr int kBoxes = 0;
-};
-template <class Epilogue>
-struct HeldBoxes<Epilogue, std::void_t<typename Epilogue::Held>> {
-  using Held = typename Epilogue::Held;
-  static constexpr bool kHolds = true;
-  static constexpr int kBoxes = Epilogue::kHeldBoxes;  // may be 0 for some of its instances
-};
-
 template <class Gemm>
 __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
                                         const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a, uint8_t* tiles_b,
