@@ -6,7 +6,9 @@
 //   RowStoreEpilogue<N, kWeighted, kDest>
 //                                       bf16 rows (times the routing weight when kWeighted) to
 //                                       row r of out (kSortedRow), to its slot row_slot[r]
-//                                       (kSlotRow), or to that slot of another rank (kPeerSlot)
+//                                       (kSlotRow), or to that slot of another rank (kPeerSlot),
+//                                       held in registers and written under the next tile's
+//                                       main loop
 //   DgradSwiGLUEpilogue<N, kClamp>      from a = dy W2: dz = [w a u silu'(g) | w a silu(g)]
 //                                       (clamp masks), wh = w h, and the router-gradient
 //                                       partial <h, a> of the tile's columns
@@ -18,7 +20,9 @@
 // Each has Args (its kernel arguments), kStagingBytes (its share of shared memory), prefetch()
 // (its tensor maps, once per CTA), prepare()
 // (per-tile inputs loaded before the main loop so their latency hides under it), store(), and
-// finish() (after the CTA's last tile), with one signature for all. Accumulator fragment layout: sm90_ptx.cuh, wgmma section.
+// finish() (after the CTA's last tile), with one signature for all; an epilogue that holds a tile
+// under the next main loop adds Held and drain() (HeldBoxes). Accumulator fragment layout:
+// sm90_ptx.cuh, wgmma section.
 // Row epilogues store only rows before the expert's end (AccRows::valid) and columns < N.
 #pragma once
 
@@ -134,9 +138,11 @@ __device__ __forceinline__ void store_z_row(const float (&acc)[kRegs], int h, __
   }
 }
 
-// h = silu(g) * u of two columns as a bf16 pair; g, u clamped first when kClamp.
-template <bool kClamp>
-__device__ __forceinline__ uint32_t swiglu_pair(float g0, float g1, float u0, float u1, float clamp) {
+// h = silu(g) * u of chunk j, row half h, as a bf16 pair; g, u clamped first when kClamp.
+template <bool kClamp, int kChunks, int kRegs>
+__device__ __forceinline__ uint32_t swiglu_bf16x2(const float (&acc)[kRegs], int j, int h, float clamp) {
+  const int gate = 4 * j + 2 * h, up = gate + 4 * kChunks;
+  float g0 = acc[gate], g1 = acc[gate + 1], u0 = acc[up], u1 = acc[up + 1];
   if constexpr (kClamp) {
     g0 = fminf(g0, clamp);
     g1 = fminf(g1, clamp);
@@ -146,102 +152,42 @@ __device__ __forceinline__ uint32_t swiglu_pair(float g0, float g1, float u0, fl
   return pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
 }
 
-// h of chunk j, row half h, from the fp32 accumulators.
-template <bool kClamp, int kChunks, int kRegs>
-__device__ __forceinline__ uint32_t swiglu_bf16x2(const float (&acc)[kRegs], int j, int h, float clamp) {
-  const int gate = 4 * j + 2 * h, up = gate + 4 * kChunks;
-  return swiglu_pair<kClamp>(acc[gate], acc[gate + 1], acc[up], acc[up + 1], clamp);
-}
-
-// h from a bf16 pair of g and the bf16 pair of u of the same two columns.
-template <bool kClamp>
-__device__ __forceinline__ uint32_t swiglu_of_bf16(uint32_t g, uint32_t u, float clamp) {
-  const float2 gf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g));
-  const float2 uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
-  return swiglu_pair<kClamp>(gf.x, gf.y, uf.x, uf.y, clamp);
-}
-
-// Row-tile epilogues that hold (HeldBoxes in sm90_grouped_gemm.cuh): store() packs the tile into
-// bf16 words in registers, freeing the accumulators, and drain(i) writes unit i of them during
-// the next tile's main loop, one unit per K-block, so the tensor cores do not wait for the
-// tile's stores and arithmetic (docs/experiments.md#held-row-tiles).
-
-// h = silu(g) * u from the tile's z = [g | u] rounded to bf16 (the values the backward
-// recomputes h from, and PyTorch's bf16 SwiGLU reads), z stored when kStoreZ.
 template <int kBlockN, bool kClamp, bool kStoreZ>
 struct SwiGLUEpilogue {
   static constexpr int kStagingBytes = 0;
   static constexpr int kOutChunks = kBlockN / 16;  // n8 chunks of h per row: half the accumulators
-  static constexpr int kGroups = kOutChunks / 4;   // 16-byte stores of h per row
-  static constexpr int kHeldBoxes = 2 * kGroups;   // units: (row half, group)
   struct Args {
     __nv_bfloat16* h;  // [R_max, I]
     __nv_bfloat16* z;  // [R_max, 2I] pre-activations [g | u] for the backward (kStoreZ)
     float clamp;       // c > 0 (kClamp): g <- min(g, c), u <- clamp(u, -c, c)
   };
   struct Inputs {};
-  struct Held {
-    uint32_t z[2][2 * kOutChunks];  // row half h: gate chunk j at [j], up chunk j at [kOutChunks + j]
-    int32_t row[2];
-    bool valid[2];
-    int32_t col0;
-    bool pending;
-  };
   __device__ static void prefetch(const Args&) {}
   __device__ static Inputs prepare(const Args&, const EpilogueShape&, const Tile&, const AccRows&,
                                    const ConsumerThread&) {
     return {};
   }
 
+  // Stored whole after the main loop. Held like the row stores' tiles, with h computed under the
+  // next main loop from the bf16 z, it measured 1-5% slower (docs/experiments.md#held-row-tiles).
   template <int kRegs>
-  __device__ static void store(const Args&, const EpilogueShape&, const Tile& tile, const AccRows& rows, Inputs&,
-                               const float (&acc)[kRegs], uint8_t*, Held& held, const ConsumerThread& me) {
+  __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
+                               Inputs&, const float (&acc)[kRegs], uint8_t*, const ConsumerThread& me) {
     static_assert(8 * kOutChunks == kRegs, "gate and up halves fill the accumulators");
+    const int I = s.n_valid;
+    const int col0 = tile.n_tile * (kBlockN / 2) + 2 * (me.lane % 4);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      if constexpr (kStoreZ) {
+        store_z_row<kOutChunks>(acc, h, args.z + static_cast<int64_t>(rows.row[h]) * 2 * I, rows.valid[h], col0, I,
+                                me.lane);
+      }
+      uint32_t words[kOutChunks];
 #pragma unroll
-      for (int j = 0; j < 2 * kOutChunks; ++j) held.z[h][j] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-      held.row[h] = rows.row[h];
-      held.valid[h] = rows.valid[h];
+      for (int j = 0; j < kOutChunks; ++j) words[j] = swiglu_bf16x2<kClamp, kOutChunks>(acc, j, h, args.clamp);
+      store_row_fragment<kOutChunks>(words, args.h + static_cast<int64_t>(rows.row[h]) * I, rows.valid[h], col0, I,
+                                     me.lane);
     }
-    held.col0 = tile.n_tile * (kBlockN / 2) + 2 * (me.lane % 4);
-    held.pending = true;
-  }
-
-  template <int kUnit>
-  __device__ static void drain_unit(const Args& args, const EpilogueShape& s, const Held& held, int lane) {
-    constexpr int h = kUnit / kGroups, a = kUnit % kGroups;
-    const int I = s.n_valid;
-    // Opaque copies: the held values are invariant over the main loop, and ptxas would otherwise
-    // compute from all of them ahead of it (their fp32 values, every unit's addresses: more
-    // live registers than there are, and spills).
-    uint32_t g[4], u[4], out[4];
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      g[p] = held.z[h][4 * a + p];
-      u[p] = held.z[h][kOutChunks + 4 * a + p];
-      asm volatile("" : "+r"(g[p]), "+r"(u[p]));
-    }
-    int32_t row = held.row[h], col0 = held.col0;
-    asm volatile("" : "+r"(row), "+r"(col0));
-    if constexpr (kStoreZ) {
-      __nv_bfloat16* z_row = args.z + static_cast<int64_t>(row) * 2 * I;
-      store_quad_group(g, z_row, held.valid[h], col0, a, I, lane);
-      store_quad_group(u, z_row + I, held.valid[h], col0, a, I, lane);
-    }
-#pragma unroll
-    for (int p = 0; p < 4; ++p) out[p] = swiglu_of_bf16<kClamp>(g[p], u[p], args.clamp);
-    store_quad_group(out, args.h + static_cast<int64_t>(row) * I, held.valid[h], col0, a, I, lane);
-  }
-  template <int... kUnit>
-  __device__ static void drain_one(const Args& args, const EpilogueShape& s, const Held& held, int i, int lane,
-                                   std::integer_sequence<int, kUnit...>) {
-    ((i == kUnit ? drain_unit<kUnit>(args, s, held, lane) : void()), ...);
-  }
-  // Unit i (a runtime index, uniform over the warpgroup) of the held tile out, if one is held.
-  __device__ static void drain(const Args& args, const EpilogueShape& s, uint8_t*, const Held& held, int i,
-                               const ConsumerThread& me) {
-    if (held.pending && i < kHeldBoxes) drain_one(args, s, held, i, me.lane, std::make_integer_sequence<int, kHeldBoxes>{});
   }
   __device__ static void finish(const ConsumerThread&) {}
 };
@@ -297,8 +243,10 @@ struct RowStoreEpilogue {
     }
     return in;
   }
-  // Held: the tile's rows as bf16 pairs (weighted), 64 words a thread; units are the 16-byte
-  // column groups, both row halves each.
+  // Held (HeldBoxes above; drained by consume() in sm90_grouped_gemm.cuh): store() packs the tile's rows into bf16 pairs
+  // (weighted), 64 words a thread, freeing the accumulators; drain(i) writes unit i, the 16-byte
+  // column group i of both row halves, during the next tile's main loop, one unit per K-block, so
+  // the tensor cores do not wait for the tile's stores (docs/experiments.md#held-row-tiles).
   static constexpr int kGroups = kChunks / 4;
   static constexpr int kHeldBoxes = kGroups;
   struct Held {
