@@ -156,37 +156,74 @@ template <int kBlockN, bool kClamp, bool kStoreZ>
 struct SwiGLUEpilogue {
   static constexpr int kStagingBytes = 0;
   static constexpr int kOutChunks = kBlockN / 16;  // n8 chunks of h per row: half the accumulators
+  static constexpr int kZGroups = kOutChunks / 4;  // 16-byte stores of g (and of u) per row
   struct Args {
     __nv_bfloat16* h;  // [R_max, I]
     __nv_bfloat16* z;  // [R_max, 2I] pre-activations [g | u] for the backward (kStoreZ)
     float clamp;       // c > 0 (kClamp): g <- min(g, c), u <- clamp(u, -c, c)
   };
   struct Inputs {};
+  // h is computed and stored after the main loop; z (kStoreZ) is held as bf16 pairs, 64 words a
+  // thread, and drained under the next tile's main loop like the row stores' tiles: unit i is
+  // g's group i (i < kZGroups) or u's group i - kZGroups, both row halves. Computing h there too,
+  // from the bf16 z, measured 1-5% slower (docs/experiments.md#held-row-tiles).
+  static constexpr int kHeldBoxes = kStoreZ ? 2 * kZGroups : 0;
+  struct Held {
+    uint32_t z[kStoreZ ? 2 : 1][kStoreZ ? 2 * kOutChunks : 1];  // row half h: g chunk j at [j], u at [kOutChunks + j]
+    __nv_bfloat16* z_row[2];
+    bool valid[2];
+    int32_t col0;
+    bool pending;
+  };
   __device__ static void prefetch(const Args&) {}
   __device__ static Inputs prepare(const Args&, const EpilogueShape&, const Tile&, const AccRows&,
                                    const ConsumerThread&) {
     return {};
   }
 
-  // Stored whole after the main loop. Held like the row stores' tiles, with h computed under the
-  // next main loop from the bf16 z, it measured 1-5% slower (docs/experiments.md#held-row-tiles).
   template <int kRegs>
   __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
-                               Inputs&, const float (&acc)[kRegs], uint8_t*, const ConsumerThread& me) {
+                               Inputs&, const float (&acc)[kRegs], uint8_t*, Held& held, const ConsumerThread& me) {
     static_assert(8 * kOutChunks == kRegs, "gate and up halves fill the accumulators");
     const int I = s.n_valid;
     const int col0 = tile.n_tile * (kBlockN / 2) + 2 * (me.lane % 4);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      if constexpr (kStoreZ) {
-        store_z_row<kOutChunks>(acc, h, args.z + static_cast<int64_t>(rows.row[h]) * 2 * I, rows.valid[h], col0, I,
-                                me.lane);
-      }
       uint32_t words[kOutChunks];
 #pragma unroll
       for (int j = 0; j < kOutChunks; ++j) words[j] = swiglu_bf16x2<kClamp, kOutChunks>(acc, j, h, args.clamp);
       store_row_fragment<kOutChunks>(words, args.h + static_cast<int64_t>(rows.row[h]) * I, rows.valid[h], col0, I,
                                      me.lane);
+      if constexpr (kStoreZ) {
+#pragma unroll
+        for (int j = 0; j < 2 * kOutChunks; ++j) held.z[h][j] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        held.z_row[h] = args.z + static_cast<int64_t>(rows.row[h]) * 2 * I;
+        held.valid[h] = rows.valid[h];
+      }
+    }
+    held.col0 = col0;
+    held.pending = kStoreZ;
+  }
+  template <int... kUnit>
+  __device__ static void drain_one(const EpilogueShape& s, const Held& held, int i, int lane,
+                                   std::integer_sequence<int, kUnit...>) {
+    ([&] {
+      if (i != kUnit) return;
+      constexpr int a = kUnit % kZGroups, base = kUnit < kZGroups ? 0 : kOutChunks;
+      const int I = s.n_valid;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t w[4] = {held.z[h][base + 4 * a], held.z[h][base + 4 * a + 1], held.z[h][base + 4 * a + 2],
+                               held.z[h][base + 4 * a + 3]};
+        store_quad_group(w, held.z_row[h] + (base ? I : 0), held.valid[h], held.col0, a, I, lane);
+      }
+    }(), ...);
+  }
+  // Unit i (a runtime index, uniform over the warpgroup) of the held z out, if one is held.
+  __device__ static void drain(const Args&, const EpilogueShape& s, uint8_t*, const Held& held, int i,
+                               const ConsumerThread& me) {
+    if constexpr (kStoreZ) {
+      if (held.pending && i < kHeldBoxes) drain_one(s, held, i, me.lane, std::make_integer_sequence<int, kHeldBoxes>{});
     }
   }
   __device__ static void finish(const ConsumerThread&) {}
