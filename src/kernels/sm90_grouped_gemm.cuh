@@ -238,21 +238,8 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
   static_assert(kHeldBoxes == 0 || (kRowBlocks == 1 && !Consumers::kPingPong), "held boxes: cooperative tiles");
   typename HeldBoxes<Epilogue>::Held held{};
   const int32_t num_tiles = sched.num_tiles();
-  // A scheduler that reads global memory (the weight gradients' expert offsets) describes each
-  // tile one tile ahead, so no L2 round trip sits between two tiles' MMAs
-  // (docs/experiments.md#tile-lookahead). The shared-memory table needs no lookahead (and its
-  // registers made the ping-pong dgrad spill).
-  constexpr bool kLookahead = !Gemm::Scheduler::kTableInSmem;
-  Tile next{};
-  if (kLookahead && static_cast<int32_t>(blockIdx.x) < num_tiles) next = sched.tile(blockIdx.x);
   for (int32_t t = blockIdx.x, local = 0; t < num_tiles; t += gridDim.x, ++local) {
-    Tile tile;
-    if constexpr (kLookahead) {
-      tile = next;
-      if (t + static_cast<int32_t>(gridDim.x) < num_tiles) next = sched.tile(t + gridDim.x);
-    } else {
-      tile = sched.tile(t);
-    }
+    const Tile tile = sched.tile(t);
     if constexpr (Consumers::kPingPong) {
       if (local % kNumConsumers != me.consumer) {  // the other consumer's tile
         cursor.skip(tile.num_k_blocks);
