@@ -115,6 +115,26 @@ __device__ __forceinline__ void store_row_fragment(uint32_t (&words)[kChunks], _
   }
 }
 
+// A tile's rows held as bf16 pairs in registers and stored 16-byte column group by group under the
+// next tile's main loop (the row stores' tiles, gate/up's z: docs/experiments.md#held-row-tiles).
+template <int kWords>
+struct HeldRows {
+  uint32_t words[2][kWords];  // row half h
+  __nv_bfloat16* row_ptr[2];
+  bool valid[2];
+  int32_t col0;  // the thread's first column, as store_quad_group takes it
+  bool pending;  // a tile waits to go out
+  // Words [kFirst, kFirst + 4) of both row halves as column group a of the rows at row_ptr + offset.
+  template <int kFirst>
+  __device__ __forceinline__ void store_group(int a, int offset, int n_valid, int lane) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t w[4] = {words[h][kFirst], words[h][kFirst + 1], words[h][kFirst + 2], words[h][kFirst + 3]};
+      store_quad_group(w, row_ptr[h] + offset, valid[h], col0, a, n_valid, lane);
+    }
+  }
+};
+
 // ------------------------------------------------------------------------------------ SwiGLU
 
 // The gate/up accumulators of an output chunk: chunk j of h pairs gate registers acc[4j + 2h + b]
@@ -168,13 +188,7 @@ struct SwiGLUEpilogue {
   // g's group i (i < kZGroups) or u's group i - kZGroups, both row halves. Computing h there too,
   // from the bf16 z, measured 1-5% slower (docs/experiments.md#held-row-tiles).
   static constexpr int kHeldBoxes = kStoreZ ? 2 * kZGroups : 0;
-  struct Held {
-    uint32_t z[kStoreZ ? 2 : 1][kStoreZ ? 2 * kOutChunks : 1];  // row half h: g chunk j at [j], u at [kOutChunks + j]
-    __nv_bfloat16* z_row[2];
-    bool valid[2];
-    int32_t col0;
-    bool pending;
-  };
+  using Held = HeldRows<kStoreZ ? 2 * kOutChunks : 1>;  // row half h: g chunk j at [j], u at [kOutChunks + j]
   __device__ static void prefetch(const Args&) {}
   __device__ static Inputs prepare(const Args&, const EpilogueShape&, const Tile&, const AccRows&,
                                    const ConsumerThread&) {
@@ -196,34 +210,33 @@ struct SwiGLUEpilogue {
                                      me.lane);
       if constexpr (kStoreZ) {
 #pragma unroll
-        for (int j = 0; j < 2 * kOutChunks; ++j) held.z[h][j] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-        held.z_row[h] = args.z + static_cast<int64_t>(rows.row[h]) * 2 * I;
+        for (int j = 0; j < 2 * kOutChunks; ++j) {
+          held.words[h][j] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        }
+        held.row_ptr[h] = args.z + static_cast<int64_t>(rows.row[h]) * 2 * I;
         held.valid[h] = rows.valid[h];
       }
     }
     held.col0 = col0;
     held.pending = kStoreZ;
   }
+  // Unit u: g's column group u (u < kZGroups) or u's group u - kZGroups.
+  template <int kUnit>
+  __device__ static void store_z_unit(const Held& held, int I, int lane) {
+    constexpr int a = kUnit % kZGroups;
+    constexpr bool up = kUnit >= kZGroups;
+    held.template store_group<(up ? kOutChunks : 0) + 4 * a>(a, up ? I : 0, I, lane);
+  }
   template <int... kUnit>
-  __device__ static void drain_one(const EpilogueShape& s, const Held& held, int i, int lane,
-                                   std::integer_sequence<int, kUnit...>) {
-    ([&] {
-      if (i != kUnit) return;
-      constexpr int a = kUnit % kZGroups, base = kUnit < kZGroups ? 0 : kOutChunks;
-      const int I = s.n_valid;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t w[4] = {held.z[h][base + 4 * a], held.z[h][base + 4 * a + 1], held.z[h][base + 4 * a + 2],
-                               held.z[h][base + 4 * a + 3]};
-        store_quad_group(w, held.z_row[h] + (base ? I : 0), held.valid[h], held.col0, a, I, lane);
-      }
-    }(), ...);
+  __device__ static void drain_units(const EpilogueShape& s, const Held& held, int i, int lane,
+                                     std::integer_sequence<int, kUnit...>) {
+    ((i == kUnit ? store_z_unit<kUnit>(held, s.n_valid, lane) : void()), ...);
   }
   // Unit i (a runtime index, uniform over the warpgroup) of the held z out, if one is held.
   __device__ static void drain(const Args&, const EpilogueShape& s, uint8_t*, const Held& held, int i,
                                const ConsumerThread& me) {
     if constexpr (kStoreZ) {
-      if (held.pending && i < kHeldBoxes) drain_one(s, held, i, me.lane, std::make_integer_sequence<int, kHeldBoxes>{});
+      if (held.pending && i < kHeldBoxes) drain_units(s, held, i, me.lane, std::make_integer_sequence<int, kHeldBoxes>{});
     }
   }
   __device__ static void finish(const ConsumerThread&) {}
@@ -286,13 +299,7 @@ struct RowStoreEpilogue {
   // the tensor cores do not wait for the tile's stores (docs/experiments.md#held-row-tiles).
   static constexpr int kGroups = kChunks / 4;
   static constexpr int kHeldBoxes = kGroups;
-  struct Held {
-    uint32_t words[2][kChunks];
-    __nv_bfloat16* row_ptr[2];
-    bool valid[2];
-    int32_t col0;
-    bool pending;
-  };
+  using Held = HeldRows<kChunks>;
   template <int kRegs>
   __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
                                Inputs& in, const float (&acc)[kRegs], uint8_t*, Held& held, const ConsumerThread& me) {
@@ -319,22 +326,14 @@ struct RowStoreEpilogue {
     held.pending = true;
   }
   template <int... kUnit>
-  __device__ static void drain_one(const EpilogueShape& s, const Held& held, int i, int lane,
-                                   std::integer_sequence<int, kUnit...>) {
-    ([&] {
-      if (i != kUnit) return;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t w[4] = {held.words[h][4 * kUnit], held.words[h][4 * kUnit + 1], held.words[h][4 * kUnit + 2],
-                               held.words[h][4 * kUnit + 3]};
-        store_quad_group(w, held.row_ptr[h], held.valid[h], held.col0, kUnit, s.n_valid, lane);
-      }
-    }(), ...);
+  __device__ static void drain_units(const EpilogueShape& s, const Held& held, int i, int lane,
+                                     std::integer_sequence<int, kUnit...>) {
+    ((i == kUnit ? held.template store_group<4 * kUnit>(kUnit, 0, s.n_valid, lane) : void()), ...);
   }
   // Unit i (a runtime index, uniform over the warpgroup) of the held tile out, if one is held.
   __device__ static void drain(const Args&, const EpilogueShape& s, uint8_t*, const Held& held, int i,
                                const ConsumerThread& me) {
-    if (held.pending && i < kHeldBoxes) drain_one(s, held, i, me.lane, std::make_integer_sequence<int, kHeldBoxes>{});
+    if (held.pending && i < kHeldBoxes) drain_units(s, held, i, me.lane, std::make_integer_sequence<int, kHeldBoxes>{});
   }
   __device__ static void finish(const ConsumerThread&) {}
 };
