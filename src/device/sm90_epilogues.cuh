@@ -2,7 +2,8 @@
 // accumulators once a tile's main loop is done.
 //
 //   SwiGLUEpilogue<N, kClamp, kStoreZ>  h = silu(g) * u (g, u clamped when kClamp), bf16, into h
-//                                       [R, I]; z = [g | u] (before the clamp) into z [R, 2I]
+//                                       [R, I]; z = [g | u] (before the clamp) into z [R, 2I],
+//                                       held and written under the next tile's main loop
 //   RowStoreEpilogue<N, kWeighted, kDest>
 //                                       bf16 rows (times the routing weight when kWeighted) to
 //                                       row r of out (kSortedRow), to its slot row_slot[r]
@@ -236,7 +237,9 @@ struct SwiGLUEpilogue {
   __device__ static void drain(const Args&, const EpilogueShape& s, uint8_t*, const Held& held, int i,
                                const ConsumerThread& me) {
     if constexpr (kStoreZ) {
-      if (held.pending && i < kHeldBoxes) drain_units(s, held, i, me.lane, std::make_integer_sequence<int, kHeldBoxes>{});
+      if (held.pending && i < kHeldBoxes) {
+        drain_units(s, held, i, me.lane, std::make_integer_sequence<int, kHeldBoxes>{});
+      }
     }
   }
   __device__ static void finish(const ConsumerThread&) {}
@@ -293,10 +296,11 @@ struct RowStoreEpilogue {
     }
     return in;
   }
-  // Held (HeldBoxes above; drained by consume() in sm90_grouped_gemm.cuh): store() packs the tile's rows into bf16 pairs
-  // (weighted), 64 words a thread, freeing the accumulators; drain(i) writes unit i, the 16-byte
-  // column group i of both row halves, during the next tile's main loop, one unit per K-block, so
-  // the tensor cores do not wait for the tile's stores (docs/experiments.md#held-row-tiles).
+  // Held (HeldBoxes above; drained by consume() in sm90_grouped_gemm.cuh): store() packs the
+  // tile's rows into bf16 pairs (weighted), 64 words a thread, freeing the accumulators; drain(i)
+  // writes unit i, the 16-byte column group i of both row halves, during the next tile's main
+  // loop, one unit per K-block, so the tensor cores do not wait for the tile's stores
+  // (docs/experiments.md#held-row-tiles).
   static constexpr int kGroups = kChunks / 4;
   static constexpr int kHeldBoxes = kGroups;
   using Held = HeldRows<kChunks>;
