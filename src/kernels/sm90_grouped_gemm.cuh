@@ -15,7 +15,8 @@
 //     k-block), running ahead across tiles so the next tile's loads overlap this tile's
 //     epilogue. Thread 0 issues the TMA loads; a gathered A is copied by all 128 threads.
 //   warpgroups 1, 2 (consumers, 232 registers): consumer c issues wgmma m64 x kBlockN x k16 on
-//     tile rows [64c, 64c + 64) into fp32 registers, then runs the epilogue from them; or, in
+//     tile rows [64c, 64c + 64) into fp32 registers, then runs the epilogue from them (a holding
+//     epilogue packs the tile and writes it under the next tile's main loop: HeldBoxes); or, in
 //     the ping-pong schedule (PingPongConsumers, sm90_layout.cuh), takes every other tile of
 //     the CTA whole, rows [0, 64) and [64, 128), the two main loops taking turns.
 // Shared memory: [kStages x A tile][kStages x B tile][epilogue staging][full, empty][tile table,
