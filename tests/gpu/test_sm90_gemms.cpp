@@ -4,10 +4,10 @@
 // + atol with NaN failing, rows of no expert keep their poison, a second launch bitwise equal).
 // Every instance runs on every routing case: empty experts, one expert with all rows, masked
 // slots, expert sizes 1, 7, 128, 129, 199 (partial and exact tiles), no rows, T = 0, E = 1024,
-// H and I that are not multiples of the tile widths, and the Qwen3 layer dims. Gate/up with the
-// clamp and the z store on and off; dgrad at both tile widths (block_n 128 and 256, set
-// explicitly; the pipeline takes sm90_dgrad_block_n(H)); weight gradients fp32 and bf16,
-// overwritten and accumulated.
+// H and I that are not multiples of the tile widths, H = 128 (2 K-blocks), and the Qwen3 layer
+// dims. Gate/up with the clamp and the z store on and off; dgrad at both tile widths (block_n 128
+// and 256, set explicitly; the pipeline takes sm90_dgrad_block_n(H)); weight gradients fp32 and
+// bf16, overwritten and accumulated; the instances that hold tiles also on 3 and 1 CTAs.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -42,6 +42,8 @@ const std::vector<GemmCase>& gemm_cases() {
       {"few_experts", {199, 4, 8, 256, 128}, Routing::kFewExperts, {}},
       {"masked", {199, 4, 8, 256, 128}, Routing::kMasked, {}},
       {"H384_I192", {257, 4, 8, 384, 192}, Routing::kUniform, {}},
+      // 2 K-blocks a tile, fewer than a tile's held boxes (gate/up's z: 4).
+      {"H128", {200, 4, 4, 128, 128}, Routing::kUniform, {}},
       {"single_row", {1, 1, 8, 256, 128}, Routing::kUniform, {0, 0, 0, 0, 0, 1, 0, 0}},
       {"no_rows", {16, 8, 8, 256, 128}, Routing::kUniform, {0, 0, 0, 0, 0, 0, 0, 0}},
       {"T0", {0, 8, 8, 256, 128}, Routing::kUniform, {}},
@@ -143,6 +145,22 @@ TEST_P(Sm90Gemms, WeightGradsOnFewSms) {
     p.set_num_sms(sms);
     expect_checks(p.check_weight_grad(WeightGrad::kW2, /*determinism=*/true));
     expect_checks(p.check_weight_grad(WeightGrad::kW13, /*determinism=*/false));
+  }
+}
+
+// The row-tile instances that hold a tile's output under the next tile's main loop (gate/up's z
+// boxes and the row stores) on few CTAs, each looping over many tiles: held output goes out
+// across expert boundaries, between whole tiles (gate/up: TMA-stored boxes) and an expert's last,
+// partial tile (stored by the threads).
+TEST_P(Sm90Gemms, RowTilesOnFewSms) {
+  Sm90GemmProblem p = make_problem(GetParam());
+  for (int sms : {3, 1}) {
+    std::printf("  %d SMs\n", sms);
+    p.set_num_sms(sms);
+    for (bool store_z : {false, true}) expect_checks(p.check_gate_up(false, store_z, /*determinism=*/true));
+    expect_checks(p.check_down(/*determinism=*/false));
+    expect_checks(p.check_recompute_z(/*determinism=*/false));
+    expect_checks(p.check_dgrad_scatter(/*determinism=*/false));
   }
 }
 
