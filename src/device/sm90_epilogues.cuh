@@ -136,48 +136,6 @@ struct HeldRows {
   }
 };
 
-// A consumer warpgroup's shared-memory staging box for TMA stores: [64 rows][128 bytes], the
-// 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), so each warp-wide 4-byte write
-// below covers 32 distinct banks.
-constexpr int kStagingBoxBytes = kWgmmaM * 128;
-constexpr int kBf16BoxWords = 16;  // a thread's share of a bf16 box: 8 chunks x 2 row halves
-
-// Writes this thread's bf16 words into a box: w[2c + h] = the pair at columns 8c + 2q, +1 of its
-// row half h (q = lane % 4), the accumulator fragment's layout.
-__device__ __forceinline__ void fill_bf16_box(uint8_t* box, const uint32_t (&w)[kBf16BoxWords],
-                                              const ConsumerThread& me) {
-  const int q = me.lane % 4;
-  // Opaque, so the box's 8 addresses are made here each time instead of hoisted out of the tile
-  // loop, where they would sit in registers beside a held tile and spill.
-  uint32_t row = me.row_in_wg;
-  asm volatile("" : "+r"(row));
-  uint8_t* line = box + row * 128 + q * 4;  // row half h: + 8 lines, the same swizzle
-#pragma unroll
-  for (int c = 0; c < 8; ++c) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      *reinterpret_cast<uint32_t*>(line + h * 8 * 128 + ((c ^ (row % 8)) * 16)) = w[2 * c + h];
-    }
-  }
-}
-
-// One staging box's turn: wait until its buffer is free (at most kInFlight later store groups
-// may still read theirs), fill() it, and have thread 0 issue() its store and close a bulk group
-// (one per box, empty or not, so the wait counts boxes).
-template <int kInFlight, class Fill, class Issue>
-__device__ __forceinline__ void staged_box_store(const ConsumerThread& me, Fill&& fill, Issue&& issue) {
-  const uint32_t barrier_id = kStagingBarrierId0 + me.consumer;
-  if (me.tid_in_wg == 0) bulk_wait_group_read<kInFlight>();
-  named_barrier_sync(barrier_id, kThreadsPerWarpgroup);
-  fill();
-  fence_proxy_async_shared();
-  named_barrier_sync(barrier_id, kThreadsPerWarpgroup);
-  if (me.tid_in_wg == 0) {
-    issue();
-    bulk_commit_group();
-  }
-}
-
 // ------------------------------------------------------------------------------------ SwiGLU
 
 // The gate/up accumulators of an output chunk: chunk j of h pairs gate registers acc[4j + 2h + b]
@@ -217,99 +175,33 @@ __device__ __forceinline__ uint32_t swiglu_bf16x2(const float (&acc)[kRegs], int
 
 template <int kBlockN, bool kClamp, bool kStoreZ>
 struct SwiGLUEpilogue {
+  static constexpr int kStagingBytes = 0;
   static constexpr int kOutChunks = kBlockN / 16;  // n8 chunks of h per row: half the accumulators
-  static constexpr int kBoxChunks = 8;             // 64 columns per staging box
-  static constexpr int kHBoxes = kOutChunks / kBoxChunks;
-  static constexpr int kZBoxes = 2 * kHBoxes;      // g's boxes, then u's
-  // One box per consumer: a second would cost the ring its fourth stage.
-  static constexpr int kStagingBytes = kNumConsumers * kStagingBoxBytes;
-  static_assert(kOutChunks % kBoxChunks == 0, "h columns fill whole boxes");
+  static constexpr int kZGroups = kOutChunks / 4;  // 16-byte stores of g (and of u) per row
   struct Args {
-    CUtensorMap h_map;      // h [R_max, I], boxes of [64 rows][64 columns]
-    CUtensorMap z_maps[2];  // (kStoreZ) z's g and u halves, each [R_max, I] with row stride 2I
-    __nv_bfloat16* h;       // [R_max, I]
-    __nv_bfloat16* z;       // [R_max, 2I] pre-activations [g | u] for the backward (kStoreZ)
-    float clamp;            // c > 0 (kClamp): g <- min(g, c), u <- clamp(u, -c, c)
+    __nv_bfloat16* h;  // [R_max, I]
+    __nv_bfloat16* z;  // [R_max, 2I] pre-activations [g | u] for the backward (kStoreZ)
+    float clamp;       // c > 0 (kClamp): g <- min(g, c), u <- clamp(u, -c, c)
   };
   struct Inputs {};
-  // A consumer's 64 rows go out by TMA stores through its staging box when all of them belong
-  // to the tile's expert (a box would write the next expert's rows otherwise), h at once and z
-  // (kStoreZ) held in registers, 64 words a thread, and sent box by box under the next tile's
-  // main loop, one per K-block. The consumer's stores then leave the SM's load/store path to
-  // the producer's row gather. The rows of an expert's last tile are stored by the threads
-  // (STG), z at once. Computing h under the next main loop from the bf16 z measured 1-5% slower
-  // (docs/experiments.md#held-row-tiles).
-  static constexpr int kHeldBoxes = kStoreZ ? kZBoxes : 0;
-  struct Held {
-    uint32_t words[kStoreZ ? kZBoxes : 1][kBf16BoxWords];  // box b: z chunks [8b, 8b + 8) = [g | u]
-    int32_t row0, n0;                                       // the consumer's first row, h's first column
-    bool pending;                                           // boxes waiting to go out
-  };
-  __device__ static void prefetch(const Args& args) {
-    prefetch_tensor_map(&args.h_map);
-    if constexpr (kStoreZ) {
-      prefetch_tensor_map(&args.z_maps[0]);
-      prefetch_tensor_map(&args.z_maps[1]);
-    }
-  }
+  // h is computed and stored after the main loop; z (kStoreZ) is held as bf16 pairs, 64 words a
+  // thread, and drained under the next tile's main loop like the row stores' tiles: unit i is
+  // g's group i (i < kZGroups) or u's group i - kZGroups, both row halves. Computing h there too,
+  // from the bf16 z, measured 1-5% slower (docs/experiments.md#held-row-tiles).
+  static constexpr int kHeldBoxes = kStoreZ ? 2 * kZGroups : 0;
+  using Held = HeldRows<kStoreZ ? 2 * kOutChunks : 1>;  // row half h: g chunk j at [j], u at [kOutChunks + j]
+  __device__ static void prefetch(const Args&) {}
   __device__ static Inputs prepare(const Args&, const EpilogueShape&, const Tile&, const AccRows&,
                                    const ConsumerThread&) {
     return {};
   }
 
-  // Box b of this thread's h (columns [64b, 64b + 64) of the tile's h) out through the staging box.
-  template <int kBox, int kRegs>
-  __device__ static void store_h_box(const Args& args, const EpilogueShape& s, const float (&acc)[kRegs],
-                                     uint8_t* box, int32_t row0, int32_t n0, const ConsumerThread& me) {
-    uint32_t w[kBf16BoxWords];
-#pragma unroll
-    for (int c = 0; c < kBoxChunks; ++c) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) w[2 * c + h] = swiglu_bf16x2<kClamp, kOutChunks>(acc, kBox * kBoxChunks + c, h, args.clamp);
-    }
-    const int32_t col = n0 + kBox * kBoxChunks * 8;
-    staged_box_store<0>(
-        me, [&] { fill_bf16_box(box, w, me); },
-        [&] {
-          if (col < s.n_valid) tma_store_2d_evict_first(&args.h_map, box, col, row0);
-        });
-  }
-  template <int kRegs, int... kBox>
-  __device__ static void store_h_boxes(const Args& args, const EpilogueShape& s, const float (&acc)[kRegs],
-                                       uint8_t* box, int32_t row0, int32_t n0, const ConsumerThread& me,
-                                       std::integer_sequence<int, kBox...>) {
-    (store_h_box<kBox>(args, s, acc, box, row0, n0, me), ...);
-  }
-
   template <int kRegs>
   __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
-                               Inputs&, const float (&acc)[kRegs], uint8_t* staging, Held& held,
-                               const ConsumerThread& me) {
+                               Inputs&, const float (&acc)[kRegs], uint8_t*, Held& held, const ConsumerThread& me) {
     static_assert(8 * kOutChunks == kRegs, "gate and up halves fill the accumulators");
     const int I = s.n_valid;
-    const int32_t row0 = tile.row_begin + me.consumer * kWgmmaM;
-    const int32_t n0 = tile.n_tile * (kBlockN / 2);
-    held.pending = false;
-    if (row0 + kWgmmaM <= tile.row_end) {  // uniform over the warpgroup
-      if constexpr (kStoreZ) {
-#pragma unroll
-        for (int b = 0; b < kZBoxes; ++b) {
-#pragma unroll
-          for (int c = 0; c < kBoxChunks; ++c) {
-            const int j = b * kBoxChunks + c;  // z chunk: g's chunk j, or u's chunk j - kOutChunks
-#pragma unroll
-            for (int h = 0; h < 2; ++h) held.words[b][2 * c + h] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-          }
-        }
-        held.row0 = row0;
-        held.n0 = n0;
-        held.pending = true;
-      }
-      store_h_boxes(args, s, acc, staging + me.consumer * kStagingBoxBytes, row0, n0, me,
-                    std::make_integer_sequence<int, kHBoxes>{});
-      return;
-    }
-    const int col0 = n0 + 2 * (me.lane % 4);
+    const int col0 = tile.n_tile * (kBlockN / 2) + 2 * (me.lane % 4);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       uint32_t words[kOutChunks];
@@ -318,42 +210,39 @@ struct SwiGLUEpilogue {
       store_row_fragment<kOutChunks>(words, args.h + static_cast<int64_t>(rows.row[h]) * I, rows.valid[h], col0, I,
                                      me.lane);
       if constexpr (kStoreZ) {
-        store_z_row<kOutChunks>(acc, h, args.z + static_cast<int64_t>(rows.row[h]) * 2 * I, rows.valid[h], col0, I,
-                                me.lane);
+#pragma unroll
+        for (int j = 0; j < 2 * kOutChunks; ++j) {
+          held.words[h][j] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        }
+        held.row_ptr[h] = args.z + static_cast<int64_t>(rows.row[h]) * 2 * I;
+        held.valid[h] = rows.valid[h];
       }
     }
+    held.col0 = col0;
+    held.pending = kStoreZ;
   }
-  // Held z box kBox: g's columns [64 kBox, +64) of the tile (kBox < kHBoxes), or u's.
-  template <int kBox>
-  __device__ static void store_z_box(const Args& args, const EpilogueShape& s, uint8_t* box, const Held& held,
-                                     const ConsumerThread& me) {
-    constexpr int kHalf = kBox / kHBoxes;
-    const int32_t col = held.n0 + (kBox % kHBoxes) * kBoxChunks * 8;
-    staged_box_store<0>(
-        me, [&] { fill_bf16_box(box, held.words[kBox], me); },
-        [&] {
-          if (col < s.n_valid) tma_store_2d_evict_first(&args.z_maps[kHalf], box, col, held.row0);
-        });
+  // Unit u: g's column group u (u < kZGroups) or u's group u - kZGroups.
+  template <int kUnit>
+  __device__ static void store_z_unit(const Held& held, int I, int lane) {
+    constexpr int a = kUnit % kZGroups;
+    constexpr bool up = kUnit >= kZGroups;
+    held.template store_group<(up ? kOutChunks : 0) + 4 * a>(a, up ? I : 0, I, lane);
   }
-  template <int... kBox>
-  __device__ static void drain_boxes(const Args& args, const EpilogueShape& s, uint8_t* box, const Held& held, int i,
-                                     const ConsumerThread& me, std::integer_sequence<int, kBox...>) {
-    ((i == kBox ? store_z_box<kBox>(args, s, box, held, me) : void()), ...);
+  template <int... kUnit>
+  __device__ static void drain_units(const EpilogueShape& s, const Held& held, int i, int lane,
+                                     std::integer_sequence<int, kUnit...>) {
+    ((i == kUnit ? store_z_unit<kUnit>(held, s.n_valid, lane) : void()), ...);
   }
-  // Held box i (a runtime index, uniform over the warpgroup) out, if one is held.
-  __device__ static void drain(const Args& args, const EpilogueShape& s, uint8_t* staging, const Held& held, int i,
+  // Unit i (a runtime index, uniform over the warpgroup) of the held z out, if one is held.
+  __device__ static void drain(const Args&, const EpilogueShape& s, uint8_t*, const Held& held, int i,
                                const ConsumerThread& me) {
     if constexpr (kStoreZ) {
       if (held.pending && i < kHeldBoxes) {
-        drain_boxes(args, s, staging + me.consumer * kStagingBoxBytes, held, i, me,
-                    std::make_integer_sequence<int, kHeldBoxes>{});
+        drain_units(s, held, i, me.lane, std::make_integer_sequence<int, kHeldBoxes>{});
       }
     }
   }
-  // The CTA's shared memory must outlive the stores still reading it.
-  __device__ static void finish(const ConsumerThread& me) {
-    if (me.tid_in_wg == 0) bulk_wait_group_all();
-  }
+  __device__ static void finish(const ConsumerThread&) {}
 };
 
 // ---------------------------------------------------------------------------------- row store
@@ -647,6 +536,7 @@ struct DgradSwiGLUEpilogue {
 template <bool kFp32, bool kAccumulate>
 struct WeightGradEpilogue {
   static constexpr int kBlockN = 256;
+  static constexpr int kStagingBoxBytes = kWgmmaM * 128;  // one TMA store box: 64 rows x 128 B
   static constexpr int kStagingBoxes = 2;                 // per consumer warpgroup, used in turn
   static constexpr int kStagingBytesPerConsumer = kStagingBoxes * kStagingBoxBytes;
   static constexpr int kStagingBytes = kNumConsumers * kStagingBytesPerConsumer;
@@ -714,25 +604,19 @@ struct WeightGradEpilogue {
     // The buffer is free once the store issued two boxes ago (its last use) has read it.
     if (me.tid_in_wg == 0) bulk_wait_group_read<kStagingBoxes - 1>();
     named_barrier_sync(barrier_id, kThreadsPerWarpgroup);
-    if constexpr (kFp32) {
 #pragma unroll
-      for (int c = 0; c < kChunksPerBox; ++c) {
+    for (int c = 0; c < kChunksPerBox; ++c) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = me.row_in_wg + 8 * h;
+      for (int h = 0; h < 2; ++h) {
+        const int r = me.row_in_wg + 8 * h;
+        uint8_t* line = buffer + r * 128;
+        if constexpr (kFp32) {
           const int chunk = 2 * c + q / 2;  // byte 32 c + 8q of the line
-          *reinterpret_cast<uint2*>(buffer + r * 128 + ((chunk ^ (r % 8)) * 16) + (q % 2) * 8) =
+          *reinterpret_cast<uint2*>(line + ((chunk ^ (r % 8)) * 16) + (q % 2) * 8) =
               make_uint2(w[4 * c + 2 * h], w[4 * c + 2 * h + 1]);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int c = 0; c < kChunksPerBox; ++c) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = me.row_in_wg + 8 * h;
+        } else {
           const int chunk = c;  // byte 16 c + 4q of the line
-          *reinterpret_cast<uint32_t*>(buffer + r * 128 + ((chunk ^ (r % 8)) * 16) + q * 4) = w[2 * c + h];
+          *reinterpret_cast<uint32_t*>(line + ((chunk ^ (r % 8)) * 16) + q * 4) = w[2 * c + h];
         }
       }
     }

@@ -127,18 +127,6 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
                : "memory");
 }
 
-// As tma_store_2d, with the L2 lines it writes marked first to evict: an output written once and
-// read by a later kernel, so that it does not push out of L2 the operands other CTAs still read.
-__device__ __forceinline__ void tma_store_2d_evict_first(const CUtensorMap* map, const void* smem_src, int32_t inner,
-                                                         int32_t outer) {
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%1, %2}], [%3], %4;" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(inner), "r"(outer), "r"(smem_addr(smem_src)), "l"(policy)
-               : "memory");
-}
-
 // As tma_store_2d, but each element of the box is added to what global memory holds (an fp32 add
 // for an fp32 tensor map), in the memory system: the SM loads nothing. Tracked as a store.
 __device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap* map, const void* smem_src, int32_t inner,

@@ -24,25 +24,6 @@ template <sm90::RowDestination kDest>
 using DownGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsB<kBlockN>, sm90::RowTileScheduler,
                              sm90::RowStoreEpilogue<kBlockN, true, kDest>>;
 
-// The SwiGLU epilogue's arguments: h's store map and, when z is saved, one map per half of z
-// (its g and u columns, so a box past I is clipped at I instead of running into u).
-template <class Gemm>
-typename Gemm::Epilogue::Args swiglu_args(const Sm90GateUpParams& p) {
-  const Sm90Rows& rows = p.rows;
-  const int64_t I = rows.intermediate;
-  typename Gemm::Epilogue::Args args{};
-  args.h_map = sm90::make_tensor_map_bf16(p.h, I, rows.max_rows, sm90::kWgmmaM, "h");
-  if (p.z != nullptr) {
-    auto* z = static_cast<__nv_bfloat16*>(p.z);
-    args.z_maps[0] = sm90::make_tensor_map_bf16_rows(z, I, rows.max_rows, 2 * I, sm90::kWgmmaM, "z");
-    args.z_maps[1] = sm90::make_tensor_map_bf16_rows(z + I, I, rows.max_rows, 2 * I, sm90::kWgmmaM, "z");
-  }
-  args.h = static_cast<__nv_bfloat16*>(p.h);
-  args.z = static_cast<__nv_bfloat16*>(p.z);
-  args.clamp = p.swiglu_clamp;
-  return args;
-}
-
 template <bool kClamp, bool kStoreZ>
 void launch_gate_up(const Sm90GateUpParams& p) {
   using Gemm = GateUpGemm<kClamp, kStoreZ>;
@@ -51,7 +32,7 @@ void launch_gate_up(const Sm90GateUpParams& p) {
   params.map_b = sm90::make_tensor_map_bf16(p.w13, rows.hidden, rows.num_experts * 2 * rows.intermediate,
                                             Gemm::B::kBoxRows, "w13");
   params.a = {static_cast<const __nv_bfloat16*>(p.x), p.row_slot, static_cast<int32_t>(p.top_k)};
-  params.epilogue = swiglu_args<Gemm>(p);
+  params.epilogue = {static_cast<__nv_bfloat16*>(p.h), static_cast<__nv_bfloat16*>(p.z), p.swiglu_clamp};
   params.shape = sm90::rows_shape(rows, rows.hidden, rows.intermediate, 2 * rows.intermediate);
   sm90::launch_grouped_gemm(params, rows, WaitKernel::kGateUp);
 }
@@ -65,7 +46,7 @@ void launch_separate_gate_up(const Sm90GateUpParams& p) {
   params.map_b = sm90::make_tensor_map_bf16(p.w13, rows.hidden, rows.num_experts * I, Gemm::B::kBoxRows, "w1");
   params.map_b_up = sm90::make_tensor_map_bf16(p.w3, rows.hidden, rows.num_experts * I, Gemm::B::kBoxRows, "w3");
   params.a = {static_cast<const __nv_bfloat16*>(p.x), p.row_slot, static_cast<int32_t>(p.top_k)};
-  params.epilogue = swiglu_args<Gemm>(p);
+  params.epilogue = {static_cast<__nv_bfloat16*>(p.h), static_cast<__nv_bfloat16*>(p.z), p.swiglu_clamp};
   params.shape = sm90::rows_shape(rows, rows.hidden, I, I);
   sm90::launch_grouped_gemm(params, rows, WaitKernel::kGateUp);
 }
