@@ -86,6 +86,19 @@ def free_port():
         return s.getsockname()[1]
 
 
+def run_ranks_on_a_free_port(fn, tmp_path, args, attempts=3):
+    """run_ranks(fn, tmp_path, port, args) without a group, on a port the OS has just given out.
+    Another process can take the port between its release here and rank 0's bind; on "address
+    already in use" the ranks start again on another one."""
+    import torch.multiprocessing as mp
+    for attempt in range(attempts):
+        try:
+            return run_ranks(fn, tmp_path, free_port(), args, init_group=False)
+        except mp.ProcessRaisedException as error:
+            if "address already in use" not in str(error).lower() or attempt == attempts - 1:
+                raise
+
+
 # ---- (a) the op against the single-GPU op ----
 
 def assert_bitwise(rank, name, got, want):
@@ -377,7 +390,7 @@ def test_example_trains_like_the_single_run_cpu_stand_ins(tmp_path):
     import train_qwen3_moe
     out = str(tmp_path / "ep")
     args = [*EXAMPLE_ARGS, *CPU_EXAMPLE_STEPS, "--device", "cpu"]
-    run_ranks(example_worker, tmp_path, free_port(), [*args, "--out", out], init_group=False)
+    run_ranks_on_a_free_port(example_worker, tmp_path, [*args, "--out", out])
     assert train_qwen3_moe.main([*args, "--runs", "fusemoe", "--out",
                                  str(tmp_path / "single")]) == 0
     with open(os.path.join(out, "train_qwen3_moe_ep.json")) as f:
