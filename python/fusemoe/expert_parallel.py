@@ -69,8 +69,9 @@ def _fail(message):
 
 
 class _EpContext:
-    """One rank's expert-parallel layer on a group: the C config, the symmetric workspace (kept
-    alive here) and the host table of the R ranks' workspaces as mapped in this process."""
+    """One rank's expert-parallel layer on a group: the C config, the symmetric workspace (held
+    here until the group is destroyed and another context is built) and the host table of the R
+    ranks' workspaces as mapped in this process."""
 
     def __init__(self, group, device, config, symmetric, handle, peers):
         # Weakly: dist.destroy_process_group() must free the group (and join its threads) while
@@ -85,6 +86,16 @@ class _EpContext:
 
     def built_on(self, group):
         return self._group() is group
+
+    def release_if_orphaned(self):
+        """Frees the symmetric workspace once the group is gone: no call can use it again
+        (_context refuses the context), but a last call's kernels may still be running, so the
+        device finishes its work first."""
+        if self.symmetric is None or self._group() is not None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.symmetric = self.handle = None
 
     @property
     def group(self):
@@ -218,6 +229,10 @@ def _ep_context(group, device, hidden, intermediate, num_experts, top_k, max_tok
         # A group destroyed and initialized again may reuse the name: a new context then.
         if context_id is not None and _contexts[context_id].built_on(group):
             return context_id
+        # Contexts of destroyed groups give their workspaces back before this one is allocated
+        # (a group initialized again would otherwise hold two).
+        for ctx in _contexts:
+            ctx.release_if_orphaned()
         config = _capi.ep_config(hidden, intermediate, num_experts, top_k, max_tokens,
                                  world_size, rank, swiglu_clamp)
         symmetric, handle, peers = _connect(group, device, config.symmetric_bytes)

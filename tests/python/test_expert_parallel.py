@@ -466,16 +466,20 @@ def test_module_needs_an_initialized_group():
         fusemoe.ExpertParallelMoEExperts(8, 256, 128, 2, 64, device="cpu")
 
 
-def destroyed_group_worker(rank, world_size, store):
+def destroyed_group_worker(rank, world_size, store, device):
     """destroy_process_group frees the group although a layer's context was built on it (a group
     kept alive keeps gloo's threads running into interpreter exit, where a late one can abort the
-    process); the layer then refuses calls, and a group initialized again gets a new context."""
-    expert_parallel._connect = cpu_connect
-    register_cpu_kernels()
-    register_cpu_ep_kernels()
+    process); the layer then refuses calls, and a group initialized again gets a new context,
+    whose building gives the old context's workspace back."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    else:
+        expert_parallel._connect = cpu_connect
+        register_cpu_kernels()
+        register_cpu_ep_kernels()
     tokens, dims, seed, _ = OP_CASES["even"]
-    p = make_problem(sum(tokens), *dims, "cpu", seed=seed)
-    before, module = ep_outputs(rank, p, tokens, dims, False, "cpu")
+    p = make_problem(sum(tokens), *dims, device, seed=seed)
+    before, module = ep_outputs(rank, p, tokens, dims, False, device)
     group = weakref.ref(dist.group.WORLD)
     dist.destroy_process_group()
     gc.collect()
@@ -486,14 +490,25 @@ def destroyed_group_worker(rank, world_size, store):
         module(p["x_TH"][rows], p["topk_idx_TK"][rows], p["topk_weights_TK"][rows])
     dist.init_process_group("gloo", init_method=f"file://{store}-again", rank=rank,
                             world_size=world_size)
-    got, again = ep_outputs(rank, p, tokens, dims, False, "cpu")
+    got, again = ep_outputs(rank, p, tokens, dims, False, device)
     assert again.context != module.context
+    assert expert_parallel._contexts[module.context].symmetric is None, (
+        f"rank {rank}: the destroyed group's context still holds its workspace")
+    assert expert_parallel._contexts[again.context].symmetric is not None
     for name in OUTPUTS:
         assert_bitwise(rank, f"{name} on the group initialized again", got[name], before[name])
 
 
 def test_destroyed_group_is_freed_and_refused(tmp_path):
-    run_ranks(destroyed_group_worker, tmp_path, str(tmp_path / "store"))
+    run_ranks(destroyed_group_worker, tmp_path, str(tmp_path / "store"), "cpu")
+
+
+def test_destroyed_group_is_freed_and_refused_gpu(tmp_path, monkeypatch):
+    """The same with symmetric memory: the workspace given back on the device."""
+    require_gpu()
+    monkeypatch.setenv(expert_parallel.ALLOW_OVERLAPPING_DEVICES, "1")
+    monkeypatch.setenv("FUSEMOE_WAIT_TIMEOUT_S", WAIT_TIMEOUT_S)
+    run_ranks(destroyed_group_worker, tmp_path, str(tmp_path / "store"), "cuda")
 
 
 def test_unknown_context_is_refused():
