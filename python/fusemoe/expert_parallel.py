@@ -23,7 +23,8 @@ Collective rules (the layer's ranks wait for each other on the GPU):
 - a rank that never arrives makes the others fail after FUSEMOE_WAIT_TIMEOUT_S (default 30 s)
   with an error naming the ranks, instead of hanging.
 Teardown: a layer keeps no reference to its group, so dist.destroy_process_group() frees it
-(call it before the process exits); a layer whose group was destroyed refuses calls.
+(call it before the process exits); a layer whose group was destroyed refuses calls, and its
+symmetric workspace is given back when the next layer context is built.
 Expert ids outside [-1, E) never index memory and are reported without blocking, as by
 fusemoe.moe_experts, but the expert-parallel ops never raise a report themselves (a rank that
 stopped calling would leave its peers waiting): fusemoe.check_expert_ids() raises it, called where
