@@ -164,13 +164,19 @@ def check_case(rank, case, device, call="eager", calls=1):
         assert_bitwise(rank, f"{case} ({call}, {calls} call(s)) {name}", got[name], want)
 
 
-def op_worker(rank, world_size, device):
+def use_device(device):
+    """A rank's set-up: GPU 0 (every rank shares it), or the CPU stand-ins for the kernels and
+    the symmetric memory."""
     if device == "cuda":
         torch.cuda.set_device(0)
     else:
         expert_parallel._connect = cpu_connect
         register_cpu_kernels()
         register_cpu_ep_kernels()
+
+
+def op_worker(rank, world_size, device):
+    use_device(device)
     for case in OP_CASES:
         if device == "cpu" and case == "qwen3_30b_a3b":
             continue  # the CPU stand-ins' fp32 loops: slow, and nothing more to see
@@ -471,12 +477,7 @@ def destroyed_group_worker(rank, world_size, store, device):
     kept alive keeps gloo's threads running into interpreter exit, where a late one can abort the
     process); the layer then refuses calls, and a group initialized again gets a new context,
     whose building gives the old context's workspace back."""
-    if device == "cuda":
-        torch.cuda.set_device(0)
-    else:
-        expert_parallel._connect = cpu_connect
-        register_cpu_kernels()
-        register_cpu_ep_kernels()
+    use_device(device)
     tokens, dims, seed, _ = OP_CASES["even"]
     p = make_problem(sum(tokens), *dims, device, seed=seed)
     before, module = ep_outputs(rank, p, tokens, dims, False, device)
