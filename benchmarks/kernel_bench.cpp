@@ -28,6 +28,7 @@
 #include "bench/facts.h"
 #include "bench/options.h"
 #include "common/device_buffer.h"
+#include "common/gpu_clocks.h"
 #include "common/routing.h"
 #include "common/sm90_gemm_problem.h"
 #include "common/timer.h"
@@ -266,6 +267,9 @@ Json KernelBench::checks_json(const std::string& label, Sm90GemmProblem& p, bool
 
 void KernelBench::run(Json* result_json, bool* all_pass) {
   Json& result = *result_json;
+  int device = 0;
+  FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
+  const harness::Nvml nvml(device);
   ceiling_ = measure_gemm_ceiling(stream_, timer_, params_.seed);
   std::printf("bf16 GEMM ceiling: %.1f TFLOP/s (%s)\n", ceiling_.tflops, ceiling_.what.c_str());
   result["ceiling"] = {{"what", ceiling_.what}, {"tflops", ceiling_.tflops}, {"ms_median", ceiling_.stats.median_ms}};
@@ -307,7 +311,9 @@ void KernelBench::run(Json* result_json, bool* all_pass) {
         continue;
       }
       std::fprintf(stderr, "[kernel_bench] %s: timing ...\n", label.c_str());
+      harness::ClockSampler sampler(nvml);
       const std::vector<Row> rows = time_case(problem, topk.idx_TK);
+      const harness::ClockSummary clocks = sampler.stop();
       std::printf("  %-15s %-30s %9s %9s %7s %10s %8s\n", "GEMM", "impl", "ms", "TFLOP/s", "%ceil", "vs grouped",
                   "vs dense");
       for (const Row& row : rows) {
@@ -334,6 +340,8 @@ void KernelBench::run(Json* result_json, bool* all_pass) {
         }
         case_json["timings"].push_back(std::move(line));
       }
+      std::printf("  clocks while timed (every kernel above): %s\n", harness::describe(clocks).c_str());
+      case_json["clocks"] = clocks_json(clocks);
       std::fflush(stdout);
       result["cases"].push_back(std::move(case_json));
     }

@@ -110,6 +110,12 @@ def render_case(key, entry, lines):
                     f"max {t_case.get('expert_rows_max')})" if f_case and t_case else "")
                  + f". Ceiling {fmt(ceiling, '.0f')} TFLOP/s ({ceiling_src}"
                  + (f"; torch.mm {t_ceiling:.0f}" if f_ceiling and t_ceiling else "") + ").")
+    # The clock the fusemoe timings ran at (NVML samples; the GEMMs run at the power cap's clock).
+    clocks = (f_case or {}).get("clocks") or {}
+    if clocks.get("samples", 0) > 0:
+        lines.append(f"fusemoe timed at SM {clocks['sm_mhz_median']:.0f} MHz median "
+                     f"({clocks['sm_mhz_min']:.0f}-{clocks['sm_mhz_max']:.0f}), power cap in "
+                     f"{100 * clocks['power_capped_fraction']:.0f}% of {clocks['samples']} samples.")
     lines.append("")
     # The speedups are against the bf16 PyTorch path only (benchmarks/torch_timings.py).
     torch_ms = {pass_name: t.get("ms_median") for pass_name, t in

@@ -92,4 +92,13 @@ Json routing_json(const harness::RoutingStats& stats, int64_t num_experts) {
           {"experts_empty", stats.num_empty_experts}};
 }
 
+Json clocks_json(const harness::ClockSummary& s) {
+  if (s.samples == 0) return Json{{"samples", 0}};
+  return Json{{"samples", s.samples},
+              {"sm_mhz_median", s.sm_mhz_median},
+              {"sm_mhz_min", s.sm_mhz_min},
+              {"sm_mhz_max", s.sm_mhz_max},
+              {"power_capped_fraction", s.power_capped_fraction}};
+}
+
 }  // namespace fusemoe::bench

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/device.h"
+#include "common/gpu_clocks.h"
 #include "common/routing.h"
 
 namespace fusemoe::bench {
@@ -38,5 +39,9 @@ Json facts_json(const RunFacts& facts);
 // How a case's rows spread over the experts: valid_rows, expert_rows_min, expert_rows_max,
 // expert_rows_mean, experts_empty.
 Json routing_json(const harness::RoutingStats& stats, int64_t num_experts);
+
+// The GPU's clocks over a timed stretch: samples (0 without NVML, and nothing else then),
+// sm_mhz_median, sm_mhz_min, sm_mhz_max, power_capped_fraction.
+Json clocks_json(const harness::ClockSummary& s);
 
 }  // namespace fusemoe::bench

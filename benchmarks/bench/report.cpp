@@ -63,6 +63,7 @@ void print_case(const BenchParams& params, const BenchResult& result, const Case
                 line.wgrad.c_str(), line.stats.median_ms, line.stats.min_ms, line.tflops, line.pct_ceiling,
                 line.speedup_vs_first);
   }
+  std::printf("  clocks while timed: %s\n", harness::describe(c.clocks).c_str());
 }
 
 namespace {
@@ -96,7 +97,8 @@ Json case_json(const BenchParams& params, const CaseResult& c) {
   }
   Json out = {{"tokens", c.num_tokens}};
   out.update(routing_json(c.routing, params.preset.num_experts));
-  out.update(Json{{"check_status", c.check_status}, {"checks", checks}, {"timings", timings}});
+  out.update(Json{{"check_status", c.check_status}, {"checks", checks}, {"timings", timings},
+                  {"clocks", clocks_json(c.clocks)}});
   return out;
 }
 

@@ -10,6 +10,7 @@
 #include "bench/facts.h"
 #include "bench/memory.h"
 #include "bench/options.h"
+#include "common/gpu_clocks.h"
 #include "common/routing.h"
 #include "common/timer.h"
 
@@ -45,6 +46,7 @@ struct CaseResult {
   std::string check_status = "skipped";  // "pass", "FAIL", or "skipped (why)"
   std::vector<CheckLine> checks;
   std::vector<TimingLine> timings;
+  harness::ClockSummary clocks;  // the GPU's clocks while the timings ran
 };
 
 struct BenchResult {

@@ -9,6 +9,7 @@
 #include "bench/checks.h"
 #include "common/call_inputs.h"
 #include "common/device_checks.h"
+#include "common/gpu_clocks.h"
 #include "common/routing.h"
 #include "common/timer.h"
 
@@ -248,6 +249,9 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
   validate_config(config);
 
   harness::EventTimer timer(stream);
+  int device = 0;
+  FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
+  const harness::Nvml nvml(device);
   std::fprintf(stderr, "[bench] measuring the bf16 GEMM ceiling ...\n");
   result.ceiling = measure_gemm_ceiling(stream, timer, params.seed);
   std::printf("bf16 GEMM ceiling: %.1f TFLOP/s, %.3f ms median (%s)\n", result.ceiling.tflops,
@@ -317,7 +321,11 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
       c.check_status = pass ? "pass" : "FAIL";
       all_pass = all_pass && pass;
     }
-    c.timings = time_case(ctx, num_tokens, c.routing.valid_rows, label);
+    {
+      harness::ClockSampler sampler(nvml);
+      c.timings = time_case(ctx, num_tokens, c.routing.valid_rows, label);
+      c.clocks = sampler.stop();
+    }
     print_case(params, result, c);
     std::fflush(stdout);
   }

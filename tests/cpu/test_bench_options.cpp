@@ -1,7 +1,8 @@
 // fusemoe_bench's host side without a GPU: the presets and their command line (bench/options.h),
 // and the memory count and expert fit (bench/memory.h), checked against this file's own sum of
 // the buffers run.cpp allocates. The fit must keep a preset that fits, halve E (a divisor of the
-// preset's, >= K) until the count fits, and say so; where nothing fits it keeps E and warns.
+// preset's, >= K) until the count fits, and say so; where nothing fits it keeps E and warns. Also
+// the summary of the GPU clock samples the benchmarks report with their timings.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,8 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "bench/facts.h"
 #include "bench/memory.h"
 #include "bench/options.h"
+#include "common/gpu_clocks.h"
 
 namespace fusemoe::bench {
 namespace {
@@ -170,6 +173,50 @@ TEST(BenchMemory, NothingFitsKeepsThePresetAndWarns) {
   odd.preset.num_experts = 96;
   EXPECT_EQ(fit_experts(odd, kFlushBytes, bytes_at_12 + kHeadroomBytes).num_experts, 12);
   EXPECT_FALSE(fit_experts(odd, kFlushBytes, bytes_at_12 + kHeadroomBytes - 1).fits);
+}
+
+}  // namespace
+}  // namespace fusemoe::bench
+
+// The benchmarks' clock summary of NVML samples (median, range, share under the power cap) and its
+// JSON, from samples made up here: the H200's own are read only there.
+namespace fusemoe::bench {
+namespace {
+
+harness::Nvml::Sample clock_sample(unsigned sm_mhz, bool capped, bool ok = true) {
+  harness::Nvml::Sample s;
+  s.ok = ok;
+  s.sm_mhz = sm_mhz;
+  s.power_capped = capped;
+  return s;
+}
+
+TEST(GpuClocks, SummaryOfSamples) {
+  const harness::ClockSummary odd = harness::summarize_clocks(
+      {clock_sample(1980, false), clock_sample(1400, true), clock_sample(0, false, /*ok=*/false),
+       clock_sample(1500, true)});
+  EXPECT_EQ(odd.samples, 3);  // the failed read is left out
+  EXPECT_EQ(odd.sm_mhz_median, 1500);
+  EXPECT_EQ(odd.sm_mhz_min, 1400);
+  EXPECT_EQ(odd.sm_mhz_max, 1980);
+  EXPECT_DOUBLE_EQ(odd.power_capped_fraction, 2.0 / 3.0);
+  EXPECT_EQ(harness::describe(odd), "SM 1500 MHz median (1400-1980), power cap in 67% of 3 samples");
+  const Json json = clocks_json(odd);
+  EXPECT_EQ(json["samples"], 3);
+  EXPECT_EQ(json["sm_mhz_median"], 1500.0);
+  EXPECT_DOUBLE_EQ(json["power_capped_fraction"].get<double>(), 2.0 / 3.0);
+
+  const harness::ClockSummary even =
+      harness::summarize_clocks({clock_sample(1300, true), clock_sample(1600, true)});
+  EXPECT_EQ(even.sm_mhz_median, 1450);
+  EXPECT_DOUBLE_EQ(even.power_capped_fraction, 1.0);
+}
+
+TEST(GpuClocks, NoSamplesSaySo) {
+  const harness::ClockSummary none = harness::summarize_clocks({clock_sample(1500, false, /*ok=*/false)});
+  EXPECT_EQ(none.samples, 0);
+  EXPECT_EQ(harness::describe(none), "clocks n/a (no NVML samples)");
+  EXPECT_EQ(clocks_json(none), Json({{"samples", 0}}));
 }
 
 }  // namespace

@@ -7,7 +7,6 @@
 // and at the end their ranges. The loop does not synchronise between checks, so the GPU stays busy.
 // Exit: 0 pass, 1 fail, 2 bad arguments, 77 no sm_90 GPU (skipped).
 #include <cuda_runtime_api.h>
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <chrono>
@@ -18,6 +17,7 @@
 #include <vector>
 
 #include "common/device.h"
+#include "common/gpu_clocks.h"
 #include "common/layer_config.h"
 #include "common/layer_device.h"
 #include "common/tool_main.h"
@@ -102,51 +102,6 @@ bool parse(int argc, char** argv, Options* o) {
   return true;
 }
 
-// The few NVML calls the progress line needs, resolved from the driver's libnvidia-ml at run time
-// (no build dependency; the soak still runs, with "n/a", where NVML is missing).
-class Nvml {
- public:
-  struct Sample {
-    bool ok = false;
-    unsigned sm_mhz = 0, mem_mhz = 0, power_mw = 0, temp_c = 0;
-  };
-
-  explicit Nvml(int cuda_device) {
-    lib_ = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (lib_ == nullptr) return;
-    auto init = reinterpret_cast<int (*)()>(dlsym(lib_, "nvmlInit_v2"));
-    auto by_bus = reinterpret_cast<int (*)(const char*, void**)>(dlsym(lib_, "nvmlDeviceGetHandleByPciBusId_v2"));
-    clock_ = reinterpret_cast<int (*)(void*, int, unsigned*)>(dlsym(lib_, "nvmlDeviceGetClockInfo"));
-    power_ = reinterpret_cast<int (*)(void*, unsigned*)>(dlsym(lib_, "nvmlDeviceGetPowerUsage"));
-    temp_ = reinterpret_cast<int (*)(void*, int, unsigned*)>(dlsym(lib_, "nvmlDeviceGetTemperature"));
-    char bus_id[32] = {};
-    if (init == nullptr || by_bus == nullptr || clock_ == nullptr || power_ == nullptr || temp_ == nullptr ||
-        init() != 0 || cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), cuda_device) != cudaSuccess ||
-        by_bus(bus_id, &device_) != 0) {
-      device_ = nullptr;
-    }
-  }
-  ~Nvml() {
-    if (lib_ != nullptr) dlclose(lib_);
-  }
-
-  Sample sample() const {
-    Sample s;
-    if (device_ == nullptr) return s;
-    constexpr int kClockSm = 1, kClockMem = 2, kTemperatureGpu = 0;  // nvml.h's enum values
-    s.ok = clock_(device_, kClockSm, &s.sm_mhz) == 0 && clock_(device_, kClockMem, &s.mem_mhz) == 0 &&
-           power_(device_, &s.power_mw) == 0 && temp_(device_, kTemperatureGpu, &s.temp_c) == 0;
-    return s;
-  }
-
- private:
-  void* lib_ = nullptr;
-  void* device_ = nullptr;
-  int (*clock_)(void*, int, unsigned*) = nullptr;
-  int (*power_)(void*, unsigned*) = nullptr;
-  int (*temp_)(void*, int, unsigned*) = nullptr;
-};
-
 struct Range {
   double lo = 1e300, hi = -1e300;
   void add(double v) {
@@ -200,7 +155,7 @@ int run(const Options& opt) {
   harness::run_layer_call(c, T, in, first, call);
   FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
 
-  const Nvml nvml(gpu.device);
+  const harness::Nvml nvml(gpu.device);
   Range sm_mhz, mem_mhz, power_w, temp_c, window_ms;
   std::vector<double> windows_ms;
   int64_t iters = 0, checks = 0, failed_checks = 0;
@@ -213,7 +168,7 @@ int run(const Options& opt) {
     harness::run_layer_call(c, T, in, latest, call);
     if (++iters % opt.check_every != 0) continue;
     // A sample while the queue still holds work: the clocks and power of a loaded GPU.
-    const Nvml::Sample s = nvml.sample();
+    const harness::Nvml::Sample s = nvml.sample();
     const harness::LayerDifferences diff = harness::count_layer_differences(c, T, first, latest);  // waits
     const double ms = 1e3 * since(window_start) / opt.check_every;
     window_start = std::chrono::steady_clock::now();
