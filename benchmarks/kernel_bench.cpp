@@ -267,9 +267,7 @@ Json KernelBench::checks_json(const std::string& label, Sm90GemmProblem& p, bool
 
 void KernelBench::run(Json* result_json, bool* all_pass) {
   Json& result = *result_json;
-  int device = 0;
-  FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
-  const harness::Nvml nvml(device);
+  const harness::Nvml nvml;  // the current device's clocks, sampled while each case is timed
   ceiling_ = measure_gemm_ceiling(stream_, timer_, params_.seed);
   std::printf("bf16 GEMM ceiling: %.1f TFLOP/s (%s)\n", ceiling_.tflops, ceiling_.what.c_str());
   result["ceiling"] = {{"what", ceiling_.what}, {"tflops", ceiling_.tflops}, {"ms_median", ceiling_.stats.median_ms}};

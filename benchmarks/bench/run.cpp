@@ -249,9 +249,7 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
   validate_config(config);
 
   harness::EventTimer timer(stream);
-  int device = 0;
-  FUSEMOE_CUDA_CHECK(cudaGetDevice(&device));
-  const harness::Nvml nvml(device);
+  const harness::Nvml nvml;  // the current device's clocks, sampled while each case is timed
   std::fprintf(stderr, "[bench] measuring the bf16 GEMM ceiling ...\n");
   result.ceiling = measure_gemm_ceiling(stream, timer, params.seed);
   std::printf("bf16 GEMM ceiling: %.1f TFLOP/s, %.3f ms median (%s)\n", result.ceiling.tflops,

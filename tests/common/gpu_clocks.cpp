@@ -25,6 +25,7 @@ Nvml::Nvml(int cuda_device) {
         reinterpret_cast<int (*)(void*, unsigned long long*)>(dlsym(lib_, "nvmlDeviceGetCurrentClocksThrottleReasons"));
   }
   char bus_id[32] = {};
+  if (cuda_device < 0 && cudaGetDevice(&cuda_device) != cudaSuccess) cuda_device = 0;
   if (init == nullptr || by_bus == nullptr || clock_ == nullptr || power_ == nullptr || temp_ == nullptr ||
       init() != 0 || cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), cuda_device) != cudaSuccess ||
       by_bus(bus_id, &device_) != 0) {
@@ -56,8 +57,7 @@ ClockSampler::ClockSampler(const Nvml& nvml, int period_ms) : nvml_(nvml) {
   thread_ = std::thread([this, period_ms] {
     auto next = std::chrono::steady_clock::now();
     while (running_.load(std::memory_order_relaxed)) {
-      const Nvml::Sample s = nvml_.sample();
-      if (s.ok) samples_.push_back(s);
+      samples_.push_back(nvml_.sample());  // summarize_clocks leaves out the failed reads
       next += std::chrono::milliseconds(period_ms);
       std::this_thread::sleep_until(next);
     }

@@ -21,7 +21,8 @@ class Nvml {
     bool power_capped = false;  // the SW power cap is holding the clocks down (event reason 0x4)
   };
 
-  explicit Nvml(int cuda_device);
+  // cuda_device -1: the current device.
+  explicit Nvml(int cuda_device = -1);
   ~Nvml();
   Nvml(const Nvml&) = delete;
   Nvml& operator=(const Nvml&) = delete;
