@@ -219,16 +219,10 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
   const int a_row = me.consumer * kWgmmaM + me.row_in_wg;  // this thread's rows: a_row, a_row + 8
   RingCursor<Gemm::kStages> cursor;
   float acc[kAcc], tmp[Mma::kAccRegs];
-  // Turns: the consumers issue their halves' MMAs alternately (consumer 0 first), each once the
-  // other's previous half has its last k32 MMA left, so one warpgroup's promotion runs under the
-  // other's MMAs instead of both promoting at once with the tensor cores idle.
-  constexpr uint32_t kTurnThreads = kNumConsumers * kThreadsPerWarpgroup;
-  bool my_turn = me.consumer == 0;
 
   const int32_t num_tiles = sched.num_tiles();
   for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const Tile tile = sched.tile(t);
-    const bool last_tile = t + static_cast<int32_t>(gridDim.x) >= num_tiles;
     const AccRows rows(tile, me);
     typename Epilogue::Inputs inputs = Epilogue::prepare(p.epilogue, out_shape, tile, rows, me);
     // acc[64 rows, kBlockN] = sum over the tile's K-blocks of promoted A[rows, kb] * B[kb, kBlockN].
@@ -255,20 +249,13 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
                                               Gemm::LayoutB::kSbo);
 #pragma unroll
       for (int half = 0; half < kHalves; ++half) {
-        if (!my_turn) named_barrier_sync(kOrderBarrierId0 + me.consumer, kTurnThreads);
-        my_turn = false;
         wgmma_fence();  // tmp was read by the previous promotion
 #pragma unroll
         for (int k = 0; k < kFp8BlockK / Mma::kK; ++k) {
           Mma::mma(tmp, desc_a + k * Gemm::LayoutA::kDescStepK16,
                    desc_b + half * kDescHalfStep + k * Gemm::LayoutB::kDescStepK16, k > 0 ? 1u : 0u);
-          wgmma_commit_group();  // one group per k32 MMA: the turn passes with one left
         }
-        wgmma_wait_group<1>();
-        // Consumer 1's last turn has no taker: consumer 0 is done.
-        if (me.consumer == 0 || !(last_tile && kb == tile.num_k_blocks - 1 && half == kHalves - 1)) {
-          named_barrier_arrive(kOrderBarrierId0 + (me.consumer ^ 1), kTurnThreads);
-        }
+        wgmma_commit_group();
         wgmma_wait_group<0>();
         fence_accumulators(tmp);
         if (half == kHalves - 1 && me.lane == 0 && !releases_withheld(p.shape.wait)) {
