@@ -57,14 +57,6 @@ __device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* global
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_dst), "l"(global_src) : "memory");
 }
 
-// Makes `bar` track this thread's earlier cp.async copies with an arrival of its own: the barrier's
-// pending count is raised by one now and lowered when the copies land, so a barrier initialised
-// for fewer arrivals still waits for them. Must come before the thread's own arrive on the same
-// phase (else the phase could complete before the increment).
-__device__ __forceinline__ void cp_async_mbarrier_arrive(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
 // ------------------------------------------------------------------------------ shared loads
 
 // ld.shared of one fp32 at a 32-bit shared address (a generic load of a pointer whose address

@@ -148,9 +148,9 @@ __device__ __forceinline__ typename Gemm::Scheduler make_scheduler(const GemmSha
 // ------------------------------------------------------------------------------- producer
 
 // Fills the ring for every (tile, k-block). A block-scaled instance also fills each
-// stage's scales: thread 0 copies the B scales with a cp.async whose own arrival it adds to the
-// stage's full barrier before posting the TMA byte count (so the phase cannot complete without
-// them), and A's row scales come with its gathered rows or from every producer thread.
+// stage's scales: thread 0 copies the B scales by cp.async, and A's row scales come with its
+// gathered rows or from every producer thread; each thread's one cp.async arrival on the
+// stage's full barrier covers all of its copies.
 template <class Gemm>
 __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
                                         const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a, uint8_t* tiles_b,
@@ -171,8 +171,9 @@ __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm
                    stage, Gemm::kConsumerWarpsPerStage);
       if (thread == 0) {
         if constexpr (Gemm::kBlockScaled) {
+          // Thread 0's cp.async arrival below (every producer thread makes one) covers these too.
+          static_assert(kAllProducerThreads<A>, "block-scaled stages are filled by every producer thread");
           B::load_scales(p.a.b_scales, smem_addr(scales[stage].b), tile, kb);
-          cp_async_mbarrier_arrive(&ring.full[stage]);
         }
         mbarrier_arrive_expect_tx(&ring.full[stage], stage_bytes);
         if constexpr (!A::kGathered) A::load(p.a, &ring.full[stage], tiles_a + stage * kTileABytes, tile, kb);
