@@ -282,6 +282,7 @@ void KernelBench::run(Json* result_json, bool* all_pass) {
       const harness::RoutingStats stats = harness::routing_stats(topk.idx_TK, shape.E);
       std::fprintf(stderr, "[kernel_bench] %s: inputs ...\n", label.c_str());
       Sm90GemmProblem problem(shape, topk.idx_TK, topk.w_TK, params_.seed, stream_);
+      problem.follow_layer_tile_order();
       std::string check_status = "skipped (--no-check)";
       if (params_.check) {
         check_status = "checked at the first T of the preset";

@@ -71,6 +71,18 @@ struct PingPongConsumers {
   static constexpr int kWarpgroupsPerTile = 1;
 };
 
+// Tile order of a cooperative row-tile instance. Static: CTA i takes tiles i, i + grid, ... .
+// Dynamic: each CTA takes the next tile index from a counter as it goes (TileFeed,
+// sm90_grouped_gemm.cuh), so CTAs whose tiles run short (an expert's thin last tile) do not drift
+// ahead of those that share their weight slice; the launch then needs Sm90Rows::tile_counter.
+// docs/experiments.md#dynamic-tile-order.
+struct StaticTileOrder {
+  static constexpr bool kDynamic = false;
+};
+struct DynamicTileOrder {
+  static constexpr bool kDynamic = true;
+};
+
 // Named barriers (0 is __syncthreads).
 constexpr uint32_t kConsumersBarrierId = 1;   // both consumer warpgroups
 constexpr uint32_t kStagingBarrierId0 = 2;    // + consumer: one warpgroup's staging

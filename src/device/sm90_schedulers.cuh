@@ -1,6 +1,6 @@
 // Tile schedulers of the sm90 grouped GEMM over an expert-sorted row pool. Both derive their
 // tile list on the device from expert_offsets [E+1] (no host sync: CUDA-graph capturable), and
-// every CTA takes tiles t = blockIdx.x + i * gridDim.x (static round-robin).
+// the kernel hands the tile indices t to its CTAs (a counter or round-robin: sm90_grouped_gemm.cuh).
 //
 // RowTileScheduler: output tiles of 128 pool rows x kTileCols columns, expert-major:
 //   m_tiles(e)  = ceil((offsets[e+1] - offsets[e]) / 128)         (0 for an empty expert)
@@ -76,8 +76,9 @@ __device__ __forceinline__ void build_expert_tile_table(const int32_t* __restric
   __syncthreads();
 }
 
-// Each role (producer, consumer warpgroups) keeps its own scheduler copy; t only grows, so the
-// row-tile cursor walks the experts forward once per CTA, and all roles see the same sequence.
+// Each role (producer, consumer warpgroups) keeps its own scheduler copy; a CTA's t only grows
+// (in either tile order), so the row-tile cursor walks the experts forward once per CTA, and all
+// roles see the same sequence.
 struct RowTileScheduler {
   static constexpr bool kReducesOverRows = false;
   static constexpr bool kTableInSmem = true;

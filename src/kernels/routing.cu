@@ -204,6 +204,7 @@ routing_place_kernel(const int32_t* __restrict__ topk_idx, int64_t num_slots, in
       if (e < num_experts) plan.expert_counts[e] = placed[e];
     }
     publish_bad_ids(topk_idx, num_chunks, plan.chunk_bad, plan.bad_id_info, caller_report);
+    if (threadIdx.x < 2) plan.tile_counter[threadIdx.x] = 0;
   }
   __syncthreads();  // placed[] (the totals) is read above before place_chunk clears it
   for (int64_t chunk = first_chunk; chunk < end_chunk; ++chunk) {
@@ -226,7 +227,7 @@ size_t routing_plan_bytes(int64_t max_tokens, int64_t top_k, int64_t num_experts
   const int64_t num_chunks = routing_num_chunks(max_slots) > 0 ? routing_num_chunks(max_slots) : 1;
   return align_workspace(num_experts * 4) + align_workspace((num_experts + 1) * 4) +
          2 * align_workspace(max_slots * 4) + align_workspace(num_chunks * num_experts * 4) +
-         align_workspace(num_chunks * 2 * 4) + align_workspace(3 * 4);
+         align_workspace(num_chunks * 2 * 4) + align_workspace(3 * 4) + align_workspace(2 * 4);
 }
 
 char* carve_routing_plan(char* base, int64_t max_tokens, int64_t top_k, int64_t num_experts,
@@ -245,6 +246,7 @@ char* carve_routing_plan(char* base, int64_t max_tokens, int64_t top_k, int64_t 
   plan->chunk_counts = take(num_chunks * num_experts * 4);
   plan->chunk_bad = take(num_chunks * 2 * 4);
   plan->bad_id_info = take(3 * 4);
+  plan->tile_counter = take(2 * 4);
   return base;
 }
 

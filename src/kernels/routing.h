@@ -28,6 +28,9 @@ struct RoutingPlan {
   int32_t* chunk_bad = nullptr;       // [num_chunks(max_tokens*K), 2] scratch: invalid ids, first slot
   // [0] number of invalid ids, [1] smallest flat slot holding one, [2] its value.
   int32_t* bad_id_info = nullptr;     // [3]
+  // [2] the grouped GEMMs' dynamic tile order: next tile, CTAs done. Zeroed by routing_place, so
+  // the GEMMs of the pass after it start at zero; each GEMM launch leaves it at zero.
+  int32_t* tile_counter = nullptr;
 };
 
 // The counting sort works on chunks of kRoutingChunk consecutive slots, a block per chunk,

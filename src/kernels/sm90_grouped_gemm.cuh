@@ -10,7 +10,11 @@
 //   weight grads    act_m^T pool            act_n pool N-major    expert output   TMA-store tiles
 //   * or from separate gate and up weights w1, w3: a second tensor map (map_b_up), same tiles
 //
-// Thread roles (384 threads, one CTA per SM, tiles t = blockIdx.x + i * gridDim.x):
+// Tile order (TileOrder_): static, t = blockIdx.x + i * gridDim.x; or dynamic (TileFeed: each CTA
+// takes the next tile index from the launch's counter as it goes, so the CTAs that read one
+// weight slice stay in step and share it through L2). The forward's gate/up and down only, where
+// the layer has many experts (sm90_forward_dynamic_tile_order, sm90_grouped_gemm.h).
+// Thread roles (384 threads, one CTA per SM):
 //   warpgroup 0 (producer, 40 registers): fills the kStages-deep stage ring for every (tile,
 //     k-block), running ahead across tiles so the next tile's loads overlap this tile's
 //     epilogue. Thread 0 issues the TMA loads; a gathered A is copied by all 128 threads.
@@ -19,8 +23,8 @@
 //     epilogue packs the tile and writes it under the next tile's main loop: HeldBoxes); or, in
 //     the ping-pong schedule (PingPongConsumers, sm90_layout.cuh), takes every other tile of
 //     the CTA whole, rows [0, 64) and [64, 128), the two main loops taking turns.
-// Shared memory: [kStages x A tile][kStages x B tile][epilogue staging][full, empty][tile table,
-// row tiles only].
+// Shared memory: [kStages x A tile][kStages x B tile][epilogue staging][full, empty][tile feed,
+// dynamic order only][tile table, row tiles only].
 // Rows of a row tile at or past its expert's end are computed but never stored. Weight
 // gradients reduce over an expert's rows in 64-row K-blocks from its first row; the k-rows of
 // the last block that belong to the next expert (or lie past the pool) are zeroed in shared
@@ -51,8 +55,13 @@
 
 namespace fusemoe::sm90 {
 
+// Slots of the dynamic tile order's index ring (TileFeed) and their shared memory.
+constexpr int kTileSlots = 4;
+constexpr size_t kTileFeedBytes = kTileSlots * (2 * sizeof(uint64_t) + sizeof(int32_t));
+
 // One instance of the kernel: its operand sources, scheduler and epilogue.
-template <class A_, class B_, class Scheduler_, class Epilogue_, class Consumers_ = CooperativeConsumers>
+template <class A_, class B_, class Scheduler_, class Epilogue_, class Consumers_ = CooperativeConsumers,
+          class TileOrder_ = StaticTileOrder>
 struct GroupedGemm {
   using A = A_;
   using B = B_;
@@ -70,11 +79,17 @@ struct GroupedGemm {
   // Blockwise FP8 (sm90_block_scaled.cuh): its own consumer loop and a scale record per stage.
   static constexpr bool kBlockScaled = IsBlockScaled<A>::value;
   static constexpr int kScaleRingBytes = kBlockScaled ? kStages * kStageScalesBytes : 0;
+  // Tiles from the launch's counter (TileOrder_, sm90_layout.cuh); its own template parameter, so
+  // the static instances carry none of the feed's code.
+  static constexpr bool kDynamicTiles = TileOrder_::kDynamic;
   using Mma = Wgmma<kBlockN, A::kMnMajor ? 1 : 0, B::kMnMajor ? 1 : 0>;
   using LayoutA = OperandLayout<A::kMnMajor>;
   using LayoutB = OperandLayout<B::kMnMajor>;
 
   static_assert(kBlockN == 128 || kBlockN == 256, "wgmma N of the wrappers");
+  static_assert(!kDynamicTiles || (!Consumers::kPingPong && !kBlockScaled && Scheduler::kTableInSmem),
+                "dynamic tile order: cooperative row-tile instances of the bf16 consumer loop (the ping-pong "
+                "turns are built on the static order)");
   static_assert(kStages >= 3, "a ring of at least 3 stages keeps TMA ahead of the MMAs");
   static_assert(kTileABytes % kSmemAlign == 0 && kTileBBytes % kSmemAlign == 0, "stage alignment");
   static_assert(Epilogue::kStagingBytes % kSmemAlign == 0, "staging alignment");
@@ -87,7 +102,7 @@ struct GroupedGemm {
 
   static constexpr size_t smem_bytes(int num_experts) {
     return kSmemAlign + static_cast<size_t>(kStages) * kStageBytes + Epilogue::kStagingBytes + kScaleRingBytes +
-           2 * kStages * sizeof(uint64_t) +
+           2 * kStages * sizeof(uint64_t) + (kDynamicTiles ? kTileFeedBytes : 0) +
            (Scheduler::kTableInSmem ? 2 * (static_cast<size_t>(num_experts) + 1) * sizeof(int32_t) : 0);
   }
   static_assert(smem_bytes(kMaxExperts) <= kSmemOptinBytes, "shared memory beyond sm90's opt-in limit");
@@ -102,6 +117,7 @@ struct GemmShape {
   int32_t m_valid;                // expert-output tiles: rows M of one expert's output
   int32_t b_rows_per_expert;      // row tiles: rows of one expert's weight in the B map
   WaitBound wait;                 // the bound of every ring wait
+  int32_t* tile_counter;          // dynamic tile order: zero at launch, one atomicAdd per tile and CTA
 };
 
 // Whether a B policy reads two weights (gate and up: kTwoMaps), which adds map_b_up to GemmParams.
@@ -145,6 +161,52 @@ __device__ __forceinline__ typename Gemm::Scheduler make_scheduler(const GemmSha
   return sched;
 }
 
+// ------------------------------------------------------------------------------ tile feed
+
+// Dynamic tile order (DynamicTileOrder): producer thread 0 takes tile indices from the
+// launch's counter, one ahead of the tile whose loads it issues, and posts them in a shared-memory
+// ring of kTileSlots; every role reads the same sequence from it (the producer threads that gather,
+// both consumer warpgroups), lane 0 of each reading warp releasing the slot. An index >= num_tiles
+// ends the sequence. The last CTA to take its end zeroes the counter for the next launch.
+struct TileFeed {
+  uint64_t* bars;  // [full: kTileSlots][empty: kTileSlots][index: kTileSlots int32]
+  int32_t n = 0;   // entries passed: slot n % kTileSlots, phase (n / kTileSlots) & 1
+
+  __device__ __forceinline__ int slot() const { return n % kTileSlots; }
+  __device__ __forceinline__ uint32_t phase() const { return static_cast<uint32_t>(n / kTileSlots) & 1u; }
+  __device__ __forceinline__ int32_t* index() const { return reinterpret_cast<int32_t*>(bars + 2 * kTileSlots); }
+
+  // Producer thread 0: posts the next index, `ended` once the counter has passed num_tiles (no
+  // atomic after that: the counter may already be zeroed for the next launch).
+  __device__ __forceinline__ void post(int32_t* counter, int32_t num_tiles, bool& ended, const WaitBound& w) {
+    bounded_wait(&bars[kTileSlots + slot()], phase() ^ 1, w, WaitRole::kProducer, WaitObject::kStageEmpty, slot(), 0);
+    int32_t t = num_tiles;
+    if (!ended) {
+      t = atomicAdd(counter, 1);
+      if (t >= num_tiles) {
+        ended = true;
+        __threadfence();  // this CTA's last take, before it counts itself done
+        if (atomicAdd(counter + 1, 1) == static_cast<int32_t>(gridDim.x) - 1) {
+          atomicExch(counter, 0);  // every CTA has taken its last index
+          atomicExch(counter + 1, 0);
+        }
+      }
+    }
+    index()[slot()] = t;
+    mbarrier_arrive(&bars[slot()]);
+    ++n;
+  }
+  __device__ __forceinline__ int32_t read(const WaitBound& w, WaitRole role) {
+    bounded_wait(&bars[slot()], phase(), w, role, WaitObject::kStageFull, slot(), 0);
+    const int32_t t = *reinterpret_cast<volatile int32_t*>(&index()[slot()]);
+    const uint32_t lanes = __activemask();
+    __syncwarp(lanes);
+    if ((threadIdx.x % 32) == static_cast<unsigned>(__ffs(lanes) - 1)) mbarrier_arrive(&bars[kTileSlots + slot()]);
+    ++n;
+    return t;
+  }
+};
+
 // ------------------------------------------------------------------------------- producer
 
 // Fills the ring for every (tile, k-block). A block-scaled instance also fills each
@@ -154,13 +216,23 @@ __device__ __forceinline__ typename Gemm::Scheduler make_scheduler(const GemmSha
 template <class Gemm>
 __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
                                         const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a, uint8_t* tiles_b,
-                                        StageScales* scales, int thread) {
+                                        StageScales* scales, TileFeed feed, int thread) {
   using A = typename Gemm::A;
   using B = typename Gemm::B;
   const BShape b_shape{p.shape.n_valid, p.shape.b_rows_per_expert};
   RingCursor<Gemm::kStages> cursor;
   const int32_t num_tiles = sched.num_tiles();
-  for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+  TileFeed post = feed;
+  bool ended = false;
+  constexpr bool dynamic = Gemm::kDynamicTiles;
+  if (dynamic && thread == 0) post.post(p.shape.tile_counter, num_tiles, ended, p.shape.wait);
+  auto next_tile = [&](int32_t t) {
+    if (!dynamic) return t + static_cast<int32_t>(gridDim.x);
+    if (thread == 0) post.post(p.shape.tile_counter, num_tiles, ended, p.shape.wait);  // the one after
+    return feed.read(p.shape.wait, WaitRole::kProducer);
+  };
+  for (int32_t t = next_tile(static_cast<int32_t>(blockIdx.x) - static_cast<int32_t>(gridDim.x)); t < num_tiles;
+       t = next_tile(t)) {
     const Tile tile = sched.tile(t);
     typename A::ThreadRows rows{};
     if constexpr (A::kGathered) rows = A::rows_of(p.a, tile, tile.num_k_blocks, thread);
@@ -227,7 +299,7 @@ __device__ __forceinline__ ConsumerThread row_block_thread(const ConsumerThread&
 template <class Gemm>
 __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
                                         const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a, uint8_t* tiles_b,
-                                        uint8_t* staging, const ConsumerThread& me) {
+                                        uint8_t* staging, TileFeed feed, const ConsumerThread& me) {
   using Epilogue = typename Gemm::Epilogue;
   using Consumers = typename Gemm::Consumers;
   constexpr int kRowBlocks = Consumers::kRowBlocks;
@@ -240,7 +312,12 @@ __device__ __forceinline__ void consume(const GemmParams<Gemm>& p, typename Gemm
   static_assert(kHeldBoxes == 0 || (kRowBlocks == 1 && !Consumers::kPingPong), "held boxes: cooperative tiles");
   typename HeldBoxes<Epilogue>::Held held{};
   const int32_t num_tiles = sched.num_tiles();
-  for (int32_t t = blockIdx.x, local = 0; t < num_tiles; t += gridDim.x, ++local) {
+  constexpr bool dynamic = Gemm::kDynamicTiles;
+  auto next_tile = [&](int32_t t) {
+    return dynamic ? feed.read(p.shape.wait, WaitRole::kConsumer) : t + static_cast<int32_t>(gridDim.x);
+  };
+  for (int32_t t = next_tile(static_cast<int32_t>(blockIdx.x) - static_cast<int32_t>(gridDim.x)), local = 0;
+       t < num_tiles; t = next_tile(t), ++local) {
     const Tile tile = sched.tile(t);
     if constexpr (Consumers::kPingPong) {
       if (local % kNumConsumers != me.consumer) {  // the other consumer's tile
@@ -357,8 +434,12 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
   StageScales* stage_scales = reinterpret_cast<StageScales*>(staging + Gemm::Epilogue::kStagingBytes);  // FP8
   uint8_t* barriers = staging + Gemm::Epilogue::kStagingBytes + Gemm::kScaleRingBytes;
   const StageRing<kStages> ring{reinterpret_cast<uint64_t*>(barriers), reinterpret_cast<uint64_t*>(barriers) + kStages};
+  TileFeed feed;
+  feed.bars = ring.empty + kStages;
   // [2][E + 1], row tiles only: the expert-output scheduler reserves no table memory.
-  int32_t* table = Gemm::Scheduler::kTableInSmem ? reinterpret_cast<int32_t*>(ring.empty + kStages) : nullptr;
+  int32_t* table = !Gemm::Scheduler::kTableInSmem ? nullptr
+                   : Gemm::kDynamicTiles          ? feed.index() + kTileSlots
+                                                  : reinterpret_cast<int32_t*>(ring.empty + kStages);
 
   const int warpgroup = threadIdx.x / kThreadsPerWarpgroup;
   if (threadIdx.x == 0) {
@@ -367,6 +448,14 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
     if constexpr (TwoBMaps<typename Gemm::B>::value) prefetch_tensor_map(&p.map_b_up);
     Gemm::Epilogue::prefetch(p.epilogue);
     ring.init(kAllProducerThreads<typename Gemm::A>, Gemm::kConsumerWarpsPerStage);
+    if constexpr (Gemm::kDynamicTiles) {
+      for (int i = 0; i < kTileSlots; ++i) {
+        mbarrier_init(&feed.bars[i], 1);
+        mbarrier_init(&feed.bars[kTileSlots + i], kNumConsumers * kWarpsPerWarpgroup +
+                                           (kAllProducerThreads<typename Gemm::A> ? kWarpsPerWarpgroup : 1));
+      }
+      fence_barrier_init();
+    }
   }
   typename Gemm::Scheduler sched = make_scheduler<Gemm>(p.shape, table);
   if constexpr (Gemm::Scheduler::kTableInSmem) {
@@ -378,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
   if (warpgroup == 0) {
     setmaxnreg_dec<kProducerRegs>();
     if (kAllProducerThreads<typename Gemm::A> || threadIdx.x == 0) {
-      produce<Gemm>(p, sched, ring, tiles_a, tiles_b, stage_scales, threadIdx.x);
+      produce<Gemm>(p, sched, ring, tiles_a, tiles_b, stage_scales, feed, threadIdx.x);
     }
   } else {
     setmaxnreg_inc<kConsumerRegs>();
@@ -389,7 +478,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
     if constexpr (Gemm::kBlockScaled) {
       consume_block_scaled<Gemm>(p, sched, ring, tiles_a, tiles_b, stage_scales, staging, me);
     } else {
-      consume<Gemm>(p, sched, ring, tiles_a, tiles_b, staging, me);
+      consume<Gemm>(p, sched, ring, tiles_a, tiles_b, staging, feed, me);
     }
   }
 }

@@ -40,7 +40,18 @@ struct Sm90Rows {
   // beside this one (co-resident ranks of an expert-parallel layer on one GPU).
   int num_sms = 0;
   cudaStream_t stream = nullptr;
+  // [2] zeroed before the first launch (RoutingPlan::tile_counter): gate/up and down then take
+  // their tiles in the dynamic order and leave it at zero. Null: the static order t = CTA + i *
+  // grid. The other GEMMs take the static order either way.
+  int32_t* tile_counter = nullptr;
 };
+
+// Whether the forward's gate/up and down take the dynamic tile order. Measured on the H200
+// (docs/experiments.md#dynamic-tile-order): with E = 512 (qwen3-next) the static order's CTAs drift
+// apart over many short experts and re-read their weight slices from HBM, and the dynamic order
+// makes the forward ~5% faster; with E = 128 (30B, 235B, deepseek-v3 dims) it is 1-3% slower.
+// E = 256 was not measured: the threshold sits between the two.
+inline bool sm90_forward_dynamic_tile_order(int64_t num_experts) { return num_experts >= 256; }
 
 // Output rows that go to other ranks' slot buffers (expert parallelism, pipelines/ep_layer.cu):
 // row r is written to row row_slot[r] of rank row_src[r]'s buffer, over NVLink.
@@ -53,8 +64,10 @@ struct Sm90PeerRows {
 
 // The rows problem of a layer call: experts and their offsets, capacity, the layer's H and I.
 inline Sm90Rows make_sm90_rows(const int32_t* expert_offsets, int64_t max_rows, int64_t num_experts,
-                               int64_t hidden, int64_t intermediate, int num_sms, cudaStream_t stream) {
+                               int64_t hidden, int64_t intermediate, int num_sms, cudaStream_t stream,
+                               int32_t* tile_counter) {
   Sm90Rows rows;
+  rows.tile_counter = tile_counter;
   rows.expert_offsets = expert_offsets;
   rows.max_rows = max_rows;
   rows.hidden = hidden;

@@ -47,6 +47,10 @@ void launch_grouped_gemm(GemmParams<Gemm> params, const Sm90Rows& rows, WaitKern
   static std::atomic<uint64_t> configured{0};
   raise_smem_limit_once(reinterpret_cast<const void*>(kernel), smem_limit, info.device, &configured);
   const int grid = rows.num_sms > 0 ? std::min(rows.num_sms, info.num_sms) : info.num_sms;
+  if constexpr (Gemm::kDynamicTiles) {
+    FUSEMOE_ASSERT(rows.tile_counter != nullptr);
+    params.shape.tile_counter = rows.tile_counter;
+  }
   kernel<<<grid, kThreads, smem_bytes, rows.stream>>>(params);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
@@ -126,7 +130,10 @@ void launch_to_slots(WaitKernel kernel_name, const Sm90Rows& rows, const void* a
   };
   if (to_peers != nullptr) {
     FUSEMOE_ASSERT(to_peers->row_src && to_peers->row_slot);
-    launch(SlotGemm<RowDestination::kPeerSlot>{});
+    // The expert-parallel layer's GEMMs take the static order (no counter): no peer instance of
+    // the dynamic order is built.
+    if constexpr (!SlotGemm<RowDestination::kPeerSlot>::kDynamicTiles) launch(SlotGemm<RowDestination::kPeerSlot>{});
+    else FUSEMOE_CHECK(false, "internal error: the expert-parallel down takes the static tile order");
   } else {
     FUSEMOE_ASSERT(row_slot && slots);
     launch(SlotGemm<RowDestination::kSlotRow>{});

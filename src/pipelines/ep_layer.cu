@@ -36,10 +36,12 @@ EpPeers peers_of(const EpConfig& c, void* const* peer_symmetric) {
   return peers;
 }
 
-// The rows problem of the owner's GEMMs: its local experts, capacity R * T * K rows.
+// The rows problem of the owner's GEMMs: its local experts, capacity R * T * K rows. Static tile
+// order (no counter): no kernel of the EP pass zeroes one before its GEMMs.
 Sm90Rows owner_rows(const EpConfig& c, const EpPrivate& ws, int num_sms, cudaStream_t stream) {
   return make_sm90_rows(ws.owner.expert_offsets, c.world_size * c.layer.max_tokens * c.layer.top_k,
-                        c.layer.num_experts / c.world_size, c.layer.hidden, c.layer.intermediate, num_sms, stream);
+                        c.layer.num_experts / c.world_size, c.layer.hidden, c.layer.intermediate, num_sms, stream,
+                        /*tile_counter=*/nullptr);
 }
 
 Sm90PeerRows peer_rows(const EpConfig& c, const EpPeers& peers, const EpSymmetric& own, const EpOwnerPlan& plan) {

@@ -60,7 +60,8 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
   launch_routing(args.topk_idx, args.num_tokens, c.top_k, E, ws.plan, args.expert_id_report,
                  stream);
 
-  const Sm90Rows rows = make_sm90_rows(ws.plan.expert_offsets, num_slots, E, H, I, 0, stream);
+  const Sm90Rows rows = make_sm90_rows(ws.plan.expert_offsets, num_slots, E, H, I, 0, stream,
+                                       /*tile_counter=*/nullptr);  // static order (docs/experiments.md#dynamic-tile-order)
   BackwardRows b = ws.weight_grad_rows();
   b.saved_z = args.saved_z;  // the forward's (the same routing: the same row order), or null
   b.z_scratch = ws.z_RF;

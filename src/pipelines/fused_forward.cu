@@ -58,7 +58,8 @@ void fused_forward(const LayerConfig& c, const ForwardArgs& args) {
   if (num_slots == 0) return;
 
   const Sm90Rows rows =
-      make_sm90_rows(ws.plan.expert_offsets, num_slots, c.num_experts, c.hidden, c.intermediate, 0, args.stream);
+      make_sm90_rows(ws.plan.expert_offsets, num_slots, c.num_experts, c.hidden, c.intermediate, 0, args.stream,
+                     sm90_forward_dynamic_tile_order(c.num_experts) ? ws.plan.tile_counter : nullptr);
 
   Sm90GateUpParams gate_up;
   gate_up.rows = rows;

@@ -113,7 +113,8 @@ struct Fp8BackwardWorkspace : BackwardPools {
 };
 
 Sm90Rows rows_problem(const LayerConfig& c, const RoutingPlan& plan, int64_t num_slots, cudaStream_t stream) {
-  return make_sm90_rows(plan.expert_offsets, num_slots, c.num_experts, c.hidden, c.intermediate, 0, stream);
+  return make_sm90_rows(plan.expert_offsets, num_slots, c.num_experts, c.hidden, c.intermediate, 0, stream,
+                        /*tile_counter=*/nullptr);  // the block-scaled instances take the static order
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <string>
 
 #include "common/device.h"
 #include "common/device_checks.h"
@@ -98,6 +99,7 @@ Sm90GemmProblem::Sm90GemmProblem(const MoeShape& shape, const std::vector<int32_
   FUSEMOE_CHECK(static_cast<int64_t>(idx_TK.size()) == S && static_cast<int64_t>(w_TK.size()) == S,
                 "Sm90GemmProblem: " << idx_TK.size() << " ids for T*K = " << S);
   offsets_ = DeviceBuffer::from(rows_.offsets);
+  tile_counter_ = DeviceBuffer::from(std::vector<int32_t>{0, 0});
   // [S] as the routing plan's: entries past R are never read (-1, as in a poisoned workspace).
   std::vector<int32_t> row_slot(S, -1);
   std::copy(rows_.row_slot.begin(), rows_.row_slot.end(), row_slot.begin());
@@ -157,6 +159,7 @@ Sm90Rows Sm90GemmProblem::sm90_rows() const {
   rows.num_experts = shape_.E;
   rows.stream = stream_;
   rows.num_sms = num_sms_;
+  rows.tile_counter = static_tile_order_ || !dynamic_order_ ? nullptr : tile_counter_.as<int32_t>();
   return rows;
 }
 
@@ -241,12 +244,21 @@ Check Sm90GemmProblem::rerun_is_bitwise_equal(const std::string& what, const std
     first.emplace_back(b->bytes());
     first.back().copy_from(*b);
   }
+  const std::vector<int32_t> counter = tile_counter_.to_host<int32_t>();
+  static_tile_order_ = true;
   poison_and_launch(what.c_str(), outputs, launch);
+  static_tile_order_ = false;
   uint64_t differ = 0;
   for (size_t i = 0; i < outputs.size(); ++i) {
     differ += count_different_bytes(outputs[i]->get(), first[i].get(), first[i].bytes());
   }
-  return counted(what + ": a second launch is bitwise equal", differ, "bytes differ");
+  Check check = counted(what + ": a second launch, tiles in the static order, is bitwise equal", differ, "bytes differ");
+  if (counter[0] != 0 || counter[1] != 0) {
+    check.ok = false;
+    check.detail += "; the dynamic order's counter was left at {" + std::to_string(counter[0]) + ", " +
+                    std::to_string(counter[1]) + "}, not {0, 0}";
+  }
+  return check;
 }
 
 std::vector<Check> Sm90GemmProblem::check_gate_up(bool clamp, bool store_z, bool determinism) {

@@ -71,7 +71,8 @@ class Sm90GemmProblem {
   void launch_gather_x() const;  // xs = x gathered by row_slot (library kernel)
 
   // ---- checks: outputs poisoned, launched, compared; `determinism`: launched again on
-  // poisoned outputs, bitwise equal. Each returns its checks in order.
+  // poisoned outputs with the tiles in the other order, bitwise equal. Each returns its checks
+  // in order.
   std::vector<Check> check_gate_up(bool clamp, bool store_z, bool determinism);
   std::vector<Check> check_down(bool determinism);
   std::vector<Check> check_recompute_z(bool determinism);
@@ -95,6 +96,9 @@ class Sm90GemmProblem {
     float *partials, *d_topk_w;
   };
   Operands operands() const;
+  // Gate/up and down take the tile order the layer would for this shape
+  // (sm90_forward_dynamic_tile_order) instead of the dynamic one: what the kernel benchmark times.
+  void follow_layer_tile_order() { dynamic_order_ = sm90_forward_dynamic_tile_order(shape_.E); }
 
  private:
   Sm90Rows sm90_rows() const;
@@ -113,13 +117,20 @@ class Sm90GemmProblem {
                                        const DeviceBuffer& out, const DeviceBuffer& ref, int64_t n,
                                        const CompareOptions& options, const DeviceBuffer& keep,
                                        bool determinism) const;
-  // Launches again on poisoned outputs: every byte as the launch before.
+  // Launches again on poisoned outputs, tiles in the static order: every byte as the launch
+  // before (dynamic order); and the dynamic order's counter is back at zero.
   Check rerun_is_bitwise_equal(const std::string& what, const std::vector<const DeviceBuffer*>& outputs,
                                const std::function<void()>& launch) const;
 
   MoeShape shape_;
   ExpertRows rows_;
   cudaStream_t stream_;
+  // Gate/up and down take their tiles in the dynamic order from tile_counter_ ([2], zero between
+  // launches), except the determinism reruns, which take the static order (the other GEMMs take
+  // the static order either way).
+  DeviceBuffer tile_counter_;
+  bool dynamic_order_ = true;
+  mutable bool static_tile_order_ = false;
   DeviceBuffer offsets_, row_slot_, slot_row_, topk_w_;
   DeviceBuffer row_keep_, slot_keep_;  // [S] uint8: 1 where the row (r >= R) / slot (no row) is never written
   DeviceBuffer x_, xs_, dys_, z_in_, dz_in_, wh_in_, h_in_, w13_, w2_;
