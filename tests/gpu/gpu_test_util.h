@@ -46,6 +46,12 @@ inline Dims qwen3_30b_dims(int64_t tokens) {
   const harness::LayerShape& s = harness::kQwen3_30bA3b;
   return Dims{tokens, s.hidden, s.intermediate, s.num_experts, s.top_k};
 }
+// Qwen3-Next's layer (H 2048, I 512, 512 experts, top-10): E >= 256, so the forward's gate/up and
+// down take the dynamic tile order (sm90_forward_dynamic_tile_order).
+inline Dims qwen3_next_dims(int64_t tokens) {
+  const harness::LayerShape& s = harness::kQwen3Next;
+  return Dims{tokens, s.hidden, s.intermediate, s.num_experts, s.top_k};
+}
 // Qwen3-235B-A22B's H, I and top-k with num_experts experts: all 128 where the oracle is the fp32
 // GPU reference (test_fused_forward), fewer where a host-side fp64 check's copies of the weights
 // and their gradients must stay within memory.

@@ -61,14 +61,18 @@ TEST(FusedForward, ClampTopKAndMediumShapes) {
   }
 }
 
-// Both Qwen3 layer shapes at full size (E = 128) against the fp32 GPU oracle.
+// The Qwen3 layer shapes at full size against the fp32 GPU oracle: 30B and 235B (E = 128, static
+// tile order) and Qwen3-Next (E = 512, dynamic tile order in gate/up and down).
 TEST(FusedForward, QwenShapesAgainstFp32GpuReference) {
   const Dims d30 = qwen3_30b_dims(1000);
   const Dims d235 = qwen3_235b_dims(333, 128);
+  const Dims dnext = qwen3_next_dims(1000);
   for (const auto& [name, d, routing] :
        {std::tuple<const char*, Dims, Routing>{"qwen3-30b-a3b", d30, Routing::kUniform},
         {"qwen3-30b-a3b skewed", d30, Routing::kSkewed},
-        {"qwen3-235b-a22b", d235, Routing::kUniform}}) {
+        {"qwen3-235b-a22b", d235, Routing::kUniform},
+        {"qwen3-next", dnext, Routing::kUniform},
+        {"qwen3-next skewed", dnext, Routing::kSkewed}}) {
     std::printf("%s T=%lld\n", name, static_cast<long long>(d.T));
     const HostProblem p = make_problem(d, routing, 4000);
     expect_fa3("y", run_forward_only(Impl::kFused, p), run_forward_only(Impl::kUnfused, p),
@@ -76,8 +80,13 @@ TEST(FusedForward, QwenShapesAgainstFp32GpuReference) {
   }
 }
 
-TEST(FusedForward, BitwiseDeterministicAndGraphReplay) {
-  const Dims d = medium_dims(2000);
+// Medium dims (static tile order) and 256 experts (the dynamic order of gate/up and down: any CTA
+// may take any tile, and each tile's sums are the same whichever does).
+class FusedForwardDeterminism : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(FusedForwardDeterminism, BitwiseDeterministicAndGraphReplay) {
+  Dims d = medium_dims(2000);
+  d.E = GetParam();
   const HostProblem p = make_problem(d, Routing::kSkewed, 5000);
   ForwardSetup s(Impl::kFused, p);
   s.y.poison();
@@ -110,6 +119,11 @@ TEST(FusedForward, BitwiseDeterministicAndGraphReplay) {
   TEST_CUDA(cudaGraphDestroy(graph));
   TEST_CUDA(cudaStreamDestroy(stream));
 }
+
+INSTANTIATE_TEST_SUITE_P(Fused, FusedForwardDeterminism, ::testing::Values<int64_t>(16, 256),
+                         [](const ::testing::TestParamInfo<int64_t>& info) {
+                           return "E" + std::to_string(info.param);
+                         });
 
 TEST(FusedForward, InvalidExpertIdsReportedNowOrLater) {
   const HostProblem p = make_problem_with_bad_ids(6000);
