@@ -47,10 +47,10 @@ struct Sm90Rows {
 };
 
 // Whether the forward's gate/up and down take the dynamic tile order. Measured on the H200
-// (docs/experiments.md#dynamic-tile-order): with E = 512 (qwen3-next) the static order's CTAs drift
-// apart over many short experts and re-read their weight slices from HBM, and the dynamic order
-// makes the forward ~5-7% faster; with E = 128 (30B, 235B, deepseek-v3 dims) it gains nothing
-// (0.996-1.011x the static order's forward). E = 256 was not measured: the threshold sits between.
+// (docs/experiments.md#dynamic-tile-order): with E = 512 (qwen3-next T=16384) the static order's
+// CTAs drift apart over many short experts and re-read their weight slices from HBM, and the
+// dynamic order makes the forward 7% faster; with E = 256 (deepseek-v3 dims, T = 2048 and 4096)
+// 3% and 16%; with E = 128 (30B, 235B, deepseek-v3 dims) it gains nothing (0.996-1.011x).
 inline bool sm90_forward_dynamic_tile_order(int64_t num_experts) { return num_experts >= 256; }
 
 // Output rows that go to other ranks' slot buffers (expert parallelism, pipelines/ep_layer.cu):
