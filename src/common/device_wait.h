@@ -36,6 +36,8 @@ enum class WaitObject : int32_t {
   kStageEmpty,     // the consumers' release of a ring stage
   kPeerMessage,    // expert parallelism: a source rank's routing message (and staged rows)
   kPeerRows,       // expert parallelism: an owner rank's pushed output rows
+  kTileIndexPosted,  // dynamic tile order: producer thread 0's next tile index in a feed slot
+  kTileIndexRead,    // dynamic tile order: every reading warp's release of a feed slot
 };
 
 // Written once, by the first wait that times out on a device (state 0 -> -1 while written ->
@@ -44,7 +46,7 @@ enum class WaitObject : int32_t {
 struct DeviceWaitRecord {
   int32_t state;       // offset 0
   uint32_t site;       // 4: wait_site(kernel, role, object, stage)
-  uint32_t expected;   // 8: kStageFull: TMA bytes of the stage; kStageEmpty: consumer-warp arrivals
+  uint32_t expected;   // 8: kStageFull: TMA bytes of the stage; kStageEmpty, kTileIndexRead: warp arrivals
   uint32_t parity;     // 12: the phase parity waited for
   int32_t block;       // 16: blockIdx.x
   int32_t thread;      // 20: threadIdx.x
@@ -77,6 +79,8 @@ enum class WaitFault : int32_t {
   kNone = 0,
   kStageFull = static_cast<int32_t>(WaitObject::kStageFull),    // 16 more TMA bytes announced than loaded
   kStageEmpty = static_cast<int32_t>(WaitObject::kStageEmpty),  // the consumers never release a stage
+  // dynamic tile order: producer thread 0 never posts a tile index
+  kTileIndexPosted = static_cast<int32_t>(WaitObject::kTileIndexPosted),
 };
 
 // Library-wide wait timeout (default 30 s, or FUSEMOE_WAIT_TIMEOUT_S from the environment at

@@ -169,8 +169,9 @@ __device__ __forceinline__ typename Gemm::Scheduler make_scheduler(const GemmSha
 // both consumer warpgroups), lane 0 of each reading warp releasing the slot. An index >= num_tiles
 // ends the sequence. The last CTA to take its end zeroes the counter for the next launch.
 struct TileFeed {
-  uint64_t* bars;  // [full: kTileSlots][empty: kTileSlots][index: kTileSlots int32]
-  int32_t n = 0;   // entries passed: slot n % kTileSlots, phase (n / kTileSlots) & 1
+  uint64_t* bars;        // [full: kTileSlots][empty: kTileSlots][index: kTileSlots int32]
+  uint32_t readers = 0;  // warps that release each slot (the empty barriers' count)
+  int32_t n = 0;         // entries passed: slot n % kTileSlots, phase (n / kTileSlots) & 1
 
   __device__ __forceinline__ int slot() const { return n % kTileSlots; }
   __device__ __forceinline__ uint32_t phase() const { return static_cast<uint32_t>(n / kTileSlots) & 1u; }
@@ -179,7 +180,8 @@ struct TileFeed {
   // Producer thread 0: posts the next index, `ended` once the counter has passed num_tiles (no
   // atomic after that: the counter may already be zeroed for the next launch).
   __device__ __forceinline__ void post(int32_t* counter, int32_t num_tiles, bool& ended, const WaitBound& w) {
-    bounded_wait(&bars[kTileSlots + slot()], phase() ^ 1, w, WaitRole::kProducer, WaitObject::kStageEmpty, slot(), 0);
+    bounded_wait(&bars[kTileSlots + slot()], phase() ^ 1, w, WaitRole::kProducer, WaitObject::kTileIndexRead, slot(),
+                 readers);
     int32_t t = num_tiles;
     if (!ended) {
       t = atomicAdd(counter, 1);
@@ -193,11 +195,11 @@ struct TileFeed {
       }
     }
     index()[slot()] = t;
-    mbarrier_arrive(&bars[slot()]);
+    if (!kFaultInjection || w.fault != static_cast<int32_t>(WaitFault::kTileIndexPosted)) mbarrier_arrive(&bars[slot()]);
     ++n;
   }
   __device__ __forceinline__ int32_t read(const WaitBound& w, WaitRole role) {
-    bounded_wait(&bars[slot()], phase(), w, role, WaitObject::kStageFull, slot(), 0);
+    bounded_wait(&bars[slot()], phase(), w, role, WaitObject::kTileIndexPosted, slot(), 1);
     const int32_t t = *reinterpret_cast<volatile int32_t*>(&index()[slot()]);
     const uint32_t lanes = __activemask();
     __syncwarp(lanes);
@@ -436,6 +438,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
   const StageRing<kStages> ring{reinterpret_cast<uint64_t*>(barriers), reinterpret_cast<uint64_t*>(barriers) + kStages};
   TileFeed feed;
   feed.bars = ring.empty + kStages;
+  feed.readers = kNumConsumers * kWarpsPerWarpgroup + (kAllProducerThreads<typename Gemm::A> ? kWarpsPerWarpgroup : 1);
   // [2][E + 1], row tiles only: the expert-output scheduler reserves no table memory.
   int32_t* table = !Gemm::Scheduler::kTableInSmem ? nullptr
                    : Gemm::kDynamicTiles          ? feed.index() + kTileSlots
@@ -451,8 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
     if constexpr (Gemm::kDynamicTiles) {
       for (int i = 0; i < kTileSlots; ++i) {
         mbarrier_init(&feed.bars[i], 1);
-        mbarrier_init(&feed.bars[kTileSlots + i], kNumConsumers * kWarpsPerWarpgroup +
-                                           (kAllProducerThreads<typename Gemm::A> ? kWarpsPerWarpgroup : 1));
+        mbarrier_init(&feed.bars[kTileSlots + i], feed.readers);
       }
       fence_barrier_init();
     }

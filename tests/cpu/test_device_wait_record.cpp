@@ -44,6 +44,28 @@ TEST(DeviceWaitRecord, EveryKernelIsNamed) {
   EXPECT_NE(describe_device_wait(r).find("FP8 dgrad + SwiGLU GEMM block 0"), std::string::npos);
 }
 
+// The dynamic tile order's feed waits name the feed slot, not a ring stage.
+TEST(DeviceWaitRecord, NamesTileFeedSlots) {
+  DeviceWaitRecord r{};
+  r.state = 1;
+  r.block = 3;
+  r.waited_ns = 2000000000ull;
+  r.site = wait_site(WaitKernel::kGateUp, WaitRole::kConsumer, WaitObject::kTileIndexPosted, 1);
+  r.expected = 1;
+  std::string text = describe_device_wait(r);
+  EXPECT_NE(text.find("gate/up GEMM block 3 thread 0 (consumer) waited 2 s for tile-index slot 1 to be posted"),
+            std::string::npos)
+      << text;
+  r.site = wait_site(WaitKernel::kDown, WaitRole::kProducer, WaitObject::kTileIndexRead, 2);
+  r.expected = 9;
+  r.parity = 1;
+  text = describe_device_wait(r);
+  EXPECT_NE(text.find("tile-index slot 2 to be read by every role (parity 1, 9 reading-warp arrivals expected)"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("ring stage"), std::string::npos) << text;
+}
+
 TEST(DeviceWaitRecord, TimeoutIsValidated) {
   const double before = device_wait_timeout();
   EXPECT_THROW(set_device_wait_timeout(0.0), Error);

@@ -18,14 +18,16 @@ namespace {
 
 // Runs a small fused forward + backward with `fault` injected into `kernel`; prints the error
 // and exits 3 if the call fails as it must, 0 if it (wrongly) completes.
-[[noreturn]] void run_with_fault(WaitKernel kernel, WaitFault fault, bool recompute_z, Precision precision) {
+[[noreturn]] void run_with_fault(WaitKernel kernel, WaitFault fault, bool recompute_z, Precision precision,
+                                 int64_t experts) {
   set_device_wait_timeout(0.5);
   inject_wait_fault(kernel, fault);
   // Every instance runs more K-blocks per tile than its ring has stages (H = 2I = 1024; ~250
   // rows per expert for the weight gradients), so a withheld release is waited for. At FP8
   // (K-blocks of 128, 6 stages) that holds for all but the down GEMM (I/128 = 4 K-blocks), whose
-  // releases are therefore not a case below.
-  const HostProblem p = make_problem(Dims{1000, 1024, 512, 8, 2}, Routing::kUniform, 7);
+  // releases are therefore not a case below. With 256 experts the forward's gate/up and down take
+  // the dynamic tile order (sm90_forward_dynamic_tile_order) and wait on its tile feed as well.
+  const HostProblem p = make_problem(Dims{1000, 1024, 512, experts, 2}, Routing::kUniform, 7);
   RunOptions opt;
   opt.save_z = !recompute_z;
   opt.precision = precision;
@@ -44,6 +46,7 @@ struct FaultCase {
   bool recompute_z;
   const char* expected;  // regex the error must match
   Precision precision = Precision::kBf16;
+  int64_t experts = 8;
 };
 
 class DeviceWaits : public ::testing::TestWithParam<FaultCase> {};
@@ -51,7 +54,7 @@ class DeviceWaits : public ::testing::TestWithParam<FaultCase> {};
 TEST_P(DeviceWaits, TimeOutWithADescription) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   const FaultCase c = GetParam();
-  EXPECT_EXIT(run_with_fault(c.kernel, c.fault, c.recompute_z, c.precision), ::testing::ExitedWithCode(3),
+  EXPECT_EXIT(run_with_fault(c.kernel, c.fault, c.recompute_z, c.precision, c.experts), ::testing::ExitedWithCode(3),
               c.expected);
 }
 
@@ -64,6 +67,10 @@ constexpr const char* kFp8Empty =
     "FP8 .* GEMM block [0-9]+ thread [0-9]+ \\(producer\\) waited 0\\.[5-9][0-9]* s for ring stage [0-9]+ to be "
     "released";
 constexpr Precision kFp8 = Precision::kFp8Blockwise;
+constexpr Precision kBf16 = Precision::kBf16;
+// The dynamic tile order's feed (E = 256): its readers (consumers, gathering producer threads) left
+// without a posted tile index.
+constexpr const char* kPosted = "\\((consumer|producer)\\) waited 0\\.[5-9][0-9]* s for tile-index slot 0 to be posted";
 
 INSTANTIATE_TEST_SUITE_P(
     Fused, DeviceWaits,
@@ -81,10 +88,19 @@ INSTANTIATE_TEST_SUITE_P(
                       FaultCase{WaitKernel::kFp8Down, WaitFault::kStageFull, false, kFp8Full, kFp8},
                       FaultCase{WaitKernel::kFp8RecomputeZ, WaitFault::kStageEmpty, true, kFp8Empty, kFp8},
                       FaultCase{WaitKernel::kFp8DgradSwiglu, WaitFault::kStageFull, false, kFp8Full, kFp8},
-                      FaultCase{WaitKernel::kFp8DgradScatter, WaitFault::kStageEmpty, false, kFp8Empty, kFp8}),
+                      FaultCase{WaitKernel::kFp8DgradScatter, WaitFault::kStageEmpty, false, kFp8Empty, kFp8},
+                      // Dynamic tile order: a feed that is never posted, and a withheld stage
+                      // release that must still be named as such (the feed's waits, blocked in
+                      // turn, run 20x longer).
+                      FaultCase{WaitKernel::kGateUp, WaitFault::kTileIndexPosted, false, kPosted, kBf16, 256},
+                      FaultCase{WaitKernel::kDown, WaitFault::kTileIndexPosted, false, kPosted, kBf16, 256},
+                      FaultCase{WaitKernel::kGateUp, WaitFault::kStageEmpty, false, kEmpty, kBf16, 256}),
     [](const ::testing::TestParamInfo<FaultCase>& info) {
       return std::to_string(static_cast<int>(info.param.kernel)) +
-             (info.param.fault == WaitFault::kStageFull ? "_full" : "_empty");
+             (info.param.fault == WaitFault::kStageFull   ? "_full"
+              : info.param.fault == WaitFault::kStageEmpty ? "_empty"
+                                                           : "_index_posted") +
+             (info.param.experts == 8 ? "" : "_E" + std::to_string(info.param.experts));
     });
 
 }  // namespace
