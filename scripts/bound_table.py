@@ -4,8 +4,8 @@
 file per case). For the first forward and the first backward with bf16 weight gradients of the
 run: each GEMM and pool kernel's time, tensor-pipe / DRAM / L2 throughput in % of peak, SM clock,
 and a reading of what bounds it; for the forward GEMMs also the DRAM bytes read over the bytes
-of their operands (gate/up: w13 + the routed x rows; down: w2 + the h pool), which shows weight
-slices read from HBM more than once.
+of their operands (gate/up: w13 + the routed x rows; down: w2 + the h pool; one byte an element and
+the block scales for FP8 instances), which shows weight slices read from HBM more than once.
 
 Usage: python3 scripts/bound_table.py CASE_FILE [CASE_FILE ...]  (prints Markdown)
 Exit 2 when a file holds no ncu rows or no forward (wrong kernel filter or metrics)."""
@@ -44,7 +44,11 @@ def role(name):
         return "down"
     if "RowStoreEpilogue<256, 0" in name:
         return "dgrad-2"
+    # scatter_token_rows: the token-major x and dy pools; quantize_rows_fp8: FP8's x quantization
+    # (forward) and its dy quantization with the bf16 pools (backward). Weight quantization is
+    # once per weight version, not part of a pass.
     for key, label in (("routing_count", "routing"), ("routing_place", "routing"), ("gather_rows", "x, dy pools"),
+                       ("scatter_token_rows", "x, dy pools"), ("quantize_rows_fp8", "FP8 quantize"),
                        ("combine", "combine"), ("router", "router")):
         if key in name:
             return label
@@ -93,15 +97,15 @@ def load(path):
 
 
 def passes(kernels):
-    """{'forward': [...], 'backward': [...]}: the first forward (routing through combine around
-    the first gate/up) and the first backward with bf16 weight gradients (the routing before its
-    first dW bf16 through its last)."""
+    """{'forward': [...], 'backward': [...]}: the first forward (routing and FP8's x quantization
+    through combine around the first gate/up) and the first backward with bf16 weight gradients (the
+    routing before its first dW bf16 through its last)."""
     roles = [k["role"] for k in kernels]
     out = {}
     if "gate/up" in roles:
         g = roles.index("gate/up")
         start = g
-        while start > 0 and roles[start - 1] == "routing":
+        while start > 0 and roles[start - 1] in ("routing", "FP8 quantize"):
             start -= 1
         end = g
         while end + 1 < len(roles) and roles[end + 1] in ("down", "combine"):
@@ -133,13 +137,15 @@ def bound(k):
     return "none near its peak (latency)"
 
 
-def operand_bytes(layer, which):
+def operand_bytes(layer, which, fp8=False):
     """Bytes of a forward GEMM's operands at uniform routing with no masked slot (an upper bound
-    on the rows: masked slots route no row)."""
+    on the rows: masked slots route no row). FP8: E4M3 elements, an fp32 scale per 128 x 128
+    weight block and per 128 row elements."""
     H, I, E, K, T = layer["H"], layer["I"], layer["E"], layer["K"], layer["T"]
-    if which == "gate/up":
-        return E * 2 * I * H * 2 + T * K * H * 2
-    return E * H * I * 2 + T * K * I * 2
+    weights, rows = (E * 2 * I * H, T * K * H) if which == "gate/up" else (E * H * I, T * K * I)
+    if fp8:
+        return weights + weights * 4 // (128 * 128) + rows + rows * 4 // 128
+    return weights * 2 + rows * 2
 
 
 def main():
@@ -170,7 +176,7 @@ def main():
                 parts.append(f"{label} {k.get(TIME, 0):.0f}, {k.get(TENSOR, 0):.0f} / {k.get(DRAM, 0):.0f} / "
                              f"{k.get(L2, 0):.0f}, {k.get(CLOCK, 0):.2f}: {bound(k)}")
                 if name == "forward" and layer is not None and label in ("gate/up", "down"):
-                    reads.append((case, label, k.get(DRAM_READ, 0.0), operand_bytes(layer, label)))
+                    reads.append((case, label, k.get(DRAM_READ, 0.0), operand_bytes(layer, label, "Fp8" in k["name"])))
             lines.append(f"| {case} | {name}: {total:.0f} µs | {'; '.join(parts)} |")
     print("\n".join(lines))
     if reads:

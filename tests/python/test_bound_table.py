@@ -25,6 +25,14 @@ NAMES = {
     "dw_fp32": GEMM.format("PoolRowsTransposedA, TransposedB<256>, ExpertOutputTileScheduler, WeightGradEpilogue<1, 0>"),
     "dw_bf16": GEMM.format("PoolRowsTransposedA, TransposedB<256>, ExpertOutputTileScheduler, WeightGradEpilogue<0, 0>"),
     "flush": "void fusemoe::harness::flush_l2_kernel(char *, long)",
+    # FP8 (names as ncu printed them on the H200)
+    "quantize": "unnamed>::quantize_rows_fp8_kernel(const __nv_bfloat16 *, const int *, long, long, long, "
+                "__nv_bfloat16 *, unsigned char *, float *, Fp8ScaleLayout, Fp8RowsPlainCopy)",
+    "quantize_w": "void unnamed>::quantize_weights_fp8_kernel<0>(const __nv_bfloat16 *, const __nv_bfloat16 *, long, "
+                  "long, unsigned char *, unsigned char *, float *)",
+    "fp8_gate_up": GEMM.format("Fp8GatheredTokenRowsA, Fp8GateUpWeightsB, RowTileScheduler, SwiGLUFp8Epilogue<0, 1>"),
+    "fp8_down": GEMM.format("Fp8PoolRowsA, Fp8WeightsB<256>, RowTileScheduler, RowStoreEpilogue<256, 1, 1>"),
+    "scatter": "unnamed>::scatter_token_rows_kernel(const bf16 *, const int *, long, bf16 *)",
 }
 # (kernel, ns, tensor %, dram %, L2 %, DRAM read in Mbyte, clock in hz)
 FORWARD = [("count", 4000, 0, 1, 2, 0.1, 1.97e9), ("place", 10000, 0, 0, 4, 0.2, 1.97e9),
@@ -86,6 +94,29 @@ def test_picks_the_first_forward_and_the_bf16_backward(tmp_path):
     # DRAM bytes over w13 + routed x rows: 1.2 GB / (128*1536*2048*2 + 4096*8*2048*2) bytes
     ratio = next(line for line in r.stdout.splitlines() if "| gate/up | 1.20 |" in line)
     assert ratio.rstrip().endswith("| 1.28x |"), ratio
+
+
+def test_fp8_passes_count_quantization_and_pools(tmp_path):
+    # FP8 forward: routing, the x quantization, FP8 gate/up and down, combine; the weights'
+    # quantization before it is not part of the pass. Backward: the token-major pools.
+    f = tmp_path / "fp8.csv"
+    forward = [("quantize_w", 400000, 0, 80, 50, 1000, 1.9e9)] + FORWARD[:2] + [
+        ("quantize", 45000, 0, 40, 60, 130, 1.97e9), ("fp8_gate_up", 300000, 55, 26, 53, 640, 1.62e9),
+        ("fp8_down", 150000, 53, 37, 55, 310, 1.62e9), FORWARD[-1]]
+    backward = BACKWARD_BF16[:2] + [("scatter", 320000, 0, 80, 90, 500, 1.9e9)] + BACKWARD_BF16[3:]
+    case_file(f, forward + backward)
+    r = run(f)
+    assert r.returncode == 0, r.stderr
+    fwd = next(line for line in r.stdout.splitlines() if "| forward:" in line)
+    assert "forward: 549 µs" in fwd  # 4 + 10 + 45 + 300 + 150 + 40, without the weights' 400
+    assert "FP8 quantize 45" in fwd
+    assert "gate/up 300, 55 / 26 / 53, 1.62: none near its peak (latency)" in fwd
+    bwd = next(line for line in r.stdout.splitlines() if "| backward:" in line)
+    assert "x, dy pools 320" in bwd
+    assert "backward: 1834 µs" in bwd
+    # one byte an element plus the scales: 128*1536*2048 (1 + 4/16384) + 4096*8*2048 (1 + 4/128)
+    ratio = next(line for line in r.stdout.splitlines() if "| gate/up | 0.64 |" in line)
+    assert "| 0.47 |" in ratio and ratio.rstrip().endswith("| 1.36x |"), ratio
 
 
 def test_refuses_a_file_without_kernel_rows(tmp_path):
