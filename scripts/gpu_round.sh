@@ -18,7 +18,9 @@
 # list of tests,sanitizers,bench,pytest,train; default all: a round split over several device calls,
 # each under the tool's 600 s, runs some parts per call, and summary.md names those left out), LIGER_WHEEL and
 # LIGER_TIMEOUT_S (the Liger step in 4), TRAIN_STEPS (200), TRAIN_IMPL (fused), TRAIN_PRECISION (bf16).
-# PYTEST_TIMEOUT_S (420). Measured on the H200 (2026-12-01): benchmarks without Liger ~1.5 min,
+# PYTEST_TIMEOUT_S (420), BENCH_TIMING (unset: fusemoe_bench's default, interleaved; per-impl:
+# each implementation timed alone, at the clock it holds under the power cap; builds before
+# --timing existed refuse the flag). Measured on the H200 (2026-12-01): benchmarks without Liger ~1.5 min,
 # Liger up to LIGER_TIMEOUT_S more, pytest 4.7 min; GPU tests 6.9 min, the four sanitizers 6 min
 # and the training comparison 5.7 min while another job shared the GPU. More than one 600 s device
 # call: split it with ROUND_PARTS (e.g. tests,sanitizers / bench / pytest,train). results.json
@@ -217,7 +219,8 @@ for spec in "${CASES[@]}"; do
   STEP_NUM=$((STEP_NUM + 1))
   # shellcheck disable=SC2086  # $extra and $torch_extra are lists of flags
   bench_step "fusemoe_bench $id" "$BENCH" --preset "$preset" --routing "$routing" --tokens "$tokens" \
-    --iters "$ITERS" --warmup "$WARMUP" --json "$PARTS/${STEP_NUM}_fusemoe_$id.json" $extra
+    --iters "$ITERS" --warmup "$WARMUP" ${BENCH_TIMING:+--timing "$BENCH_TIMING"} \
+    --json "$PARTS/${STEP_NUM}_fusemoe_$id.json" $extra
   # shellcheck disable=SC2086
   bench_step "torch_baseline $id" python3 benchmarks/torch_baseline.py --preset "$preset" \
     --routing "$routing" --tokens "$tokens" --iters "$ITERS" --warmup "$WARMUP" \
@@ -231,7 +234,8 @@ for spec in "qwen3-next|16384" "deepseek-v3|8192"; do
   IFS='|' read -r preset tokens <<<"$spec"
   STEP_NUM=$((STEP_NUM + 1))
   bench_step "fusemoe_bench $preset" "$BENCH" --preset "$preset" --tokens "$tokens" --impl fused_saved_z \
-    --iters "$ITERS" --warmup "$WARMUP" --json "$PARTS/${STEP_NUM}_fusemoe_$preset.json"
+    --iters "$ITERS" --warmup "$WARMUP" ${BENCH_TIMING:+--timing "$BENCH_TIMING"} \
+    --json "$PARTS/${STEP_NUM}_fusemoe_$preset.json"
 done
 
 # ---- 4a. Kernel benchmark: each sm90 GEMM instance against cuBLAS grouped and dense GEMMs ----

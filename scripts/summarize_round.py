@@ -115,7 +115,14 @@ def render_case(key, entry, lines):
     if clocks.get("samples", 0) > 0:
         lines.append(f"fusemoe timed at SM {clocks['sm_mhz_median']:.0f} MHz median "
                      f"({clocks['sm_mhz_min']:.0f}-{clocks['sm_mhz_max']:.0f}), power cap in "
-                     f"{100 * clocks['power_capped_fraction']:.0f}% of {clocks['samples']} samples.")
+                     f"{100 * clocks['power_capped_fraction']:.0f}% of {clocks['samples']} samples."
+                     + (" Timed implementation after implementation (--timing per-impl):"
+                        if (f_meta or {}).get("timing") == "per-impl" else ""))
+    for impl, c in ((f_case or {}).get("clocks_by_impl") or {}).items():
+        if c.get("samples", 0) > 0:
+            lines.append(f"- {impl} alone: SM {c['sm_mhz_median']:.0f} MHz median "
+                         f"({c['sm_mhz_min']:.0f}-{c['sm_mhz_max']:.0f}), power cap in "
+                         f"{100 * c['power_capped_fraction']:.0f}% of {c['samples']} samples")
     lines.append("")
     # The speedups are against the bf16 PyTorch path only (benchmarks/torch_timings.py).
     torch_ms = {pass_name: t.get("ms_median") for pass_name, t in

@@ -8,7 +8,7 @@ const char* const kUsage =
     "usage: fusemoe_bench [--preset NAME] [--tokens N[,N...]]\n"
     "                     [--routing NAME] [--impl NAME[,NAME...]] [--iters N]\n"
     "                     [--warmup N] [--json PATH] [--seed N] [--no-check]\n"
-    "                     [--check-max-tokens N]\n"
+    "                     [--check-max-tokens N] [--timing MODE]\n"
     "  --preset            layer shape (default qwen3-30b-a3b: H=2048 I=768 E=128 K=8;\n"
     "                      qwen3-235b-a22b: H=4096 I=1536 E=128 K=8;\n"
     "                      qwen3-next: H=2048 I=512 E=512 K=10;\n"
@@ -30,7 +30,14 @@ const char* const kUsage =
     "  --seed              seed of the inputs and the routing (default 1234)\n"
     "  --no-check          skip the correctness check against the fp32 reference\n"
     "  --check-max-tokens  check only token counts <= N (others are timed, check 'skipped')\n"
+    "  --timing            interleaved: every (pass, impl) in one round per iteration (default);\n"
+    "                      per-impl: implementation after implementation, each with its own\n"
+    "                      warm-up and clock line (under the power cap, the clock each holds alone)\n"
     "exit: 0 ok, 1 correctness failure, 2 bad arguments, 3 no Hopper GPU, 4 runtime error\n";
+
+const char* timing_mode_name(TimingMode mode) {
+  return mode == TimingMode::kInterleaved ? "interleaved" : "per-impl";
+}
 
 int64_t parse_int(const std::string& flag, const std::string& text, int64_t min_value) {
   size_t used = 0;
@@ -140,6 +147,15 @@ BenchParams parse_args(int argc, char** argv) {
       if (params.impls.empty()) throw UsageError{"--impl needs at least one name"};
     } else if (flag.name == "--check-max-tokens") {
       params.check_max_tokens = parse_int(flag.name, flag.value(), 0);
+    } else if (flag.name == "--timing") {
+      const std::string mode = flag.value();
+      if (mode == "interleaved") {
+        params.timing = TimingMode::kInterleaved;
+      } else if (mode == "per-impl") {
+        params.timing = TimingMode::kPerImplementation;
+      } else {
+        throw UsageError{"unknown --timing '" + mode + "' (known: interleaved per-impl)"};
+      }
     } else {
       throw UsageError{"unknown argument '" + flag.name + "'"};
     }

@@ -88,9 +88,19 @@ struct SharedOptions {
   bool check = true;
 };
 
+// How the implementations share the timed stretch. kInterleaved: one round of every (pass,
+// implementation) per iteration, so no implementation is timed on a hotter GPU than another; but
+// under the power cap the cooler implementations lend the others clock. kPerImplementation:
+// implementation after implementation (its passes interleaved, its own warm-up), each at the
+// clock it holds alone, as a training job running one of them would
+// (docs/perf.md#current-figures, nineteenth session).
+enum class TimingMode { kInterleaved, kPerImplementation };
+const char* timing_mode_name(TimingMode mode);
+
 struct BenchParams : SharedOptions {
   Preset preset = kPresets[0];
   std::vector<BenchImpl> impls;
+  TimingMode timing = TimingMode::kInterleaved;
   // Token counts above this are timed but not checked (the fp32 reference is slow at 235B).
   int64_t check_max_tokens = std::numeric_limits<int64_t>::max();
 };

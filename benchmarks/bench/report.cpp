@@ -64,6 +64,10 @@ void print_case(const BenchParams& params, const BenchResult& result, const Case
                 line.speedup_vs_first);
   }
   std::printf("  clocks while timed: %s\n", harness::describe(c.clocks).c_str());
+  for (size_t i = 0; i < c.impl_clocks.size() && i < params.impls.size(); ++i) {
+    std::printf("  clocks while %s was timed alone: %s\n", params.impls[i].name,
+                harness::describe(c.impl_clocks[i]).c_str());
+  }
 }
 
 namespace {
@@ -99,6 +103,13 @@ Json case_json(const BenchParams& params, const CaseResult& c) {
   out.update(routing_json(c.routing, params.preset.num_experts));
   out.update(Json{{"check_status", c.check_status}, {"checks", checks}, {"timings", timings},
                   {"clocks", clocks_json(c.clocks)}});
+  if (!c.impl_clocks.empty()) {
+    Json by_impl = Json::object();
+    for (size_t i = 0; i < c.impl_clocks.size() && i < params.impls.size(); ++i) {
+      by_impl[params.impls[i].name] = clocks_json(c.impl_clocks[i]);
+    }
+    out["clocks_by_impl"] = by_impl;
+  }
   return out;
 }
 
@@ -123,6 +134,7 @@ bool write_json(const std::string& path, const BenchParams& params, const BenchR
       {"seed", params.seed},
       {"iters", params.iters},
       {"warmup", params.warmup},
+      {"timing", timing_mode_name(params.timing)},
       {"l2_flush_bytes", static_cast<uint64_t>(result.facts.l2_flush_bytes)},
       {"rel_err_tol", kRelErrTol},
       {"rel_err_tol_fp8", kFp8RelErrTol},

@@ -47,6 +47,8 @@ struct CaseResult {
   std::vector<CheckLine> checks;
   std::vector<TimingLine> timings;
   harness::ClockSummary clocks;  // the GPU's clocks while the timings ran
+  // --timing per-impl: each implementation's clocks while it was timed, in params.impls' order.
+  std::vector<harness::ClockSummary> impl_clocks;
 };
 
 struct BenchResult {

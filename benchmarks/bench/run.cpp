@@ -48,10 +48,11 @@ struct TimingContext {
   harness::EventTimer& timer;
   double ceiling_tflops;
   cudaStream_t stream;
+  const harness::Nvml& nvml;
 };
 
 std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, int64_t valid_rows,
-                                  const std::string& label) {
+                                  const std::string& label, std::vector<harness::ClockSummary>* impl_clocks) {
   struct Measurement {
     Pass pass;
     WeightGradDtype dtype;
@@ -70,6 +71,7 @@ std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, 
   // one round of all of them per iteration, so no pass is timed on a hotter GPU than another
   // (timed pass after pass, the last-timed read 5-10% slow: docs/experiments.md#interleaved-timing).
   std::vector<std::function<void()>> ops;
+  std::vector<size_t> op_impl;  // the implementation (index into params.impls) of each op
   std::vector<TimingLine> lines;
   for (const Measurement& m : kMeasurements) {
     for (size_t i = 0; i < ctx.params.impls.size(); ++i) {
@@ -81,6 +83,7 @@ std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, 
       line.wgrad = m.pass == Pass::kForward ? "-" : wgrad_name(m.dtype);
       line.flops = flops_per_row_in_hi(m.pass) * hi * static_cast<double>(valid_rows);
       lines.push_back(line);
+      op_impl.push_back(i);
       // The ops hold pointers to the context, the implementation and its workspace (alive for
       // the whole measurement), not references to locals of this loop.
       const TimingContext* c = &ctx;
@@ -104,10 +107,30 @@ std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, 
       }
     }
   }
-  std::fprintf(stderr, "[bench] %s: timing %zu (pass, implementation) pairs, interleaved ...\n", label.c_str(),
-               ops.size());
-  const std::vector<harness::TimingStats> stats =
-      ctx.timer.run_interleaved(ops, ctx.params.warmup, ctx.params.iters, /*flush_l2=*/true);
+  std::vector<harness::TimingStats> stats(ops.size());
+  if (ctx.params.timing == TimingMode::kInterleaved) {
+    std::fprintf(stderr, "[bench] %s: timing %zu (pass, implementation) pairs, interleaved ...\n", label.c_str(),
+                 ops.size());
+    stats = ctx.timer.run_interleaved(ops, ctx.params.warmup, ctx.params.iters, /*flush_l2=*/true);
+  } else {
+    for (size_t i = 0; i < ctx.params.impls.size(); ++i) {
+      std::vector<std::function<void()>> own;
+      std::vector<size_t> where;
+      for (size_t k = 0; k < ops.size(); ++k) {
+        if (op_impl[k] == i) {
+          own.push_back(ops[k]);
+          where.push_back(k);
+        }
+      }
+      std::fprintf(stderr, "[bench] %s: timing %s alone, its %zu passes interleaved ...\n", label.c_str(),
+                   ctx.params.impls[i].name, own.size());
+      harness::ClockSampler sampler(ctx.nvml);
+      const std::vector<harness::TimingStats> own_stats =
+          ctx.timer.run_interleaved(own, ctx.params.warmup, ctx.params.iters, /*flush_l2=*/true);
+      impl_clocks->push_back(sampler.stop());
+      for (size_t j = 0; j < where.size(); ++j) stats[where[j]] = own_stats[j];
+    }
+  }
   for (size_t k = 0; k < lines.size(); ++k) {
     TimingLine& line = lines[k];
     line.stats = stats[k];
@@ -291,7 +314,7 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
     reference_outputs = std::make_unique<LayerOutputs>(reference_config, false);
   }
 
-  const TimingContext ctx{params, config, inputs, outputs, workspaces, timer, result.ceiling.tflops, stream};
+  const TimingContext ctx{params, config, inputs, outputs, workspaces, timer, result.ceiling.tflops, stream, nvml};
   bool all_pass = true;
   for (int64_t num_tokens : params.tokens) {
     const std::string label = std::string(preset.short_name) + " T=" + std::to_string(num_tokens);
@@ -321,7 +344,7 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
     }
     {
       harness::ClockSampler sampler(nvml);
-      c.timings = time_case(ctx, num_tokens, c.routing.valid_rows, label);
+      c.timings = time_case(ctx, num_tokens, c.routing.valid_rows, label, &c.impl_clocks);
       c.clocks = sampler.stop();
     }
     print_case(params, result, c);

@@ -55,6 +55,23 @@ TEST(BenchPresets, NewShapesAreNamedAndListed) {
   }
 }
 
+// --timing: interleaved by default, per-impl on request, anything else refused by name.
+TEST(BenchOptions, TimingMode) {
+  EXPECT_EQ(parse({}).timing, TimingMode::kInterleaved);
+  EXPECT_EQ(parse({"--timing", "per-impl"}).timing, TimingMode::kPerImplementation);
+  EXPECT_EQ(parse({"--timing=interleaved"}).timing, TimingMode::kInterleaved);
+  EXPECT_STREQ(timing_mode_name(TimingMode::kPerImplementation), "per-impl");
+  EXPECT_NE(std::strstr(kUsage, "--timing"), nullptr);
+  try {
+    parse({"--timing", "alone"});
+    FAIL() << "an unknown timing mode was accepted";
+  } catch (const UsageError& error) {
+    EXPECT_NE(error.message.find("--timing 'alone'"), std::string::npos) << error.message;
+    EXPECT_NE(error.message.find("per-impl"), std::string::npos) << error.message;
+  }
+  EXPECT_THROW(parse({"--timing"}), UsageError);  // no value
+}
+
 // This file's own sum of what run_bench holds: inputs, outputs (fp32-sized weight gradients),
 // saved z, a workspace per impl, the reference's workspace and outputs at the checked T.
 size_t expected_bytes(const BenchParams& p, int64_t max_tokens, int64_t checked_tokens) {

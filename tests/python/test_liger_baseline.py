@@ -211,3 +211,21 @@ def test_summary_says_when_fusemoe_ran_fewer_experts():
     results["fusemoe"][0]["meta"].update(experts_reduced=note, num_experts=128)
     summary, _ = summarize_round.render(results)
     assert f"**{note}**: fusemoe ran E=128." in summary
+
+
+def test_summary_names_per_impl_timing_and_each_impl_clock():
+    # fusemoe_bench --timing per-impl: the meta says so and each implementation's clocks are listed.
+    results = round_results({"meta": {}, "cases": []}, 6, note="optional")
+    f = results["fusemoe"][0]
+    f["meta"]["timing"] = "per-impl"
+    clocks = {"samples": 50, "sm_mhz_median": 1500.0, "sm_mhz_min": 1400.0, "sm_mhz_max": 1900.0,
+              "power_capped_fraction": 1.0}
+    f["cases"][0]["clocks"] = clocks
+    f["cases"][0]["clocks_by_impl"] = {"fused": dict(clocks, sm_mhz_median=1470.0)}
+    summary, _ = summarize_round.render(results)
+    assert "Timed implementation after implementation (--timing per-impl):" in summary
+    assert "- fused alone: SM 1470 MHz median (1400-1900), power cap in 100% of 50 samples" in summary
+    # the default (interleaved) adds neither line
+    del f["meta"]["timing"], f["cases"][0]["clocks_by_impl"]
+    summary, _ = summarize_round.render(results)
+    assert "per-impl" not in summary and "alone: SM" not in summary
