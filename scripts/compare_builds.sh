@@ -7,6 +7,8 @@
 # Env: ROUNDS (2), ITERS (20), WARMUP (5), IMPLS (fused,fused_saved_z),
 #      CASES ("qwen3-30b-a3b:4096,16384 qwen3-235b-a22b:16384"). Timings only (--no-check): the
 #      correctness of each build is the GPU round's business.
+# With more than one impl, builds from 2dff31e on time them one after another (--timing per-impl),
+# older ones interleaved: compare such builds with one impl, or within one method.
 # Writes OUTDIR/compare.json (every run) and OUTDIR/compare.md (the table), and prints the table.
 set -u -o pipefail
 if [[ $# -lt 2 ]]; then

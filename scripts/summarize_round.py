@@ -117,7 +117,9 @@ def render_case(key, entry, lines):
                      f"({clocks['sm_mhz_min']:.0f}-{clocks['sm_mhz_max']:.0f}), power cap in "
                      f"{100 * clocks['power_capped_fraction']:.0f}% of {clocks['samples']} samples."
                      + (" Timed implementation after implementation (--timing per-impl):"
-                        if (f_meta or {}).get("timing") == "per-impl" else ""))
+                        if (f_meta or {}).get("timing") == "per-impl" else
+                        " Timed interleaved (--timing interleaved): the implementations share one clock."
+                        if (f_meta or {}).get("timing") == "interleaved" else ""))
     for impl, c in ((f_case or {}).get("clocks_by_impl") or {}).items():
         if c.get("samples", 0) > 0:
             lines.append(f"- {impl} alone: SM {c['sm_mhz_median']:.0f} MHz median "

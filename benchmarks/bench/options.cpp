@@ -30,9 +30,10 @@ const char* const kUsage =
     "  --seed              seed of the inputs and the routing (default 1234)\n"
     "  --no-check          skip the correctness check against the fp32 reference\n"
     "  --check-max-tokens  check only token counts <= N (others are timed, check 'skipped')\n"
-    "  --timing            interleaved: every (pass, impl) in one round per iteration (default);\n"
-    "                      per-impl: implementation after implementation, each with its own\n"
-    "                      warm-up and clock line (under the power cap, the clock each holds alone)\n"
+    "  --timing            per-impl: implementation after implementation, each with its own\n"
+    "                      warm-up and clock line, at the clock it holds alone under the power\n"
+    "                      cap (default); interleaved: every (pass, impl) in one round per\n"
+    "                      iteration (the cooler impls then lend the others clock)\n"
     "exit: 0 ok, 1 correctness failure, 2 bad arguments, 3 no Hopper GPU, 4 runtime error\n";
 
 const char* timing_mode_name(TimingMode mode) {

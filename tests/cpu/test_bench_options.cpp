@@ -55,11 +55,11 @@ TEST(BenchPresets, NewShapesAreNamedAndListed) {
   }
 }
 
-// --timing: interleaved by default, per-impl on request, anything else refused by name.
+// --timing: per-impl by default, interleaved on request, anything else refused by name.
 TEST(BenchOptions, TimingMode) {
-  EXPECT_EQ(parse({}).timing, TimingMode::kInterleaved);
-  EXPECT_EQ(parse({"--timing", "per-impl"}).timing, TimingMode::kPerImplementation);
-  EXPECT_EQ(parse({"--timing=interleaved"}).timing, TimingMode::kInterleaved);
+  EXPECT_EQ(parse({}).timing, TimingMode::kPerImplementation);
+  EXPECT_EQ(parse({"--timing", "interleaved"}).timing, TimingMode::kInterleaved);
+  EXPECT_EQ(parse({"--timing=per-impl"}).timing, TimingMode::kPerImplementation);
   EXPECT_STREQ(timing_mode_name(TimingMode::kPerImplementation), "per-impl");
   EXPECT_NE(std::strstr(kUsage, "--timing"), nullptr);
   try {

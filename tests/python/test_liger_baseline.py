@@ -225,7 +225,11 @@ def test_summary_names_per_impl_timing_and_each_impl_clock():
     summary, _ = summarize_round.render(results)
     assert "Timed implementation after implementation (--timing per-impl):" in summary
     assert "- fused alone: SM 1470 MHz median (1400-1900), power cap in 100% of 50 samples" in summary
-    # the default (interleaved) adds neither line
-    del f["meta"]["timing"], f["cases"][0]["clocks_by_impl"]
+    # interleaved says so; a bench from before --timing says nothing
+    f["meta"]["timing"] = "interleaved"
+    del f["cases"][0]["clocks_by_impl"]
     summary, _ = summarize_round.render(results)
-    assert "per-impl" not in summary and "alone: SM" not in summary
+    assert "Timed interleaved (--timing interleaved)" in summary and "alone: SM" not in summary
+    del f["meta"]["timing"]
+    summary, _ = summarize_round.render(results)
+    assert "--timing" not in summary
