@@ -67,9 +67,10 @@ std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, 
       {Pass::kForwardBackward, WeightGradDtype::kBFloat16},
   };
   const double hi = static_cast<double>(ctx.config.hidden) * ctx.config.intermediate;
-  // Every (pass, implementation) runs interleaved with every other (EventTimer::run_interleaved):
-  // one round of all of them per iteration, so no pass is timed on a hotter GPU than another
-  // (timed pass after pass, the last-timed read 5-10% slow: docs/experiments.md#interleaved-timing).
+  // An implementation's passes run interleaved (EventTimer::run_interleaved): one round of all of
+  // them per iteration, so no pass is timed on a hotter GPU than another (timed pass after pass,
+  // the last-timed read 5-10% slow: docs/experiments.md#interleaved-timing). --timing interleaved
+  // mixes the implementations into the same rounds; per-impl (the default) times them in turn.
   std::vector<std::function<void()>> ops;
   std::vector<size_t> op_impl;  // the implementation (index into params.impls) of each op
   std::vector<TimingLine> lines;
