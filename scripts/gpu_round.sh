@@ -20,8 +20,8 @@
 # LIGER_TIMEOUT_S (the Liger step in 4), TRAIN_STEPS (200), TRAIN_IMPL (fused), TRAIN_PRECISION (bf16).
 # PYTEST_TIMEOUT_S (420), BENCH_TIMING (unset: fusemoe_bench's default, per-impl, each
 # implementation timed alone at the clock it holds under the power cap; interleaved: the method
-# before 2026-12-03; builds before --timing existed take neither and refuse the flag). Measured on the H200 (2026-12-01): benchmarks without Liger ~1.5 min,
-# Liger up to LIGER_TIMEOUT_S more, pytest 4.7 min; GPU tests 6.9 min, the four sanitizers 6 min
+# before 2026-12-03; builds before --timing existed take neither and refuse the flag).
+# Measured on the H200 (2026-12-01): benchmarks without Liger ~1.5 min, Liger up to LIGER_TIMEOUT_S more, pytest 4.7 min; GPU tests 6.9 min, the four sanitizers 6 min
 # and the training comparison 5.7 min while another job shared the GPU. More than one 600 s device
 # call: split it with ROUND_PARTS (e.g. tests,sanitizers / bench / pytest,train). results.json
 # and summary.md are rewritten after every step, so a round cut short still leaves what it

@@ -89,6 +89,12 @@ def torch_label(meta, timing=None):
     return f"PyTorch FALLBACK per-expert loop ({meta.get('fallback_reason')})"
 
 
+def describe_clocks(c):
+    """'SM 1470 MHz median (1400-1900), power cap in 100% of 50 samples' from a bench clocks dict."""
+    return (f"SM {c['sm_mhz_median']:.0f} MHz median ({c['sm_mhz_min']:.0f}-{c['sm_mhz_max']:.0f}), "
+            f"power cap in {100 * c['power_capped_fraction']:.0f}% of {c['samples']} samples")
+
+
 def render_case(key, entry, lines):
     preset, routing, tokens = key
     f_meta, f_case, f_ceiling = entry.get("fusemoe", (None, None, None))
@@ -113,18 +119,13 @@ def render_case(key, entry, lines):
     # The clock the fusemoe timings ran at (NVML samples; the GEMMs run at the power cap's clock).
     clocks = (f_case or {}).get("clocks") or {}
     if clocks.get("samples", 0) > 0:
-        lines.append(f"fusemoe timed at SM {clocks['sm_mhz_median']:.0f} MHz median "
-                     f"({clocks['sm_mhz_min']:.0f}-{clocks['sm_mhz_max']:.0f}), power cap in "
-                     f"{100 * clocks['power_capped_fraction']:.0f}% of {clocks['samples']} samples."
-                     + (" Timed implementation after implementation (--timing per-impl):"
-                        if (f_meta or {}).get("timing") == "per-impl" else
-                        " Timed interleaved (--timing interleaved): the implementations share one clock."
-                        if (f_meta or {}).get("timing") == "interleaved" else ""))
+        mode = {"per-impl": " Timed implementation after implementation (--timing per-impl):",
+                "interleaved": " Timed interleaved (--timing interleaved): the implementations share one clock."}
+        lines.append(f"fusemoe timed at {describe_clocks(clocks)}."
+                     + mode.get((f_meta or {}).get("timing"), ""))
     for impl, c in ((f_case or {}).get("clocks_by_impl") or {}).items():
         if c.get("samples", 0) > 0:
-            lines.append(f"- {impl} alone: SM {c['sm_mhz_median']:.0f} MHz median "
-                         f"({c['sm_mhz_min']:.0f}-{c['sm_mhz_max']:.0f}), power cap in "
-                         f"{100 * c['power_capped_fraction']:.0f}% of {c['samples']} samples")
+            lines.append(f"- {impl} alone: {describe_clocks(c)}")
     lines.append("")
     # The speedups are against the bf16 PyTorch path only (benchmarks/torch_timings.py).
     torch_ms = {pass_name: t.get("ms_median") for pass_name, t in
