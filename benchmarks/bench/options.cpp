@@ -8,7 +8,7 @@ const char* const kUsage =
     "usage: fusemoe_bench [--preset NAME] [--tokens N[,N...]]\n"
     "                     [--routing NAME] [--impl NAME[,NAME...]] [--iters N]\n"
     "                     [--warmup N] [--json PATH] [--seed N] [--no-check]\n"
-    "                     [--check-max-tokens N] [--timing MODE]\n"
+    "                     [--check-max-tokens N] [--timing MODE] [--warmup-ms MS]\n"
     "  --preset            layer shape (default qwen3-30b-a3b: H=2048 I=768 E=128 K=8;\n"
     "                      qwen3-235b-a22b: H=4096 I=1536 E=128 K=8;\n"
     "                      qwen3-next: H=2048 I=512 E=512 K=10;\n"
@@ -34,6 +34,9 @@ const char* const kUsage =
     "                      warm-up and clock line, at the clock it holds alone under the power\n"
     "                      cap (default); interleaved: every (pass, impl) in one round per\n"
     "                      iteration (the cooler impls then lend the others clock)\n"
+    "  --warmup-ms         warm-up rounds go on until MS milliseconds have passed, per timed\n"
+    "                      block (each impl in per-impl timing), after at least --warmup of\n"
+    "                      them (default 0: --warmup rounds only)\n"
     "exit: 0 ok, 1 correctness failure, 2 bad arguments, 3 no Hopper GPU, 4 runtime error\n";
 
 const char* timing_mode_name(TimingMode mode) {
@@ -148,6 +151,8 @@ BenchParams parse_args(int argc, char** argv) {
       if (params.impls.empty()) throw UsageError{"--impl needs at least one name"};
     } else if (flag.name == "--check-max-tokens") {
       params.check_max_tokens = parse_int(flag.name, flag.value(), 0);
+    } else if (flag.name == "--warmup-ms") {
+      params.warmup_ms = static_cast<double>(parse_int(flag.name, flag.value(), 0));
     } else if (flag.name == "--timing") {
       const std::string mode = flag.value();
       if (mode == "interleaved") {

@@ -18,6 +18,14 @@ const char* pass_name(Pass pass) { return kPassNames[static_cast<int>(pass)]; }
 
 int flops_per_row_in_hi(Pass pass) { return kFlopsPerRowInHi[static_cast<int>(pass)]; }
 
+namespace {
+// ", at least N ms each" when --warmup-ms asks for a least warm-up time, else nothing.
+std::string warmup_ms_note(const BenchParams& params) {
+  if (params.warmup_ms <= 0.0) return "";
+  return ", at least " + std::to_string(static_cast<long long>(params.warmup_ms)) + " ms each";
+}
+}  // namespace
+
 void print_header(const BenchParams& params, const BenchResult& result) {
   print_facts("fusemoe_bench", result.facts);
   std::string tokens, impls;
@@ -31,8 +39,9 @@ void print_header(const BenchParams& params, const BenchResult& result) {
   std::printf("device memory: %.1f GiB needed, %.1f GiB free\n", fit.bytes / double(size_t(1) << 30),
               fit.free_bytes / double(size_t(1) << 30));
   if (const std::string note = expert_fit_note(fit); !note.empty()) std::printf("%s\n", note.c_str());
-  std::printf("timing: median of %d after %d warm-up, CUDA events, %zu MiB L2 flush before each call\n", params.iters,
-              params.warmup, result.facts.l2_flush_bytes >> 20);
+  std::printf("timing: median of %d after %d warm-up%s, %s, CUDA events, %zu MiB L2 flush before each call\n",
+              params.iters, params.warmup, warmup_ms_note(params).c_str(), timing_mode_name(params.timing),
+              result.facts.l2_flush_bytes >> 20);
   std::fflush(stdout);
 }
 
@@ -134,6 +143,7 @@ bool write_json(const std::string& path, const BenchParams& params, const BenchR
       {"seed", params.seed},
       {"iters", params.iters},
       {"warmup", params.warmup},
+      {"warmup_ms", params.warmup_ms},
       {"timing", timing_mode_name(params.timing)},
       {"l2_flush_bytes", static_cast<uint64_t>(result.facts.l2_flush_bytes)},
       {"rel_err_tol", kRelErrTol},

@@ -112,7 +112,8 @@ std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, 
   if (ctx.params.timing == TimingMode::kInterleaved) {
     std::fprintf(stderr, "[bench] %s: timing %zu (pass, implementation) pairs, interleaved ...\n", label.c_str(),
                  ops.size());
-    stats = ctx.timer.run_interleaved(ops, ctx.params.warmup, ctx.params.iters, /*flush_l2=*/true);
+    stats = ctx.timer.run_interleaved(ops, ctx.params.warmup, ctx.params.iters, /*flush_l2=*/true,
+                                      ctx.params.warmup_ms);
   } else {
     for (size_t i = 0; i < ctx.params.impls.size(); ++i) {
       std::vector<std::function<void()>> own;
@@ -127,7 +128,7 @@ std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, 
                    ctx.params.impls[i].name, own.size());
       harness::ClockSampler sampler(ctx.nvml);
       const std::vector<harness::TimingStats> own_stats =
-          ctx.timer.run_interleaved(own, ctx.params.warmup, ctx.params.iters, /*flush_l2=*/true);
+          ctx.timer.run_interleaved(own, ctx.params.warmup, ctx.params.iters, /*flush_l2=*/true, ctx.params.warmup_ms);
       impl_clocks->push_back(sampler.stop());
       for (size_t j = 0; j < where.size(); ++j) stats[where[j]] = own_stats[j];
     }

@@ -1,6 +1,7 @@
 #include "common/timer.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "fusemoe/error.h"
 
@@ -30,21 +31,29 @@ void EventTimer::flush_l2(int round) const {
 }
 
 std::vector<TimingStats> EventTimer::run_interleaved(const std::vector<std::function<void()>>& ops, int warmup,
-                                                     int iters, bool flush_l2) {
+                                                     int iters, bool flush_l2, double min_warmup_ms) {
   const size_t num_ops = ops.size();
   std::vector<cudaEvent_t> events(2 * static_cast<size_t>(iters) * num_ops);
   for (cudaEvent_t& event : events) FUSEMOE_CUDA_CHECK(cudaEventCreate(&event));
   auto event = [&](size_t op, int timed, int end) -> cudaEvent_t& { return events[(op * iters + timed) * 2 + end]; };
   try {
-    for (int i = 0; i < warmup + iters; ++i) {
-      const int timed = i - warmup;
+    auto round = [&](int i, int timed) {
       for (size_t j = 0; j < num_ops; ++j) {
         if (flush_l2) this->flush_l2(i);
         if (timed >= 0) FUSEMOE_CUDA_CHECK(cudaEventRecord(event(j, timed, 0), stream_));
         ops[j]();
         if (timed >= 0) FUSEMOE_CUDA_CHECK(cudaEventRecord(event(j, timed, 1), stream_));
       }
-    }
+    };
+    const auto start = std::chrono::steady_clock::now();
+    auto warm_ms = [&] {
+      FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    };
+    int rounds = 0;
+    for (; rounds < warmup; ++rounds) round(rounds, -1);
+    while (min_warmup_ms > 0.0 && warm_ms() < min_warmup_ms) round(rounds++, -1);
+    for (int timed = 0; timed < iters; ++timed) round(rounds++, timed);
     FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
     std::vector<TimingStats> stats;
     for (size_t j = 0; j < num_ops; ++j) {

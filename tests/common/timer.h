@@ -29,9 +29,11 @@ class EventTimer {
   explicit EventTimer(cudaStream_t stream);
 
   // Per op, the statistics of `iters` timed runs after `warmup` untimed ones; a round runs
-  // every op once, in order.
+  // every op once, in order. With min_warmup_ms > 0, untimed rounds go on until that much time
+  // has passed since the first (at least `warmup` of them), so each block of ops is timed at the
+  // power and thermal state it keeps, not at the one the previous block left.
   std::vector<TimingStats> run_interleaved(const std::vector<std::function<void()>>& ops, int warmup, int iters,
-                                           bool flush_l2);
+                                           bool flush_l2, double min_warmup_ms = 0.0);
   TimingStats run(const std::function<void()>& op, int warmup, int iters, bool flush_l2);
 
   size_t flush_bytes() const { return flush_.bytes(); }

@@ -72,6 +72,21 @@ TEST(BenchOptions, TimingMode) {
   EXPECT_THROW(parse({"--timing"}), UsageError);  // no value
 }
 
+// --warmup-ms: a least warm-up time per timed block, none by default; negative refused by name.
+TEST(BenchOptions, WarmupMilliseconds) {
+  EXPECT_EQ(parse({}).warmup_ms, 0.0);
+  EXPECT_EQ(parse({"--warmup-ms", "3000"}).warmup_ms, 3000.0);
+  EXPECT_EQ(parse({"--warmup-ms=0"}).warmup_ms, 0.0);
+  EXPECT_NE(std::strstr(kUsage, "--warmup-ms"), nullptr);
+  try {
+    parse({"--warmup-ms", "-5"});
+    FAIL() << "a negative warm-up time was accepted";
+  } catch (const UsageError& error) {
+    EXPECT_NE(error.message.find("--warmup-ms"), std::string::npos) << error.message;
+  }
+  EXPECT_THROW(parse({"--warmup-ms", "2s"}), UsageError);
+}
+
 // This file's own sum of what run_bench holds: inputs, outputs (fp32-sized weight gradients),
 // saved z, a workspace per impl, the reference's workspace and outputs at the checked T.
 size_t expected_bytes(const BenchParams& p, int64_t max_tokens, int64_t checked_tokens) {

@@ -233,3 +233,14 @@ def test_summary_names_per_impl_timing_and_each_impl_clock():
     del f["meta"]["timing"]
     summary, _ = summarize_round.render(results)
     assert "--timing" not in summary
+
+
+def test_summary_names_a_least_warmup_time():
+    results = round_results({"meta": {}, "cases": []}, 6, note="optional")
+    meta = results["fusemoe"][0]["meta"]
+    meta.update(iters=20, warmup=5)
+    summary, _ = summarize_round.render(results)
+    assert "median of 20 after 5 warm-up, CUDA" in summary  # no --warmup-ms: nothing said
+    meta["warmup_ms"] = 3000.0
+    summary, _ = summarize_round.render(results)
+    assert "median of 20 after 5 warm-up (at least 3000 ms per implementation), CUDA" in summary
