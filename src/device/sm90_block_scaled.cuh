@@ -258,8 +258,11 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
         wgmma_commit_group();
         wgmma_wait_group<0>();
         fence_accumulators(tmp);
-        if (half == kHalves - 1 && me.lane == 0 && !releases_withheld(p.shape.wait)) {
-          mbarrier_arrive(&ring.empty[stage]);
+        if (half == kHalves - 1 && !releases_withheld(p.shape.wait)) {
+          // Lane 0's arrive releases only its own reads: every lane has read the stage's scales
+          // (some values still unused here) before the producer may overwrite them.
+          __syncwarp();
+          if (me.lane == 0) mbarrier_arrive(&ring.empty[stage]);
         }
         const float b_scale = sb[kNumBScales == 1 ? 0 : half];
         const float r0 = sa0 * b_scale, r1 = sa1 * b_scale;

@@ -92,6 +92,9 @@ struct Rows {
 const RowsCase kCases[] = {
     {"H256_I256_E5", 300, 2, 256, 256, {130, 0, 1, 257, 64}},
     {"H384_I128_E3", 100, 3, 384, 128, {7, 129, 0}},
+    // K-blocks past every instance's ring (gate/up 8, down 5, dgrad of x 10 against 4 stages;
+    // dgrad-SwiGLU 8 against 6): stages are reused, which the sanitizers must see.
+    {"H1024_I640_E3", 200, 2, 1024, 640, {150, 1, 249}},
 };
 
 // Relative L2 of got vs ref over rows (value index row * cols + col), from compare()
