@@ -101,7 +101,7 @@ struct BenchParams : SharedOptions {
   Preset preset = kPresets[0];
   std::vector<BenchImpl> impls;
   TimingMode timing = TimingMode::kPerImplementation;
-  // Least warm-up time per timed block (EventTimer::run_interleaved's min_warmup_ms).
+  // Minimum warm-up time per timed block (EventTimer::run_interleaved's min_warmup_ms).
   double warmup_ms = 0.0;
   // Token counts above this are timed but not checked (the fp32 reference is slow at 235B).
   int64_t check_max_tokens = std::numeric_limits<int64_t>::max();

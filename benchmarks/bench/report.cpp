@@ -19,7 +19,7 @@ const char* pass_name(Pass pass) { return kPassNames[static_cast<int>(pass)]; }
 int flops_per_row_in_hi(Pass pass) { return kFlopsPerRowInHi[static_cast<int>(pass)]; }
 
 namespace {
-// ", at least N ms each" when --warmup-ms asks for a least warm-up time, else nothing.
+// ", at least N ms each" when --warmup-ms asks for a minimum warm-up time, else nothing.
 std::string warmup_ms_note(const BenchParams& params) {
   if (params.warmup_ms <= 0.0) return "";
   return ", at least " + std::to_string(static_cast<long long>(params.warmup_ms)) + " ms each";

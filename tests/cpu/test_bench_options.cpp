@@ -72,7 +72,7 @@ TEST(BenchOptions, TimingMode) {
   EXPECT_THROW(parse({"--timing"}), UsageError);  // no value
 }
 
-// --warmup-ms: a least warm-up time per timed block, none by default; negative refused by name.
+// --warmup-ms: a minimum warm-up time per timed block, none by default; negative refused by name.
 TEST(BenchOptions, WarmupMilliseconds) {
   EXPECT_EQ(parse({}).warmup_ms, 0.0);
   EXPECT_EQ(parse({"--warmup-ms", "3000"}).warmup_ms, 3000.0);

@@ -235,7 +235,7 @@ def test_summary_names_per_impl_timing_and_each_impl_clock():
     assert "--timing" not in summary
 
 
-def test_summary_names_a_least_warmup_time():
+def test_summary_names_a_minimum_warmup_time():
     results = round_results({"meta": {}, "cases": []}, 6, note="optional")
     meta = results["fusemoe"][0]["meta"]
     meta.update(iters=20, warmup=5)
