@@ -193,13 +193,11 @@ else
     tool_rc=$?
     if [[ -x "$BUILD_DIR/fusemoe_gemm_tests" ]]; then
       echo "== compute-sanitizer $tool (GEMM instances)" >>"$OUTDIR/sanitizer.log"
-      # racecheck leaves out the FP8 case whose K-blocks wrap the stage rings: it does not follow the
-      # cp.async completions that the full/empty barriers order, and reports each refill of a scale
-      # slot as a race with its last fill and last read (docs/design.md, blockwise FP8).
-      gemm_filter='Cases/Sm90Gemms.*/odd_counts:Shapes/Fp8Gemm.*'
-      [[ $tool == racecheck ]] && gemm_filter+='-*H1024_I640_E3'
+      # racecheck reports hazards on two mbarrier-ordered hand-offs here, not explained yet: the tile
+      # feed (RowTilesOnFewSms) and the FP8 scale slots once a ring wraps (H1024_I640_E3)
+      # (docs/design.md, blockwise FP8). Left in, so the step stays red until they are.
       timeout --kill-after=15 "${SANITIZER_TIMEOUT_S:-180}" compute-sanitizer --tool "$tool" --error-exitcode 1 \
-        "$BUILD_DIR/fusemoe_gemm_tests" --gtest_filter="$gemm_filter" \
+        "$BUILD_DIR/fusemoe_gemm_tests" --gtest_filter='Cases/Sm90Gemms.*/odd_counts:Shapes/Fp8Gemm.*' \
         >>"$OUTDIR/sanitizer.log" 2>&1
       gemm_tool_rc=$?
       ((tool_rc == 0)) && tool_rc=$gemm_tool_rc
