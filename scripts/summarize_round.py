@@ -274,7 +274,9 @@ def render(results):
                  f"{f_meta.get('driver_cuda')}, runtime {f_meta.get('runtime_cuda')}, cuBLAS "
                  f"{f_meta.get('cublas_version')}; torch {t_meta.get('torch')} (CUDA {t_meta.get('cuda')})")
     warmup_ms = meta.get("warmup_ms") or 0
-    warm = f" (at least {warmup_ms:.0f} ms per implementation)" if warmup_ms > 0 else ""
+    # --warmup-ms covers each timed block: one per implementation, or the one interleaved block.
+    block = "of the interleaved rounds" if meta.get("timing") == "interleaved" else "per implementation"
+    warm = f" (at least {warmup_ms:.0f} ms {block})" if warmup_ms > 0 else ""
     lines.append(f"- timing: median of {meta.get('iters')} after {meta.get('warmup')} warm-up{warm}, CUDA "
                  f"events, {(meta.get('l2_flush_bytes') or 0) >> 20} MiB L2 flush before each call; "
                  "TFLOP/s count 6*H*I (forward), 12*H*I (backward), 18*H*I (both) per routed row")

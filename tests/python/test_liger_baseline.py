@@ -244,3 +244,6 @@ def test_summary_names_a_minimum_warmup_time():
     meta["warmup_ms"] = 3000.0
     summary, _ = summarize_round.render(results)
     assert "median of 20 after 5 warm-up (at least 3000 ms per implementation), CUDA" in summary
+    meta["timing"] = "interleaved"
+    summary, _ = summarize_round.render(results)
+    assert "median of 20 after 5 warm-up (at least 3000 ms of the interleaved rounds), CUDA" in summary
