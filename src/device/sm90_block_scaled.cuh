@@ -200,7 +200,10 @@ template <class Gemm>
 struct GemmParams;
 
 // The consumer loop with promotion, one 128-column half of the tile at a time (Gemm::kBlockN / 128
-// halves; B's scale b[half] when B has one per half, else b[0]).
+// halves; B's scale b[half] when B has one per half, else b[0]). A tile's first K-block goes
+// straight into the accumulators (scaled after its MMAs) and the previous tile's held output
+// (HeldBoxes) goes out under those MMAs: tmp is dead there, so the held words take its registers
+// (acc 128 + held 64, as acc 128 + tmp 64 in the later K-blocks).
 template <class Gemm>
 __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
                                                      const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a,
@@ -211,6 +214,7 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
   constexpr int kAcc = Gemm::kAccRegs;
   constexpr int kHalves = Gemm::kBlockN / 128;
   constexpr int kNumBScales = Gemm::B::kNumBScales;
+  constexpr int kHeldBoxes = HeldBoxes<Epilogue>::kBoxes;
   static_assert(kHalves * Mma::kAccRegs == kAcc && kFp8BlockK / Mma::kK == 4, "four k32 MMAs per half and stage");
   static_assert(kNumBScales == 1 || kNumBScales == kHalves, "one B scale per tile or per half");
   // The second half's B rows start 128 swizzle rows into the stage (descriptor address units of 16 B).
@@ -219,65 +223,130 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
   const int a_row = me.consumer * kWgmmaM + me.row_in_wg;  // this thread's rows: a_row, a_row + 8
   RingCursor<Gemm::kStages> cursor;
   float acc[kAcc], tmp[Mma::kAccRegs];
+  typename HeldBoxes<Epilogue>::Held held{};
+  auto half_of = [](float* regs, int half) -> float (&)[Mma::kAccRegs] {
+    return *reinterpret_cast<float(*)[Mma::kAccRegs]>(regs + half * Mma::kAccRegs);
+  };
+
+  // Waits for the cursor's stage and reads what this thread needs of it.
+  struct StageView {
+    int stage;
+    float sa0, sa1, sb[kNumBScales];  // the scales of this thread's rows a_row, a_row + 8 and of B
+    uint64_t desc_a, desc_b;
+  };
+  auto open_stage = [&]() {
+    StageView v;
+    v.stage = cursor.stage;
+    bounded_wait(&ring.full[v.stage], cursor.phase, p.shape.wait, WaitRole::kConsumer, WaitObject::kStageFull,
+                 v.stage, Gemm::A::kTmaBytes + Gemm::kTileBBytes);
+    if constexpr (Gemm::A::kGathered) fence_proxy_async_shared();  // cp.async rows -> wgmma reads
+    // Scales first: the stage is released as soon as the MMAs have read it.
+    const uint32_t stage_scales = smem_addr(scales + v.stage);
+    v.sa0 = ld_shared_f32(stage_scales + a_row * sizeof(float));
+    v.sa1 = ld_shared_f32(stage_scales + (a_row + 8) * sizeof(float));
+#pragma unroll
+    for (int i = 0; i < kNumBScales; ++i) {
+      v.sb[i] = ld_shared_f32(stage_scales + offsetof(StageScales, b) + i * sizeof(float));
+    }
+    v.desc_a = make_desc_sw128(tiles_a + v.stage * kTileABytes + me.consumer * kWgmmaM * kSwizzleRowBytes,
+                               Gemm::LayoutA::kLbo, Gemm::LayoutA::kSbo);
+    v.desc_b = make_desc_sw128(tiles_b + v.stage * Gemm::kTileBBytes, Gemm::LayoutB::kLbo, Gemm::LayoutB::kSbo);
+    return v;
+  };
+  // Lane 0's arrive releases only its own reads: every lane has read the stage's scales (some
+  // values still unused here) before the producer may overwrite them.
+  auto release_stage = [&](const StageView& v) {
+    if (!releases_withheld(p.shape.wait)) {
+      __syncwarp();
+      if (me.lane == 0) mbarrier_arrive(&ring.empty[v.stage]);
+    }
+    cursor.advance();
+  };
+  // The four k32 MMAs of one half of a K-block, overwriting d (a constant scale_d = 0 first, which
+  // ptxas sees: d's earlier values are dead, and their registers free, before it).
+  auto mma_half = [&](float (&d)[Mma::kAccRegs], const StageView& v, int half) {
+#pragma unroll
+    for (int k = 0; k < kFp8BlockK / Mma::kK; ++k) {
+      Mma::mma(d, v.desc_a + k * Gemm::LayoutA::kDescStepK16,
+               v.desc_b + half * kDescHalfStep + k * Gemm::LayoutB::kDescStepK16, k > 0 ? 1u : 0u);
+    }
+  };
+
+  // acc_half (+)= tmp * (scale_a[row] * scale_b[half]); kAdd false for a tile's first K-block.
+  auto promote = [&](auto add, float (&acc_half)[Mma::kAccRegs], const float (&t)[Mma::kAccRegs], const StageView& v,
+                     int half) {
+    const float b_scale = v.sb[kNumBScales == 1 ? 0 : half];
+    const float r0 = v.sa0 * b_scale, r1 = v.sa1 * b_scale;
+#pragma unroll
+    for (int j = 0; j < Mma::kAccRegs / 4; ++j) {
+      if constexpr (decltype(add)::value) {
+        acc_half[4 * j + 0] = fmaf(t[4 * j + 0], r0, acc_half[4 * j + 0]);
+        acc_half[4 * j + 1] = fmaf(t[4 * j + 1], r0, acc_half[4 * j + 1]);
+        acc_half[4 * j + 2] = fmaf(t[4 * j + 2], r1, acc_half[4 * j + 2]);
+        acc_half[4 * j + 3] = fmaf(t[4 * j + 3], r1, acc_half[4 * j + 3]);
+      } else {
+        acc_half[4 * j + 0] = t[4 * j + 0] * r0;
+        acc_half[4 * j + 1] = t[4 * j + 1] * r0;
+        acc_half[4 * j + 2] = t[4 * j + 2] * r1;
+        acc_half[4 * j + 3] = t[4 * j + 3] * r1;
+      }
+    }
+  };
 
   const int32_t num_tiles = sched.num_tiles();
   for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const Tile tile = sched.tile(t);
+    // acc[64 rows, kBlockN] = sum over the tile's K-blocks (a row tile has at least one) of
+    // promoted A[rows, kb] * B[kb, kBlockN]. The first K-block is peeled so that acc is dead before
+    // it (its promotion writes acc rather than adding to it): the previous tile's held words then
+    // take acc's registers while this block's MMAs run, and go out under them, half the units
+    // under each half's MMAs.
+    {
+      const StageView v = open_stage();
+#pragma unroll
+      for (int half = 0; half < kHalves; ++half) {
+        wgmma_fence();
+        mma_half(tmp, v, half);
+        wgmma_commit_group();
+        if constexpr (kHeldBoxes > 0) {
+          constexpr int kUnits = (kHeldBoxes + kHalves - 1) / kHalves;
+#pragma unroll
+          for (int i = half * kUnits; i < (half + 1) * kUnits && i < kHeldBoxes; ++i) {
+            Epilogue::drain(p.epilogue, out_shape, staging, held, i, me);
+          }
+        }
+        wgmma_wait_group<0>();
+        fence_accumulators(tmp);
+        if (half == kHalves - 1) release_stage(v);
+        promote(std::false_type{}, half_of(acc, half), tmp, v, half);
+      }
+    }
+    // Loaded after the held stores, so their registers are free there; the rest of the main loop
+    // hides their latency.
     const AccRows rows(tile, me);
     typename Epilogue::Inputs inputs = Epilogue::prepare(p.epilogue, out_shape, tile, rows, me);
-    // acc[64 rows, kBlockN] = sum over the tile's K-blocks of promoted A[rows, kb] * B[kb, kBlockN].
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
-    for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
-      const int stage = cursor.stage;
-      bounded_wait(&ring.full[stage], cursor.phase, p.shape.wait, WaitRole::kConsumer, WaitObject::kStageFull, stage,
-                   Gemm::A::kTmaBytes + Gemm::kTileBBytes);
-      if constexpr (Gemm::A::kGathered) fence_proxy_async_shared();  // cp.async rows -> wgmma reads
-      // Scales first: the stage is released as soon as the MMAs have read it.
-      const uint32_t stage_scales = smem_addr(scales + stage);
-      const float sa0 = ld_shared_f32(stage_scales + a_row * sizeof(float));
-      const float sa1 = ld_shared_f32(stage_scales + (a_row + 8) * sizeof(float));
-      float sb[kNumBScales];
-#pragma unroll
-      for (int i = 0; i < kNumBScales; ++i) {
-        sb[i] = ld_shared_f32(stage_scales + offsetof(StageScales, b) + i * sizeof(float));
-      }
-      uint8_t* tile_a = tiles_a + stage * kTileABytes;
-      const uint64_t desc_a = make_desc_sw128(tile_a + me.consumer * kWgmmaM * kSwizzleRowBytes,
-                                              Gemm::LayoutA::kLbo, Gemm::LayoutA::kSbo);
-      const uint64_t desc_b = make_desc_sw128(tiles_b + stage * Gemm::kTileBBytes, Gemm::LayoutB::kLbo,
-                                              Gemm::LayoutB::kSbo);
+    for (int32_t kb = 1; kb < tile.num_k_blocks; ++kb) {
+      const StageView v = open_stage();
 #pragma unroll
       for (int half = 0; half < kHalves; ++half) {
         wgmma_fence();  // tmp was read by the previous promotion
-#pragma unroll
-        for (int k = 0; k < kFp8BlockK / Mma::kK; ++k) {
-          Mma::mma(tmp, desc_a + k * Gemm::LayoutA::kDescStepK16,
-                   desc_b + half * kDescHalfStep + k * Gemm::LayoutB::kDescStepK16, k > 0 ? 1u : 0u);
-        }
+        mma_half(tmp, v, half);
         wgmma_commit_group();
         wgmma_wait_group<0>();
         fence_accumulators(tmp);
-        if (half == kHalves - 1 && !releases_withheld(p.shape.wait)) {
-          // Lane 0's arrive releases only its own reads: every lane has read the stage's scales
-          // (some values still unused here) before the producer may overwrite them.
-          __syncwarp();
-          if (me.lane == 0) mbarrier_arrive(&ring.empty[stage]);
-        }
-        const float b_scale = sb[kNumBScales == 1 ? 0 : half];
-        const float r0 = sa0 * b_scale, r1 = sa1 * b_scale;
-        float* acc_half = acc + half * Mma::kAccRegs;
-#pragma unroll
-        for (int j = 0; j < Mma::kAccRegs / 4; ++j) {
-          acc_half[4 * j + 0] = fmaf(tmp[4 * j + 0], r0, acc_half[4 * j + 0]);
-          acc_half[4 * j + 1] = fmaf(tmp[4 * j + 1], r0, acc_half[4 * j + 1]);
-          acc_half[4 * j + 2] = fmaf(tmp[4 * j + 2], r1, acc_half[4 * j + 2]);
-          acc_half[4 * j + 3] = fmaf(tmp[4 * j + 3], r1, acc_half[4 * j + 3]);
-        }
+        if (half == kHalves - 1) release_stage(v);
+        promote(std::true_type{}, half_of(acc, half), tmp, v, half);
       }
-      cursor.advance();
     }
-    store_tile_now<Epilogue>(p.epilogue, out_shape, tile, rows, inputs, acc, staging, me);
+    if constexpr (HeldBoxes<Epilogue>::kHolds) {
+      Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc, staging, held, me);
+    } else {
+      Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc, staging, me);
+    }
+  }
+  if constexpr (kHeldBoxes > 0) {
+#pragma unroll
+    for (int i = 0; i < kHeldBoxes; ++i) Epilogue::drain(p.epilogue, out_shape, staging, held, i, me);
   }
   Epilogue::finish(me);
 }

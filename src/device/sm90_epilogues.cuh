@@ -141,24 +141,6 @@ struct HeldRows {
 // The gate/up accumulators of an output chunk: chunk j of h pairs gate registers acc[4j + 2h + b]
 // with up registers acc[4(j + kChunks) + 2h + b] (b = 0, 1; h the row half). The helpers below
 // are shared with SwiGLUFp8Epilogue, whose tile has the same layout.
-//
-// Stores z = [g | u] of row half h (before any clamp, as the backward's recompute makes them)
-// into z_row [2I].
-template <int kChunks, int kRegs>
-__device__ __forceinline__ void store_z_row(const float (&acc)[kRegs], int h, __nv_bfloat16* z_row, bool row_valid,
-                                            int col0, int I, int lane) {
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    uint32_t words[kChunks];
-#pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
-      const int reg = 4 * (j + half * kChunks) + 2 * h;
-      words[j] = pack_bf16x2(acc[reg], acc[reg + 1]);
-    }
-    store_row_fragment<kChunks>(words, z_row + half * I, row_valid, col0, I, lane);
-  }
-}
-
 // h = silu(g) * u of chunk j, row half h, as a bf16 pair; g, u clamped first when kClamp.
 template <bool kClamp, int kChunks, int kRegs>
 __device__ __forceinline__ uint32_t swiglu_bf16x2(const float (&acc)[kRegs], int j, int h, float clamp) {
@@ -173,23 +155,58 @@ __device__ __forceinline__ uint32_t swiglu_bf16x2(const float (&acc)[kRegs], int
   return pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
 }
 
+// z = [g | u] of a SwiGLU tile held as bf16 pairs (64 words a thread at kOutChunks = 16) and
+// drained under the next tile's main loop: unit i is g's 16-byte column group i (i < kZGroups) or
+// u's group i - kZGroups, both row halves. Shared by SwiGLUEpilogue and SwiGLUFp8Epilogue, whose
+// tiles have the same layout.
+template <int kOutChunks>
+struct HeldZ {
+  static constexpr int kZGroups = kOutChunks / 4;
+  static constexpr int kUnits = 2 * kZGroups;
+  using Held = HeldRows<2 * kOutChunks>;  // row half h: g chunk j at [j], u at [kOutChunks + j]
+  // Packs row half h (pool row `row`) and records where it goes; col0 as store_quad_group takes it.
+  template <int kRegs>
+  __device__ static void hold(const float (&acc)[kRegs], int h, __nv_bfloat16* z, int64_t row, bool valid, int I,
+                              int col0, Held& held) {
+#pragma unroll
+    for (int j = 0; j < 2 * kOutChunks; ++j) held.words[h][j] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    held.row_ptr[h] = z + row * 2 * I;
+    held.valid[h] = valid;
+    held.col0 = col0;
+    held.pending = true;
+  }
+  template <int kUnit>
+  __device__ static void store_unit(const Held& held, int I, int lane) {
+    constexpr int a = kUnit % kZGroups;
+    constexpr bool up = kUnit >= kZGroups;
+    held.template store_group<(up ? kOutChunks : 0) + 4 * a>(a, up ? I : 0, I, lane);
+  }
+  template <int... kUnit>
+  __device__ static void drain_units(const Held& held, int i, int I, int lane, std::integer_sequence<int, kUnit...>) {
+    ((i == kUnit ? store_unit<kUnit>(held, I, lane) : void()), ...);
+  }
+  // Unit i (a runtime index, uniform over the warpgroup), if a tile is held.
+  __device__ static void drain(const Held& held, int i, int I, int lane) {
+    if (held.pending && i < kUnits) drain_units(held, i, I, lane, std::make_integer_sequence<int, kUnits>{});
+  }
+};
+
 template <int kBlockN, bool kClamp, bool kStoreZ>
 struct SwiGLUEpilogue {
   static constexpr int kStagingBytes = 0;
   static constexpr int kOutChunks = kBlockN / 16;  // n8 chunks of h per row: half the accumulators
-  static constexpr int kZGroups = kOutChunks / 4;  // 16-byte stores of g (and of u) per row
   struct Args {
     __nv_bfloat16* h;  // [R_max, I]
     __nv_bfloat16* z;  // [R_max, 2I] pre-activations [g | u] for the backward (kStoreZ)
     float clamp;       // c > 0 (kClamp): g <- min(g, c), u <- clamp(u, -c, c)
   };
   struct Inputs {};
-  // h is computed and stored after the main loop; z (kStoreZ) is held as bf16 pairs, 64 words a
-  // thread, and drained under the next tile's main loop like the row stores' tiles: unit i is
-  // g's group i (i < kZGroups) or u's group i - kZGroups, both row halves. Computing h there too,
-  // from the bf16 z, measured 1-5% slower (docs/experiments.md#held-row-tiles).
-  static constexpr int kHeldBoxes = kStoreZ ? 2 * kZGroups : 0;
-  using Held = HeldRows<kStoreZ ? 2 * kOutChunks : 1>;  // row half h: g chunk j at [j], u at [kOutChunks + j]
+  // h is computed and stored after the main loop; z (kStoreZ) is held (HeldZ) and drained one
+  // unit per K-block of the next tile. Computing h there too, from the bf16 z, measured 1-5%
+  // slower (docs/experiments.md#held-row-tiles).
+  using Z = HeldZ<kOutChunks>;
+  static constexpr int kHeldBoxes = kStoreZ ? Z::kUnits : 0;
+  using Held = std::conditional_t<kStoreZ, typename Z::Held, HeldRows<1>>;
   __device__ static void prefetch(const Args&) {}
   __device__ static Inputs prepare(const Args&, const EpilogueShape&, const Tile&, const AccRows&,
                                    const ConsumerThread&) {
@@ -209,38 +226,12 @@ struct SwiGLUEpilogue {
       for (int j = 0; j < kOutChunks; ++j) words[j] = swiglu_bf16x2<kClamp, kOutChunks>(acc, j, h, args.clamp);
       store_row_fragment<kOutChunks>(words, args.h + static_cast<int64_t>(rows.row[h]) * I, rows.valid[h], col0, I,
                                      me.lane);
-      if constexpr (kStoreZ) {
-#pragma unroll
-        for (int j = 0; j < 2 * kOutChunks; ++j) {
-          held.words[h][j] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-        }
-        held.row_ptr[h] = args.z + static_cast<int64_t>(rows.row[h]) * 2 * I;
-        held.valid[h] = rows.valid[h];
-      }
+      if constexpr (kStoreZ) Z::hold(acc, h, args.z, rows.row[h], rows.valid[h], I, col0, held);
     }
-    held.col0 = col0;
-    held.pending = kStoreZ;
   }
-  // Unit u: g's column group u (u < kZGroups) or u's group u - kZGroups.
-  template <int kUnit>
-  __device__ static void store_z_unit(const Held& held, int I, int lane) {
-    constexpr int a = kUnit % kZGroups;
-    constexpr bool up = kUnit >= kZGroups;
-    held.template store_group<(up ? kOutChunks : 0) + 4 * a>(a, up ? I : 0, I, lane);
-  }
-  template <int... kUnit>
-  __device__ static void drain_units(const EpilogueShape& s, const Held& held, int i, int lane,
-                                     std::integer_sequence<int, kUnit...>) {
-    ((i == kUnit ? store_z_unit<kUnit>(held, s.n_valid, lane) : void()), ...);
-  }
-  // Unit i (a runtime index, uniform over the warpgroup) of the held z out, if one is held.
   __device__ static void drain(const Args&, const EpilogueShape& s, uint8_t*, const Held& held, int i,
                                const ConsumerThread& me) {
-    if constexpr (kStoreZ) {
-      if (held.pending && i < kHeldBoxes) {
-        drain_units(s, held, i, me.lane, std::make_integer_sequence<int, kHeldBoxes>{});
-      }
-    }
+    if constexpr (kStoreZ) Z::drain(held, i, s.n_valid, me.lane);
   }
   __device__ static void finish(const ConsumerThread&) {}
 };
@@ -704,22 +695,5 @@ struct WeightGradEpilogue {
     if (me.tid_in_wg == 0) bulk_wait_group_all();
   }
 };
-
-// Stores a tile whole now, a holding epilogue's units drained at once: for the FP8 consumer
-// loop, whose 64 promotion registers leave no room to hold a tile.
-template <class Epilogue, int kRegs>
-__device__ __forceinline__ void store_tile_now(const typename Epilogue::Args& args, const EpilogueShape& s,
-                                               const Tile& tile, const AccRows& rows,
-                                               typename Epilogue::Inputs& inputs, const float (&acc)[kRegs],
-                                               uint8_t* staging, const ConsumerThread& me) {
-  if constexpr (HeldBoxes<Epilogue>::kHolds) {
-    typename Epilogue::Held held{};
-    Epilogue::store(args, s, tile, rows, inputs, acc, staging, held, me);
-#pragma unroll
-    for (int i = 0; i < HeldBoxes<Epilogue>::kBoxes; ++i) Epilogue::drain(args, s, staging, held, i, me);
-  } else {
-    Epilogue::store(args, s, tile, rows, inputs, acc, staging, me);
-  }
-}
 
 }  // namespace fusemoe::sm90

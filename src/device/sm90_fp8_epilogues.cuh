@@ -7,7 +7,8 @@
 //   SwiGLUFp8Epilogue<kClamp, kStoreZ>   the gate/up tile of one 128-column block of h in one
 //                                         pass (128 gate + 128 up accumulators): h = bf16(
 //                                         silu(g) u) -> E4M3 h [R, I] + scales [I/128][rows_pad];
-//                                         z = [g | u] (before the clamp) as bf16 when kStoreZ
+//                                         z = [g | u] (before the clamp) as bf16 when kStoreZ,
+//                                         held and written under the next tile's first K-block
 //   DgradSwiGLUFp8Epilogue<kClamp>        the BF16 dgrad SwiGLU epilogue (dz, w h, <h, a> partials)
 //                                         at width 128, whose columns are exactly one block of dg
 //                                         and one of du: also dz in E4M3 [R, 2I] + scales
@@ -66,6 +67,11 @@ struct SwiGLUFp8Epilogue {
     float clamp;             // kClamp
   };
   struct Inputs {};
+  // z (kStoreZ) is held and goes out under the next tile's first K-block (HeldZ; the FP8 consumer
+  // loop, sm90_block_scaled.cuh); h and its scales are stored now.
+  using Z = HeldZ<kChunks>;
+  static constexpr int kHeldBoxes = kStoreZ ? Z::kUnits : 0;
+  using Held = std::conditional_t<kStoreZ, typename Z::Held, HeldRows<1>>;
   __device__ static void prefetch(const Args&) {}
   __device__ static Inputs prepare(const Args&, const EpilogueShape&, const Tile&, const AccRows&,
                                    const ConsumerThread&) {
@@ -74,7 +80,7 @@ struct SwiGLUFp8Epilogue {
 
   template <int kRegs>
   __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
-                               Inputs&, const float (&acc)[kRegs], uint8_t*, const ConsumerThread& me) {
+                               Inputs&, const float (&acc)[kRegs], uint8_t*, Held& held, const ConsumerThread& me) {
     static_assert(8 * kChunks == kRegs, "gate and up halves fill the accumulators");
     const int32_t I = s.n_valid;
     const int q = me.lane % 4;
@@ -82,8 +88,7 @@ struct SwiGLUFp8Epilogue {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if constexpr (kStoreZ) {
-        store_z_row<kChunks>(acc, h, args.z + static_cast<int64_t>(rows.row[h]) * 2 * I, rows.valid[h],
-                             static_cast<int>(block_col) + 2 * q, I, me.lane);
+        Z::hold(acc, h, args.z, rows.row[h], rows.valid[h], I, static_cast<int>(block_col) + 2 * q, held);
       }
       // words[j] = bf16 pair of h columns 8 j + 2q, +1; the row's amax over the quad.
       uint32_t words[kChunks];
@@ -104,6 +109,10 @@ struct SwiGLUFp8Epilogue {
         args.h_scales[static_cast<int64_t>(tile.n_tile) * args.rows_pad + rows.row[h]] = scale.scale;
       }
     }
+  }
+  __device__ static void drain(const Args&, const EpilogueShape& s, uint8_t*, const Held& held, int i,
+                               const ConsumerThread& me) {
+    if constexpr (kStoreZ) Z::drain(held, i, s.n_valid, me.lane);
   }
   __device__ static void finish(const ConsumerThread&) {}
 };

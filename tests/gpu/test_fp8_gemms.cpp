@@ -57,6 +57,7 @@ struct RowsCase {
   const char* name;
   int64_t T, K, H, I;
   std::vector<int32_t> counts;
+  int num_sms = 0;  // CTAs of every launch (0: one per SM)
 };
 
 struct Rows {
@@ -85,6 +86,7 @@ struct Rows {
     rows.hidden = c.H;
     rows.intermediate = c.I;
     rows.num_experts = E;
+    rows.num_sms = c.num_sms;
   }
   const int32_t* row_slot_ptr() const { return static_cast<const int32_t*>(row_slot_dev->get()); }
 };
@@ -95,6 +97,10 @@ const RowsCase kCases[] = {
     // K-blocks past every instance's ring (gate/up 8, down 5, dgrad of x 10 against 4 stages;
     // dgrad-SwiGLU 8 against 6): stages are reused, which the sanitizers must see.
     {"H1024_I640_E3", 200, 2, 1024, 640, {150, 1, 249}},
+    // Few CTAs, each looping over many tiles: a tile's held output (z, the row stores) goes out
+    // under the next tile's first K-block, across experts and after partial tiles.
+    {"H1024_I640_E3_on_3_sms", 200, 2, 1024, 640, {150, 1, 249}, 3},
+    {"H256_I256_E5_on_1_sm", 300, 2, 256, 256, {130, 0, 1, 257, 64}, 1},
 };
 
 // Relative L2 of got vs ref over rows (value index row * cols + col), from compare()
