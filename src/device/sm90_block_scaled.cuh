@@ -200,10 +200,10 @@ template <class Gemm>
 struct GemmParams;
 
 // The consumer loop with promotion, one 128-column half of the tile at a time (Gemm::kBlockN / 128
-// halves; B's scale b[half] when B has one per half, else b[0]). The previous tile's held output
-// (HeldBoxes) goes out under this tile's MMAs: 256 wide, all of it under the first K-block, whose
-// promotion writes acc (so acc and tmp are dead before it and the held words take their registers:
-// tmp 64 + held 64, then acc 128 + tmp 64 in the later K-blocks); 128 wide, one unit per K-block.
+// halves; B's scale b[half] when B has one per half, else b[0]). A tile's first K-block goes
+// straight into the accumulators (scaled after its MMAs) and the previous tile's held output
+// (HeldBoxes) goes out under those MMAs: tmp is dead there, so the held words take its registers
+// (acc 128 + held 64, as acc 128 + tmp 64 in the later K-blocks).
 template <class Gemm>
 __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
                                                      const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a,
@@ -215,9 +215,6 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
   constexpr int kHalves = Gemm::kBlockN / 128;
   constexpr int kNumBScales = Gemm::B::kNumBScales;
   constexpr int kHeldBoxes = HeldBoxes<Epilogue>::kBoxes;
-  // 128 wide (acc 64 + tmp 64) there are registers to hold a tile through the next main loop,
-  // one unit out per K-block; 256 wide, held output must be out by the end of the first K-block.
-  constexpr bool kSpreadHeld = kHalves == 1 && kHeldBoxes > 0;
   static_assert(kHalves * Mma::kAccRegs == kAcc && kFp8BlockK / Mma::kK == 4, "four k32 MMAs per half and stage");
   static_assert(kNumBScales == 1 || kNumBScales == kHalves, "one B scale per tile or per half");
   // The second half's B rows start 128 swizzle rows into the stage (descriptor address units of 16 B).
@@ -311,9 +308,7 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
         wgmma_fence();
         mma_half(tmp, v, half);
         wgmma_commit_group();
-        if constexpr (kSpreadHeld) {
-          Epilogue::drain(p.epilogue, out_shape, staging, held, 0, me);
-        } else if constexpr (kHeldBoxes > 0) {
+        if constexpr (kHeldBoxes > 0) {
           constexpr int kUnits = (kHeldBoxes + kHalves - 1) / kHalves;
 #pragma unroll
           for (int i = half * kUnits; i < (half + 1) * kUnits && i < kHeldBoxes; ++i) {
@@ -337,7 +332,6 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
         wgmma_fence();  // tmp was read by the previous promotion
         mma_half(tmp, v, half);
         wgmma_commit_group();
-        if constexpr (kSpreadHeld) Epilogue::drain(p.epilogue, out_shape, staging, held, kb, me);
         wgmma_wait_group<0>();
         fence_accumulators(tmp);
         if (half == kHalves - 1) release_stage(v);
@@ -345,10 +339,6 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
       }
     }
     if constexpr (HeldBoxes<Epilogue>::kHolds) {
-      // A tile with fewer K-blocks than held units: the rest of the previous tile's go out first.
-      if constexpr (kSpreadHeld) {
-        for (int i = tile.num_k_blocks; i < kHeldBoxes; ++i) Epilogue::drain(p.epilogue, out_shape, staging, held, i, me);
-      }
       Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc, staging, held, me);
     } else {
       Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc, staging, me);

@@ -12,8 +12,7 @@
 //   DgradSwiGLUFp8Epilogue<kClamp>        the BF16 dgrad SwiGLU epilogue (dz, w h, <h, a> partials)
 //                                         at width 128, whose columns are exactly one block of dg
 //                                         and one of du: also dz in E4M3 [R, 2I] + scales
-//                                         [2I/128][rows_pad], quantized from the bf16 dz; the bf16
-//                                         dz held and written under the next tile's main loop
+//                                         [2I/128][rows_pad], quantized from the bf16 dz
 // Block-major scale pools: the scale of row r, block kb at scales[kb * rows_pad + r]; the next
 // GEMM's producer threads load a tile's 128 row scales, one 4-byte cp.async each.
 #pragma once
@@ -21,8 +20,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <type_traits>
-#include <utility>
 
 #include "device/fp8_quantize.cuh"
 #include "device/sm90_epilogues.cuh"
@@ -142,51 +139,18 @@ struct DgradSwiGLUFp8Epilogue {
     int32_t rows_pad;
   };
   using Inputs = typename Parts::Inputs;
-  // Held (HeldBoxes): the bf16 dz of the tile (64 words a thread), written under the next tile's
-  // main loop, one unit per K-block (the 128-wide FP8 loop has the registers: acc 64 + tmp 64);
-  // wh, the FP8 dz and its scales and the router partials go out when the tile ends. Unit u: row
-  // half u / kGroups, column group u % kGroups (16 B of dg and 16 B of du).
-  static constexpr int kHeldBoxes = 2 * kGroups;
-  struct Held {
-    uint32_t dg[2][kGroups][4], du[2][kGroups][4];
-    __nv_bfloat16* chunk[2];  // this lane's first dg chunk of row half h: dz + r 2I + n0 + 8q
-    bool valid[2];
-    int32_t I;
-    bool pending;
-  };
   __device__ static void prefetch(const Args&) {}
   __device__ static Inputs prepare(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
                                    const ConsumerThread& me) {
     return Parts::prepare(args, s, tile, rows, me);
   }
-  template <int kUnit>
-  __device__ static void store_unit(const Held& held) {
-    constexpr int h = kUnit / kGroups, a = kUnit % kGroups;
-    if (held.valid[h]) {
-      const uint32_t(&g)[4] = held.dg[h][a];
-      const uint32_t(&u)[4] = held.du[h][a];
-      *reinterpret_cast<uint4*>(held.chunk[h] + 32 * a) = make_uint4(g[0], g[1], g[2], g[3]);
-      *reinterpret_cast<uint4*>(held.chunk[h] + held.I + 32 * a) = make_uint4(u[0], u[1], u[2], u[3]);
-    }
-  }
-  template <int... kUnit>
-  __device__ static void drain_units(const Held& held, int i, std::integer_sequence<int, kUnit...>) {
-    ((i == kUnit ? store_unit<kUnit>(held) : void()), ...);
-  }
-  // Unit i (a runtime index, uniform over the warpgroup) of the held dz out, if a tile is held.
-  __device__ static void drain(const Args&, const EpilogueShape&, uint8_t*, const Held& held, int i,
-                               const ConsumerThread&) {
-    if (held.pending && i < kHeldBoxes) drain_units(held, i, std::make_integer_sequence<int, kHeldBoxes>{});
-  }
 
   template <int kRegs>
   __device__ static void store(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
-                               Inputs& in, const float (&acc)[kRegs], uint8_t*, Held& held, const ConsumerThread& me) {
+                               Inputs& in, const float (&acc)[kRegs], uint8_t*, const ConsumerThread& me) {
     const int32_t I = s.n_valid;
     const int32_t n0 = tile.n_tile * kBlockN;
     const int q = me.lane % 4;
-    held.I = I;
-    held.pending = true;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t r = rows.row[h];
@@ -194,10 +158,7 @@ struct DgradSwiGLUFp8Epilogue {
       const float w = in.weight[h];
       float dot = 0.0f;  // <h, a> over this lane's columns of the tile, fixed order
       float amax_g = 0.0f, amax_u = 0.0f;
-      uint32_t(&dg_bits)[kGroups][4] = held.dg[h];
-      uint32_t(&du_bits)[kGroups][4] = held.du[h];
-      held.chunk[h] = args.dz + r * 2 * I + n0 + 8 * q;
-      held.valid[h] = valid;
+      uint32_t dg_bits[kGroups][4], du_bits[kGroups][4];
 #pragma unroll
       for (int a = 0; a < kGroups; ++a) {
         float av[8];
@@ -217,6 +178,10 @@ struct DgradSwiGLUFp8Epilogue {
           amax_u = fmaxf(amax_u, amax_bf16x2(du_bits[a][i / 2]));
         }
         if (valid) {
+          *reinterpret_cast<uint4*>(args.dz + r * 2 * I + col) =
+              make_uint4(dg_bits[a][0], dg_bits[a][1], dg_bits[a][2], dg_bits[a][3]);
+          *reinterpret_cast<uint4*>(args.dz + r * 2 * I + I + col) =
+              make_uint4(du_bits[a][0], du_bits[a][1], du_bits[a][2], du_bits[a][3]);
           *reinterpret_cast<uint4*>(args.wh + r * I + col) = make_uint4(wh_bits[0], wh_bits[1], wh_bits[2], wh_bits[3]);
         }
       }

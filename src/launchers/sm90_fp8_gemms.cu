@@ -16,10 +16,10 @@ using sm90::GemmParams;
 using sm90::GroupedGemm;
 using sm90::RowDestination;
 
-// z chunks of the dgrad epilogue in flight during the main loop: 2 of the thread's 8, beside acc +
-// tmp (128) and the previous tile's held dz (64 words and its row pointers); 3 or more spill
-// (ptxas, CUDA 13), as all 8 did with the held dz.
-constexpr int kDgradZAhead = 2;
+// z chunks of the dgrad epilogue in flight during the main loop: all 8 of the thread's two rows, as
+// the BF16 dgrad at width 128. acc + tmp (128) + z (64) fit the consumers' 232 registers without
+// spilling (ptxas, CUDA 13: up to R226 in the consumer branch).
+constexpr int kDgradZAhead = 8;
 
 template <bool kClamp, bool kStoreZ>
 using GateUpGemm = GroupedGemm<sm90::Fp8GatheredTokenRowsA, sm90::Fp8GateUpWeightsB, sm90::RowTileScheduler,
