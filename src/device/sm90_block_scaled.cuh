@@ -200,10 +200,10 @@ template <class Gemm>
 struct GemmParams;
 
 // The consumer loop with promotion, one 128-column half of the tile at a time (Gemm::kBlockN / 128
-// halves; B's scale b[half] when B has one per half, else b[0]). A tile's first K-block goes
-// straight into the accumulators (scaled after its MMAs) and the previous tile's held output
-// (HeldBoxes) goes out under those MMAs: tmp is dead there, so the held words take its registers
-// (acc 128 + held 64, as acc 128 + tmp 64 in the later K-blocks).
+// halves; B's scale b[half] when B has one per half, else b[0]). The previous tile's held output
+// (HeldBoxes) goes out under this tile's first K-block, whose promotion writes acc: acc and tmp are
+// dead before it, so the held words take their registers (tmp 64 + held 64 there, acc 128 + tmp 64
+// in the later K-blocks).
 template <class Gemm>
 __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, typename Gemm::Scheduler sched,
                                                      const StageRing<Gemm::kStages>& ring, uint8_t* tiles_a,
