@@ -272,7 +272,8 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
     }
   };
 
-  // acc_half (+)= tmp * (scale_a[row] * scale_b[half]); kAdd false for a tile's first K-block.
+  // acc_half (+)= tmp * (scale_a[row] * scale_b[half]): `add` is std::false_type for a tile's first
+  // K-block (acc is written, not read), std::true_type for the others.
   auto promote = [&](auto add, float (&acc_half)[Mma::kAccRegs], const float (&t)[Mma::kAccRegs], const StageView& v,
                      int half) {
     const float b_scale = v.sb[kNumBScales == 1 ? 0 : half];
