@@ -116,6 +116,9 @@ __device__ __forceinline__ void store_row_fragment(uint32_t (&words)[kChunks], _
   }
 }
 
+// Held of an instance that holds nothing (kHeldBoxes == 0: gate/up without z).
+struct NothingHeld {};
+
 // A tile's rows held as bf16 pairs in registers and stored 16-byte column group by group under the
 // next tile's main loop (the row stores' tiles, gate/up's z: docs/experiments.md#held-row-tiles).
 template <int kWords>
@@ -206,7 +209,7 @@ struct SwiGLUEpilogue {
   // slower (docs/experiments.md#held-row-tiles).
   using Z = HeldZ<kOutChunks>;
   static constexpr int kHeldBoxes = kStoreZ ? Z::kUnits : 0;
-  using Held = std::conditional_t<kStoreZ, typename Z::Held, HeldRows<1>>;
+  using Held = std::conditional_t<kStoreZ, typename Z::Held, NothingHeld>;
   __device__ static void prefetch(const Args&) {}
   __device__ static Inputs prepare(const Args&, const EpilogueShape&, const Tile&, const AccRows&,
                                    const ConsumerThread&) {

@@ -71,7 +71,7 @@ struct SwiGLUFp8Epilogue {
   // loop, sm90_block_scaled.cuh); h and its scales are stored now.
   using Z = HeldZ<kChunks>;
   static constexpr int kHeldBoxes = kStoreZ ? Z::kUnits : 0;
-  using Held = std::conditional_t<kStoreZ, typename Z::Held, HeldRows<1>>;
+  using Held = std::conditional_t<kStoreZ, typename Z::Held, NothingHeld>;
   __device__ static void prefetch(const Args&) {}
   __device__ static Inputs prepare(const Args&, const EpilogueShape&, const Tile&, const AccRows&,
                                    const ConsumerThread&) {
