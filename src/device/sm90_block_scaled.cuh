@@ -294,6 +294,33 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
     }
   };
 
+  // One K-block: per half, its MMAs into tmp, a wait, then the promotion into acc[half]. A tile's
+  // first (first = std::true_type) also drains the previous tile's held output under its MMAs and
+  // writes acc instead of adding to it.
+  auto k_block = [&](auto first) {
+    constexpr bool kFirst = decltype(first)::value;
+    const StageView v = open_stage();
+#pragma unroll
+    for (int half = 0; half < kHalves; ++half) {
+      wgmma_fence();  // tmp was read by the previous promotion
+      mma_half(tmp, v, half);
+      wgmma_commit_group();
+      if constexpr (kHeldBoxes > 0) {
+        if constexpr (kFirst) {
+          constexpr int kUnits = (kHeldBoxes + kHalves - 1) / kHalves;
+#pragma unroll
+          for (int i = half * kUnits; i < (half + 1) * kUnits && i < kHeldBoxes; ++i) {
+            Epilogue::drain(p.epilogue, out_shape, staging, held, i, me);
+          }
+        }
+      }
+      wgmma_wait_group<0>();
+      fence_accumulators(tmp);
+      if (half == kHalves - 1) release_stage(v);
+      promote(std::bool_constant<!kFirst>{}, half_of(acc, half), tmp, v, half);
+    }
+  };
+
   const int32_t num_tiles = sched.num_tiles();
   for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const Tile tile = sched.tile(t);
@@ -302,43 +329,12 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
     // it (its promotion writes acc rather than adding to it): the previous tile's held words then
     // take acc's registers while this block's MMAs run, and go out under them, half the units
     // under each half's MMAs.
-    {
-      const StageView v = open_stage();
-#pragma unroll
-      for (int half = 0; half < kHalves; ++half) {
-        wgmma_fence();
-        mma_half(tmp, v, half);
-        wgmma_commit_group();
-        if constexpr (kHeldBoxes > 0) {
-          constexpr int kUnits = (kHeldBoxes + kHalves - 1) / kHalves;
-#pragma unroll
-          for (int i = half * kUnits; i < (half + 1) * kUnits && i < kHeldBoxes; ++i) {
-            Epilogue::drain(p.epilogue, out_shape, staging, held, i, me);
-          }
-        }
-        wgmma_wait_group<0>();
-        fence_accumulators(tmp);
-        if (half == kHalves - 1) release_stage(v);
-        promote(std::false_type{}, half_of(acc, half), tmp, v, half);
-      }
-    }
+    k_block(std::true_type{});
     // Loaded after the held stores, so their registers are free there; the rest of the main loop
     // hides their latency.
     const AccRows rows(tile, me);
     typename Epilogue::Inputs inputs = Epilogue::prepare(p.epilogue, out_shape, tile, rows, me);
-    for (int32_t kb = 1; kb < tile.num_k_blocks; ++kb) {
-      const StageView v = open_stage();
-#pragma unroll
-      for (int half = 0; half < kHalves; ++half) {
-        wgmma_fence();  // tmp was read by the previous promotion
-        mma_half(tmp, v, half);
-        wgmma_commit_group();
-        wgmma_wait_group<0>();
-        fence_accumulators(tmp);
-        if (half == kHalves - 1) release_stage(v);
-        promote(std::true_type{}, half_of(acc, half), tmp, v, half);
-      }
-    }
+    for (int32_t kb = 1; kb < tile.num_k_blocks; ++kb) k_block(std::false_type{});
     if constexpr (HeldBoxes<Epilogue>::kHolds) {
       Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc, staging, held, me);
     } else {
