@@ -19,10 +19,12 @@ const char* pass_name(Pass pass) { return kPassNames[static_cast<int>(pass)]; }
 int flops_per_row_in_hi(Pass pass) { return kFlopsPerRowInHi[static_cast<int>(pass)]; }
 
 namespace {
-// ", at least N ms each" when --warmup-ms asks for a minimum warm-up time, else nothing.
+// ", at least N ms per implementation" (or "of the interleaved rounds": the one timed block) when
+// --warmup-ms asks for a minimum warm-up time, else nothing; as scripts/summarize_round.py says it.
 std::string warmup_ms_note(const BenchParams& params) {
   if (params.warmup_ms <= 0.0) return "";
-  return ", at least " + std::to_string(static_cast<long long>(params.warmup_ms)) + " ms each";
+  const char* block = params.timing == TimingMode::kInterleaved ? "of the interleaved rounds" : "per implementation";
+  return ", at least " + std::to_string(static_cast<long long>(params.warmup_ms)) + " ms " + block;
 }
 }  // namespace
 

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench/facts.h"
@@ -31,6 +32,18 @@ BenchParams parse(std::vector<std::string> args) {
   return parse_args(static_cast<int>(argv.size()), argv.data());
 }
 
+// The message of the UsageError that parsing args must throw; fails the test (and returns "") if
+// parsing accepts them.
+std::string usage_error(std::vector<std::string> args, const char* what) {
+  try {
+    parse(std::move(args));
+  } catch (const UsageError& error) {
+    return error.message;
+  }
+  ADD_FAILURE() << what << " was accepted";
+  return "";
+}
+
 TEST(BenchPresets, NewShapesAreNamedAndListed) {
   const Preset& next = find_preset("qwen3-next");
   EXPECT_EQ(next.hidden, 2048);
@@ -47,12 +60,8 @@ TEST(BenchPresets, NewShapesAreNamedAndListed) {
     EXPECT_NO_THROW(validate_config(harness::layer_config(preset, 16384))) << preset.name;
   }
   EXPECT_EQ(parse({"--preset", "deepseek-v3", "--tokens", "8192"}).preset.hidden, 7168);
-  try {
-    parse({"--preset", "deepseek-v4"});
-    FAIL() << "an unknown preset was accepted";
-  } catch (const UsageError& error) {
-    EXPECT_NE(error.message.find("qwen3-next"), std::string::npos) << error.message;
-  }
+  const std::string preset_error = usage_error({"--preset", "deepseek-v4"}, "an unknown preset");
+  EXPECT_NE(preset_error.find("qwen3-next"), std::string::npos) << preset_error;
 }
 
 // --timing: per-impl by default, interleaved on request, anything else refused by name.
@@ -62,13 +71,9 @@ TEST(BenchOptions, TimingMode) {
   EXPECT_EQ(parse({"--timing=per-impl"}).timing, TimingMode::kPerImplementation);
   EXPECT_STREQ(timing_mode_name(TimingMode::kPerImplementation), "per-impl");
   EXPECT_NE(std::strstr(kUsage, "--timing"), nullptr);
-  try {
-    parse({"--timing", "alone"});
-    FAIL() << "an unknown timing mode was accepted";
-  } catch (const UsageError& error) {
-    EXPECT_NE(error.message.find("--timing 'alone'"), std::string::npos) << error.message;
-    EXPECT_NE(error.message.find("per-impl"), std::string::npos) << error.message;
-  }
+  const std::string timing_error = usage_error({"--timing", "alone"}, "an unknown timing mode");
+  EXPECT_NE(timing_error.find("--timing 'alone'"), std::string::npos) << timing_error;
+  EXPECT_NE(timing_error.find("per-impl"), std::string::npos) << timing_error;
   EXPECT_THROW(parse({"--timing"}), UsageError);  // no value
 }
 
@@ -78,12 +83,8 @@ TEST(BenchOptions, WarmupMilliseconds) {
   EXPECT_EQ(parse({"--warmup-ms", "3000"}).warmup_ms, 3000.0);
   EXPECT_EQ(parse({"--warmup-ms=0"}).warmup_ms, 0.0);
   EXPECT_NE(std::strstr(kUsage, "--warmup-ms"), nullptr);
-  try {
-    parse({"--warmup-ms", "-5"});
-    FAIL() << "a negative warm-up time was accepted";
-  } catch (const UsageError& error) {
-    EXPECT_NE(error.message.find("--warmup-ms"), std::string::npos) << error.message;
-  }
+  const std::string warmup_error = usage_error({"--warmup-ms", "-5"}, "a negative warm-up time");
+  EXPECT_NE(warmup_error.find("--warmup-ms"), std::string::npos) << warmup_error;
   EXPECT_THROW(parse({"--warmup-ms", "2s"}), UsageError);
 }
 
