@@ -388,15 +388,23 @@ struct DgradSwiGLUParts {
   __device__ static Inputs prepare(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
                                    const ConsumerThread& me) {
     Inputs in;
+    load_weights(args, rows, in);
+    load_z_ahead(args, s.n_valid, rows, tile.n_tile * kBlockN, me.lane % 4, in);
+    return in;
+  }
+  template <class Args>
+  __device__ static void load_weights(const Args& args, const AccRows& rows, Inputs& in) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       in.weight[h] = rows.valid[h] ? __ldg(args.topk_weights + __ldg(args.row_slot + rows.row[h])) : 0.0f;
     }
+  }
+  // The first kZAhead chunks (prepare's loads, or the epilogue's own where registers are short in
+  // the main loop).
+  template <class Args>
+  __device__ static void load_z_ahead(const Args& args, int32_t I, const AccRows& rows, int32_t n0, int q, Inputs& in) {
 #pragma unroll
-    for (int c = 0; c < kZAhead; ++c) {
-      load_z_chunk(args, s.n_valid, rows, tile.n_tile * kBlockN, me.lane % 4, c, in.z_gate[c], in.z_up[c]);
-    }
-    return in;
+    for (int c = 0; c < kZAhead; ++c) load_z_chunk(args, I, rows, n0, q, c, in.z_gate[c], in.z_up[c]);
   }
 
   // g, u of chunk c; chunk c + kZAhead takes the registers chunk c leaves.

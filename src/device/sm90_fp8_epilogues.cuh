@@ -9,10 +9,11 @@
 //                                         silu(g) u) -> E4M3 h [R, I] + scales [I/128][rows_pad];
 //                                         z = [g | u] (before the clamp) as bf16 when kStoreZ,
 //                                         held and written under the next tile's first K-block
-//   DgradSwiGLUFp8Epilogue<kClamp>        the BF16 dgrad SwiGLU epilogue (dz, w h, <h, a> partials)
-//                                         at width 128, whose columns are exactly one block of dg
-//                                         and one of du: also dz in E4M3 [R, 2I] + scales
-//                                         [2I/128][rows_pad], quantized from the bf16 dz
+//   DgradSwiGLUFp8Epilogue<kClamp, kZAhead, kBlockN>
+//                                         the BF16 dgrad SwiGLU epilogue (dz, w h, <h, a> partials)
+//                                         at width 128 or 256, one or two 128-column blocks of dg
+//                                         and of du: also dz in E4M3 [R, 2I] + scales
+//                                         [2I/128][rows_pad], quantized per block from the bf16 dz
 // Block-major scale pools: the scale of row r, block kb at scales[kb * rows_pad + r]; the next
 // GEMM's producer threads load a tile's 128 row scales, one 4-byte cp.async each.
 #pragma once
@@ -119,12 +120,15 @@ struct SwiGLUFp8Epilogue {
 
 // ---------------------------------------------------------------------------- dgrad SwiGLU
 
-template <bool kClamp, int kZAhead>
+template <bool kClamp, int kZAhead, int kBlockN_>
 struct DgradSwiGLUFp8Epilogue {
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kBlocks = kBlockN / kFp8Block;  // 1 x 128 blocks of dg (and of du) per row
+  static_assert(kBlocks == 1 || kBlocks == 2, "one or two 128-column blocks per tile");
   static constexpr int kStagingBytes = 0;
-  using Parts = DgradSwiGLUParts<kBlockN, kClamp, kZAhead, false>;  // I is a multiple of 128
-  static constexpr int kGroups = Parts::kGroups;  // 4
+  // At width 256 the tile's second block lies past I when I / 128 is odd (I is a multiple of 128).
+  using Parts = DgradSwiGLUParts<kBlockN, kClamp, kZAhead, (kBlocks > 1)>;
+  static constexpr int kGroupsPerBlock = Parts::kGroups / kBlocks;  // 4
   struct Args {
     const int32_t* row_slot;    // [R_max]
     const float* topk_weights;  // [T*K]
@@ -132,7 +136,7 @@ struct DgradSwiGLUFp8Epilogue {
     __nv_bfloat16* dz;          // [R_max, 2I] bf16 (the weight gradient's operand)
     __nv_bfloat16* wh;          // [R_max, I]
     float* router_partials;     // [R_max, num_n_tiles]
-    int32_t num_n_tiles;        // I / 128
+    int32_t num_n_tiles;        // ceil(I / kBlockN)
     float clamp;                // kClamp
     uint8_t* dz_fp8;            // [R_max, 2I] E4M3 (dgrad of x's operand)
     float* dz_scales;           // [2I/128, rows_pad]
@@ -140,9 +144,25 @@ struct DgradSwiGLUFp8Epilogue {
   };
   using Inputs = typename Parts::Inputs;
   __device__ static void prefetch(const Args&) {}
+  // The main loop (acc 128 + tmp 64) has no registers for z chunks in flight: the tile's z rows
+  // are prefetched into L2 here and loaded by the epilogue, kZAhead chunks ahead, once tmp is dead.
+  // Lane q takes the 128-byte lines q of its rows' gate and up segments (kBlockN 2-byte columns
+  // each: 4 lines at 256).
+  static_assert(kBlockN * 2 == 4 * 128, "a quad's four lanes cover a row's segment, a line each");
   __device__ static Inputs prepare(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
                                    const ConsumerThread& me) {
-    return Parts::prepare(args, s, tile, rows, me);
+    Inputs in;
+    const int32_t I = s.n_valid;
+    const int32_t col = tile.n_tile * kBlockN + 64 * (me.lane % 4);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (rows.valid[h] && col < I) {
+        const __nv_bfloat16* g = args.z + static_cast<int64_t>(rows.row[h]) * 2 * I + col;
+        prefetch_l2(g);
+        prefetch_l2(g + I);
+      }
+    }
+    return in;
   }
 
   template <int kRegs>
@@ -151,56 +171,71 @@ struct DgradSwiGLUFp8Epilogue {
     const int32_t I = s.n_valid;
     const int32_t n0 = tile.n_tile * kBlockN;
     const int q = me.lane % 4;
+    Parts::load_weights(args, rows, in);
+    Parts::load_z_ahead(args, I, rows, n0, q, in);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t r = rows.row[h];
       const bool valid = rows.valid[h];
       const float w = in.weight[h];
       float dot = 0.0f;  // <h, a> over this lane's columns of the tile, fixed order
-      float amax_g = 0.0f, amax_u = 0.0f;
-      uint32_t dg_bits[kGroups][4], du_bits[kGroups][4];
 #pragma unroll
-      for (int a = 0; a < kGroups; ++a) {
-        float av[8];
-        gather_chunk_fp32(acc, a, h, q, av);
-        const int col = n0 + 8 * (4 * a + q);
-        float g[8], u[8];
-        Parts::take_z_chunk(args, I, rows, n0, q, h * kGroups + a, in, g, u);
-        uint32_t wh_bits[4];
+      for (int b = 0; b < kBlocks; ++b) {
+        float block_dot = 0.0f;
+        const int32_t b0 = n0 + b * kFp8Block;  // the block's first column
+        // A block past I still takes its z chunks (the ring of loads in flight stays in step).
+        const bool block_in = kBlocks == 1 || b0 < I;
+        float amax_g = 0.0f, amax_u = 0.0f;
+        uint32_t dg_bits[kGroupsPerBlock][4], du_bits[kGroupsPerBlock][4];
 #pragma unroll
-        for (int i = 0; i < 8; i += 2) {
-          const auto d0 = Parts::backward(args, g[i], u[i], av[i], w, dot);
-          const auto d1 = Parts::backward(args, g[i + 1], u[i + 1], av[i + 1], w, dot);
-          dg_bits[a][i / 2] = pack_bf16x2(d0.dg, d1.dg);
-          du_bits[a][i / 2] = pack_bf16x2(d0.du, d1.du);
-          wh_bits[i / 2] = pack_bf16x2(d0.wh, d1.wh);
-          amax_g = fmaxf(amax_g, amax_bf16x2(dg_bits[a][i / 2]));
-          amax_u = fmaxf(amax_u, amax_bf16x2(du_bits[a][i / 2]));
+        for (int a = 0; a < kGroupsPerBlock; ++a) {
+          const int group = b * kGroupsPerBlock + a;
+          float av[8];
+          gather_chunk_fp32(acc, group, h, q, av);
+          const int col = n0 + 8 * (4 * group + q);
+          float g[8], u[8];
+          Parts::take_z_chunk(args, I, rows, n0, q, h * Parts::kGroups + group, in, g, u);
+          uint32_t wh_bits[4];
+#pragma unroll
+          for (int i = 0; i < 8; i += 2) {
+            const auto d0 = Parts::backward(args, g[i], u[i], av[i], w, block_dot);
+            const auto d1 = Parts::backward(args, g[i + 1], u[i + 1], av[i + 1], w, block_dot);
+            dg_bits[a][i / 2] = pack_bf16x2(d0.dg, d1.dg);
+            du_bits[a][i / 2] = pack_bf16x2(d0.du, d1.du);
+            wh_bits[i / 2] = pack_bf16x2(d0.wh, d1.wh);
+            amax_g = fmaxf(amax_g, amax_bf16x2(dg_bits[a][i / 2]));
+            amax_u = fmaxf(amax_u, amax_bf16x2(du_bits[a][i / 2]));
+          }
+          if (valid && block_in) {
+            *reinterpret_cast<uint4*>(args.dz + r * 2 * I + col) =
+                make_uint4(dg_bits[a][0], dg_bits[a][1], dg_bits[a][2], dg_bits[a][3]);
+            *reinterpret_cast<uint4*>(args.dz + r * 2 * I + I + col) =
+                make_uint4(du_bits[a][0], du_bits[a][1], du_bits[a][2], du_bits[a][3]);
+            *reinterpret_cast<uint4*>(args.wh + r * I + col) =
+                make_uint4(wh_bits[0], wh_bits[1], wh_bits[2], wh_bits[3]);
+          }
         }
-        if (valid) {
-          *reinterpret_cast<uint4*>(args.dz + r * 2 * I + col) =
-              make_uint4(dg_bits[a][0], dg_bits[a][1], dg_bits[a][2], dg_bits[a][3]);
-          *reinterpret_cast<uint4*>(args.dz + r * 2 * I + I + col) =
-              make_uint4(du_bits[a][0], du_bits[a][1], du_bits[a][2], du_bits[a][3]);
-          *reinterpret_cast<uint4*>(args.wh + r * I + col) = make_uint4(wh_bits[0], wh_bits[1], wh_bits[2], wh_bits[3]);
+        dot += block_in ? block_dot : 0.0f;
+        const Fp8Scale sg = fp8_block_scale(quad_max(amax_g)), su = fp8_block_scale(quad_max(amax_u));
+        // Lane q holds chunks 4a + q of this row (gather_chunk_fp32's transpose): whole 8-column runs.
+#pragma unroll
+        for (int a = 0; a < kGroupsPerBlock; ++a) {
+          const int64_t col = b0 + 8 * (4 * a + q);
+          float v[8];
+          unpack_bf16x8(make_uint4(dg_bits[a][0], dg_bits[a][1], dg_bits[a][2], dg_bits[a][3]), v);
+          if (valid && block_in) *reinterpret_cast<uint2*>(args.dz_fp8 + r * 2 * I + col) = quantize_e4m3x8(v, sg.inv);
+          unpack_bf16x8(make_uint4(du_bits[a][0], du_bits[a][1], du_bits[a][2], du_bits[a][3]), v);
+          if (valid && block_in) {
+            *reinterpret_cast<uint2*>(args.dz_fp8 + r * 2 * I + I + col) = quantize_e4m3x8(v, su.inv);
+          }
+        }
+        if (valid && block_in && q == 0) {
+          const int64_t block = b0 / kFp8Block;
+          args.dz_scales[block * args.rows_pad + r] = sg.scale;
+          args.dz_scales[(I / kFp8Block + block) * args.rows_pad + r] = su.scale;
         }
       }
       store_router_partial(args, dot, valid, q, r, tile.n_tile);
-      const Fp8Scale sg = fp8_block_scale(quad_max(amax_g)), su = fp8_block_scale(quad_max(amax_u));
-      // Lane q holds chunks 4a + q of this row (gather_chunk_fp32's transpose): whole 8-column runs.
-#pragma unroll
-      for (int a = 0; a < kGroups; ++a) {
-        const int64_t col = n0 + 8 * (4 * a + q);
-        float v[8];
-        unpack_bf16x8(make_uint4(dg_bits[a][0], dg_bits[a][1], dg_bits[a][2], dg_bits[a][3]), v);
-        if (valid) *reinterpret_cast<uint2*>(args.dz_fp8 + r * 2 * I + col) = quantize_e4m3x8(v, sg.inv);
-        unpack_bf16x8(make_uint4(du_bits[a][0], du_bits[a][1], du_bits[a][2], du_bits[a][3]), v);
-        if (valid) *reinterpret_cast<uint2*>(args.dz_fp8 + r * 2 * I + I + col) = quantize_e4m3x8(v, su.inv);
-      }
-      if (valid && q == 0) {
-        args.dz_scales[static_cast<int64_t>(tile.n_tile) * args.rows_pad + r] = sg.scale;
-        args.dz_scales[static_cast<int64_t>(I / kFp8Block + tile.n_tile) * args.rows_pad + r] = su.scale;
-      }
     }
   }
   __device__ static void finish(const ConsumerThread&) {}

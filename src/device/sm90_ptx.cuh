@@ -100,6 +100,11 @@ __device__ __forceinline__ void mbarrier_wait_or_trap(uint64_t* bar, uint32_t pa
 // ---------------------------------------------------------------------------------------------
 // TMA (cp.async.bulk.tensor): 2-D tile loads described by a CUtensorMap kernel parameter.
 // ---------------------------------------------------------------------------------------------
+// Brings the 128-byte line at p into L2 (no register result: nothing waits for it).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<uint64_t>(p)));
+}
+
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }

@@ -1,6 +1,6 @@
 // The block-scaled FP8 instances of the sm90 grouped GEMM (sm90_fp8_gemms.h): 128 x 256 tiles in
 // 4 stages of 48 KB (gate/up: gate 128 | up 128 columns, one 128-block of h per tile; down, z
-// recompute, dgrad of x), and dgrad-SwiGLU's 128 x 128 tiles in 6 stages of 32 KB. Weight scales
+// recompute, dgrad-SwiGLU, dgrad of x). Weight scales
 // are the [E, rows/128, cols/128] arrays of Fp8Weights; a transposed copy reads them with swapped
 // strides.
 #include <cuda_bf16.h>
@@ -16,10 +16,9 @@ using sm90::GemmParams;
 using sm90::GroupedGemm;
 using sm90::RowDestination;
 
-// z chunks of the dgrad epilogue in flight during the main loop: all 8 of the thread's two rows, as
-// the BF16 dgrad at width 128. acc + tmp (128) + z (64) fit the consumers' 232 registers without
-// spilling (ptxas, CUDA 13: up to R226 in the consumer branch).
-constexpr int kDgradZAhead = 8;
+// z chunks of the dgrad epilogue in flight during the main loop, of the thread's 16 (two rows, two
+// blocks): beside acc 128 + tmp 64, 3 fit the consumers' 232 registers without spilling (4 spill).
+constexpr int kDgradZAhead = 3;
 
 template <bool kClamp, bool kStoreZ>
 using GateUpGemm = GroupedGemm<sm90::Fp8GatheredTokenRowsA, sm90::Fp8GateUpWeightsB, sm90::RowTileScheduler,
@@ -29,14 +28,15 @@ using DownGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB<256>, sm90::R
                              sm90::RowStoreEpilogue<256, true, RowDestination::kSlotRow>>;
 using RecomputeZGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB<256>, sm90::RowTileScheduler,
                                    sm90::RowStoreEpilogue<256, false, RowDestination::kSortedRow>>;
-// At 128: its tile's columns are exactly one block of dg and one of du (the dz quantization).
+// A tile's columns are whole 128-blocks of dg and du (the dz quantization).
 template <bool kClamp>
-using DgradSwigluGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB<128>, sm90::RowTileScheduler,
-                                    sm90::DgradSwiGLUFp8Epilogue<kClamp, kDgradZAhead>>;
+using DgradSwigluGemm =
+    GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB<kSm90Fp8DgradBlockN>, sm90::RowTileScheduler,
+                sm90::DgradSwiGLUFp8Epilogue<kClamp, kDgradZAhead, kSm90Fp8DgradBlockN>>;
 using DgradScatterGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB<256>, sm90::RowTileScheduler,
                                      sm90::RowStoreEpilogue<256, false, RowDestination::kSlotRow>>;
 
-static_assert(GateUpGemm<false, false>::kStages == 4 && DownGemm::kStages == 4 && DgradSwigluGemm<false>::kStages == 6,
+static_assert(GateUpGemm<false, false>::kStages == 4 && DownGemm::kStages == 4 && DgradSwigluGemm<false>::kStages == 4,
               "FP8 ring depth");
 
 // A row-tile GEMM over K (a multiple of 128) with N output columns.
@@ -120,7 +120,7 @@ void launch_dgrad_swiglu(const Sm90Fp8DgradSwigluParams& p) {
   epilogue.dz = static_cast<__nv_bfloat16*>(p.dz);
   epilogue.wh = static_cast<__nv_bfloat16*>(p.wh);
   epilogue.router_partials = p.router_partials;
-  epilogue.num_n_tiles = static_cast<int32_t>(sm90_dgrad_num_n_tiles(I, 128));
+  epilogue.num_n_tiles = static_cast<int32_t>(sm90_dgrad_num_n_tiles(I, kSm90Fp8DgradBlockN));
   epilogue.clamp = p.swiglu_clamp;
   epilogue.dz_fp8 = static_cast<uint8_t*>(p.dz_fp8);
   epilogue.dz_scales = p.dz_scales;

@@ -58,6 +58,9 @@ struct Sm90Fp8RecomputeZParams {
   void* z = nullptr;                  // [R_max, 2I] bf16 (output)
 };
 
+// Output tile width over I of the FP8 dgrad-SwiGLU: router_partials has ceil(I / it) per row.
+constexpr int kSm90Fp8DgradBlockN = 256;
+
 struct Sm90Fp8DgradSwigluParams {
   Sm90Rows rows;
   const void* dys_fp8 = nullptr;        // [R_max, H]
@@ -68,7 +71,7 @@ struct Sm90Fp8DgradSwigluParams {
   const float* topk_weights = nullptr;
   void* dz = nullptr;                   // [R_max, 2I] bf16 (output)
   void* wh = nullptr;                   // [R_max, I] bf16 (output)
-  float* router_partials = nullptr;     // [R_max, I/128] fp32 (output)
+  float* router_partials = nullptr;     // [R_max, ceil(I / kSm90Fp8DgradBlockN)] fp32 (output)
   void* dz_fp8 = nullptr;               // [R_max, 2I] E4M3 (output)
   float* dz_scales = nullptr;           // [2I/128, rows_pad] (output)
   bool use_swiglu_clamp = false;

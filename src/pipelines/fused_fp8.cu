@@ -82,7 +82,7 @@ struct Fp8ForwardWorkspace {
 
 struct Fp8BackwardWorkspace : BackwardPools {
   RoutingPlan plan;
-  float* router_partials = nullptr;  // [R, I/128]
+  float* router_partials = nullptr;  // [R, ceil(I / kSm90Fp8DgradBlockN)]
   void* dys_fp8_RH = nullptr;        // E4M3 (dgrad + SwiGLU)
   float* dys_scales = nullptr;       // [H/128, rows_pad]
   void* dz_fp8_RF = nullptr;         // E4M3 (dgrad of x)
@@ -249,7 +249,7 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
     launch_sm90_fp8_dgrad_scatter(d2);
     // dx, and d_topk_weights from dgrad-1's partials (step 4), in one launch.
     launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream,
-                         RouterGradReduce{ws.router_partials, sm90_dgrad_num_n_tiles(I, 128), args.d_topk_weights});
+                         RouterGradReduce{ws.router_partials, sm90_dgrad_num_n_tiles(I, kSm90Fp8DgradBlockN), args.d_topk_weights});
   }
 
   // Weight gradients from the bf16 pools with the BF16 path's step (no rows: zeroed, or untouched).

@@ -95,7 +95,7 @@ const RowsCase kCases[] = {
     {"H256_I256_E5", 300, 2, 256, 256, {130, 0, 1, 257, 64}},
     {"H384_I128_E3", 100, 3, 384, 128, {7, 129, 0}},
     // K-blocks past every instance's ring (gate/up 8, down 5, dgrad of x 10 against 4 stages;
-    // dgrad-SwiGLU 8 against 6): stages are reused, which the sanitizers must see.
+    // dgrad-SwiGLU 8 against 4): stages are reused, which the sanitizers must see.
     {"H1024_I640_E3", 200, 2, 1024, 640, {150, 1, 249}},
     // Few CTAs, each looping over many tiles: a tile's held output (z, the row stores) goes out
     // under the next tile's first K-block, across experts and after partial tiles.
@@ -395,7 +395,7 @@ TEST_P(Fp8Gemm, RecomputeZSortedRows) {
 TEST_P(Fp8Gemm, DgradSwiGLUWithDzQuantized) {
   for (bool clamp : {false, true}) {
     const Rows p(GetParam(), 400);
-    const int64_t H = p.c.H, I = p.c.I, F = 2 * I, tiles = I / 128;
+    const int64_t H = p.c.H, I = p.c.I, F = 2 * I, tiles = (I + kSm90Fp8DgradBlockN - 1) / kSm90Fp8DgradBlockN;
     std::printf("%s clamp=%d: R=%lld\n", p.c.name, int(clamp), static_cast<long long>(p.R));
     std::mt19937_64 rng(401);
     const Fp8Pool dys(p.S, H, p.rows_pad, rng);
@@ -447,7 +447,7 @@ TEST_P(Fp8Gemm, DgradSwiGLUWithDzQuantized) {
         }
         const double sg = 1.0 / (1.0 + std::exp(-g)), si = g * sg;
         const double hv = host::round_to_bf16(static_cast<float>(si * u));
-        part_ref[r * tiles + c / 128] += hv * acc;
+        part_ref[r * tiles + c / kSm90Fp8DgradBlockN] += hv * acc;
         const double dh = w * acc;
         dz_ref[r * F + c] = dh * u * sg * (1.0 + g * (1.0 - sg)) * g_pass;
         dz_ref[r * F + I + c] = dh * si * u_pass;
@@ -461,7 +461,7 @@ TEST_P(Fp8Gemm, DgradSwiGLUWithDzQuantized) {
     for (int64_t i = 0; i < p.R * tiles; ++i) part_got[i] = part[i];
     expect_rows_close("dz (bf16)", p, widen_bf16_rows(dz, p.R, F), dz_ref, F, kTol);
     expect_rows_close("w h (bf16)", p, widen_bf16_rows(wh, p.R, I), wh_ref, I, kTol);
-    expect_rows_close("router partials <h, a> per 128 columns", p, part_got, part_ref, tiles, kTol);
+    expect_rows_close("router partials <h, a> per tile", p, part_got, part_ref, tiles, kTol);
     std::vector<float> dzs_want;
     const std::vector<double> dzq_want = host_quantized(dz_ref, p.R, F, &dzs_want);
     expect_rows_close("dz scales (1 x 128, per row)", p, block_major_to_rows(dzs, p.R, F / 128, p.rows_pad),
