@@ -29,7 +29,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
-#include <utility>
 
 #include "device/sm90_epilogues.cuh"
 #include "device/sm90_fp8_ptx.cuh"
@@ -200,12 +199,6 @@ struct Fp8GateUpWeightsB {
 template <class Gemm>
 struct GemmParams;
 
-// Whether an epilogue's Args carry start_delay_ns (experiment: staggered CTAs).
-template <class Args, class = void>
-struct HasStartDelay : std::false_type {};
-template <class Args>
-struct HasStartDelay<Args, std::void_t<decltype(std::declval<Args>().start_delay_ns)>> : std::true_type {};
-
 // The consumer loop with promotion, one 128-column half of the tile at a time (Gemm::kBlockN / 128
 // halves; B's scale b[half] when B has one per half, else b[0]). The previous tile's held output
 // (HeldBoxes) goes out under this tile's first K-block, whose promotion writes acc: acc and tmp are
@@ -329,19 +322,6 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
   };
 
   const int32_t num_tiles = sched.num_tiles();
-  if constexpr (HasStartDelay<typename Epilogue::Args>::value) {
-    // Odd CTAs start late, so that their epilogues' memory bursts fall under the even CTAs' main
-    // loops rather than all at once (experiment).
-    if ((blockIdx.x & 1) && p.epilogue.start_delay_ns > 0) {
-      uint64_t now;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-      const uint64_t until = now + p.epilogue.start_delay_ns;
-      while (now < until) {
-        __nanosleep(256);
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-      }
-    }
-  }
   for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const Tile tile = sched.tile(t);
     // acc[64 rows, kBlockN] = sum over the tile's K-blocks (a row tile has at least one) of

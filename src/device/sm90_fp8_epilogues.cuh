@@ -141,7 +141,6 @@ struct DgradSwiGLUFp8Epilogue {
     uint8_t* dz_fp8;            // [R_max, 2I] E4M3 (dgrad of x's operand)
     float* dz_scales;           // [2I/128, rows_pad]
     int32_t rows_pad;
-    uint32_t start_delay_ns;    // odd CTAs' late start (experiment)
   };
   using Inputs = typename Parts::Inputs;
   __device__ static void prefetch(const Args&) {}

@@ -5,8 +5,6 @@
 // strides.
 #include <cuda_bf16.h>
 
-#include <cstdlib>
-
 #include "device/sm90_fp8_epilogues.cuh"
 #include "launchers/sm90_fp8_gemms.h"
 #include "launchers/sm90_launch_gemm.cuh"
@@ -127,12 +125,6 @@ void launch_dgrad_swiglu(const Sm90Fp8DgradSwigluParams& p) {
   epilogue.dz_fp8 = static_cast<uint8_t*>(p.dz_fp8);
   epilogue.dz_scales = p.dz_scales;
   epilogue.rows_pad = static_cast<int32_t>(sm90_fp8_rows_pad(rows.max_rows));
-  // Experiment: FUSEMOE_EXP_STAGGER_NS_PER_KB ns per K-block of delay for the odd CTAs.
-  static const long per_kb = [] {
-    const char* v = std::getenv("FUSEMOE_EXP_STAGGER_NS_PER_KB");
-    return v ? std::atol(v) : 0L;
-  }();
-  epilogue.start_delay_ns = static_cast<uint32_t>(per_kb * (H / 128));
   // a = dy W2_e: B = W2_e^T [I, H] (K = H), i.e. w2_t; its (n = i, kb = h) block is w2's (h, i).
   launch_row_store<Gemm>(WaitKernel::kFp8DgradSwiglu, rows, p.dys_fp8, p.dys_scales, H, p.weights.w2_t, I,
                          weight_scales(p.weights.w2_scales, H, I, true), I, epilogue, "dys_fp8", "w2_t_fp8");
