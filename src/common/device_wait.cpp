@@ -139,14 +139,14 @@ std::string describe_device_wait(const DeviceWaitRecord& r) {
       break;
     case WaitObject::kStageEmpty:
       out << "ring stage " << stage << " to be released (parity " << r.parity << ", " << r.expected
-          << " consumer-warp arrivals expected)";
+          << " consumer arrivals expected)";
       break;
     case WaitObject::kTileIndexPosted:
       out << "tile-index slot " << stage << " to be posted by producer thread 0 (parity " << r.parity << ")";
       break;
     case WaitObject::kTileIndexRead:
       out << "tile-index slot " << stage << " to be read by every role (parity " << r.parity << ", " << r.expected
-          << " reading-warp arrivals expected)";
+          << " reader arrivals expected)";
       break;
     case WaitObject::kPeerMessage:
       out << "the routing message of source rank " << r.peer << " (rank " << r.rank << " waiting; call " << r.wanted

@@ -93,7 +93,7 @@ double device_wait_timeout();
 WaitBound device_wait_bound(WaitKernel kernel);
 
 // "gate/up GEMM block 17 thread 0 (producer) waited 30.0 s for ring stage 2 to be released
-// (parity 1, 8 consumer-warp arrivals expected)".
+// (parity 1, 8 consumer arrivals expected)".
 std::string describe_device_wait(const DeviceWaitRecord& record);
 
 #ifdef FUSEMOE_FAULT_INJECTION

@@ -253,13 +253,11 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
     v.desc_b = make_desc_sw128(tiles_b + v.stage * Gemm::kTileBBytes, Gemm::LayoutB::kLbo, Gemm::LayoutB::kSbo);
     return v;
   };
-  // Lane 0's arrive releases only its own reads: every lane has read the stage's scales (some
-  // values still unused here) before the producer may overwrite them.
+  // Every thread has read the stage's scales (some values still unused here) and releases its
+  // own reads (Gemm::kStageReleases arrivals): no cross-lane order to establish, and racecheck,
+  // which does not follow a __syncwarp before one lane's arrival, sees it (docs/experiments.md#racecheck-and-one-lane-releases).
   auto release_stage = [&](const StageView& v) {
-    if (!releases_withheld(p.shape.wait)) {
-      __syncwarp();
-      if (me.lane == 0) mbarrier_arrive(&ring.empty[v.stage]);
-    }
+    if (!releases_withheld(p.shape.wait)) mbarrier_arrive(&ring.empty[v.stage]);
     cursor.advance();
   };
   // The four k32 MMAs of one half of a K-block, overwriting d (a constant scale_d = 0 first, which

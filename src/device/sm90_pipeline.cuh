@@ -7,7 +7,8 @@
 // full[s] expects one arrival (the thread that posts the TMA byte count) plus, when the A
 // operand is gathered by cp.async, one arrival per producer thread; empty[s] expects one
 // arrival per warp of the consumers that read the stage (both warpgroups, or one in the
-// ping-pong schedule, whose consumers skip the other's stages: RingCursor::skip). A fresh
+// ping-pong schedule, whose consumers skip the other's stages: RingCursor::skip), or per thread
+// where each thread reads from the stage itself (the FP8 scales; GroupedGemm::kStageReleases). A fresh
 // barrier counts as having completed the phase of parity 1, so the producer's first pass over
 // the ring does not wait. Each role walks the ring with its
 // own cursor; both see the same (tile, k-block) sequence, so their stages and phases agree.
@@ -66,10 +67,10 @@ struct StageRing {
   uint64_t* empty;  // [kStages]
 
   // One thread, before the CTA's first __syncthreads.
-  __device__ __forceinline__ void init(bool all_producer_threads, uint32_t consumer_warps) const {
+  __device__ __forceinline__ void init(bool all_producer_threads, uint32_t stage_releases) const {
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], 1 + (all_producer_threads ? kThreadsPerWarpgroup : 0));
-      mbarrier_init(&empty[s], consumer_warps);
+      mbarrier_init(&empty[s], stage_releases);
     }
     fence_barrier_init();
   }

@@ -75,9 +75,12 @@ struct GroupedGemm {
   static constexpr int kStages =
       ((Scheduler::kTableInSmem ? kSmemDataBytes : kSmemDataBytesNoTable) - Epilogue::kStagingBytes) / kStageBytes;
   static constexpr int kAccRegs = kBlockN / 2;  // per m64 row block; a consumer holds Consumers::kRowBlocks
-  static constexpr uint32_t kConsumerWarpsPerStage = Consumers::kWarpgroupsPerTile * kWarpsPerWarpgroup;
   // Blockwise FP8 (sm90_block_scaled.cuh): its own consumer loop and a scale record per stage.
   static constexpr bool kBlockScaled = IsBlockScaled<A>::value;
+  // Arrivals that release a stage: one per consumer warp, or, block-scaled, one per consumer
+  // thread, each after its own reads of the stage's scales (StageRing).
+  static constexpr uint32_t kStageReleases =
+      Consumers::kWarpgroupsPerTile * (kBlockScaled ? kThreadsPerWarpgroup : kWarpsPerWarpgroup);
   static constexpr int kScaleRingBytes = kBlockScaled ? kStages * kStageScalesBytes : 0;
   // Tiles from the launch's counter (TileOrder_, sm90_layout.cuh); its own template parameter, so
   // the static instances carry none of the feed's code.
@@ -170,7 +173,7 @@ __device__ __forceinline__ typename Gemm::Scheduler make_scheduler(const GemmSha
 // ends the sequence. The last CTA to take its end zeroes the counter for the next launch.
 struct TileFeed {
   uint64_t* bars;        // [full: kTileSlots][empty: kTileSlots][index: kTileSlots int32]
-  uint32_t readers = 0;  // warps that release each slot (the empty barriers' count)
+  uint32_t readers = 0;  // threads that release each slot (the empty barriers' count)
   int32_t n = 0;         // entries passed: slot n % kTileSlots, phase (n / kTileSlots) & 1
 
   __device__ __forceinline__ int slot() const { return n % kTileSlots; }
@@ -201,9 +204,9 @@ struct TileFeed {
   __device__ __forceinline__ int32_t read(const WaitBound& w, WaitRole role) {
     bounded_wait(&bars[slot()], phase(), w, role, WaitObject::kTileIndexPosted, slot(), 1);
     const int32_t t = *reinterpret_cast<volatile int32_t*>(&index()[slot()]);
-    const uint32_t lanes = __activemask();
-    __syncwarp(lanes);
-    if ((threadIdx.x % 32) == static_cast<unsigned>(__ffs(lanes) - 1)) mbarrier_arrive(&bars[kTileSlots + slot()]);
+    // Every reader releases the slot after its own read: nothing to order across lanes (and
+    // racecheck, which does not follow __syncwarp before one lane's arrival, sees the order).
+    mbarrier_arrive(&bars[kTileSlots + slot()]);
     ++n;
     return t;
   }
@@ -242,7 +245,7 @@ __device__ __forceinline__ void produce(const GemmParams<Gemm>& p, typename Gemm
     for (int32_t kb = 0; kb < tile.num_k_blocks; ++kb) {
       const int stage = cursor.stage;
       bounded_wait(&ring.empty[stage], cursor.phase ^ 1, p.shape.wait, WaitRole::kProducer, WaitObject::kStageEmpty,
-                   stage, Gemm::kConsumerWarpsPerStage);
+                   stage, Gemm::kStageReleases);
       if (thread == 0) {
         if constexpr (Gemm::kBlockScaled) {
           // Thread 0's cp.async arrival below (every producer thread makes one) covers these too.
@@ -438,7 +441,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
   const StageRing<kStages> ring{reinterpret_cast<uint64_t*>(barriers), reinterpret_cast<uint64_t*>(barriers) + kStages};
   TileFeed feed;
   feed.bars = ring.empty + kStages;
-  feed.readers = kNumConsumers * kWarpsPerWarpgroup + (kAllProducerThreads<typename Gemm::A> ? kWarpsPerWarpgroup : 1);
+  feed.readers = kNumConsumers * kThreadsPerWarpgroup + (kAllProducerThreads<typename Gemm::A> ? kThreadsPerWarpgroup : 1);
   // [2][E + 1], row tiles only: the expert-output scheduler reserves no table memory.
   int32_t* table = !Gemm::Scheduler::kTableInSmem ? nullptr
                    : Gemm::kDynamicTiles          ? feed.index() + kTileSlots
@@ -450,7 +453,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
     prefetch_tensor_map(&p.map_b);
     if constexpr (TwoBMaps<typename Gemm::B>::value) prefetch_tensor_map(&p.map_b_up);
     Gemm::Epilogue::prefetch(p.epilogue);
-    ring.init(kAllProducerThreads<typename Gemm::A>, Gemm::kConsumerWarpsPerStage);
+    ring.init(kAllProducerThreads<typename Gemm::A>, Gemm::kStageReleases);
     if constexpr (Gemm::kDynamicTiles) {
       for (int i = 0; i < kTileSlots; ++i) {
         mbarrier_init(&feed.bars[i], 1);

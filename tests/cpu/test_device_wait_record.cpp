@@ -57,10 +57,10 @@ TEST(DeviceWaitRecord, NamesTileFeedSlots) {
             std::string::npos)
       << text;
   r.site = wait_site(WaitKernel::kDown, WaitRole::kProducer, WaitObject::kTileIndexRead, 2);
-  r.expected = 9;
+  r.expected = 257;
   r.parity = 1;
   text = describe_device_wait(r);
-  EXPECT_NE(text.find("tile-index slot 2 to be read by every role (parity 1, 9 reading-warp arrivals expected)"),
+  EXPECT_NE(text.find("tile-index slot 2 to be read by every role (parity 1, 257 reader arrivals expected)"),
             std::string::npos)
       << text;
   EXPECT_EQ(text.find("ring stage"), std::string::npos) << text;
