@@ -255,7 +255,8 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
   };
   // Every thread has read the stage's scales (some values still unused here) and releases its
   // own reads (Gemm::kStageReleases arrivals): no cross-lane order to establish, and racecheck,
-  // which does not follow a __syncwarp before one lane's arrival, sees it (docs/experiments.md#racecheck-and-one-lane-releases).
+  // which does not follow a __syncwarp before one lane's arrival, sees it
+  // (docs/experiments.md#racecheck-and-one-lane-releases).
   auto release_stage = [&](const StageView& v) {
     if (!releases_withheld(p.shape.wait)) mbarrier_arrive(&ring.empty[v.stage]);
     cursor.advance();

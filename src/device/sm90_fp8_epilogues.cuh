@@ -146,17 +146,18 @@ struct DgradSwiGLUFp8Epilogue {
   __device__ static void prefetch(const Args&) {}
   // The main loop (acc 128 + tmp 64) has no registers for z chunks in flight: the tile's z rows
   // are prefetched into L2 here and loaded by the epilogue, kZAhead chunks ahead, once tmp is dead.
-  // Lane q takes the 128-byte lines q of its rows' gate and up segments (kBlockN 2-byte columns
-  // each: 4 lines at 256).
-  static_assert(kBlockN * 2 == 4 * 128, "a quad's four lanes cover a row's segment, a line each");
+  // Lane q takes the 128-byte line q of its rows' gate and up segments (kBlockN 2-byte columns
+  // each: 4 lines at 256, 2 at 128).
+  static constexpr int kLinesPerSegment = kBlockN * 2 / 128;
   __device__ static Inputs prepare(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
                                    const ConsumerThread& me) {
     Inputs in;
     const int32_t I = s.n_valid;
-    const int32_t col = tile.n_tile * kBlockN + 64 * (me.lane % 4);
+    const int q = me.lane % 4;
+    const int32_t col = tile.n_tile * kBlockN + 64 * q;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      if (rows.valid[h] && col < I) {
+      if (q < kLinesPerSegment && rows.valid[h] && col < I) {
         const __nv_bfloat16* g = args.z + static_cast<int64_t>(rows.row[h]) * 2 * I + col;
         prefetch_l2(g);
         prefetch_l2(g + I);

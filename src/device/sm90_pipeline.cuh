@@ -7,9 +7,9 @@
 // full[s] expects one arrival (the thread that posts the TMA byte count) plus, when the A
 // operand is gathered by cp.async, one arrival per producer thread; empty[s] expects one
 // arrival per warp of the consumers that read the stage (both warpgroups, or one in the
-// ping-pong schedule, whose consumers skip the other's stages: RingCursor::skip), or per thread
-// where each thread reads from the stage itself (the FP8 scales; GroupedGemm::kStageReleases). A fresh
-// barrier counts as having completed the phase of parity 1, so the producer's first pass over
+// ping-pong schedule, whose consumers skip the other's stages: RingCursor::skip), or one per
+// thread where each thread reads the stage itself (the FP8 scales; GroupedGemm::kStageReleases).
+// A fresh barrier counts as having completed the phase of parity 1, so the producer's first pass over
 // the ring does not wait. Each role walks the ring with its
 // own cursor; both see the same (tile, k-block) sequence, so their stages and phases agree.
 // Every wait is bounded (WaitBound, common/device_wait.h): past the timeout the waiting thread

@@ -441,7 +441,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
   const StageRing<kStages> ring{reinterpret_cast<uint64_t*>(barriers), reinterpret_cast<uint64_t*>(barriers) + kStages};
   TileFeed feed;
   feed.bars = ring.empty + kStages;
-  feed.readers = kNumConsumers * kThreadsPerWarpgroup + (kAllProducerThreads<typename Gemm::A> ? kThreadsPerWarpgroup : 1);
+  feed.readers =
+      kNumConsumers * kThreadsPerWarpgroup + (kAllProducerThreads<typename Gemm::A> ? kThreadsPerWarpgroup : 1);
   // [2][E + 1], row tiles only: the expert-output scheduler reserves no table memory.
   int32_t* table = !Gemm::Scheduler::kTableInSmem ? nullptr
                    : Gemm::kDynamicTiles          ? feed.index() + kTileSlots

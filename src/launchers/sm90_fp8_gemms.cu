@@ -1,8 +1,7 @@
 // The block-scaled FP8 instances of the sm90 grouped GEMM (sm90_fp8_gemms.h): 128 x 256 tiles in
 // 4 stages of 48 KB (gate/up: gate 128 | up 128 columns, one 128-block of h per tile; down, z
-// recompute, dgrad-SwiGLU, dgrad of x). Weight scales
-// are the [E, rows/128, cols/128] arrays of Fp8Weights; a transposed copy reads them with swapped
-// strides.
+// recompute, dgrad-SwiGLU, dgrad of x). Weight scales are the [E, rows/128, cols/128] arrays of
+// Fp8Weights; a transposed copy reads them with swapped strides.
 #include <cuda_bf16.h>
 
 #include "device/sm90_fp8_epilogues.cuh"

@@ -1,7 +1,7 @@
 // Host launchers of the block-scaled FP8 instances of the sm90 grouped GEMM
 // (src/device/sm90_block_scaled.cuh; docs/design.md#blockwise-fp8-issue-16-precisionkfp8blockwise).
-// Same rows problem and conventions as sm90_grouped_gemm.h; every FP8 tile is 128 columns wide and
-// every K a multiple of 128 (H % 128 == 0 and I % 128 == 0, checked by src/api).
+// Same rows problem and conventions as sm90_grouped_gemm.h; every FP8 tile is 256 accumulator
+// columns wide (gate/up: 128 columns of h) and every K a multiple of 128 (H % 128 == 0 and I % 128 == 0, checked by src/api).
 //
 //   gate/up + SwiGLU  z_r = dq(x_fp8[s / K]) dq(W13_e)^T, h_r = bf16(silu(g) u) -> h_fp8 + scales
 //                     (1 x 128 along I); optionally bf16 z (before the clamp)

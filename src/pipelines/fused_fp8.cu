@@ -248,8 +248,9 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
     d2.dx_slots = ws.dx_slots_SH;
     launch_sm90_fp8_dgrad_scatter(d2);
     // dx, and d_topk_weights from dgrad-1's partials (step 4), in one launch.
-    launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream,
-                         RouterGradReduce{ws.router_partials, sm90_dgrad_num_n_tiles(I, kSm90Fp8DgradBlockN), args.d_topk_weights});
+    const RouterGradReduce router{ws.router_partials, sm90_dgrad_num_n_tiles(I, kSm90Fp8DgradBlockN),
+                                  args.d_topk_weights};
+    launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream, router);
   }
 
   // Weight gradients from the bf16 pools with the BF16 path's step (no rows: zeroed, or untouched).
