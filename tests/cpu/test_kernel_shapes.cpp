@@ -1,8 +1,9 @@
 // The sizes the sm90 GEMM family exports to its callers (src/launchers/sm90_grouped_gemm.h),
 // checked without a GPU: the dgrad tile width by shape and the router-partials buffer that
-// serves every width.
+// serves every width, BF16 and FP8.
 #include <gtest/gtest.h>
 
+#include "launchers/sm90_fp8_gemms.h"
 #include "launchers/sm90_grouped_gemm.h"
 
 namespace fusemoe {
@@ -29,6 +30,16 @@ TEST(KernelShapes, RouterPartialsServeEveryWidth) {
                 sm90_dgrad_num_n_tiles(intermediate, sm90_dgrad_block_n(hidden)))
           << "I=" << intermediate << " H=" << hidden;
     }
+  }
+}
+
+// The FP8 dgrad-SwiGLU writes ceil(I / kSm90Fp8DgradBlockN) partials per row into the same buffer
+// (its I is a multiple of 128; with I / 128 odd the last tile holds one block).
+TEST(KernelShapes, RouterPartialsServeTheFp8Dgrad) {
+  for (int64_t intermediate : {128, 384, 640, 768, 1536, 2048}) {
+    const int64_t tiles = sm90_dgrad_num_n_tiles(intermediate, kSm90Fp8DgradBlockN);
+    EXPECT_EQ(tiles, (intermediate + kSm90Fp8DgradBlockN - 1) / kSm90Fp8DgradBlockN) << "I=" << intermediate;
+    EXPECT_GE(sm90_router_partials_per_row(intermediate), tiles) << "I=" << intermediate;
   }
 }
 
