@@ -15,9 +15,9 @@ using sm90::GemmParams;
 using sm90::GroupedGemm;
 using sm90::RowDestination;
 
-// z chunks of the dgrad epilogue in flight during the main loop, of the thread's 16 (two rows, two
-// blocks): beside acc 128 + tmp 64, 3 fit the consumers' 232 registers without spilling (4 spill).
-constexpr int kDgradZAhead = 3;
+// z chunks the dgrad epilogue keeps in flight ahead of their use, of the thread's 16 (two rows,
+// two blocks): 2 measured faster than 3 (docs/experiments.md#fp8-dgrad-epilogue-parts).
+constexpr int kDgradZAhead = 2;
 
 template <bool kClamp, bool kStoreZ>
 using GateUpGemm = GroupedGemm<sm90::Fp8GatheredTokenRowsA, sm90::Fp8GateUpWeightsB, sm90::RowTileScheduler,
