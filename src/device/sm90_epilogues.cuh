@@ -85,27 +85,20 @@ struct EpilogueShape {
   int32_t m_valid;  // weight gradients: rows M of one expert's output
 };
 
-// 2^x and sigmoid in the flush-to-zero forms of ex2 / rcp / div.approx: the non-ftz ones add a
-// denormal fix-up each (FSETP and two predicated FMUL), a tenth of the FP8 dgrad epilogue's
-// instructions; ftz changes only results below 1e-38 in magnitude (g < -87), and silu(g) and
-// g * sigmoid(g) stay the same bits (div.approx is a * rcp(b)).
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float e;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x));
-  return e;
-}
-__device__ __forceinline__ float sigmoid_ftz(float g) {
-  float s;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.0f + exp2_ftz(g * -1.44269504f)));
-  return s;
-}
 // silu(g) = g * sigmoid(g) with the approximate reciprocal (MUFU.RCP): the result is rounded
 // to bf16 (8 bits), far coarser than its ~2 ulp fp32 error. For g < -87 the denominator
 // overflows and the result is -0, where the exact value is below 1e-36 in magnitude anyway.
-__device__ __forceinline__ float silu(float g) {
-  float d;
-  asm("div.approx.ftz.f32 %0, %1, %2;" : "=f"(d) : "f"(g), "f"(1.0f + exp2_ftz(g * -1.44269504f)));
-  return d;
+__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+
+// sigmoid(g) for the dgrad epilogues: ex2 and rcp in their flush-to-zero forms. __expf and
+// __fdividef add a denormal fix-up each (FSETP and two predicated FMUL), 6 of the FP8 dgrad
+// epilogue's ~53 instructions an element; ftz changes only results below 1e-38 (g < -87), and
+// sigmoid(g) * g there rounds to the same bf16 h as silu above.
+__device__ __forceinline__ float sigmoid_ftz(float g) {
+  float e, s;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.44269504f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.0f + e));
+  return s;
 }
 
 // Stores group a of one accumulator row fragment: words[p] = bf16 pairs of output columns
@@ -162,9 +155,9 @@ struct HeldRows {
 // The gate/up accumulators of an output chunk: chunk j of h pairs gate registers acc[4j + 2h + b]
 // with up registers acc[4(j + kChunks) + 2h + b] (b = 0, 1; h the row half). The helpers below
 // are shared with SwiGLUFp8Epilogue, whose tile has the same layout.
-// h = silu(g) * u of chunk j, row half h, as an fp32 or a bf16 pair; g, u clamped first when kClamp.
+// h = silu(g) * u of chunk j, row half h, as a bf16 pair; g, u clamped first when kClamp.
 template <bool kClamp, int kChunks, int kRegs>
-__device__ __forceinline__ float2 swiglu_f32x2(const float (&acc)[kRegs], int j, int h, float clamp) {
+__device__ __forceinline__ uint32_t swiglu_bf16x2(const float (&acc)[kRegs], int j, int h, float clamp) {
   const int gate = 4 * j + 2 * h, up = gate + 4 * kChunks;
   float g0 = acc[gate], g1 = acc[gate + 1], u0 = acc[up], u1 = acc[up + 1];
   if constexpr (kClamp) {
@@ -173,12 +166,7 @@ __device__ __forceinline__ float2 swiglu_f32x2(const float (&acc)[kRegs], int j,
     u0 = fminf(fmaxf(u0, -clamp), clamp);
     u1 = fminf(fmaxf(u1, -clamp), clamp);
   }
-  return make_float2(silu(g0) * u0, silu(g1) * u1);
-}
-template <bool kClamp, int kChunks, int kRegs>
-__device__ __forceinline__ uint32_t swiglu_bf16x2(const float (&acc)[kRegs], int j, int h, float clamp) {
-  const float2 v = swiglu_f32x2<kClamp, kChunks>(acc, j, h, clamp);
-  return pack_bf16x2(v.x, v.y);
+  return pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
 }
 
 // z = [g | u] of a SwiGLU tile held as bf16 pairs (64 words a thread at kOutChunks = 16) and

@@ -35,6 +35,12 @@ __device__ __forceinline__ float quad_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
 }
 
+// Max |.| of the bf16 pair in a word.
+__device__ __forceinline__ float amax_bf16x2(uint32_t word) {
+  const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&word));
+  return fmaxf(fabsf(f.x), fabsf(f.y));
+}
+
 // Quantizes and stores 4 n8 chunks of one row: words[p] = bf16 pair of columns 8 (4a + p) + 2q,
 // +1 of this lane, for the group a the caller picked; after the quad transpose lane q holds chunk
 // 4a + q whole and writes its 8 E4M3 bytes at row_ptr + 8 (4a + q) (row_ptr: the group's column 0).
@@ -90,12 +96,10 @@ struct SwiGLUFp8Epilogue {
       float amax = 0.0f;
 #pragma unroll
       for (int j = 0; j < kChunks; ++j) {
-        const float2 v = swiglu_f32x2<kClamp, kChunks>(acc, j, h, args.clamp);
-        words[j] = pack_bf16x2(v.x, v.y);
-        amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
+        words[j] = swiglu_bf16x2<kClamp, kChunks>(acc, j, h, args.clamp);
+        amax = fmaxf(amax, amax_bf16x2(words[j]));
       }
-      // The amax of the bf16 words is that of the fp32 values rounded (RN is monotone and odd).
-      const Fp8Scale scale = fp8_block_scale(round_bf16(quad_max(amax)));
+      const Fp8Scale scale = fp8_block_scale(quad_max(amax));
       uint8_t* row_ptr = args.h + static_cast<int64_t>(rows.row[h]) * I + block_col;
 #pragma unroll
       for (int a = 0; a < kChunks / 4; ++a) {
