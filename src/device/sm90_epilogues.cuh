@@ -90,10 +90,9 @@ struct EpilogueShape {
 // overflows and the result is -0, where the exact value is below 1e-36 in magnitude anyway.
 __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
-// sigmoid(g) for the dgrad epilogues: ex2 and rcp in their flush-to-zero forms. __expf and
-// __fdividef add a denormal fix-up each (FSETP and two predicated FMUL), 6 of the FP8 dgrad
-// epilogue's ~53 instructions an element; ftz changes only results below 1e-38 (g < -87), and
-// sigmoid(g) * g there rounds to the same bf16 h as silu above.
+// sigmoid(g) for the dgrad epilogues: ex2 and rcp in their flush-to-zero forms, without the
+// denormal fix-ups of __expf / __fdividef (docs/experiments.md#fp8-dgrad-epilogue-parts). Only
+// results below 1e-38 change (g < -87); g * sigmoid_ftz(g) is silu(g)'s bits elsewhere.
 __device__ __forceinline__ float sigmoid_ftz(float g) {
   float e, s;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.44269504f));
@@ -444,7 +443,7 @@ struct DgradSwiGLUParts {
       g = fminf(g, args.clamp);
       u = fminf(fmaxf(u, -args.clamp), args.clamp);
     }
-    // The approximate reciprocal, as the forward's silu.
+    // The approximate reciprocal, so that si below is the forward's silu(g).
     const float sg = sigmoid_ftz(g);
     const float si = g * sg;
     const float hv = round_bf16(si * u);  // h, recomputed from the bf16 z
