@@ -122,6 +122,12 @@ if [[ ! -x "$BUILD_DIR/fusemoe_bench" ]]; then
 fi
 BENCH="$BUILD_DIR/fusemoe_bench"
 log "commit under test: $FUSEMOE_COMMIT"
+# The round's own facts, for a summary whose parts ran no benchmark (whose meta has them too).
+{
+  printf 'commit\t%s\n' "$FUSEMOE_COMMIT"
+  printf 'date\t%s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  printf 'gpu\t%s\n' "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+} >"$PARTS/round.tsv"
 
 # ctest runs the test binaries by the absolute paths of the machine that configured the build.
 # If the carried build folder was configured elsewhere, make that source path lead here.

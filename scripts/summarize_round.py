@@ -50,8 +50,16 @@ def load_parts(parts_dir):
                     continue
                 steps.append({"name": fields[0], "rc": int(fields[1]), "seconds": float(fields[2]),
                               "note": fields[3] if len(fields) > 3 else ""})
+    round_meta = {}
+    round_path = os.path.join(parts_dir, "round.tsv")
+    if os.path.exists(round_path):
+        with open(round_path) as f:
+            for line in f:
+                key, _, value = line.rstrip("\n").partition("\t")
+                if key:
+                    round_meta[key] = value
     return {"steps": steps, "fusemoe": fusemoe_runs, "kernels": kernel_runs, "torch": torch_runs,
-            "ep": ep_runs, "liger": liger_runs}
+            "ep": ep_runs, "liger": liger_runs, "round": round_meta}
 
 
 def fmt(value, spec):
@@ -269,19 +277,25 @@ def render(results):
     f_meta = results["fusemoe"][0]["meta"] if results["fusemoe"] else {}
     t_meta = results["torch"][0]["meta"] if results["torch"] else {}
     meta = f_meta or t_meta
-    lines.append(f"- date {meta.get('date')}, commit `{meta.get('commit')}`")
-    lines.append(f"- GPU {meta.get('gpu')} ({meta.get('sm_count')} SMs), CUDA driver "
-                 f"{f_meta.get('driver_cuda')}, runtime {f_meta.get('runtime_cuda')}, cuBLAS "
-                 f"{f_meta.get('cublas_version')}; torch {t_meta.get('torch')} (CUDA {t_meta.get('cuda')})")
-    warmup_ms = meta.get("warmup_ms") or 0
-    # --warmup-ms covers each timed block: one per implementation, or the one interleaved block.
-    block = "of the interleaved rounds" if meta.get("timing") == "interleaved" else "per implementation"
-    warm = f" (at least {warmup_ms:.0f} ms {block})" if warmup_ms > 0 else ""
-    lines.append(f"- timing: median of {meta.get('iters')} after {meta.get('warmup')} warm-up{warm}, CUDA "
-                 f"events, {(meta.get('l2_flush_bytes') or 0) >> 20} MiB L2 flush before each call; "
-                 "TFLOP/s count 6*H*I (forward), 12*H*I (backward), 18*H*I (both) per routed row")
-    lines.append("- PyTorch: torchtitan-style grouped_mm layer, bf16, autograd (bf16 weight grads), "
-                 f"index_add_ in {t_meta.get('combine_dtype')}")
+    if not meta:
+        # No benchmark in this round (e.g. ROUND_PARTS=sanitizers): the round's own record.
+        round_meta = results.get("round", {})
+        lines.append(f"- date {round_meta.get('date')}, commit `{round_meta.get('commit')}`")
+        lines.append(f"- GPU {round_meta.get('gpu')}; no benchmark in this round")
+    else:
+        lines.append(f"- date {meta.get('date')}, commit `{meta.get('commit')}`")
+        lines.append(f"- GPU {meta.get('gpu')} ({meta.get('sm_count')} SMs), CUDA driver "
+                     f"{f_meta.get('driver_cuda')}, runtime {f_meta.get('runtime_cuda')}, cuBLAS "
+                     f"{f_meta.get('cublas_version')}; torch {t_meta.get('torch')} (CUDA {t_meta.get('cuda')})")
+        warmup_ms = meta.get("warmup_ms") or 0
+        # --warmup-ms covers each timed block: one per implementation, or the one interleaved block.
+        block = "of the interleaved rounds" if meta.get("timing") == "interleaved" else "per implementation"
+        warm = f" (at least {warmup_ms:.0f} ms {block})" if warmup_ms > 0 else ""
+        lines.append(f"- timing: median of {meta.get('iters')} after {meta.get('warmup')} warm-up{warm}, CUDA "
+                     f"events, {(meta.get('l2_flush_bytes') or 0) >> 20} MiB L2 flush before each call; "
+                     "TFLOP/s count 6*H*I (forward), 12*H*I (backward), 18*H*I (both) per routed row")
+        lines.append("- PyTorch: torchtitan-style grouped_mm layer, bf16, autograd (bf16 weight grads), "
+                     f"index_add_ in {t_meta.get('combine_dtype')}")
     problems = verdict(results)
     lines.append("")
     left_out = [step["name"] for step in results["steps"] if is_left_out(step)]

@@ -1,0 +1,48 @@
+"""scripts/summarize_round.py on a round whose parts ran no benchmark (ROUND_PARTS=sanitizers): the
+summary takes its date, commit and GPU from the round's own record (round.tsv) instead of printing
+None, and a failed sanitizer still fails the round. No GPU and no PyTorch needed."""
+import os
+import subprocess
+import sys
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPT = os.path.join(REPO, "scripts", "summarize_round.py")
+
+
+def run_summary(tmp_path, steps, round_rows):
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "steps.tsv").write_text("".join(f"{n}\t{rc}\t{s}\t{note}\n" for n, rc, s, note in steps))
+    if round_rows is not None:
+        (parts / "round.tsv").write_text("".join(f"{k}\t{v}\n" for k, v in round_rows))
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, SCRIPT, str(out), "--parts", str(parts)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return (out / "summary.md").read_text()
+
+
+SANITIZERS_ONLY = [("tests", 0, 0, "left out: not in ROUND_PARTS"), ("memcheck", 0, 65, ""),
+                   ("racecheck", 0, 135, ""), ("bench", 0, 0, "left out: not in ROUND_PARTS")]
+ROUND = [("commit", "db90df0"), ("date", "2026-12-04T04:51:51Z"), ("gpu", "NVIDIA H200")]
+
+
+def test_sanitizer_round_names_its_commit_date_and_gpu(tmp_path):
+    summary = run_summary(tmp_path, SANITIZERS_ONLY, ROUND)
+    assert "- date 2026-12-04T04:51:51Z, commit `db90df0`" in summary
+    assert "- GPU NVIDIA H200; no benchmark in this round" in summary
+    assert "None" not in summary
+    assert "**Round: PASS** (partial round: tests, bench left out)" in summary
+
+
+def test_failed_sanitizer_fails_the_round(tmp_path):
+    steps = [s if s[0] != "racecheck" else ("racecheck", 1, 135, "") for s in SANITIZERS_ONLY]
+    summary = run_summary(tmp_path, steps, ROUND)
+    assert "**Round: FAIL**" in summary
+    assert "- racecheck exited 1" in summary
+
+
+def test_round_without_its_record_says_so(tmp_path):
+    # Parts from before round.tsv existed: the header says None rather than inventing a commit.
+    summary = run_summary(tmp_path, SANITIZERS_ONLY, None)
+    assert "- date None, commit `None`" in summary
