@@ -108,6 +108,13 @@ wants() {
   nvcc --version 2>/dev/null | tail -2
 } >"$OUTDIR/gpu.txt" 2>&1
 head -2 "$OUTDIR/gpu.txt" | tee -a "$LOG"
+# The round's commit, date and GPU, for the summary of a round whose parts ran no benchmark (a
+# benchmark's own meta carries them otherwise); written before the build, which may fail.
+{
+  printf 'commit\t%s\n' "$FUSEMOE_COMMIT"
+  printf 'date\t%s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  printf 'gpu\t%s\n' "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+} >"$PARTS/round.tsv"
 
 # ---- 2. Build (only where the carried build folder lacks the benchmark) ----
 if [[ ! -x "$BUILD_DIR/fusemoe_bench" ]]; then
@@ -122,12 +129,6 @@ if [[ ! -x "$BUILD_DIR/fusemoe_bench" ]]; then
 fi
 BENCH="$BUILD_DIR/fusemoe_bench"
 log "commit under test: $FUSEMOE_COMMIT"
-# The round's own facts, for a summary whose parts ran no benchmark (whose meta has them too).
-{
-  printf 'commit\t%s\n' "$FUSEMOE_COMMIT"
-  printf 'date\t%s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  printf 'gpu\t%s\n' "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
-} >"$PARTS/round.tsv"
 
 # ctest runs the test binaries by the absolute paths of the machine that configured the build.
 # If the carried build folder was configured elsewhere, make that source path lead here.
