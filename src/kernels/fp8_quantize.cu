@@ -21,10 +21,16 @@ constexpr int kThreads = 256;
 constexpr int kLanesPerRowBlock = kFp8Block / 8;  // 16 lanes x 8 bf16
 constexpr int64_t kMaxGrid = 65535LL * 16;
 
-// One warp handles two (source row, block) items per step, one per half-warp; the half-warps of a
-// warp stay together (an item past the end computes on zeros and stores nothing) so the shuffles
-// see all 32 lanes. A source row's block is quantized once and stored to each of its destination
-// rows: the row itself (slot_row null) or its valid slots' rows slot_row[row * top_k + j].
+// One warp handles two (source row, block) items per step, one per half-warp, and kSteps steps at
+// a time: it loads all of them before it reduces any. The scatter into the pools (slot_row set:
+// K destination rows a source row) keeps 4 steps in flight; the plain quantization of x one, which
+// measured faster there (docs/experiments.md#fp8-row-quantization-steps). The half-warps of a warp
+// stay together (an item past the end computes on zeros and stores nothing) so the shuffles see
+// all 32 lanes. A source row's block is quantized once and stored to each of its destination rows:
+// the row itself (slot_row null) or its valid slots' rows slot_row[row * top_k + j].
+constexpr int kScatterSteps = 4;
+
+template <int kSteps>
 __global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, const int32_t* __restrict__ slot_row,
                                          int64_t num_src_rows, int64_t top_k, int64_t hidden,
                                          __nv_bfloat16* __restrict__ dst_bf16, uint8_t* __restrict__ dst_fp8,
@@ -33,40 +39,49 @@ __global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, 
   auto* also_dst = static_cast<__nv_bfloat16*>(also.dst_bf16_RH);
   const int64_t blocks_per_row = hidden / kFp8Block;
   const int64_t items = num_src_rows * blocks_per_row;
+  const int64_t pairs = (items + 1) / 2;
   const int lane = threadIdx.x % 32;
   const int half = lane / kLanesPerRowBlock, sub = lane % kLanesPerRowBlock;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
   const int64_t dsts = slot_row != nullptr ? top_k : 1;
-  for (int64_t pair = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; 2 * pair < items;
-       pair += warps) {
-    const int64_t item = 2 * pair + half;
-    const bool valid = item < items;
-    const int64_t row = valid ? item / blocks_per_row : 0;
-    const int64_t block = valid ? item - row * blocks_per_row : 0;
-    const int64_t col = block * kFp8Block + sub * 8;
-    float v[8] = {};
-    uint4 raw = make_uint4(0u, 0u, 0u, 0u), also_raw = raw;
-    if (valid) {
-      raw = *reinterpret_cast<const uint4*>(src + row * hidden + col);
-      // issued before the reduction: both loads in flight together
-      if (also_src != nullptr) also_raw = *reinterpret_cast<const uint4*>(also_src + row * hidden + col);
-      sm90::unpack_bf16x8(raw, v);
-    }
-    float amax = sm90::amax8(v);
+  for (int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32 * kSteps; first < pairs;
+       first += warps * kSteps) {
+    uint4 raw[kSteps], also_raw[kSteps];
+    int64_t row[kSteps], col[kSteps];
+    bool valid[kSteps];
 #pragma unroll
-    for (int offset = kLanesPerRowBlock / 2; offset > 0; offset /= 2) {
-      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+    for (int step = 0; step < kSteps; ++step) {
+      const int64_t item = 2 * (first + step) + half;
+      valid[step] = item < items;
+      row[step] = valid[step] ? item / blocks_per_row : 0;
+      col[step] = valid[step] ? (item - row[step] * blocks_per_row) * kFp8Block + sub * 8 : 0;
+      raw[step] = also_raw[step] = make_uint4(0u, 0u, 0u, 0u);
+      if (valid[step]) {
+        raw[step] = *reinterpret_cast<const uint4*>(src + row[step] * hidden + col[step]);
+        if (also_src != nullptr) also_raw[step] = *reinterpret_cast<const uint4*>(also_src + row[step] * hidden + col[step]);
+      }
     }
-    if (!valid) continue;
-    const sm90::Fp8Scale s = sm90::fp8_block_scale(amax);
-    const uint2 q = sm90::quantize_e4m3x8(v, s.inv);
-    for (int64_t j = 0; j < dsts; ++j) {
-      const int64_t dst = slot_row != nullptr ? __ldg(slot_row + row * top_k + j) : row;
-      if (dst < 0) continue;  // a masked slot: no pool row
-      *reinterpret_cast<uint2*>(dst_fp8 + dst * hidden + col) = q;
-      if (dst_bf16) *reinterpret_cast<uint4*>(dst_bf16 + dst * hidden + col) = raw;
-      if (also_dst != nullptr) *reinterpret_cast<uint4*>(also_dst + dst * hidden + col) = also_raw;
-      if (sub == 0) scales[dst * layout.row_stride + block * layout.block_stride] = s.scale;
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+      float v[8];
+      sm90::unpack_bf16x8(raw[step], v);
+      float amax = sm90::amax8(v);
+#pragma unroll
+      for (int offset = kLanesPerRowBlock / 2; offset > 0; offset /= 2) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+      }
+      if (!valid[step]) continue;
+      const sm90::Fp8Scale s = sm90::fp8_block_scale(amax);
+      const uint2 q = sm90::quantize_e4m3x8(v, s.inv);
+      const int64_t r = row[step], c = col[step], block = c / kFp8Block;
+      for (int64_t j = 0; j < dsts; ++j) {
+        const int64_t dst = slot_row != nullptr ? __ldg(slot_row + r * top_k + j) : r;
+        if (dst < 0) continue;  // a masked slot: no pool row
+        *reinterpret_cast<uint2*>(dst_fp8 + dst * hidden + c) = q;
+        if (dst_bf16) *reinterpret_cast<uint4*>(dst_bf16 + dst * hidden + c) = raw[step];
+        if (also_dst != nullptr) *reinterpret_cast<uint4*>(also_dst + dst * hidden + c) = also_raw[step];
+        if (sub == 0) scales[dst * layout.row_stride + block * layout.block_stride] = s.scale;
+      }
     }
   }
 }
@@ -167,9 +182,12 @@ void launch_quantize_rows_fp8(const void* src_bf16, const int32_t* slot_row, int
                 "internal error: a plain row copy needs both its source and its destination");
   FUSEMOE_CHECK(slot_row == nullptr || top_k >= 1, "internal error: a scatter needs top_k >= 1");
   if (num_src_rows == 0) return;
-  const int64_t warps = (num_src_rows * (hidden / kFp8Block) + 1) / 2;
+  const int steps = slot_row != nullptr ? kScatterSteps : 1;
+  const int64_t pairs = (num_src_rows * (hidden / kFp8Block) + 1) / 2;
+  const int64_t warps = (pairs + steps - 1) / steps;
   const int64_t grid = std::max<int64_t>(1, std::min(kMaxGrid, (warps * 32 + kThreads - 1) / kThreads));
-  quantize_rows_fp8_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+  auto* kernel = slot_row != nullptr ? quantize_rows_fp8_kernel<kScatterSteps> : quantize_rows_fp8_kernel<1>;
+  kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(src_bf16), slot_row, num_src_rows, top_k, hidden,
       static_cast<__nv_bfloat16*>(dst_bf16_RH), static_cast<uint8_t*>(fp8_RH), scales, layout, also);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
