@@ -1,7 +1,8 @@
 // Quantization kernels of the blockwise FP8 path (declarations and layouts in fp8_quantize.h; the
-// recipe in src/device/fp8_quantize.cuh). Both are memory-bound copies with a max-reduction per
-// block: rows use 16 lanes per 1 x 128 block (16 bytes of bf16 each), weights one CTA per
-// 128 x 128 block (a shared-memory tile turns the quantized block around for the transposed copy).
+// recipe in src/device/fp8_quantize.cuh). All are memory-bound copies with a max-reduction per
+// block: rows use 16 lanes per 1 x 128 block (16 bytes of bf16 each), x's token rows as one flat
+// array, the pools' rows scattered to their slots; weights one CTA per 128 x 128 block (a
+// shared-memory tile turns the quantized block around for the transposed copy).
 #include "kernels/fp8_quantize.h"
 
 #include <cuda_bf16.h>
@@ -21,20 +22,43 @@ constexpr int kThreads = 256;
 constexpr int kLanesPerRowBlock = kFp8Block / 8;  // 16 lanes x 8 bf16
 constexpr int64_t kMaxGrid = 65535LL * 16;
 
-// One warp handles two (source row, block) items per step, one per half-warp, and kSteps steps at
-// a time: it loads all of them before it reduces any. The scatter into the pools (slot_row set:
-// K destination rows a source row) keeps 4 steps in flight; the plain quantization of x one, which
-// measured faster there (docs/experiments.md#fp8-row-quantization-steps). The half-warps of a warp
-// stay together (an item past the end computes on zeros and stores nothing) so the shuffles see
-// all 32 lanes. A source row's block is quantized once and stored to each of its destination rows:
-// the row itself (slot_row null) or its valid slots' rows slot_row[row * top_k + j].
+// x once per token: its rows are contiguous and its scales row-major, so 8-element chunk c of the
+// flat [T * H] array belongs to block c / 16, whose scale is scales[c / 16]: one chunk a thread
+// and no row or column arithmetic (the per-row version, with 64-bit divisions, took 1.8x the time;
+// more chunks a thread measured the same: docs/experiments.md#fp8-x-quantization). H is a multiple
+// of 128, so a half-warp's 16 chunks are one whole block, all in range or none.
+__global__ void __launch_bounds__(kThreads) quantize_token_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src,
+                                                                           int64_t chunks, uint8_t* __restrict__ dst,
+                                                                           float* __restrict__ scales) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const uint4 raw = c < chunks ? __ldcs(reinterpret_cast<const uint4*>(src) + c) : make_uint4(0u, 0u, 0u, 0u);
+  float v[8];
+  sm90::unpack_bf16x8(raw, v);
+  float amax = sm90::amax8(v);
+#pragma unroll
+  for (int offset = kLanesPerRowBlock / 2; offset > 0; offset /= 2) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+  }
+  if (c >= chunks) return;
+  const sm90::Fp8Scale s = sm90::fp8_block_scale(amax);
+  reinterpret_cast<uint2*>(dst)[c] = sm90::quantize_e4m3x8(v, s.inv);
+  if (threadIdx.x % kLanesPerRowBlock == 0) scales[c / kLanesPerRowBlock] = s.scale;
+}
+
+// The backward's pools: one warp handles two (source row, block) items per step, one per
+// half-warp, and kScatterSteps steps at a time, loading all of them before it reduces any
+// (docs/experiments.md#fp8-row-quantization-steps). The half-warps of a warp stay together (an
+// item past the end computes on zeros and stores nothing) so the shuffles see all 32 lanes. A
+// source row's block is quantized once and stored to each of its valid slots' rows
+// slot_row[row * top_k + j].
 constexpr int kScatterSteps = 4;
 
-template <int kSteps>
-__global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, const int32_t* __restrict__ slot_row,
-                                         int64_t num_src_rows, int64_t top_k, int64_t hidden,
-                                         __nv_bfloat16* __restrict__ dst_bf16, uint8_t* __restrict__ dst_fp8,
-                                         float* __restrict__ scales, Fp8ScaleLayout layout, Fp8RowsPlainCopy also) {
+__global__ void quantize_pool_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, const int32_t* __restrict__ slot_row,
+                                              int64_t num_src_rows, int64_t top_k, int64_t hidden,
+                                              __nv_bfloat16* __restrict__ dst_bf16, uint8_t* __restrict__ dst_fp8,
+                                              float* __restrict__ scales, Fp8ScaleLayout layout,
+                                              Fp8RowsPlainCopy also) {
+  constexpr int kSteps = kScatterSteps;
   const auto* also_src = static_cast<const __nv_bfloat16*>(also.src_bf16);
   auto* also_dst = static_cast<__nv_bfloat16*>(also.dst_bf16_RH);
   const int64_t blocks_per_row = hidden / kFp8Block;
@@ -43,7 +67,6 @@ __global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, 
   const int lane = threadIdx.x % 32;
   const int half = lane / kLanesPerRowBlock, sub = lane % kLanesPerRowBlock;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  const int64_t dsts = slot_row != nullptr ? top_k : 1;
   for (int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32 * kSteps; first < pairs;
        first += warps * kSteps) {
     uint4 raw[kSteps], also_raw[kSteps];
@@ -74,8 +97,8 @@ __global__ void quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, 
       const sm90::Fp8Scale s = sm90::fp8_block_scale(amax);
       const uint2 q = sm90::quantize_e4m3x8(v, s.inv);
       const int64_t r = row[step], c = col[step], block = c / kFp8Block;
-      for (int64_t j = 0; j < dsts; ++j) {
-        const int64_t dst = slot_row != nullptr ? __ldg(slot_row + r * top_k + j) : r;
+      for (int64_t j = 0; j < top_k; ++j) {
+        const int64_t dst = __ldg(slot_row + r * top_k + j);
         if (dst < 0) continue;  // a masked slot: no pool row
         *reinterpret_cast<uint2*>(dst_fp8 + dst * hidden + c) = q;
         if (dst_bf16) *reinterpret_cast<uint4*>(dst_bf16 + dst * hidden + c) = raw[step];
@@ -181,13 +204,23 @@ void launch_quantize_rows_fp8(const void* src_bf16, const int32_t* slot_row, int
   FUSEMOE_CHECK((also.src_bf16 == nullptr) == (also.dst_bf16_RH == nullptr),
                 "internal error: a plain row copy needs both its source and its destination");
   FUSEMOE_CHECK(slot_row == nullptr || top_k >= 1, "internal error: a scatter needs top_k >= 1");
+  FUSEMOE_CHECK(slot_row != nullptr || (dst_bf16_RH == nullptr && also.src_bf16 == nullptr &&
+                                        layout.row_stride == hidden / kFp8Block && layout.block_stride == 1),
+                "internal error: token rows (slot_row null) take row-major scales and no bf16 copies");
   if (num_src_rows == 0) return;
-  const int steps = slot_row != nullptr ? kScatterSteps : 1;
+  if (slot_row == nullptr) {
+    const int64_t chunks = num_src_rows * (hidden / 8);
+    const int64_t grid = (chunks + kThreads - 1) / kThreads;
+    FUSEMOE_CHECK(grid < (int64_t{1} << 31), "internal error: too many token rows for one FP8 quantization grid");
+    quantize_token_rows_fp8_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(src_bf16), chunks, static_cast<uint8_t*>(fp8_RH), scales);
+    FUSEMOE_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   const int64_t pairs = (num_src_rows * (hidden / kFp8Block) + 1) / 2;
-  const int64_t warps = (pairs + steps - 1) / steps;
+  const int64_t warps = (pairs + kScatterSteps - 1) / kScatterSteps;
   const int64_t grid = std::max<int64_t>(1, std::min(kMaxGrid, (warps * 32 + kThreads - 1) / kThreads));
-  auto* kernel = slot_row != nullptr ? quantize_rows_fp8_kernel<kScatterSteps> : quantize_rows_fp8_kernel<1>;
-  kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+  quantize_pool_rows_fp8_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(src_bf16), slot_row, num_src_rows, top_k, hidden,
       static_cast<__nv_bfloat16*>(dst_bf16_RH), static_cast<uint8_t*>(fp8_RH), scales, layout, also);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
