@@ -151,7 +151,7 @@ struct DgradSwiGLUFp8Epilogue {
   static constexpr int kLinesPerSegment = kBlockN * 2 / 128;
   __device__ static Inputs prepare(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
                                    const ConsumerThread& me) {
-    Inputs in;
+    Inputs in{};  // filled by store(); value-initialised so no copy reads indeterminate values
     const int32_t I = s.n_valid;
     const int q = me.lane % 4;
     const int32_t col = tile.n_tile * kBlockN + 64 * q;
