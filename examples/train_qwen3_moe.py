@@ -345,24 +345,49 @@ def loss_diffs(a, b):
     return diffs[worst], worst + 1, sum(diffs) / n
 
 
+def final_window(steps):
+    """How many last steps the final-loss comparison averages: one step's loss is one batch's (a
+    200-step bf16 rerun in another micro-batch order ended 3.9% from the first run), so the
+    mean of the last 10% of the steps, at most 20, is the steadier reading of "final loss"."""
+    return max(1, min(20, steps // 10))
+
+
+def window_rel_diff(a, b, window):
+    """(mean of b's last `window` steps - a's) / a's, over the two curves' common steps."""
+    n = min(len(a), len(b))
+    mean_a = sum(a[n - window:n]) / window
+    mean_b = sum(b[n - window:n]) / window
+    return (mean_b - mean_a) / mean_a
+
+
 def compare(runs):
     hf, fm = runs[RUN_HF], runs[RUN_FUSEMOE]
     n = min(len(hf["losses"]), len(fm["losses"]))
     worst, worst_step, mean = loss_diffs(hf["losses"], fm["losses"])
+    window = final_window(n)
     result = {
         "max_abs_loss_diff": worst,
         "max_abs_loss_diff_step": worst_step,
         "mean_abs_loss_diff": mean,
         "final_loss_diff": fm["losses"][n - 1] - hf["losses"][n - 1],
         "final_loss_rel_diff": (fm["losses"][n - 1] - hf["losses"][n - 1]) / hf["losses"][n - 1],
+        "final_window_steps": window,
+        "final_window_rel_diff": window_rel_diff(hf["losses"], fm["losses"], window),
         "speedup_step_time": hf["median_step_ms"] / fm["median_step_ms"],
         "peak_memory_ratio": (fm["peak_memory_gib"] / hf["peak_memory_gib"]
                               if hf["peak_memory_gib"] else None),
     }
     if RUN_HF_REORDERED in runs:
-        noise, noise_step, noise_mean = loss_diffs(hf["losses"], runs[RUN_HF_REORDERED]["losses"])
+        reordered = runs[RUN_HF_REORDERED]["losses"]
+        noise, noise_step, noise_mean = loss_diffs(hf["losses"], reordered)
+        n_noise = min(len(hf["losses"]), len(reordered))
         result.update(noise_max_abs_loss_diff=noise, noise_max_abs_loss_diff_step=noise_step,
-                      noise_mean_abs_loss_diff=noise_mean)
+                      noise_mean_abs_loss_diff=noise_mean,
+                      noise_final_loss_rel_diff=(reordered[n_noise - 1] - hf["losses"][n_noise - 1])
+                      / hf["losses"][n_noise - 1],
+                      noise_final_window_steps=final_window(n_noise),
+                      noise_final_window_rel_diff=window_rel_diff(hf["losses"], reordered,
+                                                                  final_window(n_noise)))
     return result
 
 
@@ -493,11 +518,14 @@ def main(argv=None):
         c = result["comparison"] = compare(runs)
         log(f"loss curves: max |diff| {c['max_abs_loss_diff']:.4f} at step "
             f"{c['max_abs_loss_diff_step']}, mean |diff| {c['mean_abs_loss_diff']:.4f}, final "
-            f"fusemoe - hf {c['final_loss_diff']:+.4f} ({100 * c['final_loss_rel_diff']:+.2f}%)")
+            f"fusemoe - hf {c['final_loss_diff']:+.4f} ({100 * c['final_loss_rel_diff']:+.2f}%), "
+            f"mean of the last {c['final_window_steps']} steps {100 * c['final_window_rel_diff']:+.2f}%")
         if "noise_max_abs_loss_diff" in c:
             log(f"bf16 noise floor ({RUN_HF_REORDERED} vs {RUN_HF}): max |diff| "
                 f"{c['noise_max_abs_loss_diff']:.4f} at step {c['noise_max_abs_loss_diff_step']}, "
-                f"mean |diff| {c['noise_mean_abs_loss_diff']:.4f}")
+                f"mean |diff| {c['noise_mean_abs_loss_diff']:.4f}, final "
+                f"{100 * c['noise_final_loss_rel_diff']:+.2f}%, mean of the last "
+                f"{c['noise_final_window_steps']} steps {100 * c['noise_final_window_rel_diff']:+.2f}%")
         memory = (f"; peak memory {runs[RUN_FUSEMOE]['peak_memory_gib']:.2f} vs "
                   f"{runs[RUN_HF]['peak_memory_gib']:.2f} GiB" if c["peak_memory_ratio"] else "")
         log(f"step time: fusemoe {runs[RUN_FUSEMOE]['median_step_ms']:.1f} ms vs hf "
