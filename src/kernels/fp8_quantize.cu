@@ -24,9 +24,9 @@ constexpr int64_t kMaxGrid = 65535LL * 16;
 
 // x once per token: its rows are contiguous and its scales row-major, so 8-element chunk c of the
 // flat [T * H] array belongs to block c / 16, whose scale is scales[c / 16]: one chunk a thread
-// and no row or column arithmetic (the per-row version, with 64-bit divisions, took 1.8x the time;
-// more chunks a thread measured the same: docs/experiments.md#fp8-x-quantization). H is a multiple
-// of 128, so a half-warp's 16 chunks are one whole block, all in range or none.
+// and no row or column arithmetic (a 64-bit division per 16 bytes bound the per-row version; more
+// chunks a thread gained nothing: docs/experiments.md#fp8-x-quantization). H is a multiple of 128,
+// so a half-warp's 16 chunks are one whole block, all in range or none.
 __global__ void __launch_bounds__(kThreads) quantize_token_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src,
                                                                            int64_t chunks, uint8_t* __restrict__ dst,
                                                                            float* __restrict__ scales) {

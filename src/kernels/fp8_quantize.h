@@ -33,9 +33,9 @@ struct Fp8RowsPlainCopy {
 // Quantizes the num_src_rows rows of a bf16 [*, H] matrix in 1 x 128 blocks, each once, and stores
 // source row t to output row t (slot_row null: x once per token, row-major scales, no bf16 copy)
 // or to each of its valid slots' pool rows slot_row[t * top_k + j] >= 0 (the backward's pools,
-// token-major: every token read once). Writes fp8_RH [rows, H] E4M3, the scales (layout above) and, when dst_bf16_RH is not null,
-// the plain bf16 copy of each row (the BF16 weight gradients' pools); `also` is copied the same
-// way. Rows no slot maps to stay untouched.
+// token-major: every token read once). Writes fp8_RH [rows, H] E4M3, the scales (layout above)
+// and, when dst_bf16_RH is not null, the plain bf16 copy of each row (the BF16 weight gradients'
+// pools); `also` is copied the same way. Rows no slot maps to stay untouched.
 void launch_quantize_rows_fp8(const void* src_bf16, const int32_t* slot_row, int64_t num_src_rows, int64_t top_k,
                               int64_t hidden, void* dst_bf16_RH, void* fp8_RH, float* scales, Fp8ScaleLayout layout,
                               cudaStream_t stream, const Fp8RowsPlainCopy& also = {});
