@@ -44,11 +44,13 @@ def role(name):
         return "down"
     if "RowStoreEpilogue<256, 0" in name:
         return "dgrad-2"
-    # scatter_token_rows: the token-major x and dy pools; quantize_rows_fp8: FP8's x quantization
-    # (forward) and its dy quantization with the bf16 pools (backward). Weight quantization is
-    # once per weight version, not part of a pass.
+    # scatter_token_rows: the token-major x and dy pools; FP8's x quantization (forward,
+    # quantize_token_rows_fp8 since 0cf4413) and its dy quantization with the bf16 pools (backward,
+    # quantize_pool_rows_fp8; both were quantize_rows_fp8 before). Weight quantization is once per
+    # weight version, not part of a pass.
     for key, label in (("routing_count", "routing"), ("routing_place", "routing"), ("gather_rows", "x, dy pools"),
                        ("scatter_token_rows", "x, dy pools"), ("quantize_rows_fp8", "FP8 quantize"),
+                       ("quantize_token_rows_fp8", "FP8 quantize"), ("quantize_pool_rows_fp8", "FP8 quantize"),
                        ("combine", "combine"), ("router", "router")):
         if key in name:
             return label

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "bound_table.py")
 
 HEADER = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
@@ -28,6 +30,9 @@ NAMES = {
     # FP8 (names as ncu printed them on the H200)
     "quantize": "unnamed>::quantize_rows_fp8_kernel(const __nv_bfloat16 *, const int *, long, long, long, "
                 "__nv_bfloat16 *, unsigned char *, float *, Fp8ScaleLayout, Fp8RowsPlainCopy)",
+    "quantize_token": "unnamed>::quantize_token_rows_fp8_kernel(const __nv_bfloat16 *, long, unsigned char *, float *)",
+    "quantize_pool": "unnamed>::quantize_pool_rows_fp8_kernel(const __nv_bfloat16 *, const int *, long, long, long, "
+                     "__nv_bfloat16 *, unsigned char *, float *, Fp8ScaleLayout, Fp8RowsPlainCopy)",
     "quantize_w": "void unnamed>::quantize_weights_fp8_kernel<0>(const __nv_bfloat16 *, const __nv_bfloat16 *, long, "
                   "long, unsigned char *, unsigned char *, float *)",
     "fp8_gate_up": GEMM.format("Fp8GatheredTokenRowsA, Fp8GateUpWeightsB, RowTileScheduler, SwiGLUFp8Epilogue<0, 1>"),
@@ -96,12 +101,14 @@ def test_picks_the_first_forward_and_the_bf16_backward(tmp_path):
     assert ratio.rstrip().endswith("| 1.28x |"), ratio
 
 
-def test_fp8_passes_count_quantization_and_pools(tmp_path):
-    # FP8 forward: routing, the x quantization, FP8 gate/up and down, combine; the weights'
-    # quantization before it is not part of the pass. Backward: the token-major pools.
+@pytest.mark.parametrize("x_quantize", ["quantize", "quantize_token"])
+def test_fp8_passes_count_quantization_and_pools(tmp_path, x_quantize):
+    # FP8 forward: routing, the x quantization (its kernel's name before and since 0cf4413), FP8
+    # gate/up and down, combine; the weights' quantization before it is not part of the pass.
+    # Backward: the token-major pools.
     f = tmp_path / "fp8.csv"
     forward = [("quantize_w", 400000, 0, 80, 50, 1000, 1.9e9)] + FORWARD[:2] + [
-        ("quantize", 45000, 0, 40, 60, 130, 1.97e9), ("fp8_gate_up", 300000, 55, 26, 53, 640, 1.62e9),
+        (x_quantize, 45000, 0, 40, 60, 130, 1.97e9), ("fp8_gate_up", 300000, 55, 26, 53, 640, 1.62e9),
         ("fp8_down", 150000, 53, 37, 55, 310, 1.62e9), FORWARD[-1]]
     backward = BACKWARD_BF16[:2] + [("scatter", 320000, 0, 80, 90, 500, 1.9e9)] + BACKWARD_BF16[3:]
     case_file(f, forward + backward)
@@ -117,6 +124,19 @@ def test_fp8_passes_count_quantization_and_pools(tmp_path):
     # one byte an element plus the scales: 128*1536*2048 (1 + 4/16384) + 4096*8*2048 (1 + 4/128)
     ratio = next(line for line in r.stdout.splitlines() if "| gate/up | 0.64 |" in line)
     assert "| 0.47 |" in ratio and ratio.rstrip().endswith("| 1.36x |"), ratio
+
+
+def test_fp8_backward_counts_the_pools_quantization(tmp_path):
+    # The FP8 backward's dy quantization with the bf16 pools (quantize_pool_rows_fp8 since 0cf4413)
+    # in place of the BF16 path's pools.
+    f = tmp_path / "fp8_backward.csv"
+    backward = BACKWARD_BF16[:2] + [("quantize_pool", 420000, 0, 71, 90, 500, 1.9e9)] + BACKWARD_BF16[3:]
+    case_file(f, FORWARD + backward)
+    r = run(f)
+    assert r.returncode == 0, r.stderr
+    bwd = next(line for line in r.stdout.splitlines() if "| backward:" in line)
+    assert "FP8 quantize 420" in bwd
+    assert "backward: 1934 µs" in bwd
 
 
 def test_refuses_a_file_without_kernel_rows(tmp_path):
