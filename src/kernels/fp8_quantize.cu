@@ -58,7 +58,6 @@ __global__ void quantize_pool_rows_fp8_kernel(const __nv_bfloat16* __restrict__ 
                                               __nv_bfloat16* __restrict__ dst_bf16, uint8_t* __restrict__ dst_fp8,
                                               float* __restrict__ scales, Fp8ScaleLayout layout,
                                               Fp8RowsPlainCopy also) {
-  constexpr int kSteps = kScatterSteps;
   const auto* also_src = static_cast<const __nv_bfloat16*>(also.src_bf16);
   auto* also_dst = static_cast<__nv_bfloat16*>(also.dst_bf16_RH);
   const int64_t blocks_per_row = hidden / kFp8Block;
@@ -67,13 +66,13 @@ __global__ void quantize_pool_rows_fp8_kernel(const __nv_bfloat16* __restrict__ 
   const int lane = threadIdx.x % 32;
   const int half = lane / kLanesPerRowBlock, sub = lane % kLanesPerRowBlock;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  for (int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32 * kSteps; first < pairs;
-       first += warps * kSteps) {
-    uint4 raw[kSteps], also_raw[kSteps];
-    int64_t row[kSteps], col[kSteps];
-    bool valid[kSteps];
+  for (int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32 * kScatterSteps; first < pairs;
+       first += warps * kScatterSteps) {
+    uint4 raw[kScatterSteps], also_raw[kScatterSteps];
+    int64_t row[kScatterSteps], col[kScatterSteps];
+    bool valid[kScatterSteps];
 #pragma unroll
-    for (int step = 0; step < kSteps; ++step) {
+    for (int step = 0; step < kScatterSteps; ++step) {
       const int64_t item = 2 * (first + step) + half;
       valid[step] = item < items;
       row[step] = valid[step] ? item / blocks_per_row : 0;
@@ -85,7 +84,7 @@ __global__ void quantize_pool_rows_fp8_kernel(const __nv_bfloat16* __restrict__ 
       }
     }
 #pragma unroll
-    for (int step = 0; step < kSteps; ++step) {
+    for (int step = 0; step < kScatterSteps; ++step) {
       float v[8];
       sm90::unpack_bf16x8(raw[step], v);
       float amax = sm90::amax8(v);
@@ -197,26 +196,26 @@ __global__ void __launch_bounds__(kThreads) quantize_weights_fp8_kernel(const __
 
 }  // namespace
 
-void launch_quantize_rows_fp8(const void* src_bf16, const int32_t* slot_row, int64_t num_src_rows, int64_t top_k,
-                              int64_t hidden, void* dst_bf16_RH, void* fp8_RH, float* scales, Fp8ScaleLayout layout,
-                              cudaStream_t stream, const Fp8RowsPlainCopy& also) {
+void launch_quantize_token_rows_fp8(const void* x_bf16, int64_t num_tokens, int64_t hidden, void* fp8_TH,
+                                    float* scales, cudaStream_t stream) {
+  FUSEMOE_CHECK(hidden > 0 && hidden % kFp8Block == 0, "internal error: FP8 rows need hidden % 128 == 0");
+  if (num_tokens == 0) return;
+  const int64_t chunks = num_tokens * (hidden / 8);
+  const int64_t grid = (chunks + kThreads - 1) / kThreads;
+  FUSEMOE_CHECK(grid < (int64_t{1} << 31), "internal error: too many token rows for one FP8 quantization grid");
+  quantize_token_rows_fp8_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x_bf16), chunks, static_cast<uint8_t*>(fp8_TH), scales);
+  FUSEMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_quantize_pool_rows_fp8(const void* src_bf16, const int32_t* slot_row, int64_t num_src_rows,
+                                   int64_t top_k, int64_t hidden, void* dst_bf16_RH, void* fp8_RH, float* scales,
+                                   Fp8ScaleLayout layout, cudaStream_t stream, const Fp8RowsPlainCopy& also) {
   FUSEMOE_CHECK(hidden > 0 && hidden % kFp8Block == 0, "internal error: FP8 rows need hidden % 128 == 0");
   FUSEMOE_CHECK((also.src_bf16 == nullptr) == (also.dst_bf16_RH == nullptr),
                 "internal error: a plain row copy needs both its source and its destination");
-  FUSEMOE_CHECK(slot_row == nullptr || top_k >= 1, "internal error: a scatter needs top_k >= 1");
-  FUSEMOE_CHECK(slot_row != nullptr || (dst_bf16_RH == nullptr && also.src_bf16 == nullptr &&
-                                        layout.row_stride == hidden / kFp8Block && layout.block_stride == 1),
-                "internal error: token rows (slot_row null) take row-major scales and no bf16 copies");
+  FUSEMOE_CHECK(slot_row != nullptr && top_k >= 1, "internal error: a pool scatter needs slot_row and top_k >= 1");
   if (num_src_rows == 0) return;
-  if (slot_row == nullptr) {
-    const int64_t chunks = num_src_rows * (hidden / 8);
-    const int64_t grid = (chunks + kThreads - 1) / kThreads;
-    FUSEMOE_CHECK(grid < (int64_t{1} << 31), "internal error: too many token rows for one FP8 quantization grid");
-    quantize_token_rows_fp8_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(src_bf16), chunks, static_cast<uint8_t*>(fp8_RH), scales);
-    FUSEMOE_CUDA_CHECK(cudaGetLastError());
-    return;
-  }
   const int64_t pairs = (num_src_rows * (hidden / kFp8Block) + 1) / 2;
   const int64_t warps = (pairs + kScatterSteps - 1) / kScatterSteps;
   const int64_t grid = std::max<int64_t>(1, std::min(kMaxGrid, (warps * 32 + kThreads - 1) / kThreads));

@@ -30,15 +30,19 @@ struct Fp8RowsPlainCopy {
   void* dst_bf16_RH = nullptr;
 };
 
+// Quantizes x [T, H] (bf16) once per token in 1 x 128 blocks: fp8_TH [T, H] E4M3 and scales
+// row-major [T, H/128].
+void launch_quantize_token_rows_fp8(const void* x_bf16, int64_t num_tokens, int64_t hidden, void* fp8_TH,
+                                    float* scales, cudaStream_t stream);
+
 // Quantizes the num_src_rows rows of a bf16 [*, H] matrix in 1 x 128 blocks, each once, and stores
-// source row t to output row t (slot_row null: x once per token, row-major scales, no bf16 copy)
-// or to each of its valid slots' pool rows slot_row[t * top_k + j] >= 0 (the backward's pools,
-// token-major: every token read once). Writes fp8_RH [rows, H] E4M3, the scales (layout above)
-// and, when dst_bf16_RH is not null, the plain bf16 copy of each row (the BF16 weight gradients'
-// pools); `also` is copied the same way. Rows no slot maps to stay untouched.
-void launch_quantize_rows_fp8(const void* src_bf16, const int32_t* slot_row, int64_t num_src_rows, int64_t top_k,
-                              int64_t hidden, void* dst_bf16_RH, void* fp8_RH, float* scales, Fp8ScaleLayout layout,
-                              cudaStream_t stream, const Fp8RowsPlainCopy& also = {});
+// source row t to each of its valid slots' pool rows slot_row[t * top_k + j] >= 0 (the backward's
+// pools, token-major: every token read once). Writes fp8_RH [rows, H] E4M3, the scales (layout
+// above) and, when dst_bf16_RH is not null, the plain bf16 copy of each row (the BF16 weight
+// gradients' pools); `also` is copied the same way. Rows no slot maps to stay untouched.
+void launch_quantize_pool_rows_fp8(const void* src_bf16, const int32_t* slot_row, int64_t num_src_rows,
+                                   int64_t top_k, int64_t hidden, void* dst_bf16_RH, void* fp8_RH, float* scales,
+                                   Fp8ScaleLayout layout, cudaStream_t stream, const Fp8RowsPlainCopy& also = {});
 
 // Quantizes E matrices [rows, cols] (bf16, both multiples of 128) in 128 x 128 blocks:
 // q [E, rows, cols] E4M3, q_t [E, cols, rows] (the transpose; skipped when null) and

@@ -155,8 +155,7 @@ void fused_fp8_forward(const LayerConfig& c, const ForwardArgs& args) {
                  args.stream);
   if (num_slots == 0) return;
   const int64_t H = c.hidden;
-  launch_quantize_rows_fp8(args.x, nullptr, args.num_tokens, 1, H, nullptr, ws.x_fp8_TH, ws.x_scales,
-                           Fp8ScaleLayout{H / 128, 1}, args.stream);
+  launch_quantize_token_rows_fp8(args.x, args.num_tokens, H, ws.x_fp8_TH, ws.x_scales, args.stream);
 
   const Sm90Rows rows = rows_problem(c, ws.plan, num_slots, args.stream);
   Sm90Fp8GateUpParams gate_up;
@@ -206,12 +205,12 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
     const Fp8RowsPlainCopy x_pool =
         z_RF != nullptr && gate_up_grads != nullptr ? Fp8RowsPlainCopy{args.x, ws.xs_RH} : Fp8RowsPlainCopy{};
     // dy's plain pool is dW2's operand only.
-    launch_quantize_rows_fp8(args.dy, ws.plan.slot_row, args.num_tokens, c.top_k, H,
-                             args.dw2 != nullptr ? ws.dys_RH : nullptr, ws.dys_fp8_RH, ws.dys_scales,
-                             Fp8ScaleLayout{1, rows_pad}, stream, x_pool);
+    launch_quantize_pool_rows_fp8(args.dy, ws.plan.slot_row, args.num_tokens, c.top_k, H,
+                                  args.dw2 != nullptr ? ws.dys_RH : nullptr, ws.dys_fp8_RH, ws.dys_scales,
+                                  Fp8ScaleLayout{1, rows_pad}, stream, x_pool);
     if (z_RF == nullptr) {
-      launch_quantize_rows_fp8(args.x, ws.plan.slot_row, args.num_tokens, c.top_k, H, ws.xs_RH,
-                               ws.xs_fp8_RH, ws.xs_scales, Fp8ScaleLayout{1, rows_pad}, stream);
+      launch_quantize_pool_rows_fp8(args.x, ws.plan.slot_row, args.num_tokens, c.top_k, H, ws.xs_RH,
+                                    ws.xs_fp8_RH, ws.xs_scales, Fp8ScaleLayout{1, rows_pad}, stream);
       Sm90Fp8RecomputeZParams z;
       z.rows = rows;
       z.xs_fp8 = ws.xs_fp8_RH;

@@ -57,8 +57,7 @@ TEST(Fp8Quantize, TokenRowsMatchHostRecipe) {
   DeviceBuffer x_dev = DeviceBuffer::from(x), q_dev(T * H), s_dev(T * blocks * 4);
   q_dev.poison();
   s_dev.poison();
-  launch_quantize_rows_fp8(x_dev.get(), nullptr, T, 1, H, nullptr, q_dev.get(),
-                           static_cast<float*>(s_dev.get()), Fp8ScaleLayout{blocks, 1}, nullptr);
+  launch_quantize_token_rows_fp8(x_dev.get(), T, H, q_dev.get(), static_cast<float*>(s_dev.get()), nullptr);
   TEST_CUDA(cudaDeviceSynchronize());
   std::vector<uint8_t> q_want(T * H);
   std::vector<float> s_want(T * blocks), row(H);
@@ -95,9 +94,9 @@ TEST(Fp8Quantize, ScatteredRowsMatchHostRecipe) {
   DeviceBuffer other_dev = DeviceBuffer::from(other), other_pool_dev(max_rows * H * 2);
   DeviceBuffer bf16_dev(max_rows * H * 2), q_dev(max_rows * H), s_dev(blocks * rows_pad * 4);
   for (DeviceBuffer* b : {&bf16_dev, &q_dev, &s_dev, &other_pool_dev}) b->poison();
-  launch_quantize_rows_fp8(x_dev.get(), static_cast<const int32_t*>(slot_dev.get()), T, K, H, bf16_dev.get(),
-                           q_dev.get(), static_cast<float*>(s_dev.get()), Fp8ScaleLayout{1, rows_pad}, nullptr,
-                           Fp8RowsPlainCopy{other_dev.get(), other_pool_dev.get()});
+  launch_quantize_pool_rows_fp8(x_dev.get(), static_cast<const int32_t*>(slot_dev.get()), T, K, H, bf16_dev.get(),
+                                q_dev.get(), static_cast<float*>(s_dev.get()), Fp8ScaleLayout{1, rows_pad}, nullptr,
+                                Fp8RowsPlainCopy{other_dev.get(), other_pool_dev.get()});
   TEST_CUDA(cudaDeviceSynchronize());
   std::vector<uint8_t> q_want(max_rows * H, 0xFF);
   std::vector<uint16_t> bf16_want(max_rows * H, 0xFFFF), other_want(max_rows * H, 0xFFFF);
