@@ -352,27 +352,28 @@ def final_window(steps):
     return max(1, min(20, steps // 10))
 
 
-def window_rel_diff(a, b, window):
-    """(mean of b's last `window` steps - a's) / a's, over the two curves' common steps."""
-    n = min(len(a), len(b))
-    mean_a = sum(a[n - window:n]) / window
-    mean_b = sum(b[n - window:n]) / window
-    return (mean_b - mean_a) / mean_a
+def final_readings(reference, other):
+    """other's final loss against reference's over their common steps: the last step's relative
+    difference, and the mean of the last final_window steps' relative difference."""
+    n = min(len(reference), len(other))
+    window = final_window(n)
+    mean_ref = sum(reference[n - window:n]) / window
+    mean_other = sum(other[n - window:n]) / window
+    return {"final_loss_rel_diff": (other[n - 1] - reference[n - 1]) / reference[n - 1],
+            "final_window_steps": window,
+            "final_window_rel_diff": (mean_other - mean_ref) / mean_ref}
 
 
 def compare(runs):
     hf, fm = runs[RUN_HF], runs[RUN_FUSEMOE]
     n = min(len(hf["losses"]), len(fm["losses"]))
     worst, worst_step, mean = loss_diffs(hf["losses"], fm["losses"])
-    window = final_window(n)
     result = {
         "max_abs_loss_diff": worst,
         "max_abs_loss_diff_step": worst_step,
         "mean_abs_loss_diff": mean,
         "final_loss_diff": fm["losses"][n - 1] - hf["losses"][n - 1],
-        "final_loss_rel_diff": (fm["losses"][n - 1] - hf["losses"][n - 1]) / hf["losses"][n - 1],
-        "final_window_steps": window,
-        "final_window_rel_diff": window_rel_diff(hf["losses"], fm["losses"], window),
+        **final_readings(hf["losses"], fm["losses"]),
         "speedup_step_time": hf["median_step_ms"] / fm["median_step_ms"],
         "peak_memory_ratio": (fm["peak_memory_gib"] / hf["peak_memory_gib"]
                               if hf["peak_memory_gib"] else None),
@@ -380,14 +381,9 @@ def compare(runs):
     if RUN_HF_REORDERED in runs:
         reordered = runs[RUN_HF_REORDERED]["losses"]
         noise, noise_step, noise_mean = loss_diffs(hf["losses"], reordered)
-        n_noise = min(len(hf["losses"]), len(reordered))
         result.update(noise_max_abs_loss_diff=noise, noise_max_abs_loss_diff_step=noise_step,
                       noise_mean_abs_loss_diff=noise_mean,
-                      noise_final_loss_rel_diff=(reordered[n_noise - 1] - hf["losses"][n_noise - 1])
-                      / hf["losses"][n_noise - 1],
-                      noise_final_window_steps=final_window(n_noise),
-                      noise_final_window_rel_diff=window_rel_diff(hf["losses"], reordered,
-                                                                  final_window(n_noise)))
+                      **{f"noise_{key}": value for key, value in final_readings(hf["losses"], reordered).items()})
     return result
 
 
