@@ -428,30 +428,47 @@ struct DgradSwiGLUParts {
     }
   }
 
-  // The SwiGLU backward of one element from its bf16 z (g, u), a = (dy W2) and the row's weight w:
-  // dg = w a u silu'(g), du = w a silu(g) (clamp masks: gradient only where unclamped) and w h;
-  // dot accumulates h a.
-  struct Grad {
-    float dg, du, wh;
+  // The SwiGLU backward of elements i, i + 1 of a chunk from their bf16 z (g, u), a = (dy W2) and
+  // the row's weight w: dg = w a u silu'(g), du = w a silu(g) (clamp masks: gradient only where
+  // unclamped) and w h; dot accumulates h a, element i first. h is recomputed as the forward
+  // stored it, rounded to bf16: the pair in one cvt.
+  struct GradPair {
+    float dg[2], du[2], wh[2];
   };
   template <class Args>
-  __device__ __forceinline__ static Grad backward(const Args& args, float g, float u, float a, float w, float& dot) {
-    float g_pass = 1.0f, u_pass = 1.0f;
-    if constexpr (kClamp) {
-      g_pass = g <= args.clamp ? 1.0f : 0.0f;
-      u_pass = (u >= -args.clamp && u <= args.clamp) ? 1.0f : 0.0f;
-      g = fminf(g, args.clamp);
-      u = fminf(fmaxf(u, -args.clamp), args.clamp);
+  __device__ __forceinline__ static GradPair backward_pair(const Args& args, const float (&g_in)[8],
+                                                          const float (&u_in)[8], const float (&a)[8], int i, float w,
+                                                          float& dot) {
+    float g[2], u[2], g_pass[2], u_pass[2], sg[2], si[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      g[e] = g_in[i + e];
+      u[e] = u_in[i + e];
+      g_pass[e] = u_pass[e] = 1.0f;
+      if constexpr (kClamp) {
+        g_pass[e] = g[e] <= args.clamp ? 1.0f : 0.0f;
+        u_pass[e] = (u[e] >= -args.clamp && u[e] <= args.clamp) ? 1.0f : 0.0f;
+        g[e] = fminf(g[e], args.clamp);
+        u[e] = fminf(fmaxf(u[e], -args.clamp), args.clamp);
+      }
+      // The approximate reciprocal, so that si below is the forward's silu(g).
+      sg[e] = sigmoid_ftz(g[e]);
+      si[e] = g[e] * sg[e];
     }
-    // The approximate reciprocal, so that si below is the forward's silu(g).
-    const float sg = sigmoid_ftz(g);
-    const float si = g * sg;
-    const float hv = round_bf16(si * u);  // h, recomputed from the bf16 z
-    dot = fmaf(hv, a, dot);
-    const float dh = w * a;
-    // silu'(g) = sg (1 + g (1 - sg)) = sg + si (1 - sg): the same FMA, one multiply less.
-    const float dsilu = fmaf(si, 1.0f - sg, sg);
-    return {dh * u * dsilu * g_pass, dh * si * u_pass, w * hv};
+    const uint32_t h_bits = pack_bf16x2(si[0] * u[0], si[1] * u[1]);
+    const float hv[2] = {__uint_as_float(h_bits << 16), __uint_as_float(h_bits & 0xFFFF0000u)};
+    GradPair d;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      dot = fmaf(hv[e], a[i + e], dot);
+      const float dh = w * a[i + e];
+      // silu'(g) = sg (1 + g (1 - sg)) = sg + si (1 - sg): the same FMA, one multiply less.
+      const float dsilu = fmaf(si[e], 1.0f - sg[e], sg[e]);
+      d.dg[e] = dh * u[e] * dsilu * g_pass[e];
+      d.du[e] = dh * si[e] * u_pass[e];
+      d.wh[e] = w * hv[e];
+    }
+    return d;
   }
 };
 
@@ -504,28 +521,30 @@ struct DgradSwiGLUEpilogue {
     for (int h = 0; h < 2; ++h) {
       const int64_t r = rows.row[h];
       const float w = in.weight[h];
+      // The row's outputs at this lane's first column: each chunk's stores at a constant offset.
+      const int32_t lane_col = n0 + 8 * q;
+      __nv_bfloat16* const dz_row = args.dz + r * 2 * I + lane_col;
+      __nv_bfloat16* const wh_row = args.wh + r * I + lane_col;
       float dot = 0.0f;  // <h, a> over this lane's columns of the tile, fixed order
 #pragma unroll
       for (int a = 0; a < kGroups; ++a) {
         float av[8];
         gather_chunk_fp32(acc, a, h, q, av);
-        const int col = n0 + 8 * (4 * a + q);
+        const int col = lane_col + 32 * a;
         float g[8], u[8];
         Parts::take_z_chunk(args, I, rows, n0, q, h * kGroups + a, in, g, u);
         if (rows.valid[h] && col < I) {
           uint32_t dg_bits[4], du_bits[4], wh_bits[4];
 #pragma unroll
           for (int i = 0; i < 8; i += 2) {
-            const auto d0 = Parts::backward(args, g[i], u[i], av[i], w, dot);
-            const auto d1 = Parts::backward(args, g[i + 1], u[i + 1], av[i + 1], w, dot);
-            dg_bits[i / 2] = pack_bf16x2(d0.dg, d1.dg);
-            du_bits[i / 2] = pack_bf16x2(d0.du, d1.du);
-            wh_bits[i / 2] = pack_bf16x2(d0.wh, d1.wh);
+            const auto d = Parts::backward_pair(args, g, u, av, i, w, dot);
+            dg_bits[i / 2] = pack_bf16x2(d.dg[0], d.dg[1]);
+            du_bits[i / 2] = pack_bf16x2(d.du[0], d.du[1]);
+            wh_bits[i / 2] = pack_bf16x2(d.wh[0], d.wh[1]);
           }
-          *reinterpret_cast<uint4*>(args.dz + r * 2 * I + col) = make_uint4(dg_bits[0], dg_bits[1], dg_bits[2], dg_bits[3]);
-          *reinterpret_cast<uint4*>(args.dz + r * 2 * I + I + col) =
-              make_uint4(du_bits[0], du_bits[1], du_bits[2], du_bits[3]);
-          *reinterpret_cast<uint4*>(args.wh + r * I + col) = make_uint4(wh_bits[0], wh_bits[1], wh_bits[2], wh_bits[3]);
+          *reinterpret_cast<uint4*>(dz_row + 32 * a) = make_uint4(dg_bits[0], dg_bits[1], dg_bits[2], dg_bits[3]);
+          *reinterpret_cast<uint4*>(dz_row + I + 32 * a) = make_uint4(du_bits[0], du_bits[1], du_bits[2], du_bits[3]);
+          *reinterpret_cast<uint4*>(wh_row + 32 * a) = make_uint4(wh_bits[0], wh_bits[1], wh_bits[2], wh_bits[3]);
         }
       }
       store_router_partial(args, dot, rows.valid[h], q, r, tile.n_tile);

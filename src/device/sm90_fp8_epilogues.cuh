@@ -179,6 +179,12 @@ struct DgradSwiGLUFp8Epilogue {
       const int64_t r = rows.row[h];
       const bool valid = rows.valid[h];
       const float w = in.weight[h];
+      // The row's outputs at this lane's first column (n0 + 8q): every store below is at a
+      // constant offset from one of these, with no 64-bit address arithmetic of its own.
+      const int64_t lane_col = n0 + 8 * q;
+      __nv_bfloat16* const dz_row = args.dz + r * 2 * I + lane_col;
+      __nv_bfloat16* const wh_row = args.wh + r * I + lane_col;
+      uint8_t* const dz_fp8_row = args.dz_fp8 + r * 2 * I + lane_col;
       float dot = 0.0f;  // <h, a> over this lane's columns of the tile, fixed order
 #pragma unroll
       for (int b = 0; b < kBlocks; ++b) {
@@ -193,27 +199,25 @@ struct DgradSwiGLUFp8Epilogue {
           const int group = b * kGroupsPerBlock + a;
           float av[8];
           gather_chunk_fp32(acc, group, h, q, av);
-          const int col = n0 + 8 * (4 * group + q);
+          const int off = 32 * group;  // this chunk's column minus lane_col
           float g[8], u[8];
           Parts::take_z_chunk(args, I, rows, n0, q, h * Parts::kGroups + group, in, g, u);
           uint32_t wh_bits[4];
 #pragma unroll
           for (int i = 0; i < 8; i += 2) {
-            const auto d0 = Parts::backward(args, g[i], u[i], av[i], w, block_dot);
-            const auto d1 = Parts::backward(args, g[i + 1], u[i + 1], av[i + 1], w, block_dot);
-            dg_bits[a][i / 2] = pack_bf16x2(d0.dg, d1.dg);
-            du_bits[a][i / 2] = pack_bf16x2(d0.du, d1.du);
-            wh_bits[i / 2] = pack_bf16x2(d0.wh, d1.wh);
-            amax_g = fmaxf(amax_g, fmaxf(fabsf(d0.dg), fabsf(d1.dg)));
-            amax_u = fmaxf(amax_u, fmaxf(fabsf(d0.du), fabsf(d1.du)));
+            const auto d = Parts::backward_pair(args, g, u, av, i, w, block_dot);
+            dg_bits[a][i / 2] = pack_bf16x2(d.dg[0], d.dg[1]);
+            du_bits[a][i / 2] = pack_bf16x2(d.du[0], d.du[1]);
+            wh_bits[i / 2] = pack_bf16x2(d.wh[0], d.wh[1]);
+            amax_g = fmaxf(amax_g, fmaxf(fabsf(d.dg[0]), fabsf(d.dg[1])));
+            amax_u = fmaxf(amax_u, fmaxf(fabsf(d.du[0]), fabsf(d.du[1])));
           }
           if (valid && block_in) {
-            *reinterpret_cast<uint4*>(args.dz + r * 2 * I + col) =
+            *reinterpret_cast<uint4*>(dz_row + off) =
                 make_uint4(dg_bits[a][0], dg_bits[a][1], dg_bits[a][2], dg_bits[a][3]);
-            *reinterpret_cast<uint4*>(args.dz + r * 2 * I + I + col) =
+            *reinterpret_cast<uint4*>(dz_row + I + off) =
                 make_uint4(du_bits[a][0], du_bits[a][1], du_bits[a][2], du_bits[a][3]);
-            *reinterpret_cast<uint4*>(args.wh + r * I + col) =
-                make_uint4(wh_bits[0], wh_bits[1], wh_bits[2], wh_bits[3]);
+            *reinterpret_cast<uint4*>(wh_row + off) = make_uint4(wh_bits[0], wh_bits[1], wh_bits[2], wh_bits[3]);
           }
         }
         dot += block_in ? block_dot : 0.0f;
@@ -224,14 +228,12 @@ struct DgradSwiGLUFp8Epilogue {
         // Lane q holds chunks 4a + q of this row (gather_chunk_fp32's transpose): whole 8-column runs.
 #pragma unroll
         for (int a = 0; a < kGroupsPerBlock; ++a) {
-          const int64_t col = b0 + 8 * (4 * a + q);
+          const int off = b * kFp8Block + 32 * a;
           float v[8];
           unpack_bf16x8(make_uint4(dg_bits[a][0], dg_bits[a][1], dg_bits[a][2], dg_bits[a][3]), v);
-          if (valid && block_in) *reinterpret_cast<uint2*>(args.dz_fp8 + r * 2 * I + col) = quantize_e4m3x8(v, sg.inv);
+          if (valid && block_in) *reinterpret_cast<uint2*>(dz_fp8_row + off) = quantize_e4m3x8(v, sg.inv);
           unpack_bf16x8(make_uint4(du_bits[a][0], du_bits[a][1], du_bits[a][2], du_bits[a][3]), v);
-          if (valid && block_in) {
-            *reinterpret_cast<uint2*>(args.dz_fp8 + r * 2 * I + I + col) = quantize_e4m3x8(v, su.inv);
-          }
+          if (valid && block_in) *reinterpret_cast<uint2*>(dz_fp8_row + I + off) = quantize_e4m3x8(v, su.inv);
         }
         if (valid && block_in && q == 0) {
           const int64_t block = b0 / kFp8Block;

@@ -14,13 +14,15 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// bf16 -> fp32 is the 16 bits moved up: one SHF or LOP3 a value on the 32-bit word (read
+// through __nv_bfloat162, nvcc split the words into halves and merged them again, two PRMT a
+// word, wherever they were also stored).
 __device__ __forceinline__ void unpack_bf16x8(const uint4& bits, float (&out)[8]) {
   const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
+    out[2 * i] = __uint_as_float(words[i] << 16);
+    out[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
   }
 }
 
