@@ -151,7 +151,7 @@ struct DgradSwiGLUFp8Epilogue {
   static constexpr int kLinesPerSegment = kBlockN * 2 / 128;
   __device__ static Inputs prepare(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
                                    const ConsumerThread& me) {
-    Inputs in{};  // filled by store(); value-initialised so no copy reads indeterminate values
+    Inputs in{};  // z chunks filled by store(); value-initialised so no copy reads indeterminate values
     const int32_t I = s.n_valid;
     const int q = me.lane % 4;
     const int32_t col = tile.n_tile * kBlockN + 64 * q;
@@ -163,6 +163,9 @@ struct DgradSwiGLUFp8Epilogue {
         prefetch_l2(g + I);
       }
     }
+    // The rows' routing weights (two dependent loads each) fit beside the main loop's registers
+    // and arrive under it: loaded in store(), the epilogue waited for them once per tile.
+    Parts::load_weights(args, rows, in);
     return in;
   }
 
@@ -172,7 +175,6 @@ struct DgradSwiGLUFp8Epilogue {
     const int32_t I = s.n_valid;
     const int32_t n0 = tile.n_tile * kBlockN;
     const int q = me.lane % 4;
-    Parts::load_weights(args, rows, in);
     Parts::load_z_ahead(args, I, rows, n0, q, in);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
