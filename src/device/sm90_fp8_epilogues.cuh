@@ -163,8 +163,8 @@ struct DgradSwiGLUFp8Epilogue {
         prefetch_l2(g + I);
       }
     }
-    // The rows' routing weights (two dependent loads each) fit beside the main loop's registers
-    // and arrive under it: loaded in store(), the epilogue waited for them once per tile.
+    // The rows' routing weights (two dependent loads each, 2 registers beside the main loop's):
+    // loaded here they arrive under the main loop, where store() would wait for them once a tile.
     Parts::load_weights(args, rows, in);
     return in;
   }

@@ -22,6 +22,16 @@ constexpr int kThreads = 256;
 constexpr int kLanesPerRowBlock = kFp8Block / 8;  // 16 lanes x 8 bf16
 constexpr int64_t kMaxGrid = 65535LL * 16;
 
+// The max over the kLanesPerRowBlock lanes that hold one 1 x 128 block (a half-warp); every lane
+// of the warp must call it, and each ends with its half's max.
+__device__ __forceinline__ float row_block_max(float amax) {
+#pragma unroll
+  for (int offset = kLanesPerRowBlock / 2; offset > 0; offset /= 2) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+  }
+  return amax;
+}
+
 // x once per token: its rows are contiguous and its scales row-major, so 8-element chunk c of the
 // flat [T * H] array belongs to block c / 16, whose scale is scales[c / 16]: one chunk a thread
 // and no row or column arithmetic (a 64-bit division per 16 bytes bound the per-row version; more
@@ -34,11 +44,7 @@ __global__ void __launch_bounds__(kThreads) quantize_token_rows_fp8_kernel(const
   const uint4 raw = c < chunks ? __ldcs(reinterpret_cast<const uint4*>(src) + c) : make_uint4(0u, 0u, 0u, 0u);
   float v[8];
   sm90::unpack_bf16x8(raw, v);
-  float amax = sm90::amax8(v);
-#pragma unroll
-  for (int offset = kLanesPerRowBlock / 2; offset > 0; offset /= 2) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
-  }
+  const float amax = row_block_max(sm90::amax8(v));
   if (c >= chunks) return;
   const sm90::Fp8Scale s = sm90::fp8_block_scale(amax);
   reinterpret_cast<uint2*>(dst)[c] = sm90::quantize_e4m3x8(v, s.inv);
@@ -87,11 +93,7 @@ __global__ void quantize_pool_rows_fp8_kernel(const __nv_bfloat16* __restrict__ 
     for (int step = 0; step < kScatterSteps; ++step) {
       float v[8];
       sm90::unpack_bf16x8(raw[step], v);
-      float amax = sm90::amax8(v);
-#pragma unroll
-      for (int offset = kLanesPerRowBlock / 2; offset > 0; offset /= 2) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
-      }
+      const float amax = row_block_max(sm90::amax8(v));
       if (!valid[step]) continue;
       const sm90::Fp8Scale s = sm90::fp8_block_scale(amax);
       const uint2 q = sm90::quantize_e4m3x8(v, s.inv);
