@@ -28,18 +28,21 @@ BUILDS=("$@")
 PARTS="$(mktemp -d /tmp/fusemoe_compare.XXXXXX)"
 status=0
 for ((round = 0; round < ROUNDS; ++round)); do
-  for spec in "${CASES[@]}"; do
+  for ((ci = 0; ci < ${#CASES[@]}; ++ci)); do
+    spec="${CASES[$ci]}"
     preset="${spec%%:*}"
     tokens="${spec#*:}"
+    # The case's index in the part's name: a preset listed twice (two token specs) keeps both.
+    part="$PARTS/${round}_${preset}_c${ci}"
     for ((i = 0; i < ${#BUILDS[@]}; ++i)); do
       build="${BUILDS[$(((i + round) % ${#BUILDS[@]}))]}"
       name="${build%%=*}"
       binary="${build#*=}"
       echo "[compare] round $round $preset T=$tokens: $name" >&2
       if ! "$binary" --preset "$preset" --tokens "$tokens" --impl "$IMPLS" --iters "$ITERS" --warmup "$WARMUP" \
-        --no-check --json "$PARTS/${round}_${preset}_${name}.json" >"$PARTS/${round}_${preset}_${name}.log" 2>&1; then
-        echo "[compare] $name failed on $preset (log: $PARTS/${round}_${preset}_${name}.log)" >&2
-        tail -5 "$PARTS/${round}_${preset}_${name}.log" >&2
+        --no-check --json "${part}_${name}.json" >"${part}_${name}.log" 2>&1; then
+        echo "[compare] $name failed on $preset (log: ${part}_${name}.log)" >&2
+        tail -5 "${part}_${name}.log" >&2
         status=1
       fi
     done
