@@ -51,19 +51,19 @@ __global__ void __launch_bounds__(kThreads) quantize_token_rows_fp8_kernel(const
   if (threadIdx.x % kLanesPerRowBlock == 0) scales[c / kLanesPerRowBlock] = s.scale;
 }
 
-// The backward's pools: one warp handles two (source row, block) items per step, one per
-// half-warp, and kScatterSteps steps at a time, loading all of them before it reduces any
-// (docs/experiments.md#fp8-row-quantization-steps). The half-warps of a warp stay together (an
-// item past the end computes on zeros and stores nothing) so the shuffles see all 32 lanes. A
-// source row's block is quantized once and stored to each of its valid slots' rows
+// The backward's dy (with x's plain pool beside it): one warp handles two (source row, block)
+// items per step, one per half-warp, and kScatterSteps steps at a time, loading all of them before
+// it reduces any (docs/experiments.md#fp8-row-quantization-steps). The half-warps of a warp stay
+// together (an item past the end computes on zeros and stores nothing) so the shuffles see all 32
+// lanes. A source row's block is quantized once and stored once, at the source row (the GEMM that
+// reads it gathers token rows); its plain bf16 copies go to each valid slot's pool row
 // slot_row[row * top_k + j].
 constexpr int kScatterSteps = 4;
 
 __global__ void quantize_pool_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src, const int32_t* __restrict__ slot_row,
                                               int64_t num_src_rows, int64_t top_k, int64_t hidden,
                                               __nv_bfloat16* __restrict__ dst_bf16, uint8_t* __restrict__ dst_fp8,
-                                              float* __restrict__ scales, Fp8ScaleLayout layout,
-                                              Fp8RowsPlainCopy also) {
+                                              float* __restrict__ scales, Fp8RowsPlainCopy also) {
   const auto* also_src = static_cast<const __nv_bfloat16*>(also.src_bf16);
   auto* also_dst = static_cast<__nv_bfloat16*>(also.dst_bf16_RH);
   const int64_t blocks_per_row = hidden / kFp8Block;
@@ -75,18 +75,18 @@ __global__ void quantize_pool_rows_fp8_kernel(const __nv_bfloat16* __restrict__ 
   for (int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32 * kScatterSteps; first < pairs;
        first += warps * kScatterSteps) {
     uint4 raw[kScatterSteps], also_raw[kScatterSteps];
-    int64_t row[kScatterSteps], col[kScatterSteps];
+    int64_t item[kScatterSteps];
     bool valid[kScatterSteps];
 #pragma unroll
     for (int step = 0; step < kScatterSteps; ++step) {
-      const int64_t item = 2 * (first + step) + half;
-      valid[step] = item < items;
-      row[step] = valid[step] ? item / blocks_per_row : 0;
-      col[step] = valid[step] ? (item - row[step] * blocks_per_row) * kFp8Block + sub * 8 : 0;
+      item[step] = 2 * (first + step) + half;
+      valid[step] = item[step] < items;
+      // Item i's 16 bytes of lane `sub` are chunk 16 i + sub of the flat [rows * H] array.
+      const int64_t chunk = item[step] * kLanesPerRowBlock + sub;
       raw[step] = also_raw[step] = make_uint4(0u, 0u, 0u, 0u);
       if (valid[step]) {
-        raw[step] = *reinterpret_cast<const uint4*>(src + row[step] * hidden + col[step]);
-        if (also_src != nullptr) also_raw[step] = *reinterpret_cast<const uint4*>(also_src + row[step] * hidden + col[step]);
+        raw[step] = reinterpret_cast<const uint4*>(src)[chunk];
+        if (also_src != nullptr) also_raw[step] = reinterpret_cast<const uint4*>(also_src)[chunk];
       }
     }
 #pragma unroll
@@ -96,15 +96,16 @@ __global__ void quantize_pool_rows_fp8_kernel(const __nv_bfloat16* __restrict__ 
       const float amax = row_block_max(sm90::amax8(v));
       if (!valid[step]) continue;
       const sm90::Fp8Scale s = sm90::fp8_block_scale(amax);
-      const uint2 q = sm90::quantize_e4m3x8(v, s.inv);
-      const int64_t r = row[step], c = col[step], block = c / kFp8Block;
+      const int64_t chunk = item[step] * kLanesPerRowBlock + sub;
+      reinterpret_cast<uint2*>(dst_fp8)[chunk] = sm90::quantize_e4m3x8(v, s.inv);
+      if (sub == 0) scales[item[step]] = s.scale;  // row-major [rows, H/128]: item r * blocks + b
+      if (dst_bf16 == nullptr && also_dst == nullptr) continue;
+      const int64_t r = item[step] / blocks_per_row, c = chunk * 8 - r * hidden;
       for (int64_t j = 0; j < top_k; ++j) {
         const int64_t dst = __ldg(slot_row + r * top_k + j);
         if (dst < 0) continue;  // a masked slot: no pool row
-        *reinterpret_cast<uint2*>(dst_fp8 + dst * hidden + c) = q;
         if (dst_bf16) *reinterpret_cast<uint4*>(dst_bf16 + dst * hidden + c) = raw[step];
         if (also_dst != nullptr) *reinterpret_cast<uint4*>(also_dst + dst * hidden + c) = also_raw[step];
-        if (sub == 0) scales[dst * layout.row_stride + block * layout.block_stride] = s.scale;
       }
     }
   }
@@ -211,19 +212,20 @@ void launch_quantize_token_rows_fp8(const void* x_bf16, int64_t num_tokens, int6
 }
 
 void launch_quantize_pool_rows_fp8(const void* src_bf16, const int32_t* slot_row, int64_t num_src_rows,
-                                   int64_t top_k, int64_t hidden, void* dst_bf16_RH, void* fp8_RH, float* scales,
-                                   Fp8ScaleLayout layout, cudaStream_t stream, const Fp8RowsPlainCopy& also) {
+                                   int64_t top_k, int64_t hidden, void* dst_bf16_RH, void* fp8_TH, float* scales,
+                                   cudaStream_t stream, const Fp8RowsPlainCopy& also) {
   FUSEMOE_CHECK(hidden > 0 && hidden % kFp8Block == 0, "internal error: FP8 rows need hidden % 128 == 0");
   FUSEMOE_CHECK((also.src_bf16 == nullptr) == (also.dst_bf16_RH == nullptr),
                 "internal error: a plain row copy needs both its source and its destination");
   FUSEMOE_CHECK(slot_row != nullptr && top_k >= 1, "internal error: a pool scatter needs slot_row and top_k >= 1");
+  FUSEMOE_CHECK(fp8_TH != nullptr && scales != nullptr, "internal error: the FP8 rows and their scales are outputs");
   if (num_src_rows == 0) return;
   const int64_t pairs = (num_src_rows * (hidden / kFp8Block) + 1) / 2;
   const int64_t warps = (pairs + kScatterSteps - 1) / kScatterSteps;
   const int64_t grid = std::max<int64_t>(1, std::min(kMaxGrid, (warps * 32 + kThreads - 1) / kThreads));
   quantize_pool_rows_fp8_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(src_bf16), slot_row, num_src_rows, top_k, hidden,
-      static_cast<__nv_bfloat16*>(dst_bf16_RH), static_cast<uint8_t*>(fp8_RH), scales, layout, also);
+      static_cast<__nv_bfloat16*>(dst_bf16_RH), static_cast<uint8_t*>(fp8_TH), scales, also);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -25,12 +25,14 @@ using GateUpGemm = GroupedGemm<sm90::Fp8GatheredTokenRowsA, sm90::Fp8GateUpWeigh
 // The row-store GEMMs at N = 256 (as their BF16 twins): each A tile serves twice the columns.
 using DownGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB<256>, sm90::RowTileScheduler,
                              sm90::RowStoreEpilogue<256, true, RowDestination::kSlotRow>>;
-using RecomputeZGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB<256>, sm90::RowTileScheduler,
+// The z recompute and dgrad + SwiGLU gather their token rows (x, dy) as the gate/up does: each
+// token's row is quantized once, not stored to each of its K pool rows.
+using RecomputeZGemm = GroupedGemm<sm90::Fp8GatheredTokenRowsA, sm90::Fp8WeightsB<256>, sm90::RowTileScheduler,
                                    sm90::RowStoreEpilogue<256, false, RowDestination::kSortedRow>>;
 // A tile's columns are whole 128-blocks of dg and du (the dz quantization).
 template <bool kClamp>
 using DgradSwigluGemm =
-    GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB<kSm90Fp8DgradBlockN>, sm90::RowTileScheduler,
+    GroupedGemm<sm90::Fp8GatheredTokenRowsA, sm90::Fp8WeightsB<kSm90Fp8DgradBlockN>, sm90::RowTileScheduler,
                 sm90::DgradSwiGLUFp8Epilogue<kClamp, kDgradZAhead, kSm90Fp8DgradBlockN>>;
 using DgradScatterGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB<256>, sm90::RowTileScheduler,
                                      sm90::RowStoreEpilogue<256, false, RowDestination::kSlotRow>>;
@@ -74,6 +76,16 @@ void assert_fp8_rows(const Sm90Rows& rows) {
   FUSEMOE_ASSERT(rows.intermediate % 128 == 0);
 }
 
+// The A operand of gathered token rows: E4M3 [T, K] and their token-major scales [T, K/128].
+sm90::Fp8GatheredTokenRowsA::Args token_rows_a(const void* rows_fp8, const float* scales, const int32_t* row_slot,
+                                               int64_t top_k, const sm90::WeightScales& b_scales) {
+  sm90::Fp8GatheredTokenRowsA::Args a{};
+  a.rows = {static_cast<const __nv_bfloat16*>(rows_fp8), row_slot, static_cast<int32_t>(top_k)};
+  a.x_scales = scales;
+  a.b_scales = b_scales;
+  return a;
+}
+
 template <bool kClamp, bool kStoreZ>
 void launch_gate_up(const Sm90Fp8GateUpParams& p) {
   using Gemm = GateUpGemm<kClamp, kStoreZ>;
@@ -81,10 +93,9 @@ void launch_gate_up(const Sm90Fp8GateUpParams& p) {
   const int64_t H = rows.hidden, I = rows.intermediate;
   GemmParams<Gemm> params{};
   params.map_b = sm90::make_tensor_map_fp8(p.weights.w13, H, rows.num_experts * 2 * I, Gemm::B::kBoxRows, "w13_fp8");
-  params.a.rows = {static_cast<const __nv_bfloat16*>(p.x_fp8), p.row_slot, static_cast<int32_t>(p.top_k)};
-  params.a.x_scales = p.x_scales;
   // Gate block n_tile and the up block I/128 below it.
-  params.a.b_scales = weight_scales(p.weights.w13_scales, 2 * I, H, false, (I / 128) * (H / 128));
+  params.a = token_rows_a(p.x_fp8, p.x_scales, p.row_slot, p.top_k,
+                          weight_scales(p.weights.w13_scales, 2 * I, H, false, (I / 128) * (H / 128)));
   params.epilogue.h = static_cast<uint8_t*>(p.h_fp8);
   params.epilogue.h_scales = p.h_scales;
   params.epilogue.rows_pad = static_cast<int32_t>(sm90_fp8_rows_pad(rows.max_rows));
@@ -94,14 +105,14 @@ void launch_gate_up(const Sm90Fp8GateUpParams& p) {
   sm90::launch_grouped_gemm(params, rows, WaitKernel::kFp8GateUp);
 }
 
+// a: pool_a() or token_rows_a().
 template <class Gemm>
-void launch_row_store(WaitKernel kernel_name, const Sm90Rows& rows, const void* a_pool, const float* a_scales,
-                      int64_t k, const void* b, int64_t b_rows_per_expert, const sm90::WeightScales& b_scales,
-                      int64_t n, const typename Gemm::Epilogue::Args& epilogue, const char* a_name,
-                      const char* b_name) {
+void launch_row_store(WaitKernel kernel_name, const Sm90Rows& rows, const typename Gemm::A::Args& a, int64_t k,
+                      const void* b, int64_t b_rows_per_expert, int64_t n,
+                      const typename Gemm::Epilogue::Args& epilogue, const char* b_name) {
   GemmParams<Gemm> params{};
   params.map_b = sm90::make_tensor_map_fp8(b, k, rows.num_experts * b_rows_per_expert, Gemm::B::kBoxRows, b_name);
-  params.a = pool_a(rows, a_pool, a_scales, k, b_scales, a_name);
+  params.a = a;
   params.epilogue = epilogue;
   params.shape = fp8_rows_shape(rows, k, n, b_rows_per_expert);
   sm90::launch_grouped_gemm(params, rows, kernel_name);
@@ -125,8 +136,10 @@ void launch_dgrad_swiglu(const Sm90Fp8DgradSwigluParams& p) {
   epilogue.dz_scales = p.dz_scales;
   epilogue.rows_pad = static_cast<int32_t>(sm90_fp8_rows_pad(rows.max_rows));
   // a = dy W2_e: B = W2_e^T [I, H] (K = H), i.e. w2_t; its (n = i, kb = h) block is w2's (h, i).
-  launch_row_store<Gemm>(WaitKernel::kFp8DgradSwiglu, rows, p.dys_fp8, p.dys_scales, H, p.weights.w2_t, I,
-                         weight_scales(p.weights.w2_scales, H, I, true), I, epilogue, "dys_fp8", "w2_t_fp8");
+  launch_row_store<Gemm>(WaitKernel::kFp8DgradSwiglu, rows,
+                         token_rows_a(p.dy_fp8, p.dy_scales, p.row_slot, p.top_k,
+                                      weight_scales(p.weights.w2_scales, H, I, true)),
+                         H, p.weights.w2_t, I, I, epilogue, "w2_t_fp8");
 }
 
 }  // namespace
@@ -149,27 +162,32 @@ void launch_sm90_fp8_down_weighted(const Sm90Fp8DownParams& p) {
   FUSEMOE_ASSERT(p.h_fp8 && p.h_scales && p.weights.w2 && p.weights.w2_scales && p.row_slot && p.topk_weights &&
                  p.ys);
   const int64_t H = rows.hidden, I = rows.intermediate;
-  launch_row_store<DownGemm>(WaitKernel::kFp8Down, rows, p.h_fp8, p.h_scales, I, p.weights.w2, H,
-                             weight_scales(p.weights.w2_scales, H, I, false), H,
-                             {static_cast<__nv_bfloat16*>(p.ys), p.row_slot, p.topk_weights}, "h_fp8", "w2_fp8");
+  launch_row_store<DownGemm>(WaitKernel::kFp8Down, rows,
+                             pool_a(rows, p.h_fp8, p.h_scales, I, weight_scales(p.weights.w2_scales, H, I, false),
+                                    "h_fp8"),
+                             I, p.weights.w2, H, H, {static_cast<__nv_bfloat16*>(p.ys), p.row_slot, p.topk_weights},
+                             "w2_fp8");
 }
 
 void launch_sm90_fp8_recompute_z(const Sm90Fp8RecomputeZParams& p) {
   const Sm90Rows& rows = p.rows;
   assert_fp8_rows(rows);
   if (rows.max_rows == 0) return;
-  FUSEMOE_ASSERT(p.xs_fp8 && p.xs_scales && p.weights.w13 && p.weights.w13_scales && p.z);
+  FUSEMOE_ASSERT(p.x_fp8 && p.x_scales && p.row_slot && p.top_k >= 1 && p.weights.w13 && p.weights.w13_scales &&
+                 p.z);
   const int64_t H = rows.hidden, I = rows.intermediate;
-  launch_row_store<RecomputeZGemm>(WaitKernel::kFp8RecomputeZ, rows, p.xs_fp8, p.xs_scales, H, p.weights.w13, 2 * I,
-                                   weight_scales(p.weights.w13_scales, 2 * I, H, false), 2 * I,
-                                   {static_cast<__nv_bfloat16*>(p.z), nullptr, nullptr}, "xs_fp8", "w13_fp8");
+  launch_row_store<RecomputeZGemm>(WaitKernel::kFp8RecomputeZ, rows,
+                                   token_rows_a(p.x_fp8, p.x_scales, p.row_slot, p.top_k,
+                                                weight_scales(p.weights.w13_scales, 2 * I, H, false)),
+                                   H, p.weights.w13, 2 * I, 2 * I, {static_cast<__nv_bfloat16*>(p.z), nullptr, nullptr},
+                                   "w13_fp8");
 }
 
 void launch_sm90_fp8_dgrad_swiglu(const Sm90Fp8DgradSwigluParams& p) {
   assert_fp8_rows(p.rows);
   if (p.rows.max_rows == 0) return;
-  FUSEMOE_ASSERT(p.dys_fp8 && p.dys_scales && p.weights.w2_t && p.weights.w2_scales && p.z && p.row_slot &&
-                 p.topk_weights && p.dz && p.wh && p.router_partials && p.dz_fp8 && p.dz_scales);
+  FUSEMOE_ASSERT(p.dy_fp8 && p.dy_scales && p.top_k >= 1 && p.weights.w2_t && p.weights.w2_scales && p.z &&
+                 p.row_slot && p.topk_weights && p.dz && p.wh && p.router_partials && p.dz_fp8 && p.dz_scales);
   FUSEMOE_ASSERT(!p.use_swiglu_clamp || p.swiglu_clamp > 0.0f);
   p.use_swiglu_clamp ? launch_dgrad_swiglu<true>(p) : launch_dgrad_swiglu<false>(p);
 }
@@ -181,10 +199,11 @@ void launch_sm90_fp8_dgrad_scatter(const Sm90Fp8DgradScatterParams& p) {
   FUSEMOE_ASSERT(p.dz_fp8 && p.dz_scales && p.weights.w13_t && p.weights.w13_scales && p.row_slot && p.dx_slots);
   const int64_t H = rows.hidden, I = rows.intermediate;
   // dxs = dz W13_e: B = W13_e^T [H, 2I] (K = 2I), i.e. w13_t; its (n = h, kb = f) block is w13's (f, h).
-  launch_row_store<DgradScatterGemm>(WaitKernel::kFp8DgradScatter, rows, p.dz_fp8, p.dz_scales, 2 * I,
-                                     p.weights.w13_t, H, weight_scales(p.weights.w13_scales, 2 * I, H, true), H,
-                                     {static_cast<__nv_bfloat16*>(p.dx_slots), p.row_slot, nullptr}, "dz_fp8",
-                                     "w13_t_fp8");
+  launch_row_store<DgradScatterGemm>(WaitKernel::kFp8DgradScatter, rows,
+                                     pool_a(rows, p.dz_fp8, p.dz_scales, 2 * I,
+                                            weight_scales(p.weights.w13_scales, 2 * I, H, true), "dz_fp8"),
+                                     2 * I, p.weights.w13_t, H, H,
+                                     {static_cast<__nv_bfloat16*>(p.dx_slots), p.row_slot, nullptr}, "w13_t_fp8");
 }
 
 }  // namespace fusemoe

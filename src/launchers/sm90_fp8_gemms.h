@@ -6,13 +6,14 @@
 //   gate/up + SwiGLU  z_r = dq(x_fp8[s / K]) dq(W13_e)^T, h_r = bf16(silu(g) u) -> h_fp8 + scales
 //                     (1 x 128 along I); optionally bf16 z (before the clamp)
 //   down + weight     ys[s] = bf16(w * dq(h_fp8_r) dq(W2_e)^T)
-//   recompute z       z_r = bf16(dq(xs_fp8_r) dq(W13_e)^T)
-//   dgrad + SwiGLU    a = dq(dys_fp8_r) dq(W2_e) (read as W2_e^T, K-major); as the BF16 dgrad
+//   recompute z       z_r = bf16(dq(x_fp8[s / K]) dq(W13_e)^T)
+//   dgrad + SwiGLU    a = dq(dy_fp8[s / K]) dq(W2_e) (read as W2_e^T, K-major); as the BF16 dgrad
 //                     epilogue, plus dz_fp8 + scales (1 x 128 along 2I, from the bf16 dz)
 //   dgrad of x        dx_slots[s] = bf16(dq(dz_fp8_r) dq(W13_e)) (read as W13_e^T)
 // dq: E4M3 code times its block's scale; products accumulate in fp32 per 128-wide K-block and are
 // promoted with scale_a * scale_b. Activation scale pools are block-major [K/128, rows_pad]
-// (rows_pad = sm90_fp8_rows_pad(R_max)); x's are token-major [T, H/128].
+// (rows_pad = sm90_fp8_rows_pad(R_max)); those of the token rows the gate/up, the z recompute and
+// dgrad + SwiGLU gather (x, dy) are token-major [T, H/128].
 #pragma once
 
 #include <cstdint>
@@ -52,8 +53,10 @@ struct Sm90Fp8DownParams {
 
 struct Sm90Fp8RecomputeZParams {
   Sm90Rows rows;
-  const void* xs_fp8 = nullptr;       // [R_max, H]
-  const float* xs_scales = nullptr;   // [H/128, rows_pad]
+  const void* x_fp8 = nullptr;        // [T, H] E4M3
+  const float* x_scales = nullptr;    // [T, H/128]
+  const int32_t* row_slot = nullptr;  // [R_max]
+  int64_t top_k = 0;
   Fp8Weights weights;                 // w13, w13_scales
   void* z = nullptr;                  // [R_max, 2I] bf16 (output)
 };
@@ -63,11 +66,12 @@ constexpr int kSm90Fp8DgradBlockN = 256;
 
 struct Sm90Fp8DgradSwigluParams {
   Sm90Rows rows;
-  const void* dys_fp8 = nullptr;        // [R_max, H]
-  const float* dys_scales = nullptr;    // [H/128, rows_pad]
+  const void* dy_fp8 = nullptr;         // [T, H] E4M3
+  const float* dy_scales = nullptr;     // [T, H/128]
   Fp8Weights weights;                   // w2_t, w2_scales
   const void* z = nullptr;              // [R_max, 2I] bf16
-  const int32_t* row_slot = nullptr;
+  const int32_t* row_slot = nullptr;    // [R_max]: the gathered token and the routing weight's slot
+  int64_t top_k = 0;
   const float* topk_weights = nullptr;
   void* dz = nullptr;                   // [R_max, 2I] bf16 (output)
   void* wh = nullptr;                   // [R_max, I] bf16 (output)

@@ -7,12 +7,12 @@
 //                scales (and bf16 z when saved)
 //             4. down + weight -> bf16 slot rows ys      5. combine (fp32, slot order)
 //   backward  1. routing
-//             2. dy quantized once per token and stored to its routed rows -> dys (bf16) +
-//                dys_fp8 + scales; x copied -> xs (bf16): in the same pass with saved z, else with
-//                its own quantization -> xs_fp8 + scales for the z recompute
-//             3. recompute z (FP8 GEMM, the forward's operands: bitwise the saved z) unless saved
-//             4. dgrad + SwiGLU on W2^T, dz quantized in the epilogue -> dz (bf16), dz_fp8 +
-//                scales, wh, router partials
+//             2. dy quantized once per token -> dy_fp8 + scales [T, ...]; in the same pass dy
+//                and x copied to their routed rows -> dys, xs (bf16, the weight gradients' pools)
+//             3. unless z is saved: x quantized once per token as in the forward, then z recomputed
+//                (FP8 GEMM gathering x's rows, the forward's operands: bitwise the saved z)
+//             4. dgrad + SwiGLU on W2^T gathering dy's rows, dz quantized in the epilogue -> dz
+//                (bf16), dz_fp8 + scales, wh, router partials
 //             5. dgrad of x on W13^T -> bf16 slot rows
 //             6. combine, and the router reduce in the same launch
 //             7. weight gradients from the bf16 pools (the BF16 path's kernels)
@@ -83,14 +83,14 @@ struct Fp8ForwardWorkspace {
 struct Fp8BackwardWorkspace : BackwardPools {
   RoutingPlan plan;
   float* router_partials = nullptr;  // [R, ceil(I / kSm90Fp8DgradBlockN)]
-  void* dys_fp8_RH = nullptr;        // E4M3 (dgrad + SwiGLU)
-  float* dys_scales = nullptr;       // [H/128, rows_pad]
+  void* dy_fp8_TH = nullptr;         // E4M3 (dgrad + SwiGLU gathers its rows)
+  float* dy_scales = nullptr;        // [T, H/128]
   void* dz_fp8_RF = nullptr;         // E4M3 (dgrad of x)
   float* dz_scales = nullptr;        // [2I/128, rows_pad]
   // Only when z is recomputed (last, so a backward given saved z needs less):
   void* z_RF = nullptr;              // bf16
-  void* xs_fp8_RH = nullptr;         // E4M3
-  float* xs_scales = nullptr;        // [H/128, rows_pad]
+  void* x_fp8_TH = nullptr;          // E4M3 (the recompute gathers its rows)
+  float* x_scales = nullptr;         // [T, H/128]
   size_t total_bytes = 0;
 
   Fp8BackwardWorkspace(const LayerConfig& c, void* base, bool z_saved) {
@@ -99,14 +99,14 @@ struct Fp8BackwardWorkspace : BackwardPools {
     WorkspaceCarver carver = carver_after_routing_plan(base, c.max_tokens, c.top_k, c.num_experts, &plan);
     carve_pools(carver, rows, H, I);
     router_partials = carver.take<float>(rows * sm90_router_partials_per_row(I) * sizeof(float));
-    dys_fp8_RH = carver.take(rows * H);
-    dys_scales = carver.take<float>((H / 128) * rows_pad * sizeof(float));
+    dy_fp8_TH = carver.take(c.max_tokens * H);
+    dy_scales = carver.take<float>(c.max_tokens * (H / 128) * sizeof(float));
     dz_fp8_RF = carver.take(rows * 2 * I);
     dz_scales = carver.take<float>((2 * I / 128) * rows_pad * sizeof(float));
     if (!z_saved) {
       z_RF = carver.take(rows * 2 * I * 2);
-      xs_fp8_RH = carver.take(rows * H);
-      xs_scales = carver.take<float>((H / 128) * rows_pad * sizeof(float));
+      x_fp8_TH = carver.take(c.max_tokens * H);
+      x_scales = carver.take<float>(c.max_tokens * (H / 128) * sizeof(float));
     }
     total_bytes = carver.bytes();
   }
@@ -190,7 +190,6 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
   const Fp8Weights weights = fp8_weights_in(c, args.fp8_weights);
   const int64_t H = c.hidden, I = c.intermediate, E = c.num_experts;
   const int64_t num_slots = args.num_tokens * c.top_k;
-  const int64_t rows_pad = sm90_fp8_rows_pad(num_slots);
   cudaStream_t stream = args.stream;
   launch_routing(args.topk_idx, args.num_tokens, c.top_k, E, ws.plan, args.expert_id_report, stream);
   const Sm90Rows rows = rows_problem(c, ws.plan, num_slots, stream);
@@ -198,23 +197,20 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
   void* gate_up_grads = args.dw3 != nullptr ? args.dw1 : args.dw13;
 
   if (num_slots > 0) {
-    // With saved z, x's plain pool (dW13's operand: none when the gate/up weights are frozen)
-    // comes with dy's quantization (one pass over the tokens); without, x is quantized for the z
-    // recompute and its pool comes with that.
-    const void* z_RF = args.saved_z;
-    const Fp8RowsPlainCopy x_pool =
-        z_RF != nullptr && gate_up_grads != nullptr ? Fp8RowsPlainCopy{args.x, ws.xs_RH} : Fp8RowsPlainCopy{};
-    // dy's plain pool is dW2's operand only.
+    // dy once per token for dgrad + SwiGLU; in the same pass the plain pools of dy (dW2's operand)
+    // and x (dW13's); none of a frozen weight's.
     launch_quantize_pool_rows_fp8(args.dy, ws.plan.slot_row, args.num_tokens, c.top_k, H,
-                                  args.dw2 != nullptr ? ws.dys_RH : nullptr, ws.dys_fp8_RH, ws.dys_scales,
-                                  Fp8ScaleLayout{1, rows_pad}, stream, x_pool);
+                                  args.dw2 != nullptr ? ws.dys_RH : nullptr, ws.dy_fp8_TH, ws.dy_scales, stream,
+                                  gate_up_grads != nullptr ? Fp8RowsPlainCopy{args.x, ws.xs_RH} : Fp8RowsPlainCopy{});
+    const void* z_RF = args.saved_z;
     if (z_RF == nullptr) {
-      launch_quantize_pool_rows_fp8(args.x, ws.plan.slot_row, args.num_tokens, c.top_k, H, ws.xs_RH,
-                                    ws.xs_fp8_RH, ws.xs_scales, Fp8ScaleLayout{1, rows_pad}, stream);
+      launch_quantize_token_rows_fp8(args.x, args.num_tokens, H, ws.x_fp8_TH, ws.x_scales, stream);
       Sm90Fp8RecomputeZParams z;
       z.rows = rows;
-      z.xs_fp8 = ws.xs_fp8_RH;
-      z.xs_scales = ws.xs_scales;
+      z.x_fp8 = ws.x_fp8_TH;
+      z.x_scales = ws.x_scales;
+      z.row_slot = ws.plan.row_slot;
+      z.top_k = c.top_k;
       z.weights = weights;
       z.z = ws.z_RF;
       launch_sm90_fp8_recompute_z(z);
@@ -223,11 +219,12 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
 
     Sm90Fp8DgradSwigluParams d1;
     d1.rows = rows;
-    d1.dys_fp8 = ws.dys_fp8_RH;
-    d1.dys_scales = ws.dys_scales;
+    d1.dy_fp8 = ws.dy_fp8_TH;
+    d1.dy_scales = ws.dy_scales;
     d1.weights = weights;
     d1.z = z_RF;
     d1.row_slot = ws.plan.row_slot;
+    d1.top_k = c.top_k;
     d1.topk_weights = args.topk_weights;
     d1.dz = ws.dz_RF;
     d1.wh = ws.wh_RI;

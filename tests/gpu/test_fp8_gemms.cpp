@@ -205,6 +205,24 @@ struct Fp8Pool {
   double at(int64_t r, int64_t k) const { return deq[r * K + k]; }
 };
 
+// Token rows [T, K] E4M3 with token-major scales [T, K/128], as the gathering GEMMs read them
+// (gate/up's x, the z recompute's x, dgrad + SwiGLU's dy); at(r, k): routed row r's token.
+struct Fp8TokenRows {
+  int64_t T, K, top_k;
+  std::vector<uint8_t> q;
+  std::vector<float> s;
+  std::vector<double> deq;  // dequantized, [T, K]
+  const std::vector<int32_t>& row_slot;
+  Fp8TokenRows(const Rows& p, int64_t K_, std::mt19937_64& rng)
+      : T(p.c.T), K(K_), top_k(p.c.K), row_slot(p.row_slot) {
+    q = random_codes(T * K, rng);
+    s = random_scales(T * (K / 128), -6, rng);
+    deq.resize(q.size());
+    for (int64_t i = 0; i < T * K; ++i) deq[i] = dq(q, i, s[(i / K) * (K / 128) + (i % K) / 128]);
+  }
+  double at(int64_t r, int64_t k) const { return deq[(row_slot[r] / top_k) * K + k]; }
+};
+
 // widen() of the first rows x cols values.
 std::vector<double> widen_bf16_rows(const std::vector<uint16_t>& bits, int64_t rows, int64_t cols) {
   return widen(std::vector<uint16_t>(bits.begin(), bits.begin() + rows * cols));
@@ -250,13 +268,12 @@ class Fp8Gemm : public ::testing::TestWithParam<RowsCase> {};
 TEST_P(Fp8Gemm, GateUpSwiGLU) {
   for (bool clamp : {false, true}) {
     const Rows p(GetParam(), 100);
-    const int64_t T = p.c.T, K = p.c.K, H = p.c.H, I = p.c.I, F = 2 * I;
+    const int64_t K = p.c.K, H = p.c.H, I = p.c.I, F = 2 * I;
     std::printf("%s clamp=%d: R=%lld\n", p.c.name, int(clamp), static_cast<long long>(p.R));
     std::mt19937_64 rng(101);
-    const std::vector<uint8_t> x = random_codes(T * H, rng);
-    const std::vector<float> xs = random_scales(T * (H / 128), -6, rng);  // token-major
+    const Fp8TokenRows x(p, H, rng);
     const Fp8Weight w13(p.E, F, H, static_cast<int>(H), rng);
-    DeviceBuffer x_dev = DeviceBuffer::from(x), xs_dev = DeviceBuffer::from(xs), w_dev = DeviceBuffer::from(w13.q),
+    DeviceBuffer x_dev = DeviceBuffer::from(x.q), xs_dev = DeviceBuffer::from(x.s), w_dev = DeviceBuffer::from(w13.q),
                  ws_dev = DeviceBuffer::from(w13.s);
     DeviceBuffer h_dev(p.S * I), hs_dev((I / 128) * p.rows_pad * 4), z_dev(p.S * F * 2);
     for (DeviceBuffer* b : {&h_dev, &hs_dev, &z_dev}) b->poison();
@@ -276,13 +293,12 @@ TEST_P(Fp8Gemm, GateUpSwiGLU) {
     launch_sm90_fp8_gate_up_swiglu(a);
     TEST_CUDA(cudaDeviceSynchronize());
 
-    std::vector<double> x_deq(T * H), z_ref(p.R * F), h_ref(p.R * I);
-    for (int64_t i = 0; i < T * H; ++i) x_deq[i] = dq(x, i, xs[(i / H) * (H / 128) + (i % H) / 128]);
+    std::vector<double> z_ref(p.R * F), h_ref(p.R * I);
     for (int64_t r = 0; r < p.R; ++r) {
-      const int64_t e = p.expert_of_row[r], t = p.row_slot[r] / K;
+      const int64_t e = p.expert_of_row[r];
       for (int64_t f = 0; f < F; ++f) {
         double acc = 0.0;
-        for (int64_t k = 0; k < H; ++k) acc += x_deq[t * H + k] * w13.at(e, f, k);
+        for (int64_t k = 0; k < H; ++k) acc += x.at(r, k) * w13.at(e, f, k);
         z_ref[r * F + f] = acc;
       }
       for (int64_t c = 0; c < I; ++c) {
@@ -360,15 +376,17 @@ TEST_P(Fp8Gemm, RecomputeZSortedRows) {
   const Rows p(GetParam(), 300);
   const int64_t H = p.c.H, F = 2 * p.c.I;
   std::mt19937_64 rng(301);
-  const Fp8Pool xs(p.S, H, p.rows_pad, rng);
+  const Fp8TokenRows xs(p, H, rng);
   const Fp8Weight w13(p.E, F, H, static_cast<int>(H), rng);
   DeviceBuffer x_dev = DeviceBuffer::from(xs.q), xs_dev = DeviceBuffer::from(xs.s), w_dev = DeviceBuffer::from(w13.q),
                ws_dev = DeviceBuffer::from(w13.s), z_dev(p.S * F * 2);
   z_dev.poison();
   Sm90Fp8RecomputeZParams a;
   a.rows = p.rows;
-  a.xs_fp8 = x_dev.get();
-  a.xs_scales = static_cast<const float*>(xs_dev.get());
+  a.x_fp8 = x_dev.get();
+  a.x_scales = static_cast<const float*>(xs_dev.get());
+  a.row_slot = p.row_slot_ptr();
+  a.top_k = p.c.K;
   a.weights.w13 = w_dev.get();
   a.weights.w13_scales = static_cast<const float*>(ws_dev.get());
   a.z = z_dev.get();
@@ -398,7 +416,7 @@ TEST_P(Fp8Gemm, DgradSwiGLUWithDzQuantized) {
     const int64_t H = p.c.H, I = p.c.I, F = 2 * I, tiles = (I + kSm90Fp8DgradBlockN - 1) / kSm90Fp8DgradBlockN;
     std::printf("%s clamp=%d: R=%lld\n", p.c.name, int(clamp), static_cast<long long>(p.R));
     std::mt19937_64 rng(401);
-    const Fp8Pool dys(p.S, H, p.rows_pad, rng);
+    const Fp8TokenRows dys(p, H, rng);
     const Fp8Weight w2(p.E, H, I, static_cast<int>(H), rng);  // a = W2^T dy sums over H
     std::vector<uint16_t> z = random_bf16(p.S * F, 1.0, rng);
     std::vector<float> topk_w(p.S);
@@ -412,12 +430,13 @@ TEST_P(Fp8Gemm, DgradSwiGLUWithDzQuantized) {
     for (DeviceBuffer* b : {&dz_dev, &wh_dev, &part_dev, &dzq_dev, &dzs_dev}) b->poison();
     Sm90Fp8DgradSwigluParams a;
     a.rows = p.rows;
-    a.dys_fp8 = d_dev.get();
-    a.dys_scales = static_cast<const float*>(ds_dev.get());
+    a.dy_fp8 = d_dev.get();
+    a.dy_scales = static_cast<const float*>(ds_dev.get());
     a.weights.w2_t = wt_dev.get();
     a.weights.w2_scales = static_cast<const float*>(ws_dev.get());
     a.z = z_dev.get();
     a.row_slot = p.row_slot_ptr();
+    a.top_k = p.c.K;
     a.topk_weights = static_cast<const float*>(tw_dev.get());
     a.dz = dz_dev.get();
     a.wh = wh_dev.get();

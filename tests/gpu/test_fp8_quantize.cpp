@@ -71,12 +71,12 @@ TEST(Fp8Quantize, TokenRowsMatchHostRecipe) {
   for (float s : s_got) EXPECT_TRUE(std::isfinite(s) && s > 0.0f) << "scale " << s;
 }
 
-// The backward's pools: token t's rows stored to its slots' rows slot_row[t * K + j], masked slots
-// (-1) skipped, bf16 copies beside the FP8 rows, scales block-major [H/128, R_pad], and a second
-// source's plain copy to the same rows (x beside dy); rows no slot maps to stay untouched.
+// The backward's dy: each token's row quantized once to [T, H] with row-major scales [T, H/128]
+// (as the token kernel above), its bf16 copy stored to its slots' pool rows slot_row[t * K + j],
+// masked slots (-1) skipped, and a second source's plain copy to the same rows (x beside dy);
+// pool rows no slot maps to stay untouched. Tokens whose slots are all masked are quantized too.
 TEST(Fp8Quantize, ScatteredRowsMatchHostRecipe) {
   const int64_t T = 50, H = 256, K = 3, max_rows = T * K, blocks = H / 128;
-  const int64_t rows_pad = (max_rows + 3) / 4 * 4;
   const std::vector<uint16_t> x = rows_with_edge_blocks(T, H, 12);
   // Slots in a shuffled order take rows 0, 1, ...; every fourth slot is masked, so the last rows
   // of the pool belong to no slot.
@@ -88,36 +88,37 @@ TEST(Fp8Quantize, ScatteredRowsMatchHostRecipe) {
   for (int32_t slot : slots) {
     if (slot % 4 != 3) slot_row[slot] = num_rows++;
   }
+  for (int64_t j = 0; j < K; ++j) slot_row[7 * K + j] = -1;  // token 7: every slot masked
   ASSERT_LT(num_rows, max_rows);
   DeviceBuffer x_dev = DeviceBuffer::from(x), slot_dev = DeviceBuffer::from(slot_row);
   const std::vector<uint16_t> other = random_bf16(T * H, 1.0, rng);
   DeviceBuffer other_dev = DeviceBuffer::from(other), other_pool_dev(max_rows * H * 2);
-  DeviceBuffer bf16_dev(max_rows * H * 2), q_dev(max_rows * H), s_dev(blocks * rows_pad * 4);
+  DeviceBuffer bf16_dev(max_rows * H * 2), q_dev(T * H), s_dev(T * blocks * 4);
   for (DeviceBuffer* b : {&bf16_dev, &q_dev, &s_dev, &other_pool_dev}) b->poison();
   launch_quantize_pool_rows_fp8(x_dev.get(), static_cast<const int32_t*>(slot_dev.get()), T, K, H, bf16_dev.get(),
-                                q_dev.get(), static_cast<float*>(s_dev.get()), Fp8ScaleLayout{1, rows_pad}, nullptr,
+                                q_dev.get(), static_cast<float*>(s_dev.get()), nullptr,
                                 Fp8RowsPlainCopy{other_dev.get(), other_pool_dev.get()});
   TEST_CUDA(cudaDeviceSynchronize());
-  std::vector<uint8_t> q_want(max_rows * H, 0xFF);
+  std::vector<uint8_t> q_want(T * H);
   std::vector<uint16_t> bf16_want(max_rows * H, 0xFFFF), other_want(max_rows * H, 0xFFFF);
-  std::vector<float> s_want(blocks * rows_pad), row(H), s_row(blocks);
-  std::memset(s_want.data(), 0xFF, s_want.size() * sizeof(float));
+  std::vector<float> s_want(T * blocks), row(H);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t c = 0; c < H; ++c) row[c] = host::bf16_bits_to_float(x[t * H + c]);
+    host::fp8_quantize_row(row.data(), H, q_want.data() + t * H, s_want.data() + t * blocks);
+  }
   for (int64_t slot = 0; slot < T * K; ++slot) {
     const int64_t r = slot_row[slot], t = slot / K;
     if (r < 0) continue;
     for (int64_t c = 0; c < H; ++c) {
-      row[c] = host::bf16_bits_to_float(x[t * H + c]);
       bf16_want[r * H + c] = x[t * H + c];
       other_want[r * H + c] = other[t * H + c];
     }
-    host::fp8_quantize_row(row.data(), H, q_want.data() + r * H, s_row.data());
-    for (int64_t b = 0; b < blocks; ++b) s_want[b * rows_pad + r] = s_row[b];
   }
-  expect_codes_equal("xs_fp8", q_dev.to_host<uint8_t>(), q_want);
+  expect_codes_equal("dy_fp8", q_dev.to_host<uint8_t>(), q_want);
   EXPECT_TRUE(bf16_dev.to_host<uint16_t>() == bf16_want) << "bf16 copies differ (or rows no slot maps to written)";
   EXPECT_TRUE(other_pool_dev.to_host<uint16_t>() == other_want)
       << "the second source's copies differ (or rows no slot maps to written)";
-  expect_floats_bitwise("xs_scales", s_dev.to_host<float>(), s_want);
+  expect_floats_bitwise("dy_scales", s_dev.to_host<float>(), s_want);
 }
 
 // Both weight shapes' block grids, the transposed copy, and edge blocks inside a weight.
