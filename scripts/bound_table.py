@@ -32,8 +32,8 @@ CLOCK_UNITS = {"hz": 1e-9, "Khz": 1e-6, "Mhz": 1e-3, "Ghz": 1.0, "cycle/second":
 
 def role(name):
     """The kernel's part of the layer, from its demangled name; None for the harness's own kernels."""
-    if "GatheredTokenRowsA" in name:
-        return "gate/up"
+    # By the epilogue: the row gather (GatheredTokenRowsA) is the gate/up's and, since e6af4a4,
+    # also FP8 dgrad-1's and the FP8 z recompute's.
     if "WeightGradEpilogue<0, 0>" in name:
         return "dW bf16"
     if "WeightGradEpilogue<1" in name or "WeightGradEpilogue<0, 1>" in name:
@@ -42,8 +42,12 @@ def role(name):
         return "dgrad-1"
     if "RowStoreEpilogue<256, 1" in name:
         return "down"
+    if "RowStoreEpilogue<256, 0, 0>" in name:  # sorted rows: the z recompute
+        return "z recompute"
     if "RowStoreEpilogue<256, 0" in name:
         return "dgrad-2"
+    if "GatheredTokenRowsA" in name:
+        return "gate/up"
     # scatter_token_rows: the token-major x and dy pools; FP8's x quantization (forward,
     # quantize_token_rows_fp8 since 0cf4413) and its dy quantization with the bf16 pools (backward,
     # quantize_pool_rows_fp8; both were quantize_rows_fp8 before). Weight quantization is once per

@@ -37,6 +37,11 @@ NAMES = {
                   "long, unsigned char *, unsigned char *, float *)",
     "fp8_gate_up": GEMM.format("Fp8GatheredTokenRowsA, Fp8GateUpWeightsB, RowTileScheduler, SwiGLUFp8Epilogue<0, 1>"),
     "fp8_down": GEMM.format("Fp8PoolRowsA, Fp8WeightsB<256>, RowTileScheduler, RowStoreEpilogue<256, 1, 1>"),
+    # FP8 dgrad-1 and the z recompute gather token rows as the gate/up does (since e6af4a4)
+    "fp8_dgrad1": GEMM.format("Fp8GatheredTokenRowsA, Fp8WeightsB<256>, RowTileScheduler, "
+                              "DgradSwiGLUFp8Epilogue<0, 2, 256>, CooperativeConsumers, StaticTileOrder"),
+    "fp8_recompute": GEMM.format("Fp8GatheredTokenRowsA, Fp8WeightsB<256>, RowTileScheduler, "
+                                 "RowStoreEpilogue<256, 0, 0>, CooperativeConsumers, StaticTileOrder"),
     "scatter": "unnamed>::scatter_token_rows_kernel(const bf16 *, const int *, long, bf16 *)",
 }
 # (kernel, ns, tensor %, dram %, L2 %, DRAM read in Mbyte, clock in hz)
@@ -154,3 +159,22 @@ def test_names_the_file_when_the_layer_line_is_missing(tmp_path):
     assert r.returncode == 0, r.stderr
     assert f"| {f} | forward: 654 µs |" in r.stdout
     assert "read / operands" not in r.stdout  # no shape, no ratio
+
+
+def test_fp8_gathering_backward_gemms_keep_their_roles(tmp_path):
+    # FP8 dgrad-1 and the z recompute read gathered token rows (Fp8GatheredTokenRowsA, as the
+    # gate/up): named by their epilogues, not taken for a second gate/up.
+    f = tmp_path / "fp8_gathering.csv"
+    backward = BACKWARD_BF16[:2] + [("quantize_pool", 330000, 0, 75, 80, 500, 1.97e9),
+                                    ("quantize_token", 25000, 0, 66, 89, 70, 1.95e9),
+                                    ("fp8_recompute", 400000, 50, 30, 60, 600, 1.6e9),
+                                    ("fp8_dgrad1", 750000, 31, 60, 71, 900, 1.72e9)] + BACKWARD_BF16[4:]
+    case_file(f, FORWARD + backward)
+    r = run(f)
+    assert r.returncode == 0, r.stderr
+    fwd = next(line for line in r.stdout.splitlines() if "| forward:" in line)
+    bwd = next(line for line in r.stdout.splitlines() if "| backward:" in line)
+    assert "gate/up 400" in fwd and "gate/up" not in bwd, bwd
+    assert "z recompute 400, 50 / 30 / 60" in bwd
+    assert "dgrad-1 750, 31 / 60 / 71, 1.72" in bwd
+    assert "dgrad-2 380" in bwd
