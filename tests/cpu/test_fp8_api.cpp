@@ -67,11 +67,12 @@ TEST(Fp8Api, WorkspacePerCall) {
   // instead of bf16.
   EXPECT_EQ(w.forward + a(R * I * 2), workspace_bytes(bf16, Impl::kFused, WorkspaceUse::kForward) + a(T * H) +
                                     a(T * (H / 128) * 4) + a(R * I) + a((I / 128) * P * 4));
-  // Backward with saved z: dy and dz also in E4M3 with their scales.
-  EXPECT_EQ(w.backward_saved_z, workspace_bytes(bf16, Impl::kFused, WorkspaceUse::kBackwardSavedZ) + a(R * H) +
-                       a((H / 128) * P * 4) + a(R * 2 * I) + a((2 * I / 128) * P * 4));
-  // Recomputing z also needs z and the x pool in E4M3 with its scales.
-  EXPECT_EQ(w.backward - w.backward_saved_z, a(R * 2 * I * 2) + a(R * H) + a((H / 128) * P * 4));
+  // Backward with saved z: dy once per token in E4M3 with token-major scales (dgrad-1 gathers its
+  // rows), dz per row in E4M3 with block-major scales.
+  EXPECT_EQ(w.backward_saved_z, workspace_bytes(bf16, Impl::kFused, WorkspaceUse::kBackwardSavedZ) + a(T * H) +
+                                    a(T * (H / 128) * 4) + a(R * 2 * I) + a((2 * I / 128) * P * 4));
+  // Recomputing z also needs z and x once per token in E4M3 (the recompute gathers its rows).
+  EXPECT_EQ(w.backward - w.backward_saved_z, a(R * 2 * I * 2) + a(T * H) + a(T * (H / 128) * 4));
 }
 
 TEST(Fp8Api, WeightBufferLayout) {
