@@ -1,7 +1,8 @@
 """fusemoe.ExpertParallelMoEExperts over R = 2 processes (torch.multiprocessing spawn, a gloo
 group), against the single-GPU op on the concatenated batch.
 
-GPU (an sm_90 GPU and the library, else skipped; a failure under FUSEMOE_REQUIRE_GPU=1): both
+GPU (an sm_90 GPU and the library, else skipped; a failure under FUSEMOE_REQUIRE_GPU=1): rank r
+on GPU r where the machine has a GPU per rank (the symmetric memory then spans NVLink), else both
 processes on GPU 0 with TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 (the GPU time-slices between
 them; correctness only).
 (a) y, dx and d_topk_weights of each rank's tokens and dw13/dw2 of its experts are bitwise those
@@ -164,11 +165,11 @@ def check_case(rank, case, device, call="eager", calls=1):
         assert_bitwise(rank, f"{case} ({call}, {calls} call(s)) {name}", got[name], want)
 
 
-def use_device(device):
-    """A rank's set-up: GPU 0 (every rank shares it), or the CPU stand-ins for the kernels and
-    the symmetric memory."""
+def use_device(device, rank):
+    """A rank's set-up: GPU rank where there is a GPU per rank, else GPU 0 (every rank shares it),
+    or the CPU stand-ins for the kernels and the symmetric memory."""
     if device == "cuda":
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(rank if torch.cuda.device_count() >= WORLD_SIZE else 0)
     else:
         expert_parallel._connect = cpu_connect
         register_cpu_kernels()
@@ -176,7 +177,7 @@ def use_device(device):
 
 
 def op_worker(rank, world_size, device):
-    use_device(device)
+    use_device(device, rank)
     for case in OP_CASES:
         if device == "cpu" and case == "qwen3_30b_a3b":
             continue  # the CPU stand-ins' fp32 loops: slow, and nothing more to see
@@ -477,7 +478,7 @@ def destroyed_group_worker(rank, world_size, store, device):
     kept alive keeps gloo's threads running into interpreter exit, where a late one can abort the
     process); the layer then refuses calls, and a group initialized again gets a new context,
     whose building gives the old context's workspace back."""
-    use_device(device)
+    use_device(device, rank)
     tokens, dims, seed, _ = OP_CASES["even"]
     p = make_problem(sum(tokens), *dims, device, seed=seed)
     before, module = ep_outputs(rank, p, tokens, dims, False, device)
