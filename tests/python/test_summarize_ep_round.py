@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "summarize_ep_round.py")
 
 CHECK = {"y": 6.2e-3, "dx": 5.0e-3, "d_topk_weights": 4.0e-3, "dw13": 4.5e-3, "dw2": 4.1e-3}
@@ -71,3 +73,18 @@ def test_failed_check_missing_figures_and_a_cut_suite_fail(tmp_path):
         r = run(d)
         assert r.returncode == 1, (expect, r.stdout)
         assert expect in r.stdout, (expect, r.stdout)
+
+
+def test_round_refuses_a_host_without_two_gpus(tmp_path):
+    # scripts/ep_multi_gpu_round.sh needs a GPU per rank: on this CI machine (no nvidia-smi, or one
+    # GPU) it says so and exits 2 before running anything.
+    import shutil
+    if shutil.which("nvidia-smi"):
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+        if sum(line.startswith("GPU ") for line in listed.splitlines()) >= 2:
+            pytest.skip("skipped: this host has 2 or more GPUs, where the script would run the whole round")
+    round_script = os.path.join(os.path.dirname(SCRIPT), "ep_multi_gpu_round.sh")
+    r = subprocess.run(["bash", round_script, str(tmp_path / "out")], capture_output=True, text=True,
+                       env=dict(os.environ, PATH="/usr/bin:/bin"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "this round needs a GPU per rank" in r.stdout
