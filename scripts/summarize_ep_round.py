@@ -91,7 +91,7 @@ def main():
         done = summary.group(1) if summary else (
             f"cut short: {counts['PASSED']} passed, {counts['FAILED']} failed, {counts['SKIPPED']} skipped "
             "before the timeout")
-        failed = [m for m in re.findall(r"::(\S+) (?:FAILED|ERROR)\b", text)]
+        failed = re.findall(r"::(\S+) (?:FAILED|ERROR)\b", text)
         print(f"\nPython EP suite on the GPUs (`tests/python/test_expert_parallel.py`): {done}"
               + (f"; failed: {', '.join(failed)}" if failed else ""))
         if not summary or counts["FAILED"] or counts["ERROR"] or "failed" in done or "error" in done:
