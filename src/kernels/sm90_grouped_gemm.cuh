@@ -18,8 +18,6 @@
 //   warpgroup 0 (producer, 40 registers): fills the kStages-deep stage ring for every (tile,
 //     k-block), running ahead across tiles so the next tile's loads overlap this tile's
 //     epilogue. Thread 0 issues the TMA loads; a gathered A is copied by all 128 threads.
-//     Where thread 0 alone loads, warps 1-3 run the instance's side job, if it has one
-//     (sm90_side_jobs.cuh: the weight gradients combine the backward's dx slot rows).
 //   warpgroups 1, 2 (consumers, 232 registers): consumer c issues wgmma m64 x kBlockN x k16 on
 //     tile rows [64c, 64c + 64) into fp32 registers, then runs the epilogue from them (a holding
 //     epilogue packs the tile and writes it under the next tile's main loop: HeldBoxes); or, in
@@ -54,7 +52,6 @@
 #include "device/sm90_pipeline.cuh"
 #include "device/sm90_ptx.cuh"
 #include "device/sm90_schedulers.cuh"
-#include "device/sm90_side_jobs.cuh"
 
 namespace fusemoe::sm90 {
 
@@ -62,17 +59,15 @@ namespace fusemoe::sm90 {
 constexpr int kTileSlots = 4;
 constexpr size_t kTileFeedBytes = kTileSlots * (2 * sizeof(uint64_t) + sizeof(int32_t));
 
-// One instance of the kernel: its operand sources, scheduler and epilogue, and the side job its
-// idle producer warps run (sm90_side_jobs.cuh).
+// One instance of the kernel: its operand sources, scheduler and epilogue.
 template <class A_, class B_, class Scheduler_, class Epilogue_, class Consumers_ = CooperativeConsumers,
-          class TileOrder_ = StaticTileOrder, class SideJob_ = NoSideJob>
+          class TileOrder_ = StaticTileOrder>
 struct GroupedGemm {
   using A = A_;
   using B = B_;
   using Scheduler = Scheduler_;
   using Epilogue = Epilogue_;
   using Consumers = Consumers_;
-  using SideJob = SideJob_;
   static constexpr int kBlockN = B::kBlockN;      // wgmma N
   static constexpr int kTileCols = B::kTileCols;  // output columns per tile (gate/up: kBlockN / 2)
   static constexpr int kTileBBytes = kBlockN * kBlockK * 2;
@@ -99,8 +94,6 @@ struct GroupedGemm {
                 "dynamic tile order: cooperative row-tile instances of the bf16 consumer loop (the ping-pong "
                 "turns are built on the static order)");
   static_assert(kStages >= 3, "a ring of at least 3 stages keeps TMA ahead of the MMAs");
-  static_assert(!SideJob::kRuns || (!A::kGathered && !kBlockScaled),
-                "a side job runs in producer warps that load nothing: TMA-fed instances only");
   static_assert(kTileABytes % kSmemAlign == 0 && kTileBBytes % kSmemAlign == 0, "stage alignment");
   static_assert(Epilogue::kStagingBytes % kSmemAlign == 0, "staging alignment");
   static_assert(!Scheduler::kReducesOverRows || (!A::kGathered && A::kMnMajor && B::kMnMajor),
@@ -144,16 +137,8 @@ struct UpWeightMap<true> {
   CUtensorMap map_b_up;  // the up weights w3; map_b is then the gate weights w1
 };
 
-// Empty without a side job, likewise.
-template <class SideJob, bool = SideJob::kRuns>
-struct SideJobArgs {};
-template <class SideJob>
-struct SideJobArgs<SideJob, true> {
-  typename SideJob::Args side;
-};
-
 template <class Gemm>
-struct GemmParams : UpWeightMap<TwoBMaps<typename Gemm::B>::value>, SideJobArgs<typename Gemm::SideJob> {
+struct GemmParams : UpWeightMap<TwoBMaps<typename Gemm::B>::value> {
   CUtensorMap map_b;
   typename Gemm::A::Args a;
   typename Gemm::Epilogue::Args epilogue;
@@ -489,8 +474,6 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_grouped_gemm_kernel(const __
     setmaxnreg_dec<kProducerRegs>();
     if (kAllProducerThreads<typename Gemm::A> || threadIdx.x == 0) {
       produce<Gemm>(p, sched, ring, tiles_a, tiles_b, stage_scales, feed, threadIdx.x);
-    } else if constexpr (Gemm::SideJob::kRuns) {
-      if (threadIdx.x >= kSideJobFirstThread) Gemm::SideJob::run(p.side, threadIdx.x - kSideJobFirstThread);
     }
   } else {
     setmaxnreg_inc<kConsumerRegs>();

@@ -37,12 +37,9 @@ using DgradScatterGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsTransposedB<2
 template <RowDestination kDest>
 using SeparateDgradScatterGemm = GroupedGemm<sm90::PoolRowsA, sm90::SeparateWeightsTransposedB<256>,
                                              sm90::RowTileScheduler, sm90::RowStoreEpilogue<256, false, kDest>>;
-// Their producer warps 1-3, which load nothing, combine the dx slot rows meanwhile (a job with
-// no tokens when the caller passes none).
 template <bool kFp32, bool kAccumulate>
 using WeightGradGemm = GroupedGemm<sm90::PoolRowsTransposedA, sm90::PoolRowsTransposedB<256>,
-                                   sm90::ExpertOutputTileScheduler, sm90::WeightGradEpilogue<kFp32, kAccumulate>,
-                                   sm90::CooperativeConsumers, sm90::StaticTileOrder, sm90::SlotCombineJob>;
+                                   sm90::ExpertOutputTileScheduler, sm90::WeightGradEpilogue<kFp32, kAccumulate>>;
 
 template <int kBlockN, bool kClamp>
 void launch_dgrad_swiglu(const Sm90DgradSwigluParams& p) {
@@ -72,19 +69,6 @@ void launch_weight_grad(const Sm90WeightGradParams& p) {
                                                        sm90::kMnBoxRows, "act_m");
   params.map_b = sm90::make_tensor_map_bf16(p.act_n, p.n, rows.max_rows, sm90::kMnBoxRows, "act_n");
   params.epilogue.map = sm90::make_store_tensor_map(p.grad, kFp32, p.n, rows.num_experts * p.m, sm90::kWgmmaM, "grad");
-  const Sm90SlotCombine& c = p.combine;
-  if (c.token_end > c.token_begin) {
-    params.side.slots = static_cast<const __nv_bfloat16*>(c.slots);
-    params.side.slot_row = c.slot_row;
-    params.side.out = static_cast<__nv_bfloat16*>(c.out);
-    params.side.router_partials = c.router_partials;
-    params.side.d_topk_w = c.d_topk_w;
-    params.side.top_k = static_cast<int32_t>(c.top_k);
-    params.side.hidden = static_cast<int32_t>(c.hidden);
-    params.side.num_n_tiles = static_cast<int32_t>(c.num_n_tiles);
-    params.side.token_begin = static_cast<int32_t>(c.token_begin);
-    params.side.token_end = static_cast<int32_t>(c.token_end);
-  }
   sm90::GemmShape& s = params.shape;
   s.expert_offsets = rows.expert_offsets;
   s.num_experts = static_cast<int32_t>(rows.num_experts);
@@ -157,15 +141,6 @@ void launch_sm90_weight_grad(const Sm90WeightGradParams& p) {
   FUSEMOE_ASSERT(rows.num_experts >= 1 && rows.num_experts <= sm90::kMaxExperts);
   FUSEMOE_ASSERT(p.m > 0 && p.m % 128 == 0 && p.n > 0 && p.n % 64 == 0 && p.grad != nullptr);
   FUSEMOE_ASSERT(rows.num_experts * p.m < (int64_t{1} << 31));  // TMA row coordinates of grad
-  const Sm90SlotCombine& c = p.combine;
-  if (c.token_end > c.token_begin) {
-    FUSEMOE_ASSERT(c.slots && c.slot_row && c.out && c.top_k > 0 && c.hidden > 0 && c.hidden % 8 == 0);
-    FUSEMOE_ASSERT(c.token_begin >= 0 && c.token_end <= c.num_tokens && c.num_tokens < (int64_t{1} << 31));
-    FUSEMOE_ASSERT(c.hidden < (int64_t{1} << 31) && c.top_k < (int64_t{1} << 31));
-    FUSEMOE_ASSERT(c.router_partials == nullptr || (c.d_topk_w != nullptr && c.num_n_tiles > 0));
-    // The combine rides on the kernel: a launch that runs none cannot take it.
-    FUSEMOE_ASSERT(rows.max_rows > 0);
-  }
   if (rows.max_rows == 0) {  // every expert is empty
     if (!p.accumulate) {
       FUSEMOE_CUDA_CHECK(cudaMemsetAsync(p.grad, 0, rows.num_experts * p.m * p.n * (p.bf16_grad ? 2 : 4), rows.stream));

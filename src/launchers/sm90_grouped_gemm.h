@@ -136,25 +136,6 @@ struct Sm90DgradScatterParams {
   const void* w3 = nullptr;           // null, or the up weights [E, I, H] bf16
 };
 
-// The fused backward's combine (launch_combine_slots with its router-gradient reduction) run by
-// a weight-gradient launch's idle producer warps (sm90_side_jobs.cuh): out[t] = sum over the
-// slots j with a row of slots[t*K + j], and d_topk_w from router_partials when given.
-struct Sm90SlotCombine {
-  const void* slots = nullptr;             // [T*K, H] bf16
-  const int32_t* slot_row = nullptr;       // [T*K]
-  void* out = nullptr;                     // [T, H] bf16
-  const float* router_partials = nullptr;  // [R, num_n_tiles] fp32, or null
-  int64_t num_n_tiles = 0;
-  float* d_topk_w = nullptr;               // [T*K] fp32 (with router_partials)
-  int64_t num_tokens = 0;                  // T
-  int64_t top_k = 0;
-  int64_t hidden = 0;
-  // The tokens this launch combines (and their slots' router gradients): [token_begin,
-  // token_end), a share of [0, T) (the others go to other launches); empty: no combine.
-  int64_t token_begin = 0;
-  int64_t token_end = 0;
-};
-
 struct Sm90WeightGradParams {
   Sm90Rows rows;                // hidden and intermediate unused: m and n give the shape
   const void* act_m = nullptr;  // [R_max, M] bf16 (dys for dW2, dz for dW13; dz's gate or up half for dW1, dW3)
@@ -167,7 +148,6 @@ struct Sm90WeightGradParams {
   // (experts with no rows untouched).
   bool accumulate = false;
   int64_t act_m_row_stride = 0;  // elements between act_m rows: 0 = M (dense); 2I for a half of dz
-  Sm90SlotCombine combine;       // run beside the GEMM (an empty token range: none)
 };
 
 // The output tile width over I of the dgrad + SwiGLU GEMM: 256 when hidden >= 4096 (its longer

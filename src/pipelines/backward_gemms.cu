@@ -53,23 +53,8 @@ int64_t launch_backward_dgrad(const Sm90Rows& rows, const LayerConfig& c, const 
   return sm90_dgrad_num_n_tiles(rows.intermediate, d1.block_n);
 }
 
-bool launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, void* dw13, void* dw3, void* dw2,
-                                  WeightGradDtype dtype, bool accumulate, const Sm90SlotCombine& combine) {
-  // A launch with no rows runs no kernel (launch_sm90_weight_grad), so it cannot carry the combine.
-  const bool carry = combine.num_tokens > 0 && rows.max_rows > 0 && (dw13 != nullptr || dw2 != nullptr);
-  // The combine's tokens split over the launches in proportion to their tiles (dW2 H x I, dW13
-  // 2I x H, dW1 and dW3 I x H each), so each launch's share takes about as long as its GEMM.
-  const int64_t w2_share = dw2 != nullptr ? 1 : 0;
-  const int64_t w13_share = dw13 == nullptr ? 0 : dw3 == nullptr ? 2 : 1;
-  const int64_t shares = w2_share + (dw3 != nullptr ? 2 * w13_share : w13_share);
-  int64_t taken = 0;  // shares given out so far
-  auto share = [&](int64_t n) {
-    Sm90SlotCombine part = combine;
-    part.token_begin = combine.num_tokens * taken / shares;
-    taken += n;
-    part.token_end = combine.num_tokens * taken / shares;
-    return part;
-  };
+void launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, void* dw13, void* dw3, void* dw2,
+                                  WeightGradDtype dtype, bool accumulate) {
   Sm90WeightGradParams w2g;
   w2g.rows = rows;
   w2g.act_m = b.dys;
@@ -79,19 +64,17 @@ bool launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, v
   w2g.n = rows.intermediate;
   w2g.bf16_grad = dtype == WeightGradDtype::kBFloat16;
   w2g.accumulate = accumulate;
-  if (carry && dw2 != nullptr) w2g.combine = share(w2_share);
   if (dw2 != nullptr) launch_sm90_weight_grad(w2g);
-  if (dw13 == nullptr) return carry;  // frozen gate/up weights
+  if (dw13 == nullptr) return;  // frozen gate/up weights
   Sm90WeightGradParams w13g = w2g;
   w13g.act_m = b.dz;
   w13g.act_n = b.xs;
   w13g.grad = dw13;
   w13g.m = 2 * rows.intermediate;
   w13g.n = rows.hidden;
-  w13g.combine = carry ? share(w13_share) : Sm90SlotCombine{};
   if (dw3 == nullptr) {
     launch_sm90_weight_grad(w13g);
-    return carry;
+    return;
   }
   // dz [R, 2I]: its gate columns for dW1, its up columns for dW3, rows 2I apart.
   const int64_t I = rows.intermediate;
@@ -100,9 +83,7 @@ bool launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, v
   launch_sm90_weight_grad(w13g);
   w13g.act_m = static_cast<const __nv_bfloat16*>(b.dz) + I;
   w13g.grad = dw3;
-  w13g.combine = carry ? share(w13_share) : Sm90SlotCombine{};
   launch_sm90_weight_grad(w13g);
-  return carry;
 }
 
 }  // namespace fusemoe

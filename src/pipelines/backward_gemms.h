@@ -47,11 +47,7 @@ int64_t launch_backward_dgrad(const Sm90Rows& rows, const LayerConfig& config, c
 // dz[:, I:]^T xs into dw3, two launches whose tiles are those of dW13 (I % 128 == 0, checked at the
 // API), so every element is the same sum in the same order. dw2 null skips dW2, dw13 null skips
 // dW13 (frozen weights: BackwardArgs).
-// combine (num_tokens > 0; its token range is set here): the backward's combine of dx, its tokens
-// split over the launches that run, in proportion to their tiles; returns false when no launch ran
-// it (both weights frozen, or no rows), and the caller then launches launch_combine_slots itself.
-// Its slot rows must be complete before the call.
-bool launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, void* dw13, void* dw3, void* dw2,
-                                  WeightGradDtype dtype, bool accumulate, const Sm90SlotCombine& combine = {});
+void launch_backward_weight_grads(const Sm90Rows& rows, const BackwardRows& b, void* dw13, void* dw3, void* dw2,
+                                  WeightGradDtype dtype, bool accumulate);
 
 }  // namespace fusemoe

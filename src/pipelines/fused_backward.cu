@@ -7,10 +7,8 @@
 //   3. recompute z        z = xs W13_e^T (skipped with saved_z)            -> z [R, 2I] bf16
 //   4. dgrad + SwiGLU     a = dys W2_e; dz, w*h, per-tile <h, a>           -> dz, wh, partials
 //   5. dgrad scatter      dxs = dz W13_e written to the slot row dx_slots[t*K + j]
-//   6. combine            dx_t = sum_j dx_slots[t*K + j] in slot order (deterministic), and
-//                         d_topk_w[s] = sum of the row's partials (0 for masked slots): run by step
-//                         7's first launch in its idle producer warps (sm90_side_jobs.cuh), or in a
-//                         launch of its own when both weights are frozen
+//   6. combine            dx_t = sum_j dx_slots[t*K + j] in slot order (deterministic), and in the
+//                         same launch d_topk_w[s] = sum of the row's partials (0 for masked slots)
 //   7. weight gradients   dW2_e = dys^T wh, dW13_e = dz^T xs, one CTA per output tile; each skipped
 //                         when its output is null (frozen weights), and then with saved z and no
 //                         dW13 the x pool is not gathered either
@@ -73,7 +71,6 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
 
   // dw1 with dw3 (separate gate and up gradients), else dw13; null: the gate/up weights are frozen.
   void* gate_up_grads = args.dw3 != nullptr ? args.dw1 : args.dw13;
-  Sm90SlotCombine combine;  // step 6, set once dx's slot rows are launched
   if (num_slots > 0) {
     // x rows feed only the z recompute and dW13.
     const bool need_xs = args.saved_z == nullptr || gate_up_grads != nullptr;
@@ -90,19 +87,13 @@ void fused_backward(const LayerConfig& c, const BackwardArgs& args) {
     d2.row_slot = ws.plan.row_slot;
     d2.dx_slots = ws.dx_slots_SH;
     launch_sm90_dgrad_scatter(d2);
-    // dx, and d_topk_weights from dgrad-1's partials (step 4): step 6, run by the weight
-    // gradients' idle producer warps, or by its own launch where no weight gradient runs.
-    combine = Sm90SlotCombine{ws.dx_slots_SH, ws.plan.slot_row, args.dx, ws.router_partials, num_n_tiles,
-                              args.d_topk_weights, args.num_tokens, c.top_k, H};
+    // dx, and d_topk_weights from dgrad-1's partials (step 4), in one launch.
+    launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream,
+                         RouterGradReduce{ws.router_partials, num_n_tiles, args.d_topk_weights});
   }
   // No rows: zeroed, or untouched when accumulating.
-  if (!launch_backward_weight_grads(rows, b, gate_up_grads, args.dw3, args.dw2, args.weight_grad_dtype,
-                                    args.accumulate_weight_grads, combine) &&
-      combine.num_tokens > 0) {
-    launch_combine_slots(combine.slots, combine.slot_row, combine.num_tokens, combine.top_k, combine.hidden,
-                         combine.out, stream,
-                         RouterGradReduce{combine.router_partials, combine.num_n_tiles, combine.d_topk_w});
-  }
+  launch_backward_weight_grads(rows, b, gate_up_grads, args.dw3, args.dw2, args.weight_grad_dtype,
+                               args.accumulate_weight_grads);
 }
 
 }  // namespace fusemoe

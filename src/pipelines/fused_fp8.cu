@@ -195,7 +195,6 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
   const Sm90Rows rows = rows_problem(c, ws.plan, num_slots, stream);
   // dw1 with dw3 (separate gate and up gradients), else dw13; null: the gate/up weights are frozen.
   void* gate_up_grads = args.dw3 != nullptr ? args.dw1 : args.dw13;
-  Sm90SlotCombine combine;  // set once dx's slot rows are launched
 
   if (num_slots > 0) {
     // dy once per token for dgrad + SwiGLU; in the same pass the plain pools of dy (dW2's operand)
@@ -244,21 +243,15 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
     d2.row_slot = ws.plan.row_slot;
     d2.dx_slots = ws.dx_slots_SH;
     launch_sm90_fp8_dgrad_scatter(d2);
-    // dx, and d_topk_weights from dgrad-1's partials: run by the weight gradients' idle producer
-    // warps (as the BF16 backward's step 6), or by a launch of its own.
-    combine = Sm90SlotCombine{ws.dx_slots_SH, ws.plan.slot_row, args.dx, ws.router_partials,
-                              sm90_dgrad_num_n_tiles(I, kSm90Fp8DgradBlockN), args.d_topk_weights,
-                              args.num_tokens, c.top_k, H};
+    // dx, and d_topk_weights from dgrad-1's partials (step 4), in one launch.
+    const RouterGradReduce router{ws.router_partials, sm90_dgrad_num_n_tiles(I, kSm90Fp8DgradBlockN),
+                                  args.d_topk_weights};
+    launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream, router);
   }
 
   // Weight gradients from the bf16 pools with the BF16 path's step (no rows: zeroed, or untouched).
-  if (!launch_backward_weight_grads(rows, ws.weight_grad_rows(), gate_up_grads, args.dw3, args.dw2,
-                                    args.weight_grad_dtype, args.accumulate_weight_grads, combine) &&
-      combine.num_tokens > 0) {
-    launch_combine_slots(combine.slots, combine.slot_row, combine.num_tokens, combine.top_k, combine.hidden,
-                         combine.out, stream,
-                         RouterGradReduce{combine.router_partials, combine.num_n_tiles, combine.d_topk_w});
-  }
+  launch_backward_weight_grads(rows, ws.weight_grad_rows(), gate_up_grads, args.dw3, args.dw2, args.weight_grad_dtype,
+                               args.accumulate_weight_grads);
 }
 
 }  // namespace fusemoe

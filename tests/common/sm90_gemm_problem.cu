@@ -207,12 +207,11 @@ void Sm90GemmProblem::launch_dgrad_scatter() const {
   launch_sm90_dgrad_scatter({sm90_rows(), dz_in_.get(), w13_.get(), row_slot_.as<int32_t>(), dx_slots_.get()});
 }
 
-void Sm90GemmProblem::launch_weight_grad(WeightGrad which, bool bf16_grad, bool accumulate,
-                                         const Sm90SlotCombine& combine) const {
+void Sm90GemmProblem::launch_weight_grad(WeightGrad which, bool bf16_grad, bool accumulate) const {
   const bool w2 = which == WeightGrad::kW2;
   launch_sm90_weight_grad({sm90_rows(), w2 ? dys_.get() : dz_in_.get(), w2 ? wh_in_.get() : xs_.get(),
                            w2 ? dw2_.get() : dw13_.get(), w2 ? shape_.H : 2 * shape_.I, w2 ? shape_.I : shape_.H,
-                           bf16_grad, accumulate, 0, combine});
+                           bf16_grad, accumulate});
 }
 
 Check Sm90GemmProblem::kept_poison(const std::string& what, const DeviceBuffer& buffer, int64_t row_bytes,
@@ -363,55 +362,6 @@ std::vector<Check> Sm90GemmProblem::check_dgrad_swiglu(int block_n, bool clamp, 
   checks.push_back(kept_poison(what + " wh", wh_, I * 2, row_keep_));
   checks.push_back(kept_poison(what + " router partials", partials_, num_n_tiles * 4, row_keep_));
   if (determinism) checks.push_back(rerun_is_bitwise_equal(what, outputs, launch));
-  return checks;
-}
-
-std::vector<Check> Sm90GemmProblem::check_weight_grad_combine() {
-  std::vector<Check> checks;
-  const int64_t T = shape_.T, K = shape_.K, H = shape_.H;
-  const int64_t num_n_tiles = sm90_dgrad_num_n_tiles(shape_.I, 128);
-  // The inputs: slot rows (slots without a row keep 0xFF) and router partials, as the backward has them.
-  poison_and_launch("dgrad scatter", {&dx_slots_}, [&] { launch_dgrad_scatter(); });
-  poison_and_launch("dgrad + SwiGLU", {&dz_, &wh_, &partials_}, [&] { launch_dgrad_swiglu(128, false); });
-  DeviceBuffer dx_ref(T * H * 2), dtw_ref(T * K * 4), dx(T * H * 2), dtw(T * K * 4);
-  poison_and_launch("combine kernel", {&dx_ref, &dtw_ref}, [&] {
-    launch_combine_slots(dx_slots_.get(), slot_row_.as<int32_t>(), T, K, H, dx_ref.get(), stream_,
-                         RouterGradReduce{partials_.as<float>(), num_n_tiles, dtw_ref.as<float>()});
-  });
-  DeviceBuffer dw2_ref(dw2_.bytes()), dw13_ref(dw13_.bytes());
-  poison_and_launch("weight gradients", {&dw2_, &dw13_}, [&] {
-    launch_weight_grad(WeightGrad::kW2, false, false);
-    launch_weight_grad(WeightGrad::kW13, false, false);
-  });
-  dw2_ref.copy_from(dw2_);
-  dw13_ref.copy_from(dw13_);
-  // Tokens [begin, end) (no slots: none, as the pipeline passes none then).
-  const auto part = [&](int64_t begin, int64_t end) {
-    if (num_slots() == 0) return Sm90SlotCombine{};
-    return Sm90SlotCombine{dx_slots_.get(), slot_row_.as<int32_t>(), dx.get(), partials_.as<float>(), num_n_tiles,
-                           dtw.as<float>(), T, K, H, begin, end};
-  };
-  struct Split {
-    const char* what;
-    int64_t dw2_end;  // dW2 takes tokens [0, dw2_end), dW13 the rest
-  };
-  for (const Split& split : {Split{"dW2 alone", T}, Split{"dW13 alone", 0}, Split{"dW2 a third, dW13 the rest", T / 3}}) {
-    const std::string name = std::string("weight gradients with the dx combine, ") + split.what;
-    poison_and_launch(name.c_str(), {&dw2_, &dw13_, &dx, &dtw}, [&] {
-      launch_weight_grad(WeightGrad::kW2, false, false, part(0, split.dw2_end));
-      launch_weight_grad(WeightGrad::kW13, false, false, part(split.dw2_end, T));
-    });
-    checks.push_back(counted(name + ": the gradients as without it",
-                             count_different_bytes(dw2_.get(), dw2_ref.get(), dw2_.bytes()) +
-                                 count_different_bytes(dw13_.get(), dw13_ref.get(), dw13_.bytes()),
-                             "bytes differ"));
-    if (num_slots() > 0) {
-      checks.push_back(counted(name + ": dx bitwise the combine kernel's",
-                               count_different_bytes(dx.get(), dx_ref.get(), dx.bytes()), "bytes differ"));
-      checks.push_back(counted(name + ": the router gradient bitwise the combine kernel's",
-                               count_different_bytes(dtw.get(), dtw_ref.get(), dtw.bytes()), "bytes differ"));
-    }
-  }
   return checks;
 }
 

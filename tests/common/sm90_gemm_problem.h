@@ -67,9 +67,7 @@ class Sm90GemmProblem {
   void launch_dgrad_swiglu(int block_n, bool clamp) const;
   void launch_router_reduce(int block_n) const;
   void launch_dgrad_scatter() const;
-  // combine: also run the backward's combine of dx_slots in the launch's producer warps.
-  void launch_weight_grad(WeightGrad which, bool bf16_grad, bool accumulate,
-                          const Sm90SlotCombine& combine = {}) const;
+  void launch_weight_grad(WeightGrad which, bool bf16_grad, bool accumulate) const;
   void launch_gather_x() const;  // xs = x gathered by row_slot (library kernel)
 
   // ---- checks: outputs poisoned, launched, compared; `determinism`: launched again on
@@ -84,12 +82,6 @@ class Sm90GemmProblem {
   // values: ref + init in fp32, init + the bf16 gradient rounded once in bf16; experts without
   // rows untouched); overwritten experts without rows are 0.
   std::vector<Check> check_weight_grad(WeightGrad which, bool determinism);
-  // The fp32 overwrite launches that also combine (Sm90WeightGradParams::combine) the slot rows of
-  // dgrad scatter's output (slots without a row keep their 0xFF poison: NaN wherever read), with
-  // dgrad-1's router partials; the tokens all in dW2's launch, all in dW13's, or split between
-  // them: dx and the router gradient bitwise equal to launch_combine_slots' on the same rows, the
-  // gradients bitwise equal to launches without the combine; every output poisoned before.
-  std::vector<Check> check_weight_grad_combine();
 
   // Output buffers, for tests that compare launches with each other.
   const DeviceBuffer& h() const { return h_; }

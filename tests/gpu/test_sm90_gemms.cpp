@@ -7,8 +7,7 @@
 // H and I that are not multiples of the tile widths, H = 128 (2 K-blocks), and the Qwen3 layer
 // dims. Gate/up with the clamp and the z store on and off; dgrad at both tile widths (block_n 128
 // and 256, set explicitly; the pipeline takes sm90_dgrad_block_n(H)); weight gradients fp32 and
-// bf16, overwritten and accumulated; the instances that hold tiles also on 3 and 1 CTAs; the
-// weight gradients with the backward's combine riding on them.
+// bf16, overwritten and accumulated; the instances that hold tiles also on 3 and 1 CTAs.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -146,17 +145,6 @@ TEST_P(Sm90Gemms, WeightGradsOnFewSms) {
     p.set_num_sms(sms);
     expect_checks(p.check_weight_grad(WeightGrad::kW2, /*determinism=*/true));
     expect_checks(p.check_weight_grad(WeightGrad::kW13, /*determinism=*/false));
-  }
-}
-
-// The weight gradients' side job, the backward's combine of dx, on every case, on all SMs and
-// on 1 CTA (its 3 side warps then take every item).
-TEST_P(Sm90Gemms, WeightGradsCombineSlotRows) {
-  Sm90GemmProblem p = make_problem(GetParam());
-  for (int sms : {0, 1}) {
-    std::printf("  %s\n", sms == 0 ? "all SMs" : "1 SM");
-    p.set_num_sms(sms);
-    expect_checks(p.check_weight_grad_combine());
   }
 }
 
