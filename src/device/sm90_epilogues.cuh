@@ -409,6 +409,21 @@ struct DgradSwiGLUParts {
       in.weight[h] = rows.valid[h] ? __ldg(args.topk_weights + __ldg(args.row_slot + rows.row[h])) : 0.0f;
     }
   }
+  // The tile's z rows into L2 (no registers held): lane q takes the 128-byte line q of its rows'
+  // gate and up segments (kBlockN 2-byte columns each: 4 lines at 256, 2 at 128).
+  static constexpr int kLinesPerSegment = kBlockN * 2 / 128;
+  template <class Args>
+  __device__ static void prefetch_z(const Args& args, int32_t I, const AccRows& rows, int32_t n0, int q) {
+    const int32_t col = n0 + 64 * q;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (q < kLinesPerSegment && rows.valid[h] && col < I) {
+        const __nv_bfloat16* g = args.z + static_cast<int64_t>(rows.row[h]) * 2 * I + col;
+        prefetch_l2(g);
+        prefetch_l2(g + I);
+      }
+    }
+  }
   // The first kZAhead chunks (prepare's loads, or the epilogue's own where registers are short in
   // the main loop).
   template <class Args>
@@ -517,6 +532,10 @@ struct DgradSwiGLUEpilogue {
     const int32_t I = s.n_valid;
     const int32_t n0 = tile.n_tile * kBlockN;
     const int q = me.lane % 4;
+    // At width 256 (one chunk ahead) the tile's z rows go to L2 now, so the chunks the loop loads
+    // one ahead come from L2, not DRAM; at the tile's start they were evicted by the main loop's
+    // operands before use (docs/experiments.md#z-into-l2-at-the-epilogue).
+    if constexpr (kBlockN == 256) Parts::prefetch_z(args, I, rows, n0, q);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t r = rows.row[h];

@@ -144,25 +144,13 @@ struct DgradSwiGLUFp8Epilogue {
   };
   using Inputs = typename Parts::Inputs;
   __device__ static void prefetch(const Args&) {}
-  // The main loop (acc 128 + tmp 64) has no registers for z chunks in flight: the tile's z rows
-  // are prefetched into L2 here and loaded by the epilogue, kZAhead chunks ahead, once tmp is dead.
-  // Lane q takes the 128-byte line q of its rows' gate and up segments (kBlockN 2-byte columns
-  // each: 4 lines at 256, 2 at 128).
-  static constexpr int kLinesPerSegment = kBlockN * 2 / 128;
-  __device__ static Inputs prepare(const Args& args, const EpilogueShape& s, const Tile& tile, const AccRows& rows,
-                                   const ConsumerThread& me) {
+  // The main loop (acc 128 + tmp 64) has no registers for z chunks in flight: the epilogue
+  // prefetches the tile's z rows into L2 as it starts and loads them kZAhead chunks ahead, once tmp
+  // is dead (prefetched at the tile's start, the main loop's operands evicted them before use:
+  // docs/experiments.md#z-into-l2-at-the-epilogue).
+  __device__ static Inputs prepare(const Args& args, const EpilogueShape&, const Tile&, const AccRows& rows,
+                                   const ConsumerThread&) {
     Inputs in{};  // z chunks filled by store(); value-initialised so no copy reads indeterminate values
-    const int32_t I = s.n_valid;
-    const int q = me.lane % 4;
-    const int32_t col = tile.n_tile * kBlockN + 64 * q;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (q < kLinesPerSegment && rows.valid[h] && col < I) {
-        const __nv_bfloat16* g = args.z + static_cast<int64_t>(rows.row[h]) * 2 * I + col;
-        prefetch_l2(g);
-        prefetch_l2(g + I);
-      }
-    }
     // The rows' routing weights (two dependent loads each, 2 registers beside the main loop's):
     // loaded here they arrive under the main loop, where store() would wait for them once a tile.
     Parts::load_weights(args, rows, in);
@@ -175,6 +163,7 @@ struct DgradSwiGLUFp8Epilogue {
     const int32_t I = s.n_valid;
     const int32_t n0 = tile.n_tile * kBlockN;
     const int q = me.lane % 4;
+    Parts::prefetch_z(args, I, rows, n0, q);
     Parts::load_z_ahead(args, I, rows, n0, q, in);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
