@@ -16,8 +16,9 @@
 //             5. dgrad of x on W13^T -> bf16 slot rows
 //             6. combine, and the router reduce in the same launch
 //             7. weight gradients from the bf16 pools (the BF16 path's kernels)
-// Scale pools are block-major [K/128, rows_pad] with rows_pad = sm90_fp8_rows_pad(T*K) of the
-// call (sized for max_tokens*K).
+// The pools' scales (h, dz) are block-major [K/128, rows_pad] with rows_pad = sm90_fp8_rows_pad(T*K)
+// of the call (sized for max_tokens*K); those of the token rows the GEMMs gather (x, dy) are
+// token-major [T, H/128].
 #include "pipelines/fused_fp8.h"
 
 #include <array>
