@@ -9,6 +9,7 @@ const char* const kUsage =
     "                     [--routing NAME] [--impl NAME[,NAME...]] [--iters N]\n"
     "                     [--warmup N] [--json PATH] [--seed N] [--no-check]\n"
     "                     [--check-max-tokens N] [--timing MODE] [--warmup-ms MS]\n"
+    "                     [--kernel-times]\n"
     "  --preset            layer shape (default qwen3-30b-a3b: H=2048 I=768 E=128 K=8;\n"
     "                      qwen3-235b-a22b: H=4096 I=1536 E=128 K=8;\n"
     "                      qwen3-next: H=2048 I=512 E=512 K=10;\n"
@@ -37,6 +38,10 @@ const char* const kUsage =
     "  --warmup-ms         warm-up rounds go on until MS milliseconds have passed, per timed\n"
     "                      block (each impl in per-impl timing), after at least --warmup of\n"
     "                      them (default 0: --warmup rounds only)\n"
+    "  --kernel-times      after each case's timings, each implementation's fwd+bwd calls (bf16\n"
+    "                      weight gradients) again, --iters of them after --warmup, with CUPTI's\n"
+    "                      kernel records: each kernel's time inside the layer, at the clock the\n"
+    "                      power cap leaves it (libcupti loaded at run time; FUSEMOE_CUPTI_LIB)\n"
     "exit: 0 ok, 1 correctness failure, 2 bad arguments, 3 no Hopper GPU, 4 runtime error\n";
 
 const char* timing_mode_name(TimingMode mode) {
@@ -153,6 +158,9 @@ BenchParams parse_args(int argc, char** argv) {
       params.check_max_tokens = parse_int(flag.name, flag.value(), 0);
     } else if (flag.name == "--warmup-ms") {
       params.warmup_ms = static_cast<double>(parse_int(flag.name, flag.value(), 0));
+    } else if (flag.name == "--kernel-times") {
+      if (flag.has_inline_value) throw UsageError{"--kernel-times takes no value"};
+      params.kernel_times = true;
     } else if (flag.name == "--timing") {
       const std::string mode = flag.value();
       if (mode == "interleaved") {

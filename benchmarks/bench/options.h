@@ -105,6 +105,9 @@ struct BenchParams : SharedOptions {
   double warmup_ms = 0.0;
   // Token counts above this are timed but not checked (the fp32 reference is slow at 235B).
   int64_t check_max_tokens = std::numeric_limits<int64_t>::max();
+  // After each case's timings: its calls again under CUPTI, each kernel's time inside the layer
+  // (bench/kernel_times.h).
+  bool kernel_times = false;
 };
 
 // A bad command line; an empty message asks for the usage text (--help).

@@ -79,6 +79,22 @@ void print_case(const BenchParams& params, const BenchResult& result, const Case
     std::printf("  clocks while %s was timed alone: %s\n", params.impls[i].name,
                 harness::describe(c.impl_clocks[i]).c_str());
   }
+  if (c.kernel_times_status.empty()) return;
+  if (c.kernel_times_status != "traced") {
+    std::printf("kernels inside the layer: %s\n", c.kernel_times_status.c_str());
+    return;
+  }
+  std::printf("kernels inside the layer (CUPTI records of %d calls after %d untraced, each: L2 flush, forward, "
+              "backward with bf16 weight gradients; median us over the calls):\n",
+              params.iters, params.warmup);
+  for (const PassKernels& pass : c.kernel_times) {
+    std::printf("  %s %s: %zu kernels, their sum %.1f, first start to last end %.1f\n", pass.impl.c_str(),
+                pass.pass.c_str(), pass.kernels.size(), pass.kernels_median_us, pass.span_median_us);
+    if (!pass.note.empty()) std::printf("    (%s)\n", pass.note.c_str());
+    for (const KernelTime& k : pass.kernels) {
+      std::printf("    %-60s %9.1f  (min %.1f, max %.1f)\n", k.short_name.c_str(), k.median_us, k.min_us, k.max_us);
+    }
+  }
 }
 
 namespace {
@@ -114,6 +130,29 @@ Json case_json(const BenchParams& params, const CaseResult& c) {
   out.update(routing_json(c.routing, params.preset.num_experts));
   out.update(Json{{"check_status", c.check_status}, {"checks", checks}, {"timings", timings},
                   {"clocks", clocks_json(c.clocks)}});
+  if (!c.kernel_times_status.empty()) {
+    Json passes = Json::array();
+    for (const PassKernels& pass : c.kernel_times) {
+      Json kernels = Json::array();
+      for (const KernelTime& k : pass.kernels) {
+        kernels.push_back({{"name", k.name},
+                           {"short_name", k.short_name},
+                           {"per_call", k.count},
+                           {"us_median", k.median_us},
+                           {"us_min", k.min_us},
+                           {"us_max", k.max_us}});
+      }
+      passes.push_back({{"impl", pass.impl},
+                        {"pass", pass.pass},
+                        {"weight_grad_dtype", pass.wgrad},
+                        {"calls", pass.calls},
+                        {"kernels_us_median", pass.kernels_median_us},
+                        {"span_us_median", pass.span_median_us},
+                        {"note", pass.note},
+                        {"kernels", kernels}});
+    }
+    out["kernel_times"] = {{"status", c.kernel_times_status}, {"passes", passes}};
+  }
   if (!c.impl_clocks.empty()) {
     Json by_impl = Json::object();
     for (size_t i = 0; i < c.impl_clocks.size() && i < params.impls.size(); ++i) {

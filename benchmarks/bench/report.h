@@ -8,6 +8,7 @@
 
 #include "bench/cublas.h"
 #include "bench/facts.h"
+#include "bench/kernel_times.h"
 #include "bench/memory.h"
 #include "bench/options.h"
 #include "common/gpu_clocks.h"
@@ -49,6 +50,9 @@ struct CaseResult {
   harness::ClockSummary clocks;  // the GPU's clocks while the timings ran
   // --timing per-impl: each implementation's clocks while it was timed, in params.impls' order.
   std::vector<harness::ClockSummary> impl_clocks;
+  // --kernel-times: "traced", or why not ("not traced: ...", "failed: ..."); empty when not asked.
+  std::string kernel_times_status;
+  std::vector<PassKernels> kernel_times;  // per implementation: forward, then backward
 };
 
 struct BenchResult {

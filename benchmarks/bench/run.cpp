@@ -5,8 +5,10 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 
 #include "bench/checks.h"
+#include "bench/kernel_times.h"
 #include "common/call_inputs.h"
 #include "common/device_checks.h"
 #include "common/gpu_clocks.h"
@@ -157,6 +159,68 @@ std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, 
     }
   }
   return lines;
+}
+
+// --kernel-times: each implementation's calls again as fwd+bwd is timed (L2 flush, forward,
+// backward with bf16 weight gradients), `warmup` untraced then `iters` traced, one tag per pass
+// and call; the kernels of each pass from CUPTI's records. After the timings, so CUPTI's
+// bookkeeping never touches a timed call.
+void trace_kernels(const TimingContext& ctx, int64_t num_tokens, const std::string& label, CaseResult* c) {
+  std::string why;
+  const std::unique_ptr<KernelTracer> tracer = KernelTracer::start(&why);
+  if (!tracer) {
+    c->kernel_times_status = "not traced: " + why;
+    std::fprintf(stderr, "[bench] %s: kernels not traced: %s\n", label.c_str(), why.c_str());
+    return;
+  }
+  try {
+    for (size_t i = 0; i < ctx.params.impls.size(); ++i) {
+      const BenchImpl& impl = ctx.params.impls[i];
+      const DeviceBuffer& workspace = ctx.workspaces[i];
+      std::fprintf(stderr, "[bench] %s: tracing the kernels of %s ...\n", label.c_str(), impl.name);
+      std::vector<uint64_t> forward_tags, backward_tags;
+      for (int call = 0; call < ctx.params.warmup + ctx.params.iters; ++call) {
+        const bool traced = call >= ctx.params.warmup;
+        const uint64_t tag = (static_cast<uint64_t>(i) << 32) | (static_cast<uint64_t>(call) << 1);
+        ctx.timer.flush_l2(call);
+        if (traced) tracer->push(tag);
+        run_forward(ctx.config, impl, ctx.inputs, ctx.outputs, workspace, num_tokens, ctx.stream);
+        if (traced) tracer->pop();
+        if (traced) forward_tags.push_back(tag);
+        if (!impl.has_backward) continue;
+        if (traced) tracer->push(tag | 1);
+        run_backward(ctx.config, impl, ctx.inputs, ctx.outputs, workspace, num_tokens, WeightGradDtype::kBFloat16,
+                     ctx.stream);
+        if (traced) tracer->pop();
+        if (traced) backward_tags.push_back(tag | 1);
+      }
+      uint64_t dropped = 0, untagged = 0;
+      const std::vector<KernelRecord> records = tracer->take(&dropped, &untagged);
+      if (dropped > 0) throw std::runtime_error("CUPTI dropped " + std::to_string(dropped) + " records");
+      // Every traced call launches kernels (T > 0): none tagged means the tags did not reach them.
+      if (records.empty() && num_tokens > 0) {
+        throw std::runtime_error("no kernel record carried a call's tag (" + std::to_string(untagged) +
+                                 " kernel records without one)");
+      }
+      PassKernels forward_kernels = summarize_pass(records, forward_tags);
+      forward_kernels.impl = impl.name;
+      forward_kernels.pass = "forward";
+      forward_kernels.wgrad = "-";
+      c->kernel_times.push_back(forward_kernels);
+      if (impl.has_backward) {
+        PassKernels backward_kernels = summarize_pass(records, backward_tags);
+        backward_kernels.impl = impl.name;
+        backward_kernels.pass = "backward";
+        backward_kernels.wgrad = wgrad_name(WeightGradDtype::kBFloat16);
+        c->kernel_times.push_back(backward_kernels);
+      }
+    }
+  } catch (const std::exception& e) {
+    c->kernel_times_status = std::string("failed: ") + e.what();
+    std::fprintf(stderr, "[bench] %s: kernel tracing failed: %s\n", label.c_str(), e.what());
+    return;
+  }
+  c->kernel_times_status = "traced";
 }
 
 }  // namespace
@@ -349,6 +413,7 @@ bool run_bench(const BenchParams& params, BenchResult& result) {
       c.timings = time_case(ctx, num_tokens, c.routing.valid_rows, label, &c.impl_clocks);
       c.clocks = sampler.stop();
     }
+    if (params.kernel_times) trace_kernels(ctx, num_tokens, label, &c);
     print_case(params, result, c);
     std::fflush(stdout);
   }

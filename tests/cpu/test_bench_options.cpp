@@ -88,6 +88,14 @@ TEST(BenchOptions, WarmupMilliseconds) {
   EXPECT_THROW(parse({"--warmup-ms", "2s"}), UsageError);
 }
 
+// --kernel-times: off by default, a switch without a value.
+TEST(BenchOptions, KernelTimes) {
+  EXPECT_FALSE(parse({}).kernel_times);
+  EXPECT_TRUE(parse({"--kernel-times"}).kernel_times);
+  EXPECT_THROW(parse({"--kernel-times=yes"}), UsageError);
+  EXPECT_NE(std::strstr(kUsage, "--kernel-times"), nullptr);
+}
+
 // This file's own sum of what run_bench holds: inputs, outputs (fp32-sized weight gradients),
 // saved z, a workspace per impl, the reference's workspace and outputs at the checked T.
 size_t expected_bytes(const BenchParams& p, int64_t max_tokens, int64_t checked_tokens) {
