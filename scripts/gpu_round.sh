@@ -21,6 +21,8 @@
 # PYTEST_TIMEOUT_S (420), BENCH_TIMING (unset: fusemoe_bench's default, per-impl, each
 # implementation timed alone at the clock it holds under the power cap; interleaved: the method
 # before 2026-12-03; builds before --timing existed take neither and refuse the flag),
+# BENCH_KERNEL_TIMES (unset: off; 1: fusemoe_bench --kernel-times in every fusemoe_bench step, each
+# kernel's time inside the layer after the timings, in results.json and summary.md),
 # BENCH_WARMUP_MS (unset: --warmup rounds only; N: fusemoe_bench --warmup-ms N, each implementation
 # warmed for at least N ms before it is timed).
 # Measured on the H200 (2026-12-01): benchmarks without Liger ~1.5 min, Liger up to LIGER_TIMEOUT_S more, pytest 4.7 min; GPU tests 6.9 min, the four sanitizers 6 min
@@ -231,7 +233,7 @@ for spec in "${CASES[@]}"; do
   # shellcheck disable=SC2086  # $extra and $torch_extra are lists of flags
   bench_step "fusemoe_bench $id" "$BENCH" --preset "$preset" --routing "$routing" --tokens "$tokens" \
     --iters "$ITERS" --warmup "$WARMUP" ${BENCH_TIMING:+--timing "$BENCH_TIMING"} \
-    ${BENCH_WARMUP_MS:+--warmup-ms "$BENCH_WARMUP_MS"} \
+    ${BENCH_WARMUP_MS:+--warmup-ms "$BENCH_WARMUP_MS"} ${BENCH_KERNEL_TIMES:+--kernel-times} \
     --json "$PARTS/${STEP_NUM}_fusemoe_$id.json" $extra
   # shellcheck disable=SC2086
   bench_step "torch_baseline $id" python3 benchmarks/torch_baseline.py --preset "$preset" \
@@ -247,7 +249,7 @@ for spec in "qwen3-next|16384" "deepseek-v3|8192"; do
   STEP_NUM=$((STEP_NUM + 1))
   bench_step "fusemoe_bench $preset" "$BENCH" --preset "$preset" --tokens "$tokens" --impl fused_saved_z \
     --iters "$ITERS" --warmup "$WARMUP" ${BENCH_TIMING:+--timing "$BENCH_TIMING"} \
-    ${BENCH_WARMUP_MS:+--warmup-ms "$BENCH_WARMUP_MS"} \
+    ${BENCH_WARMUP_MS:+--warmup-ms "$BENCH_WARMUP_MS"} ${BENCH_KERNEL_TIMES:+--kernel-times} \
     --json "$PARTS/${STEP_NUM}_fusemoe_$preset.json"
 done
 

@@ -17,9 +17,12 @@ from bound_table import role  # noqa: E402
 
 
 def label_of(name):
-    """bound_table's role of a kernel name as the C++ ABI demangles it (bool template arguments as
-    false/true; Nsight Compute, which role() was written for, prints 0/1)."""
-    return role(re.sub(r"\btrue\b", "1", re.sub(r"\bfalse\b", "0", name))) or name.split("(")[0][-40:]
+    """bound_table's role of a kernel name as the C++ ABI demangles it: bool template arguments as
+    false/true and enum ones as (fusemoe::sm90::RowDestination)1, where Nsight Compute, which role()
+    was written for, prints 0/1 and 1."""
+    name = re.sub(r"\btrue\b", "1", re.sub(r"\bfalse\b", "0", name))
+    name = re.sub(r"\([\w:]+\)(\d+)", r"\1", name)
+    return role(name) or name.split("(")[0][-40:]
 
 
 def rows_of(path):

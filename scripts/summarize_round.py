@@ -21,6 +21,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_times_table import label_of  # noqa: E402
 from torch_timings import FP8_IMPL, baseline_by_pass, is_baseline  # noqa: E402
 
 PASS_ORDER = ["forward", "backward", "forward+backward"]
@@ -184,6 +186,16 @@ def render_case(key, entry, lines):
                              f"{fmt(c.get('rel_err'), '.2e')} | {fmt(c.get('max_abs_err'), '.2e')} | "
                              f"{fmt(c.get('calc_diff'), '.2e')} | {nonfinite} | "
                              f"{'pass' if c.get('pass') else '**FAIL**'} |")
+        lines.append("")
+    # fusemoe_bench --kernel-times (the round's BENCH_KERNEL_TIMES=1): each kernel inside the layer.
+    traced = (f_case or {}).get("kernel_times")
+    if traced:
+        lines.append(f"Kernels inside the layer (fusemoe_bench --kernel-times, median µs over the traced calls): "
+                     f"{traced.get('status')}")
+        for p in traced.get("passes", []):
+            parts = "; ".join(f"{label_of(k['name'])} {k['us_median']:.0f}" for k in p.get("kernels", []))
+            lines.append(f"- {p['impl']} {p['pass']} ({p.get('weight_grad_dtype')} weight grads): "
+                         f"{p.get('kernels_us_median', 0):.0f} = {parts}")
         lines.append("")
 
 

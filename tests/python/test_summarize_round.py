@@ -1,6 +1,8 @@
 """scripts/summarize_round.py on a round whose parts ran no benchmark (ROUND_PARTS=sanitizers): the
 summary takes its date, commit and GPU from the round's own record (round.tsv) instead of printing
-None, and a failed sanitizer still fails the round. No GPU and no PyTorch needed."""
+None, and a failed sanitizer still fails the round; and on a fusemoe_bench part with --kernel-times:
+its in-layer kernel times listed under the case. No GPU and no PyTorch needed."""
+import json
 import os
 import subprocess
 import sys
@@ -9,9 +11,11 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SCRIPT = os.path.join(REPO, "scripts", "summarize_round.py")
 
 
-def run_summary(tmp_path, steps, round_rows):
+def run_summary(tmp_path, steps, round_rows, bench=None):
     parts = tmp_path / "parts"
     parts.mkdir()
+    if bench is not None:
+        (parts / "1_fusemoe_30b.json").write_text(json.dumps(bench))
     (parts / "steps.tsv").write_text("".join(f"{n}\t{rc}\t{s}\t{note}\n" for n, rc, s, note in steps))
     if round_rows is not None:
         (parts / "round.tsv").write_text("".join(f"{k}\t{v}\n" for k, v in round_rows))
@@ -46,3 +50,20 @@ def test_round_without_its_record_says_so(tmp_path):
     # Parts from before round.tsv existed: the header says None rather than inventing a commit.
     summary = run_summary(tmp_path, SANITIZERS_ONLY, None)
     assert "- date None, commit `None`" in summary
+
+
+def test_kernel_times_are_listed_under_their_case(tmp_path):
+    gemm = "void fusemoe::sm90::sm90_grouped_gemm_kernel<fusemoe::sm90::GroupedGemm<{}> >(int)"
+    kernels = [{"name": gemm.format("GatheredTokenRowsA, SwiGLUEpilogue<256, false, true>"), "us_median": 1481.4},
+               {"name": gemm.format("PoolRowsA, RowStoreEpilogue<256, true, (fusemoe::sm90::RowDestination)1>"),
+                "us_median": 718.2}]
+    case = {"tokens": 16384, "valid_rows": 131072, "timings": [], "check_status": "skipped (--no-check)",
+            "kernel_times": {"status": "traced", "passes": [
+                {"impl": "fused_saved_z", "pass": "forward", "weight_grad_dtype": "-", "kernels_us_median": 2199.6,
+                 "kernels": kernels}]}}
+    bench = {"tool": "fusemoe_bench", "meta": {"preset": "qwen3-30b-a3b", "routing": "uniform"},
+             "ceiling": {"tflops": 780.0}, "cases": [case]}
+    steps = [("fusemoe_bench 30b-uniform", 0, 30, "")]
+    summary = run_summary(tmp_path, steps, ROUND, bench)
+    assert "Kernels inside the layer (fusemoe_bench --kernel-times" in summary
+    assert "- fused_saved_z forward (- weight grads): 2200 = gate/up 1481; down 718" in summary
