@@ -16,13 +16,41 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bound_table import role  # noqa: E402
 
 
-def label_of(name):
+def label_of(name, fallback=None):
     """bound_table's role of a kernel name as the C++ ABI demangles it: bool template arguments as
     false/true and enum ones as (fusemoe::sm90::RowDestination)1, where Nsight Compute, which role()
-    was written for, prints 0/1 and 1."""
-    name = re.sub(r"\btrue\b", "1", re.sub(r"\bfalse\b", "0", name))
-    name = re.sub(r"\([\w:]+\)(\d+)", r"\1", name)
-    return role(name) or name.split("(")[0][-40:]
+    was written for, prints 0/1 and 1. Kernels of no role (cuBLAS's, in the unfused path) go by
+    `fallback` (the bench's short name), else the end of their name."""
+    normalized = re.sub(r"\btrue\b", "1", re.sub(r"\bfalse\b", "0", name))
+    normalized = re.sub(r"\([\w:]+\)(\d+)", r"\1", normalized)
+    return role(normalized) or fallback or name.split("(")[0][-40:]
+
+
+def pass_labels(kernels):
+    """The labels of one pass's kernels in launch order: a role seen twice is numbered, except the
+    bf16 weight gradients, dW2 then dW13 (the backward's order)."""
+    labels, seen = [], {}
+    for k in kernels:
+        label = label_of(k["name"], k.get("short_name"))
+        count = seen.get(label, 0)
+        seen[label] = count + 1
+        if label == "dW bf16":
+            label = "dW2" if count == 0 else "dW13"
+        elif count:
+            label = f"{label} ({count + 1})"
+        labels.append(label)
+    return labels
+
+
+def grouped_labels(kernels):
+    """[(label, count, us)] of one pass, the kernels of one role summed in order of first launch:
+    for the passes of hundreds of launches (the unfused path's per-expert cuBLAS GEMMs)."""
+    groups = {}
+    for k in kernels:
+        label = label_of(k["name"], k.get("short_name"))
+        count, us = groups.get(label, (0, 0.0))
+        groups[label] = (count + 1, us + k["us_median"])
+    return [(label, count, us) for label, (count, us) in groups.items()]
 
 
 def rows_of(path):
@@ -36,17 +64,7 @@ def rows_of(path):
         if not traced or traced.get("status") != "traced":
             continue
         for p in traced["passes"]:
-            seen = {}
-            for k in p["kernels"]:
-                label = label_of(k["name"])
-                if label == "dW bf16":
-                    label = "dW2" if seen.get(label, 0) == 0 else "dW13"
-                    seen["dW bf16"] = seen.get("dW bf16", 0) + 1
-                else:
-                    count = seen.get(label, 0)
-                    seen[label] = count + 1
-                    if count:
-                        label = f"{label} ({count + 1})"
+            for label, k in zip(pass_labels(p["kernels"]), p["kernels"]):
                 rows[(f"{preset} T={case['tokens']}", p["impl"], p["pass"], label)] = k["us_median"]
             rows[(f"{preset} T={case['tokens']}", p["impl"], p["pass"], "(kernels' sum)")] = p["kernels_us_median"]
     return rows

@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_times_table import label_of  # noqa: E402
+from kernel_times_table import grouped_labels, pass_labels  # noqa: E402
 from torch_timings import FP8_IMPL, baseline_by_pass, is_baseline  # noqa: E402
 
 PASS_ORDER = ["forward", "backward", "forward+backward"]
@@ -193,7 +193,12 @@ def render_case(key, entry, lines):
         lines.append(f"Kernels inside the layer (fusemoe_bench --kernel-times, median µs over the traced calls): "
                      f"{traced.get('status')}")
         for p in traced.get("passes", []):
-            parts = "; ".join(f"{label_of(k['name'])} {k['us_median']:.0f}" for k in p.get("kernels", []))
+            kernels = p.get("kernels", [])
+            if len(kernels) <= 16:
+                parts = "; ".join(f"{label} {k['us_median']:.0f}" for label, k in zip(pass_labels(kernels), kernels))
+            else:  # hundreds of launches (the unfused path): each role's sum and count
+                parts = "; ".join(f"{label} {us:.0f}" + (f" ({count} launches)" if count > 1 else "")
+                                  for label, count, us in grouped_labels(kernels))
             lines.append(f"- {p['impl']} {p['pass']} ({p.get('weight_grad_dtype')} weight grads): "
                          f"{p.get('kernels_us_median', 0):.0f} = {parts}")
         lines.append("")

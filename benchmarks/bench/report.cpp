@@ -1,9 +1,12 @@
 #include "bench/report.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <utility>
+#include <vector>
 #include <nlohmann/json.hpp>
 
 #include "bench/checks.h"
@@ -19,6 +22,9 @@ const char* pass_name(Pass pass) { return kPassNames[static_cast<int>(pass)]; }
 int flops_per_row_in_hi(Pass pass) { return kFlopsPerRowInHi[static_cast<int>(pass)]; }
 
 namespace {
+// A pass's kernels one line each up to this many, else grouped by name (--kernel-times).
+constexpr size_t kMaxKernelLines = 24;
+
 // ", at least N ms per implementation" (or "of the interleaved rounds": the one timed block) when
 // --warmup-ms asks for a minimum warm-up time, else nothing; as scripts/summarize_round.py says it.
 std::string warmup_ms_note(const BenchParams& params) {
@@ -91,8 +97,22 @@ void print_case(const BenchParams& params, const BenchResult& result, const Case
     std::printf("  %s %s: %zu kernels, their sum %.1f, first start to last end %.1f\n", pass.impl.c_str(),
                 pass.pass.c_str(), pass.kernels.size(), pass.kernels_median_us, pass.span_median_us);
     if (!pass.note.empty()) std::printf("    (%s)\n", pass.note.c_str());
+    if (pass.kernels.size() <= kMaxKernelLines) {
+      for (const KernelTime& k : pass.kernels) {
+        std::printf("    %-60s %9.1f  (min %.1f, max %.1f)\n", k.short_name.c_str(), k.median_us, k.min_us, k.max_us);
+      }
+      continue;
+    }
+    // Hundreds of launches (the unfused path's per-expert GEMMs): each name's sum and count.
+    std::vector<std::pair<std::string, std::pair<int, double>>> groups;
     for (const KernelTime& k : pass.kernels) {
-      std::printf("    %-60s %9.1f  (min %.1f, max %.1f)\n", k.short_name.c_str(), k.median_us, k.min_us, k.max_us);
+      auto group = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == k.short_name; });
+      if (group == groups.end()) group = groups.insert(groups.end(), {k.short_name, {0, 0.0}});
+      group->second.first += 1;
+      group->second.second += k.median_us;
+    }
+    for (const auto& [name, group] : groups) {
+      std::printf("    %-60s %9.1f  (%d launches)\n", name.c_str(), group.second, group.first);
     }
   }
 }

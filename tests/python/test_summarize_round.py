@@ -64,6 +64,11 @@ def test_kernel_times_are_listed_under_their_case(tmp_path):
     bench = {"tool": "fusemoe_bench", "meta": {"preset": "qwen3-30b-a3b", "routing": "uniform"},
              "ceiling": {"tflops": 780.0}, "cases": [case]}
     steps = [("fusemoe_bench 30b-uniform", 0, 30, "")]
+    # The unfused path's per-expert cuBLAS launches: one entry per kernel name, summed and counted.
+    per_expert = [{"name": "void cublas_gemm_kernel<128>(int)", "short_name": "cublas_gemm_kernel", "us_median": 5.0}]
+    case["kernel_times"]["passes"].append({"impl": "unfused", "pass": "backward", "weight_grad_dtype": "bf16",
+                                           "kernels_us_median": 100.0, "kernels": per_expert * 20})
     summary = run_summary(tmp_path, steps, ROUND, bench)
     assert "Kernels inside the layer (fusemoe_bench --kernel-times" in summary
     assert "- fused_saved_z forward (- weight grads): 2200 = gate/up 1481; down 718" in summary
+    assert "- unfused backward (bf16 weight grads): 100 = cublas_gemm_kernel 100 (20 launches)" in summary
