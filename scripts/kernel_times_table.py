@@ -5,8 +5,9 @@ kernel of each (case, implementation, pass), labelled by its part of the layer (
 one column per run (median us over the traced calls); with two or more runs, each later run's
 ratio to the first. Runs of two builds alternated (A, B, A, B) read as the builds' spread.
 
-Usage: python3 scripts/kernel_times_table.py NAME=RUN.json [NAME=RUN.json ...]  (prints Markdown)
-Exit 2 when a file holds no traced kernel times."""
+Usage: python3 scripts/kernel_times_table.py NAME=RUN.json[,RUN.json...] [NAME=...]  (prints Markdown;
+the files of one NAME, e.g. one build's cases, make one column). Exit 2 when a column holds no traced
+kernel times."""
 import json
 import os
 import re
@@ -73,10 +74,13 @@ def rows_of(path):
 def main():
     runs = []
     for arg in sys.argv[1:]:
-        name, _, path = arg.partition("=")
-        if not path:
-            name, path = os.path.basename(arg), arg
-        runs.append((name, rows_of(path)))
+        name, _, paths = arg.partition("=")
+        if not paths:
+            name, paths = os.path.basename(arg), arg
+        rows = {}
+        for path in paths.split(","):
+            rows.update(rows_of(path))
+        runs.append((name, rows))
     if not runs or any(not rows for _, rows in runs):
         print("usage: kernel_times_table.py NAME=RUN.json ... (each written by fusemoe_bench --kernel-times "
               "--json)", file=sys.stderr)
