@@ -112,7 +112,8 @@ void print_case(const BenchParams& params, const BenchResult& result, const Case
       group->second.second += k.median_us;
     }
     for (const auto& [name, group] : groups) {
-      std::printf("    %-60s %9.1f  (%d launches)\n", name.c_str(), group.second, group.first);
+      std::printf("    %-60s %9.1f  (%d launch%s)\n", name.c_str(), group.second, group.first,
+                  group.first == 1 ? "" : "es");
     }
   }
 }
