@@ -38,6 +38,7 @@ K top-k, S = T K slots, N rows a rank receives.
 import argparse
 import datetime
 import json
+import math
 import os
 import socket
 import statistics
@@ -191,6 +192,12 @@ def outputs(forward, weights, p):
     return [y.detach(), x.grad, w.grad] + [t.grad for t in weights]
 
 
+def worst_error(errors):
+    """The largest of the ranks' errors, NaN if any is NaN (max() keeps its first argument when
+    compared with NaN, so a NaN on a later rank would vanish)."""
+    return math.nan if any(math.isnan(e) for e in errors) else max(errors)
+
+
 def check(layer_map, p):
     """Relative L2 of the baseline's outputs against fusemoe's, the worst over the ranks."""
     names = ("y", "dx", "d_topk_weights", "dw13", "dw2")
@@ -199,7 +206,7 @@ def check(layer_map, p):
     errors = {n: rel_err(a, b) for n, a, b in zip(names, got, ref)}
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, errors)
-    return {n: max(e[n] for e in per_rank) for n in names}
+    return {n: worst_error([e[n] for e in per_rank]) for n in names}
 
 
 def time_pass(forward, weights, p, pass_name, args, device, flush_BY):

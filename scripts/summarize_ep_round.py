@@ -64,7 +64,9 @@ def main():
             continue
         with open(path) as f:
             result = json.load(f)
-        worst = max(result["check"].values()) if result.get("check") else float("nan")
+        errors = list((result.get("check") or {}).values())
+        # NaN if any output's error is (max() would keep a number compared before it).
+        worst = float("nan") if not errors or any(e != e for e in errors) else max(errors)
         if not result["timings"]:
             print(f"| {preset} | {routing} | {per_gpu} | - | not timed (check failed) | | | | | | {worst:.2e} |")
             ok = False

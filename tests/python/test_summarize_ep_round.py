@@ -88,3 +88,14 @@ def test_round_refuses_a_host_without_two_gpus(tmp_path):
                        env=dict(os.environ, PATH="/usr/bin:/bin"))
     assert r.returncode == 2, r.stdout + r.stderr
     assert "this round needs a GPU per rank" in r.stdout
+
+
+def test_check_column_shows_nan_wherever_it_stands(tmp_path):
+    # A NaN error after a finite one: max() alone would keep the finite one.
+    result = ep_result(timed=False)
+    result["check"] = dict(CHECK, dw2=float("nan"))
+    write_round(tmp_path, result)
+    r = run(tmp_path)
+    assert r.returncode == 1, r.stdout
+    row = next(line for line in r.stdout.splitlines() if "not timed (check failed)" in line)
+    assert row.rstrip().endswith("| nan |"), row
