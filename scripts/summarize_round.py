@@ -130,6 +130,7 @@ def render_case(key, entry, lines):
     clocks = (f_case or {}).get("clocks") or {}
     if clocks.get("samples", 0) > 0:
         mode = {"per-impl": " Timed implementation after implementation (--timing per-impl):",
+                "per-pass": " Timed pass after pass, each (pass, implementation) in a block of its own (--timing per-pass):",
                 "interleaved": " Timed interleaved (--timing interleaved): the implementations share one clock."}
         lines.append(f"fusemoe timed at {describe_clocks(clocks)}."
                      + mode.get((f_meta or {}).get("timing"), ""))

@@ -36,6 +36,10 @@ struct PassKernels {
   std::vector<KernelTime> kernels;
   double kernels_median_us = 0;  // median over the calls of the sum of the kernels' times
   double span_median_us = 0;     // median over the calls of first kernel start to last kernel end
+  // Median over the same calls of the CUDA events around the pass, as the timed loop records them
+  // (0: not recorded). Event minus span is the pass's time outside its kernels (before the first,
+  // after the last); span minus the sum, the gaps between them.
+  double event_median_us = 0;
   std::string note;              // set when the calls ran different kernel sequences
 };
 

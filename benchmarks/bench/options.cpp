@@ -34,7 +34,8 @@ const char* const kUsage =
     "  --timing            per-impl: implementation after implementation, each with its own\n"
     "                      warm-up and clock line, at the clock it holds alone under the power\n"
     "                      cap (default); interleaved: every (pass, impl) in one round per\n"
-    "                      iteration (the cooler impls then lend the others clock)\n"
+    "                      iteration (the cooler impls then lend the others clock); per-pass:\n"
+    "                      every (pass, impl) in a block of its own, with its own warm-up\n"
     "  --warmup-ms         warm-up rounds go on until MS milliseconds have passed, per timed\n"
     "                      block (each impl in per-impl timing), after at least --warmup of\n"
     "                      them (default 0: --warmup rounds only)\n"
@@ -45,7 +46,11 @@ const char* const kUsage =
     "exit: 0 ok, 1 correctness failure, 2 bad arguments, 3 no Hopper GPU, 4 runtime error\n";
 
 const char* timing_mode_name(TimingMode mode) {
-  return mode == TimingMode::kInterleaved ? "interleaved" : "per-impl";
+  switch (mode) {
+    case TimingMode::kInterleaved: return "interleaved";
+    case TimingMode::kPerPass: return "per-pass";
+    default: return "per-impl";
+  }
 }
 
 int64_t parse_int(const std::string& flag, const std::string& text, int64_t min_value) {
@@ -167,8 +172,10 @@ BenchParams parse_args(int argc, char** argv) {
         params.timing = TimingMode::kInterleaved;
       } else if (mode == "per-impl") {
         params.timing = TimingMode::kPerImplementation;
+      } else if (mode == "per-pass") {
+        params.timing = TimingMode::kPerPass;
       } else {
-        throw UsageError{"unknown --timing '" + mode + "' (known: interleaved per-impl)"};
+        throw UsageError{"unknown --timing '" + mode + "' (known: interleaved per-impl per-pass)"};
       }
     } else {
       throw UsageError{"unknown argument '" + flag.name + "'"};

@@ -94,7 +94,7 @@ struct SharedOptions {
 // kInterleaved: one round of every (pass, implementation) per iteration; the cooler
 // implementations (unfused) then lend the others clock: fused_saved_z read 10% faster that way at
 // 30B T=16384 (docs/perf.md#method).
-enum class TimingMode { kInterleaved, kPerImplementation };
+enum class TimingMode { kInterleaved, kPerImplementation, kPerPass };
 const char* timing_mode_name(TimingMode mode);
 
 struct BenchParams : SharedOptions {

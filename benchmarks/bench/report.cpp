@@ -94,8 +94,9 @@ void print_case(const BenchParams& params, const BenchResult& result, const Case
               "backward with bf16 weight gradients; median us over the calls):\n",
               params.iters, params.warmup);
   for (const PassKernels& pass : c.kernel_times) {
-    std::printf("  %s %s: %zu kernels, their sum %.1f, first start to last end %.1f\n", pass.impl.c_str(),
-                pass.pass.c_str(), pass.kernels.size(), pass.kernels_median_us, pass.span_median_us);
+    std::printf("  %s %s: %zu kernels, their sum %.1f, first start to last end %.1f, events around the pass %.1f\n",
+                pass.impl.c_str(), pass.pass.c_str(), pass.kernels.size(), pass.kernels_median_us,
+                pass.span_median_us, pass.event_median_us);
     if (!pass.note.empty()) std::printf("    (%s)\n", pass.note.c_str());
     if (pass.kernels.size() <= kMaxKernelLines) {
       for (const KernelTime& k : pass.kernels) {
@@ -169,6 +170,7 @@ Json case_json(const BenchParams& params, const CaseResult& c) {
                         {"calls", pass.calls},
                         {"kernels_us_median", pass.kernels_median_us},
                         {"span_us_median", pass.span_median_us},
+                        {"event_us_median", pass.event_median_us},
                         {"note", pass.note},
                         {"kernels", kernels}});
     }

@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <stdexcept>
+#include <utility>
 
 #include "bench/checks.h"
 #include "bench/kernel_times.h"
@@ -72,7 +73,10 @@ std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, 
   // An implementation's passes run interleaved (EventTimer::run_interleaved): one round of all of
   // them per iteration, so no pass is timed on a hotter GPU than another (timed pass after pass,
   // the last-timed read 5-10% slow: docs/experiments.md#interleaved-timing). --timing interleaved
-  // mixes the implementations into the same rounds; per-impl (the default) times them in turn.
+  // mixes the implementations into the same rounds; per-impl (the default) times them in turn;
+  // per-pass gives every (pass, implementation) a block of its own, as the PyTorch and Liger
+  // baselines time theirs (a forward-only block runs cooler under the power cap: 7-16% faster at
+  // 30B, docs/perf.md#kernels-inside-the-layer).
   std::vector<std::function<void()>> ops;
   std::vector<size_t> op_impl;  // the implementation (index into params.impls) of each op
   std::vector<TimingLine> lines;
@@ -129,10 +133,17 @@ std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, 
       std::fprintf(stderr, "[bench] %s: timing %s alone, its %zu passes interleaved ...\n", label.c_str(),
                    ctx.params.impls[i].name, own.size());
       harness::ClockSampler sampler(ctx.nvml);
-      const std::vector<harness::TimingStats> own_stats =
-          ctx.timer.run_interleaved(own, ctx.params.warmup, ctx.params.iters, /*flush_l2=*/true, ctx.params.warmup_ms);
+      if (ctx.params.timing == TimingMode::kPerPass) {
+        for (size_t j = 0; j < where.size(); ++j) {
+          stats[where[j]] = ctx.timer.run_interleaved({own[j]}, ctx.params.warmup, ctx.params.iters, /*flush_l2=*/true,
+                                                      ctx.params.warmup_ms).front();
+        }
+      } else {
+        const std::vector<harness::TimingStats> own_stats = ctx.timer.run_interleaved(
+            own, ctx.params.warmup, ctx.params.iters, /*flush_l2=*/true, ctx.params.warmup_ms);
+        for (size_t j = 0; j < where.size(); ++j) stats[where[j]] = own_stats[j];
+      }
       impl_clocks->push_back(sampler.stop());
-      for (size_t j = 0; j < where.size(); ++j) stats[where[j]] = own_stats[j];
     }
   }
   for (size_t k = 0; k < lines.size(); ++k) {
@@ -173,29 +184,61 @@ void trace_kernels(const TimingContext& ctx, int64_t num_tokens, const std::stri
     std::fprintf(stderr, "[bench] %s: kernels not traced: %s\n", label.c_str(), why.c_str());
     return;
   }
+  // Events around each traced pass, recorded as the timed loop records them, so the kernels'
+  // span and the events of the same calls can be compared (PassKernels::event_median_us).
+  std::vector<cudaEvent_t> events;
+  auto new_event = [&] {
+    cudaEvent_t e = nullptr;
+    FUSEMOE_CUDA_CHECK(cudaEventCreate(&e));
+    events.push_back(e);
+    return e;
+  };
+  auto event_median_us = [](const std::vector<std::pair<cudaEvent_t, cudaEvent_t>>& pairs) {
+    if (pairs.empty()) return 0.0;
+    std::vector<float> ms(pairs.size());
+    for (size_t k = 0; k < pairs.size(); ++k) {
+      FUSEMOE_CUDA_CHECK(cudaEventElapsedTime(&ms[k], pairs[k].first, pairs[k].second));
+    }
+    return 1e3 * harness::summarize(std::move(ms)).median_ms;
+  };
   try {
     for (size_t i = 0; i < ctx.params.impls.size(); ++i) {
       const BenchImpl& impl = ctx.params.impls[i];
       const DeviceBuffer& workspace = ctx.workspaces[i];
       std::fprintf(stderr, "[bench] %s: tracing the kernels of %s ...\n", label.c_str(), impl.name);
       std::vector<uint64_t> forward_tags, backward_tags;
+      std::vector<std::pair<cudaEvent_t, cudaEvent_t>> forward_events, backward_events;
       for (int call = 0; call < ctx.params.warmup + ctx.params.iters; ++call) {
         const bool traced = call >= ctx.params.warmup;
         const uint64_t tag = (static_cast<uint64_t>(i) << 32) | (static_cast<uint64_t>(call) << 1);
         ctx.timer.flush_l2(call);
-        if (traced) tracer->push(tag);
+        if (traced) {
+          tracer->push(tag);
+          forward_events.emplace_back(new_event(), new_event());
+          FUSEMOE_CUDA_CHECK(cudaEventRecord(forward_events.back().first, ctx.stream));
+        }
         run_forward(ctx.config, impl, ctx.inputs, ctx.outputs, workspace, num_tokens, ctx.stream);
-        if (traced) tracer->pop();
-        if (traced) forward_tags.push_back(tag);
+        if (traced) {
+          FUSEMOE_CUDA_CHECK(cudaEventRecord(forward_events.back().second, ctx.stream));
+          tracer->pop();
+          forward_tags.push_back(tag);
+        }
         if (!impl.has_backward) continue;
-        if (traced) tracer->push(tag | 1);
+        if (traced) {
+          tracer->push(tag | 1);
+          backward_events.emplace_back(new_event(), new_event());
+          FUSEMOE_CUDA_CHECK(cudaEventRecord(backward_events.back().first, ctx.stream));
+        }
         run_backward(ctx.config, impl, ctx.inputs, ctx.outputs, workspace, num_tokens, WeightGradDtype::kBFloat16,
                      ctx.stream);
-        if (traced) tracer->pop();
-        if (traced) backward_tags.push_back(tag | 1);
+        if (traced) {
+          FUSEMOE_CUDA_CHECK(cudaEventRecord(backward_events.back().second, ctx.stream));
+          tracer->pop();
+          backward_tags.push_back(tag | 1);
+        }
       }
       uint64_t dropped = 0, untagged = 0;
-      const std::vector<KernelRecord> records = tracer->take(&dropped, &untagged);
+      const std::vector<KernelRecord> records = tracer->take(&dropped, &untagged);  // waits for the device
       if (dropped > 0) throw std::runtime_error("CUPTI dropped " + std::to_string(dropped) + " records");
       // Every traced call launches kernels (T > 0): none tagged means the tags did not reach them.
       if (records.empty() && num_tokens > 0) {
@@ -206,20 +249,24 @@ void trace_kernels(const TimingContext& ctx, int64_t num_tokens, const std::stri
       forward_kernels.impl = impl.name;
       forward_kernels.pass = "forward";
       forward_kernels.wgrad = "-";
+      forward_kernels.event_median_us = event_median_us(forward_events);
       c->kernel_times.push_back(forward_kernels);
       if (impl.has_backward) {
         PassKernels backward_kernels = summarize_pass(records, backward_tags);
         backward_kernels.impl = impl.name;
         backward_kernels.pass = "backward";
         backward_kernels.wgrad = wgrad_name(WeightGradDtype::kBFloat16);
+        backward_kernels.event_median_us = event_median_us(backward_events);
         c->kernel_times.push_back(backward_kernels);
       }
     }
   } catch (const std::exception& e) {
+    for (cudaEvent_t ev : events) cudaEventDestroy(ev);
     c->kernel_times_status = std::string("failed: ") + e.what();
     std::fprintf(stderr, "[bench] %s: kernel tracing failed: %s\n", label.c_str(), e.what());
     return;
   }
+  for (cudaEvent_t ev : events) cudaEventDestroy(ev);
   c->kernel_times_status = "traced";
 }
 

@@ -64,16 +64,20 @@ TEST(BenchPresets, NewShapesAreNamedAndListed) {
   EXPECT_NE(preset_error.find("qwen3-next"), std::string::npos) << preset_error;
 }
 
-// --timing: per-impl by default, interleaved on request, anything else refused by name.
+// --timing: per-impl by default, interleaved or per-pass on request, anything else refused by name.
 TEST(BenchOptions, TimingMode) {
   EXPECT_EQ(parse({}).timing, TimingMode::kPerImplementation);
   EXPECT_EQ(parse({"--timing", "interleaved"}).timing, TimingMode::kInterleaved);
   EXPECT_EQ(parse({"--timing=per-impl"}).timing, TimingMode::kPerImplementation);
+  EXPECT_EQ(parse({"--timing", "per-pass"}).timing, TimingMode::kPerPass);
   EXPECT_STREQ(timing_mode_name(TimingMode::kPerImplementation), "per-impl");
+  EXPECT_STREQ(timing_mode_name(TimingMode::kPerPass), "per-pass");
+  EXPECT_STREQ(timing_mode_name(TimingMode::kInterleaved), "interleaved");
   EXPECT_NE(std::strstr(kUsage, "--timing"), nullptr);
   const std::string timing_error = usage_error({"--timing", "alone"}, "an unknown timing mode");
   EXPECT_NE(timing_error.find("--timing 'alone'"), std::string::npos) << timing_error;
   EXPECT_NE(timing_error.find("per-impl"), std::string::npos) << timing_error;
+  EXPECT_NE(timing_error.find("per-pass"), std::string::npos) << timing_error;
   EXPECT_THROW(parse({"--timing"}), UsageError);  // no value
 }
 
