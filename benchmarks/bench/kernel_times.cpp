@@ -282,7 +282,10 @@ PassKernels summarize_pass(const std::vector<KernelRecord>& records, const std::
   for (const KernelRecord& r : records) {
     if (auto call = by_call.find(r.tag); call != by_call.end()) call->second.push_back(&r);
   }
-  std::vector<double> sums, spans;
+  std::vector<uint64_t> ends;  // of every record, any call or pass
+  for (const KernelRecord& r : records) ends.push_back(r.end_ns);
+  std::sort(ends.begin(), ends.end());
+  std::vector<double> sums, spans, gaps;
   bool same_sequence = true;
   const std::vector<const KernelRecord*>* first = nullptr;
   for (auto& [tag, kernels] : by_call) {
@@ -292,6 +295,11 @@ PassKernels summarize_pass(const std::vector<KernelRecord>& records, const std::
     for (const KernelRecord* k : kernels) sum += (k->end_ns - k->start_ns) * 1e-3;
     sums.push_back(sum);
     spans.push_back(kernels.empty() ? 0.0 : (kernels.back()->end_ns - kernels.front()->start_ns) * 1e-3);
+    if (!kernels.empty()) {
+      // The latest end at or before the call's first start (the call's own kernels end after it).
+      const auto after = std::upper_bound(ends.begin(), ends.end(), kernels.front()->start_ns);
+      if (after != ends.begin()) gaps.push_back((kernels.front()->start_ns - *(after - 1)) * 1e-3);
+    }
     if (first == nullptr) {
       first = &kernels;
     } else if (kernels.size() != first->size() ||
@@ -302,6 +310,7 @@ PassKernels summarize_pass(const std::vector<KernelRecord>& records, const std::
   }
   out.kernels_median_us = median_of(sums);
   out.span_median_us = median_of(spans);
+  out.gap_before_median_us = gaps.empty() ? 0.0 : median_of(gaps);
   if (first == nullptr) return out;
   auto add = [&](const std::string& name, int count, const std::vector<double>& times) {
     KernelTime t;

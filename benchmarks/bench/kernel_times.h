@@ -40,6 +40,10 @@ struct PassKernels {
   // (0: not recorded). Event minus span is the pass's time outside its kernels (before the first,
   // after the last); span minus the sum, the gaps between them.
   double event_median_us = 0;
+  // Median over the calls (those with a kernel before them) of the device's time between the
+  // last kernel before the call's first one and it: the L2 flush, and any idle time while the
+  // host caught up. 0: none measured.
+  double gap_before_median_us = 0;
   std::string note;              // set when the calls ran different kernel sequences
 };
 

@@ -93,10 +93,15 @@ void print_case(const BenchParams& params, const BenchResult& result, const Case
   std::printf("kernels inside the layer (CUPTI records of %d calls after %d untraced, each: L2 flush, forward, "
               "backward with bf16 weight gradients; median us over the calls):\n",
               params.iters, params.warmup);
+  for (size_t i = 0; i < c.traced_clocks.size() && i < params.impls.size(); ++i) {
+    std::printf("  clocks while %s was traced: %s\n", params.impls[i].name, harness::describe(c.traced_clocks[i]).c_str());
+  }
   for (const PassKernels& pass : c.kernel_times) {
-    std::printf("  %s %s: %zu kernels, their sum %.1f, first start to last end %.1f, events around the pass %.1f\n",
-                pass.impl.c_str(), pass.pass.c_str(), pass.kernels.size(), pass.kernels_median_us,
-                pass.span_median_us, pass.event_median_us);
+    std::printf(
+        "  %s %s: %zu kernels, their sum %.1f, first start to last end %.1f, events around the pass %.1f; "
+        "device time since the kernel before %.1f\n",
+        pass.impl.c_str(), pass.pass.c_str(), pass.kernels.size(), pass.kernels_median_us, pass.span_median_us,
+        pass.event_median_us, pass.gap_before_median_us);
     if (!pass.note.empty()) std::printf("    (%s)\n", pass.note.c_str());
     if (pass.kernels.size() <= kMaxKernelLines) {
       for (const KernelTime& k : pass.kernels) {
@@ -171,10 +176,15 @@ Json case_json(const BenchParams& params, const CaseResult& c) {
                         {"kernels_us_median", pass.kernels_median_us},
                         {"span_us_median", pass.span_median_us},
                         {"event_us_median", pass.event_median_us},
+                        {"gap_before_us_median", pass.gap_before_median_us},
                         {"note", pass.note},
                         {"kernels", kernels}});
     }
-    out["kernel_times"] = {{"status", c.kernel_times_status}, {"passes", passes}};
+    Json traced_clocks = Json::object();
+    for (size_t i = 0; i < c.traced_clocks.size() && i < params.impls.size(); ++i) {
+      traced_clocks[params.impls[i].name] = clocks_json(c.traced_clocks[i]);
+    }
+    out["kernel_times"] = {{"status", c.kernel_times_status}, {"passes", passes}, {"clocks_by_impl", traced_clocks}};
   }
   if (!c.impl_clocks.empty()) {
     Json by_impl = Json::object();

@@ -53,6 +53,7 @@ struct CaseResult {
   // --kernel-times: "traced", or why not ("not traced: ...", "failed: ..."); empty when not asked.
   std::string kernel_times_status;
   std::vector<PassKernels> kernel_times;  // per implementation: forward, then backward
+  std::vector<harness::ClockSummary> traced_clocks;  // each implementation's clocks while traced
 };
 
 struct BenchResult {

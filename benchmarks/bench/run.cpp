@@ -208,6 +208,7 @@ void trace_kernels(const TimingContext& ctx, int64_t num_tokens, const std::stri
       std::fprintf(stderr, "[bench] %s: tracing the kernels of %s ...\n", label.c_str(), impl.name);
       std::vector<uint64_t> forward_tags, backward_tags;
       std::vector<std::pair<cudaEvent_t, cudaEvent_t>> forward_events, backward_events;
+      harness::ClockSampler sampler(ctx.nvml);
       for (int call = 0; call < ctx.params.warmup + ctx.params.iters; ++call) {
         const bool traced = call >= ctx.params.warmup;
         const uint64_t tag = (static_cast<uint64_t>(i) << 32) | (static_cast<uint64_t>(call) << 1);
@@ -239,6 +240,7 @@ void trace_kernels(const TimingContext& ctx, int64_t num_tokens, const std::stri
       }
       uint64_t dropped = 0, untagged = 0;
       const std::vector<KernelRecord> records = tracer->take(&dropped, &untagged);  // waits for the device
+      c->traced_clocks.push_back(sampler.stop());
       if (dropped > 0) throw std::runtime_error("CUPTI dropped " + std::to_string(dropped) + " records");
       // Every traced call launches kernels (T > 0): none tagged means the tags did not reach them.
       if (records.empty() && num_tokens > 0) {

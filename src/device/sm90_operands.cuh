@@ -64,9 +64,11 @@ struct PoolRowsTransposedA {
 
 // Row r of a tile is token row_slot[r] / top_k of x. Thread p copies 16-byte chunk p % 8 of
 // tile rows p / 8 + 16 i (i < 8) to the swizzled place a TMA box would have used (chunk c of
-// row r at c ^ (r % 8)); rows past the expert's end are not copied (their accumulator rows are
-// never stored, and each depends on its own A row only). Row addresses are 32-bit indices of
-// 16-byte chunks (x < 64 GiB, checked at the API) to fit the producer's 40 registers.
+// row r at c ^ (r % 8)); rows past the expert's end are zero-filled, not read (their accumulator
+// rows are never stored, and each depends on its own A row only; MMAs on zeros draw less power
+// than on the stale rows of the stage's last fill, and the layer runs at the power cap). Row
+// addresses are 32-bit indices of 16-byte chunks (x < 64 GiB, checked at the API) to fit the
+// producer's 40 registers.
 struct GatheredTokenRowsA {
   static constexpr bool kGathered = true, kMnMajor = false;
   static constexpr uint32_t kTmaBytes = 0;
@@ -111,7 +113,7 @@ struct GatheredTokenRowsA {
     const uint4* src = reinterpret_cast<const uint4*>(a.x) + chunk + kb * kChunksPerRow;
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      if (kRowStep * i < r.rows_left) cp_async_16(dst + i * kRowStep * kSwizzleRowBytes, src + r.src_chunk[i]);
+      cp_async_16_zfill(dst + i * kRowStep * kSwizzleRowBytes, src + r.src_chunk[i], kRowStep * i < r.rows_left ? 16u : 0u);
     }
   }
 };

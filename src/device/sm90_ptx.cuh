@@ -164,6 +164,12 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* globa
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_dst), "l"(global_src) : "memory");
 }
 
+// Copies src_bytes (0 or 16) of global_src and zero-fills the rest of the 16 bytes.
+__device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_dst, const void* global_src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_dst), "l"(global_src), "r"(src_bytes)
+               : "memory");
+}
+
 __device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
 }

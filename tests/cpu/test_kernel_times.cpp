@@ -33,6 +33,10 @@ TEST(KernelTimes, SameSequencePerPosition) {
   EXPECT_NEAR(pass.kernels[1].median_us, 12.0, 1e-9);
   EXPECT_NEAR(pass.kernels_median_us, 18.0, 1e-9);  // sums 15, 18, 21
   EXPECT_NEAR(pass.span_median_us, 22.0, 1e-9);     // spans 20, 22, 26
+  // Before call 2 (at 100) the last end is call 1's 20, before call 3 (at 200) call 2's 122; call
+  // 1 has nothing before it. The other record (50 to 1050) ends after both.
+  EXPECT_NEAR(pass.gap_before_median_us, 79.0, 1e-9);  // gaps 80, 78
+  EXPECT_EQ(pass.event_median_us, 0.0);                 // set by the traced loop, not from records
 }
 
 // Calls whose kernel sequences differ: grouped by name, each time a call's sum; a call with no
@@ -55,6 +59,7 @@ TEST(KernelTimes, NoRecordsGiveZeros) {
   EXPECT_EQ(pass.calls, 2);
   EXPECT_TRUE(pass.kernels.empty());
   EXPECT_EQ(pass.kernels_median_us, 0.0);
+  EXPECT_EQ(pass.gap_before_median_us, 0.0);
 }
 
 // The grouped GEMM's instances by their epilogue; other kernels by their unqualified name.
