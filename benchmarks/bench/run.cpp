@@ -1,6 +1,7 @@
 #include "bench/run.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -209,8 +210,18 @@ void trace_kernels(const TimingContext& ctx, int64_t num_tokens, const std::stri
       std::vector<uint64_t> forward_tags, backward_tags;
       std::vector<std::pair<cudaEvent_t, cudaEvent_t>> forward_events, backward_events;
       harness::ClockSampler sampler(ctx.nvml);
-      for (int call = 0; call < ctx.params.warmup + ctx.params.iters; ++call) {
-        const bool traced = call >= ctx.params.warmup;
+      // Untraced calls first: --warmup of them, then more until --warmup-ms has passed, so the
+      // traced calls run in the state the timed ones held and not in the power cap's short
+      // allowance after a pause (CUPTI's start is one): measured 5-15% faster at 30B T=4096.
+      const auto warm_start = std::chrono::steady_clock::now();
+      auto warm_ms = [&] {
+        FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
+        return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - warm_start).count();
+      };
+      int untraced = ctx.params.warmup;
+      for (int call = 0; call < untraced + ctx.params.iters; ++call) {
+        if (call == untraced && ctx.params.warmup_ms > 0.0 && warm_ms() < ctx.params.warmup_ms) ++untraced;
+        const bool traced = call >= untraced;
         const uint64_t tag = (static_cast<uint64_t>(i) << 32) | (static_cast<uint64_t>(call) << 1);
         ctx.timer.flush_l2(call);
         if (traced) {
