@@ -90,9 +90,9 @@ void print_case(const BenchParams& params, const BenchResult& result, const Case
     std::printf("kernels inside the layer: %s\n", c.kernel_times_status.c_str());
     return;
   }
-  std::printf("kernels inside the layer (CUPTI records of %d calls after %d untraced%s, each: L2 flush, forward, "
-              "backward with bf16 weight gradients; median us over the calls):\n",
-              params.iters, params.warmup, params.warmup_ms > 0 ? " and --warmup-ms" : "");
+  std::printf("kernels inside the layer (CUPTI records of %d calls after at least %d untraced and 500 ms, each: "
+              "L2 flush, forward, backward with bf16 weight gradients; median us over the calls):\n",
+              params.iters, params.warmup);
   for (size_t i = 0; i < c.traced_clocks.size() && i < params.impls.size(); ++i) {
     std::printf("  clocks while %s was traced: %s\n", params.impls[i].name, harness::describe(c.traced_clocks[i]).c_str());
   }

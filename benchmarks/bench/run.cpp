@@ -177,6 +177,9 @@ std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, 
 // backward with bf16 weight gradients), `warmup` untraced then `iters` traced, one tag per pass
 // and call; the kernels of each pass from CUPTI's records. After the timings, so CUPTI's
 // bookkeeping never touches a timed call.
+// Minimum warm-up before the traced calls; the burst after a pause lasted under 100 ms here.
+constexpr double kTracedWarmupMs = 500.0;
+
 void trace_kernels(const TimingContext& ctx, int64_t num_tokens, const std::string& label, CaseResult* c) {
   std::string why;
   const std::unique_ptr<KernelTracer> tracer = KernelTracer::start(&why);
@@ -210,9 +213,11 @@ void trace_kernels(const TimingContext& ctx, int64_t num_tokens, const std::stri
       std::vector<uint64_t> forward_tags, backward_tags;
       std::vector<std::pair<cudaEvent_t, cudaEvent_t>> forward_events, backward_events;
       harness::ClockSampler sampler(ctx.nvml);
-      // Untraced calls first: --warmup of them, then more until --warmup-ms has passed, so the
-      // traced calls run in the state the timed ones held and not in the power cap's short
-      // allowance after a pause (CUPTI's start is one): measured 5-15% faster at 30B T=4096.
+      // Untraced calls first: --warmup of them, then more until kTracedWarmupMs (or --warmup-ms,
+      // if longer) has passed, so the traced calls run in the state the timed ones held and not
+      // in the power cap's short allowance after a pause (CUPTI's start is one): without it they
+      // ran 5-15% faster than the timed ones at 30B T=4096 (docs/perf.md#kernels-inside-the-layer).
+      const double min_warm_ms = std::max(kTracedWarmupMs, ctx.params.warmup_ms);
       const auto warm_start = std::chrono::steady_clock::now();
       auto warm_ms = [&] {
         FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
@@ -220,7 +225,7 @@ void trace_kernels(const TimingContext& ctx, int64_t num_tokens, const std::stri
       };
       int untraced = ctx.params.warmup;
       for (int call = 0; call < untraced + ctx.params.iters; ++call) {
-        if (call == untraced && ctx.params.warmup_ms > 0.0 && warm_ms() < ctx.params.warmup_ms) ++untraced;
+        if (call == untraced && warm_ms() < min_warm_ms) ++untraced;
         const bool traced = call >= untraced;
         const uint64_t tag = (static_cast<uint64_t>(i) << 32) | (static_cast<uint64_t>(call) << 1);
         ctx.timer.flush_l2(call);
