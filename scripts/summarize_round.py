@@ -193,6 +193,11 @@ def render_case(key, entry, lines):
     if traced:
         lines.append(f"Kernels inside the layer (fusemoe_bench --kernel-times, median µs over the traced calls): "
                      f"{traced.get('status')}")
+        # Their clocks (benches from 865cbab on): the traced calls follow >= 500 ms of untraced ones,
+        # and their absolute times depend on the power cap's state (docs/perf.md#kernels-inside-the-layer).
+        for impl, c in (traced.get("clocks_by_impl") or {}).items():
+            if c.get("samples", 0) > 0:
+                lines.append(f"- {impl} traced at {describe_clocks(c)}")
         for p in traced.get("passes", []):
             kernels = p.get("kernels", [])
             if len(kernels) <= 16:

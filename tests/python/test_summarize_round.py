@@ -60,7 +60,10 @@ def test_kernel_times_are_listed_under_their_case(tmp_path):
     case = {"tokens": 16384, "valid_rows": 131072, "timings": [], "check_status": "skipped (--no-check)",
             "kernel_times": {"status": "traced", "passes": [
                 {"impl": "fused_saved_z", "pass": "forward", "weight_grad_dtype": "-", "kernels_us_median": 2199.6,
-                 "kernels": kernels}]}}
+                 "kernels": kernels}],
+                "clocks_by_impl": {"fused_saved_z": {"samples": 19, "sm_mhz_median": 1440.0, "sm_mhz_min": 1290.0,
+                                                     "sm_mhz_max": 1485.0, "power_capped_fraction": 1.0},
+                                   "unfused": {"samples": 0}}}}
     bench = {"tool": "fusemoe_bench", "meta": {"preset": "qwen3-30b-a3b", "routing": "uniform"},
              "ceiling": {"tflops": 780.0}, "cases": [case]}
     steps = [("fusemoe_bench 30b-uniform", 0, 30, "")]
@@ -71,4 +74,6 @@ def test_kernel_times_are_listed_under_their_case(tmp_path):
     summary = run_summary(tmp_path, steps, ROUND, bench)
     assert "Kernels inside the layer (fusemoe_bench --kernel-times" in summary
     assert "- fused_saved_z forward (- weight grads): 2200 = gate/up 1481; down 718" in summary
+    assert "- fused_saved_z traced at SM 1440 MHz median (1290-1485), power cap in 100% of 19 samples" in summary
+    assert "unfused traced at" not in summary  # no samples: no line
     assert "- unfused backward (bf16 weight grads): 100 = cublas_gemm_kernel 100 (20 launches)" in summary
