@@ -42,9 +42,10 @@ const char* const kUsage =
     "                      allows a short burst, so the first rounds run faster than sustained\n"
     "                      ones); the --kernel-times calls warm up for max(MS, 500)\n"
     "  --kernel-times      after each case's timings, each implementation's fwd+bwd calls (bf16\n"
-    "                      weight gradients) again, --iters of them after --warmup, with CUPTI's\n"
-    "                      kernel records: each kernel's time inside the layer, at the clock the\n"
-    "                      power cap leaves it (libcupti loaded at run time; FUSEMOE_CUPTI_LIB)\n"
+    "                      weight gradients) again, --iters of them after --warmup and 500 ms\n"
+    "                      of untraced ones, with CUPTI's kernel records: each kernel's time\n"
+    "                      inside the layer, at the clock the power cap leaves it (libcupti\n"
+    "                      loaded at run time; FUSEMOE_CUPTI_LIB)\n"
     "exit: 0 ok, 1 correctness failure, 2 bad arguments, 3 no Hopper GPU, 4 runtime error\n";
 
 const char* timing_mode_name(TimingMode mode) {

@@ -76,8 +76,8 @@ std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, 
   // the last-timed read 5-10% slow: docs/experiments.md#interleaved-timing). --timing interleaved
   // mixes the implementations into the same rounds; per-impl (the default) times them in turn;
   // per-pass gives every (pass, implementation) a block of its own, as the PyTorch and Liger
-  // baselines time theirs (a forward-only block runs cooler under the power cap: 7-16% faster at
-  // 30B, docs/perf.md#kernels-inside-the-layer).
+  // baselines time theirs (a block after a pause runs in the power cap's burst: the forward-only
+  // block read 7-16% faster at 30B, docs/experiments.md#timed-against-traced).
   std::vector<std::function<void()>> ops;
   std::vector<size_t> op_impl;  // the implementation (index into params.impls) of each op
   std::vector<TimingLine> lines;
@@ -173,13 +173,13 @@ std::vector<TimingLine> time_case(const TimingContext& ctx, int64_t num_tokens, 
   return lines;
 }
 
-// --kernel-times: each implementation's calls again as fwd+bwd is timed (L2 flush, forward,
-// backward with bf16 weight gradients), `warmup` untraced then `iters` traced, one tag per pass
-// and call; the kernels of each pass from CUPTI's records. After the timings, so CUPTI's
-// bookkeeping never touches a timed call.
 // Minimum warm-up before the traced calls; the burst after a pause lasted under 100 ms here.
 constexpr double kTracedWarmupMs = 500.0;
 
+// --kernel-times: each implementation's calls again as fwd+bwd is timed (L2 flush, forward,
+// backward with bf16 weight gradients), `warmup` untraced (and kTracedWarmupMs) then `iters`
+// traced, one tag per pass and call; the kernels of each pass from CUPTI's records. After the
+// timings, so CUPTI's bookkeeping never touches a timed call.
 void trace_kernels(const TimingContext& ctx, int64_t num_tokens, const std::string& label, CaseResult* c) {
   std::string why;
   const std::unique_ptr<KernelTracer> tracer = KernelTracer::start(&why);
