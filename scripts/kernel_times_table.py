@@ -68,6 +68,11 @@ def rows_of(path):
             for label, k in zip(pass_labels(p["kernels"]), p["kernels"]):
                 rows[(f"{preset} T={case['tokens']}", p["impl"], p["pass"], label)] = k["us_median"]
             rows[(f"{preset} T={case['tokens']}", p["impl"], p["pass"], "(kernels' sum)")] = p["kernels_us_median"]
+            # CUDA events around the pass (benches from c7cdb1d on): the sum plus the gaps between
+            # the kernels and before and after them.
+            if p.get("event_us_median"):
+                rows[(f"{preset} T={case['tokens']}", p["impl"], p["pass"], "(events around the pass)")] = \
+                    p["event_us_median"]
     return rows
 
 

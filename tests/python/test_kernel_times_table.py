@@ -27,12 +27,16 @@ BACKWARD = [
 ]
 
 
-def bench_json(path, scale=1.0, traced=True):
+def bench_json(path, scale=1.0, traced=True, events=True):
     def pass_of(name, kernels):
         ks = [{"name": n, "short_name": "", "per_call": 1, "us_median": us * scale, "us_min": us, "us_max": us}
               for n, us in kernels]
-        return {"impl": "fused_saved_z", "pass": name, "weight_grad_dtype": "bf16", "calls": 20,
-                "kernels_us_median": sum(k["us_median"] for k in ks), "span_us_median": 0, "note": "", "kernels": ks}
+        total = sum(k["us_median"] for k in ks)
+        p = {"impl": "fused_saved_z", "pass": name, "weight_grad_dtype": "bf16", "calls": 20,
+             "kernels_us_median": total, "span_us_median": 0, "note": "", "kernels": ks}
+        if events:  # benches before c7cdb1d wrote no events
+            p["event_us_median"] = total + 12.0
+        return p
     case = {"tokens": 16384, "timings": []}
     if traced:
         case["kernel_times"] = {"status": "traced", "passes": [pass_of("forward", FORWARD),
@@ -58,6 +62,15 @@ def test_roles_order_and_ratios(tmp_path):
     assert "| 670.0 | 737.0 | 1.100 |" in rows[("backward", "dW2")]
     assert "| 1320.0 | 1452.0 | 1.100 |" in rows[("backward", "dW13")]
     assert "| 4600.0 |" in rows[("backward", "(kernels' sum)")]
+    assert "| 4612.0 |" in rows[("backward", "(events around the pass)")]
+
+
+def test_files_without_events_have_no_event_row(tmp_path):
+    bench_json(tmp_path / "a.json", events=False)
+    out = run(str(tmp_path / "a.json"))
+    assert out.returncode == 0, out.stderr
+    assert "(kernels' sum)" in out.stdout
+    assert "(events around the pass)" not in out.stdout
 
 
 def test_file_without_traced_times_is_refused(tmp_path):
