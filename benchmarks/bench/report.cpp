@@ -25,6 +25,23 @@ namespace {
 // A pass's kernels one line each up to this many, else grouped by name (--kernel-times).
 constexpr size_t kMaxKernelLines = 24;
 
+// One clock line per implementation (clocks[i] is params.impls[i]'s), "while <impl> was <when>".
+void print_clocks_by_impl(const BenchParams& params, const std::vector<harness::ClockSummary>& clocks,
+                          const char* when) {
+  for (size_t i = 0; i < clocks.size() && i < params.impls.size(); ++i) {
+    std::printf("  clocks while %s was %s: %s\n", params.impls[i].name, when, harness::describe(clocks[i]).c_str());
+  }
+}
+
+// {impl name: clocks} in params.impls' order.
+Json clocks_by_impl_json(const BenchParams& params, const std::vector<harness::ClockSummary>& clocks) {
+  Json by_impl = Json::object();
+  for (size_t i = 0; i < clocks.size() && i < params.impls.size(); ++i) {
+    by_impl[params.impls[i].name] = clocks_json(clocks[i]);
+  }
+  return by_impl;
+}
+
 // ", at least N ms per implementation" (or "of the interleaved rounds": the one timed block) when
 // --warmup-ms asks for a minimum warm-up time, else nothing; as scripts/summarize_round.py says it.
 std::string warmup_ms_note(const BenchParams& params) {
@@ -81,10 +98,7 @@ void print_case(const BenchParams& params, const BenchResult& result, const Case
                 line.speedup_vs_first);
   }
   std::printf("  clocks while timed: %s\n", harness::describe(c.clocks).c_str());
-  for (size_t i = 0; i < c.impl_clocks.size() && i < params.impls.size(); ++i) {
-    std::printf("  clocks while %s was timed alone: %s\n", params.impls[i].name,
-                harness::describe(c.impl_clocks[i]).c_str());
-  }
+  print_clocks_by_impl(params, c.impl_clocks, "timed alone");
   if (c.kernel_times_status.empty()) return;
   if (c.kernel_times_status != "traced") {
     std::printf("kernels inside the layer: %s\n", c.kernel_times_status.c_str());
@@ -93,9 +107,7 @@ void print_case(const BenchParams& params, const BenchResult& result, const Case
   std::printf("kernels inside the layer (CUPTI records of %d calls after at least %d untraced and 500 ms, each: "
               "L2 flush, forward, backward with bf16 weight gradients; median us over the calls):\n",
               params.iters, params.warmup);
-  for (size_t i = 0; i < c.traced_clocks.size() && i < params.impls.size(); ++i) {
-    std::printf("  clocks while %s was traced: %s\n", params.impls[i].name, harness::describe(c.traced_clocks[i]).c_str());
-  }
+  print_clocks_by_impl(params, c.traced_clocks, "traced");
   for (const PassKernels& pass : c.kernel_times) {
     std::printf(
         "  %s %s: %zu kernels, their sum %.1f, first start to last end %.1f, events around the pass %.1f; "
@@ -180,19 +192,11 @@ Json case_json(const BenchParams& params, const CaseResult& c) {
                         {"note", pass.note},
                         {"kernels", kernels}});
     }
-    Json traced_clocks = Json::object();
-    for (size_t i = 0; i < c.traced_clocks.size() && i < params.impls.size(); ++i) {
-      traced_clocks[params.impls[i].name] = clocks_json(c.traced_clocks[i]);
-    }
-    out["kernel_times"] = {{"status", c.kernel_times_status}, {"passes", passes}, {"clocks_by_impl", traced_clocks}};
+    out["kernel_times"] = {{"status", c.kernel_times_status},
+                           {"passes", passes},
+                           {"clocks_by_impl", clocks_by_impl_json(params, c.traced_clocks)}};
   }
-  if (!c.impl_clocks.empty()) {
-    Json by_impl = Json::object();
-    for (size_t i = 0; i < c.impl_clocks.size() && i < params.impls.size(); ++i) {
-      by_impl[params.impls[i].name] = clocks_json(c.impl_clocks[i]);
-    }
-    out["clocks_by_impl"] = by_impl;
-  }
+  if (!c.impl_clocks.empty()) out["clocks_by_impl"] = clocks_by_impl_json(params, c.impl_clocks);
   return out;
 }
 

@@ -263,20 +263,17 @@ void trace_kernels(const TimingContext& ctx, int64_t num_tokens, const std::stri
         throw std::runtime_error("no kernel record carried a call's tag (" + std::to_string(untagged) +
                                  " kernel records without one)");
       }
-      PassKernels forward_kernels = summarize_pass(records, forward_tags);
-      forward_kernels.impl = impl.name;
-      forward_kernels.pass = "forward";
-      forward_kernels.wgrad = "-";
-      forward_kernels.event_median_us = event_median_us(forward_events);
-      c->kernel_times.push_back(forward_kernels);
-      if (impl.has_backward) {
-        PassKernels backward_kernels = summarize_pass(records, backward_tags);
-        backward_kernels.impl = impl.name;
-        backward_kernels.pass = "backward";
-        backward_kernels.wgrad = wgrad_name(WeightGradDtype::kBFloat16);
-        backward_kernels.event_median_us = event_median_us(backward_events);
-        c->kernel_times.push_back(backward_kernels);
-      }
+      auto add_pass = [&](const std::vector<uint64_t>& tags, const std::vector<std::pair<cudaEvent_t, cudaEvent_t>>& ev,
+                          const char* pass, const char* wgrad) {
+        PassKernels kernels = summarize_pass(records, tags);
+        kernels.impl = impl.name;
+        kernels.pass = pass;
+        kernels.wgrad = wgrad;
+        kernels.event_median_us = event_median_us(ev);
+        c->kernel_times.push_back(kernels);
+      };
+      add_pass(forward_tags, forward_events, "forward", "-");
+      if (impl.has_backward) add_pass(backward_tags, backward_events, "backward", wgrad_name(WeightGradDtype::kBFloat16));
     }
   } catch (const std::exception& e) {
     for (cudaEvent_t ev : events) cudaEventDestroy(ev);
