@@ -12,7 +12,8 @@
 // the stage is freed after its last half. The other consumer warpgroup's MMAs run meanwhile.
 // Registers: acc kBlockN / 2 + tmp 64 (192 at N = 256: one tmp per half, not one per tile).
 //   A policies (each K-block brings its 128 row scales into the stage's StageScales::a)
-//     Fp8PoolRowsA              K-major E4M3 pool rows by TMA; their scales from a block-major
+//     Fp8PoolRowsA              K-major E4M3 pool rows by TMA (a partial tile's tail as zeros:
+//                               load_pool_row_tile); their scales from a block-major
 //                               scale pool [K/128][rows_pad], one cp.async per producer thread
 //     Fp8GatheredTokenRowsA     token rows gathered by index (as GatheredTokenRowsA) plus one
 //                               4-byte cp.async per row from the token-major scales [T, K/128]
@@ -81,14 +82,15 @@ struct Fp8PoolRowsA {
   static constexpr uint32_t kTmaBytes = kTileABytes;
   static_assert(kThreadsPerWarpgroup == kBlockM, "producer thread p copies the scale of tile row p");
   struct Args {
-    CUtensorMap map;      // pool [R_max, K] E4M3, boxes [128 rows][128 k]
-    const float* scales;  // [K/128, rows_pad] fp32, block-major
+    CUtensorMap map;              // pool [R_max, K] E4M3, boxes [128 rows][128 k]
+    CUtensorMap tail[kTailMaps];  // the same pool, boxes [64 >> i rows][128 k]
+    const float* scales;          // [K/128, rows_pad] fp32, block-major
     int32_t rows_pad;
     WeightScales b_scales;
   };
   struct ThreadRows {};
   __device__ static void load(const Args& a, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb) {
-    tma_load_2d(&a.map, full, dst, kb * kFp8BlockK, tile.row_begin);
+    load_pool_row_tile(a.map, a.tail, full, dst, kb * kFp8BlockK, tile);
   }
   // Thread p: the scale of tile row p for K-block kb (rows past the pool are left as they are:
   // their accumulator rows are past the expert's end and never stored).
