@@ -82,15 +82,15 @@ struct Fp8PoolRowsA {
   static constexpr uint32_t kTmaBytes = kTileABytes;
   static_assert(kThreadsPerWarpgroup == kBlockM, "producer thread p copies the scale of tile row p");
   struct Args {
-    CUtensorMap map;              // pool [R_max, K] E4M3, boxes [128 rows][128 k]
-    CUtensorMap tail[kTailMaps];  // the same pool, boxes [64 >> i rows][128 k]
-    const float* scales;          // [K/128, rows_pad] fp32, block-major
+    CUtensorMap map;      // pool [R_max, K] E4M3, boxes [128 rows][128 k]
+    CUtensorMap quarter;  // the same pool, boxes [32 rows][128 k]
+    const float* scales;  // [K/128, rows_pad] fp32, block-major
     int32_t rows_pad;
     WeightScales b_scales;
   };
   struct ThreadRows {};
   __device__ static void load(const Args& a, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb) {
-    load_pool_row_tile(a.map, a.tail, full, dst, kb * kFp8BlockK, tile);
+    load_pool_row_tile(a.map, a.quarter, full, dst, kb * kFp8BlockK, tile);
   }
   // Thread p: the scale of tile row p for K-block kb (rows past the pool are left as they are:
   // their accumulator rows are past the expert's end and never stored).

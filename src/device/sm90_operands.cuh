@@ -3,7 +3,7 @@
 //
 //   A (activations, 128 rows x 64 k per stage, 16 KB)
 //     PoolRowsA            K-major rows of a pool, one TMA box at (k, row_begin); an expert's
-//                          last, partial tile in 8-row boxes and zeros (load_pool_row_tile)
+//                          last tile in 32-row boxes and zeros past them (load_pool_row_tile)
 //     PoolRowsTransposedA  M-major (weight gradients: act_m^T), two [64 k-rows][64 m] boxes
 //     GatheredTokenRowsA   K-major token rows gathered by index by all 128 producer threads
 //   B (weights or activations, kBlockN x 64 k per stage)
@@ -36,36 +36,26 @@ namespace fusemoe::sm90 {
 // ------------------------------------------------------------------------------------- A
 
 // The row boxes of one K-block of a pool row tile (K-major, one 128-byte swizzle row per pool row).
-// A tile of 128 rows is one box of `whole`. An expert's last tile with v < 121 rows takes rows
-// [0, v8) from the pool (v8: v rounded up to 8; one box of tail[i], 64 >> i rows, per set bit)
-// and zeros in rows [v8, 128): boxes at row -h, wholly outside the pool, which TMA fills with
-// zeros and still counts. Those rows were the next expert's; their results are never stored
-// either way, but MMAs on zeros draw less power (as the gathered rows' zero fill), and every box
-// starts at a multiple of 8 rows, so the swizzle's phase stays that of one whole box.
-constexpr int kTailMaps = 4;
-__device__ __forceinline__ void load_pool_row_tile(const CUtensorMap& whole, const CUtensorMap (&tail)[kTailMaps],
+// A tile of more than 96 rows is one box of `whole`. An expert's last tile with v <= 96 rows takes
+// rows [0, v32) from the pool in boxes of `quarter` (32 rows; v32: v rounded up to 32) and zeros
+// in rows [v32, 128): quarter boxes at row -32, wholly outside the pool, which TMA fills with zeros
+// and still counts. Those rows were the next expert's; their results are never stored either way,
+// but MMAs on zeros draw less power (as the gathered rows' zero fill). Each box starts at a
+// multiple of 8 rows, so the swizzle's phase stays that of one whole box. One box size and map:
+// exact 8-row tails (boxes of 8 to 64 rows from four maps) slowed the TMA-bound GEMMs by up to
+// 23% (docs/experiments.md#zero-filled-padded-rows).
+constexpr int kQuarterRows = kBlockM / 4;
+__device__ __forceinline__ void load_pool_row_tile(const CUtensorMap& whole, const CUtensorMap& quarter,
                                                    uint64_t* full, uint8_t* dst, int32_t k, const Tile& tile) {
-  const int32_t from_pool = min(kBlockM, (tile.row_end - tile.row_begin + 7) & ~7);
-  if (from_pool == kBlockM) {
+  const int32_t rows = tile.row_end - tile.row_begin;
+  if (rows > kBlockM - kQuarterRows) {
     tma_load_2d(&whole, full, dst, k, tile.row_begin);
     return;
   }
-  int32_t r = 0;
 #pragma unroll
-  for (int i = 0; i < kTailMaps; ++i) {
-    const int32_t h = (kBlockM / 2) >> i;
-    if (from_pool & h) {
-      tma_load_2d(&tail[i], full, dst + r * kSwizzleRowBytes, k, tile.row_begin + r);
-      r += h;
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < kTailMaps; ++i) {
-    const int32_t h = (kBlockM / 2) >> i;
-    if ((kBlockM - from_pool) & h) {
-      tma_load_2d(&tail[i], full, dst + r * kSwizzleRowBytes, k, -h);
-      r += h;
-    }
+  for (int q = 0; q < kBlockM / kQuarterRows; ++q) {
+    const int32_t r = q * kQuarterRows;
+    tma_load_2d(&quarter, full, dst + r * kSwizzleRowBytes, k, r < rows ? tile.row_begin + r : -kQuarterRows);
   }
 }
 
@@ -73,12 +63,12 @@ struct PoolRowsA {
   static constexpr bool kGathered = false, kMnMajor = false;
   static constexpr uint32_t kTmaBytes = kTileABytes;
   struct Args {
-    CUtensorMap map;               // pool [R_max, K] bf16, boxes [128 rows][64 k]
-    CUtensorMap tail[kTailMaps];   // the same pool, boxes [64 >> i rows][64 k]
+    CUtensorMap map;      // pool [R_max, K] bf16, boxes [128 rows][64 k]
+    CUtensorMap quarter;  // the same pool, boxes [32 rows][64 k]
   };
   struct ThreadRows {};
   __device__ static void load(const Args& a, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb) {
-    load_pool_row_tile(a.map, a.tail, full, dst, kb * kBlockK, tile);
+    load_pool_row_tile(a.map, a.quarter, full, dst, kb * kBlockK, tile);
   }
 };
 

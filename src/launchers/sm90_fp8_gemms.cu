@@ -65,9 +65,7 @@ sm90::Fp8PoolRowsA::Args pool_a(const Sm90Rows& rows, const void* pool, const fl
                                 const sm90::WeightScales& b_scales, const char* name) {
   sm90::Fp8PoolRowsA::Args a{};
   a.map = sm90::make_tensor_map_fp8(pool, k, rows.max_rows, sm90::kBlockM, name);
-  for (int i = 0; i < sm90::kTailMaps; ++i) {
-    a.tail[i] = sm90::make_tensor_map_fp8(pool, k, rows.max_rows, (sm90::kBlockM / 2) >> i, name);
-  }
+  a.quarter = sm90::make_tensor_map_fp8(pool, k, rows.max_rows, sm90::kQuarterRows, name);
   a.scales = scales;
   a.rows_pad = static_cast<int32_t>(sm90_fp8_rows_pad(rows.max_rows));
   a.b_scales = b_scales;

@@ -99,9 +99,7 @@ void launch_pool_rows_gemm(WaitKernel kernel_name, const Sm90Rows& rows, const v
                                            Gemm::B::kBoxRows, b_up_name);
   }
   params.a.map = make_tensor_map_bf16(a_pool, k, rows.max_rows, kBlockM, a_name);
-  for (int i = 0; i < kTailMaps; ++i) {
-    params.a.tail[i] = make_tensor_map_bf16(a_pool, k, rows.max_rows, (kBlockM / 2) >> i, a_name);
-  }
+  params.a.quarter = make_tensor_map_bf16(a_pool, k, rows.max_rows, kQuarterRows, a_name);
   params.epilogue = epilogue;
   params.shape = rows_shape(rows, k, n, b_rows_per_expert);
   launch_grouped_gemm(params, rows, kernel_name);
