@@ -41,9 +41,9 @@ namespace fusemoe::sm90 {
 // in rows [v32, 128): quarter boxes at row -32, wholly outside the pool, which TMA fills with zeros
 // and still counts. Those rows were the next expert's; their results are never stored either way,
 // but MMAs on zeros draw less power (as the gathered rows' zero fill). Each box starts at a
-// multiple of 8 rows, so the swizzle's phase stays that of one whole box. One box size and map:
-// exact 8-row tails (boxes of 8 to 64 rows from four maps) slowed the TMA-bound GEMMs by up to
-// 23% (docs/experiments.md#zero-filled-padded-rows).
+// multiple of 32 rows (of the 8-row swizzle period), so the swizzle's phase stays that of one
+// whole box. One box size and map: exact 8-row tails (boxes of 8 to 64 rows from four maps)
+// slowed the TMA-bound GEMMs by up to 23% (docs/experiments.md#zero-filled-pool-tails).
 constexpr int kQuarterRows = kBlockM / 4;
 __device__ __forceinline__ void load_pool_row_tile(const CUtensorMap& whole, const CUtensorMap& quarter,
                                                    uint64_t* full, uint8_t* dst, int32_t k, const Tile& tile) {
