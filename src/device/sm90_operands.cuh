@@ -42,7 +42,7 @@ namespace fusemoe::sm90 {
 // and still counts. Those rows were the next expert's; their results are never stored either way,
 // but MMAs on zeros draw less power (as the gathered rows' zero fill). Each box starts at a
 // multiple of 32 rows (of the 8-row swizzle period), so the swizzle's phase stays that of one
-// whole box. One box size and map: exact 8-row tails (boxes of 8 to 64 rows from four maps)
+// whole box. At most 4 boxes a stage: 8 (16-row boxes, or 8- to 64-row boxes from four maps)
 // slowed the TMA-bound GEMMs by up to 23% (docs/experiments.md#zero-filled-pool-tails).
 constexpr int kQuarterRows = kBlockM / 4;
 __device__ __forceinline__ void load_pool_row_tile(const CUtensorMap& whole, const CUtensorMap& quarter,
