@@ -190,11 +190,16 @@ void trace_kernels(const TimingContext& ctx, int64_t num_tokens, const std::stri
   }
   // Events around each traced pass, recorded as the timed loop records them, so the kernels'
   // span and the events of the same calls can be compared (PassKernels::event_median_us).
-  std::vector<cudaEvent_t> events;
+  struct OwnedEvents {  // destroyed on every way out of this function
+    std::vector<cudaEvent_t> all;
+    ~OwnedEvents() {
+      for (cudaEvent_t e : all) cudaEventDestroy(e);
+    }
+  } events;
   auto new_event = [&] {
     cudaEvent_t e = nullptr;
     FUSEMOE_CUDA_CHECK(cudaEventCreate(&e));
-    events.push_back(e);
+    events.all.push_back(e);
     return e;
   };
   auto event_median_us = [](const std::vector<std::pair<cudaEvent_t, cudaEvent_t>>& pairs) {
@@ -223,37 +228,40 @@ void trace_kernels(const TimingContext& ctx, int64_t num_tokens, const std::stri
         FUSEMOE_CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
         return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - warm_start).count();
       };
-      int untraced = ctx.params.warmup;
-      for (int call = 0; call < untraced + ctx.params.iters; ++call) {
-        if (call == untraced && warm_ms() < min_warm_ms) ++untraced;
-        const bool traced = call >= untraced;
+      // One pass of one call; traced, it runs under its CUPTI tag and between its events.
+      auto run_pass = [&](bool traced, uint64_t tag, const std::function<void()>& pass, std::vector<uint64_t>& tags,
+                          std::vector<std::pair<cudaEvent_t, cudaEvent_t>>& pass_events) {
+        if (!traced) {
+          pass();
+          return;
+        }
+        tracer->push(tag);
+        pass_events.emplace_back(new_event(), new_event());
+        FUSEMOE_CUDA_CHECK(cudaEventRecord(pass_events.back().first, ctx.stream));
+        pass();
+        FUSEMOE_CUDA_CHECK(cudaEventRecord(pass_events.back().second, ctx.stream));
+        tracer->pop();
+        tags.push_back(tag);
+      };
+      auto run_call = [&](int call, bool traced) {
         const uint64_t tag = (static_cast<uint64_t>(i) << 32) | (static_cast<uint64_t>(call) << 1);
         ctx.timer.flush_l2(call);
-        if (traced) {
-          tracer->push(tag);
-          forward_events.emplace_back(new_event(), new_event());
-          FUSEMOE_CUDA_CHECK(cudaEventRecord(forward_events.back().first, ctx.stream));
-        }
-        run_forward(ctx.config, impl, ctx.inputs, ctx.outputs, workspace, num_tokens, ctx.stream);
-        if (traced) {
-          FUSEMOE_CUDA_CHECK(cudaEventRecord(forward_events.back().second, ctx.stream));
-          tracer->pop();
-          forward_tags.push_back(tag);
-        }
-        if (!impl.has_backward) continue;
-        if (traced) {
-          tracer->push(tag | 1);
-          backward_events.emplace_back(new_event(), new_event());
-          FUSEMOE_CUDA_CHECK(cudaEventRecord(backward_events.back().first, ctx.stream));
-        }
-        run_backward(ctx.config, impl, ctx.inputs, ctx.outputs, workspace, num_tokens, WeightGradDtype::kBFloat16,
-                     ctx.stream);
-        if (traced) {
-          FUSEMOE_CUDA_CHECK(cudaEventRecord(backward_events.back().second, ctx.stream));
-          tracer->pop();
-          backward_tags.push_back(tag | 1);
-        }
-      }
+        run_pass(
+            traced, tag, [&] { run_forward(ctx.config, impl, ctx.inputs, ctx.outputs, workspace, num_tokens, ctx.stream); },
+            forward_tags, forward_events);
+        if (!impl.has_backward) return;
+        run_pass(
+            traced, tag | 1,
+            [&] {
+              run_backward(ctx.config, impl, ctx.inputs, ctx.outputs, workspace, num_tokens, WeightGradDtype::kBFloat16,
+                           ctx.stream);
+            },
+            backward_tags, backward_events);
+      };
+      int call = 0;
+      for (; call < ctx.params.warmup; ++call) run_call(call, false);
+      while (warm_ms() < min_warm_ms) run_call(call++, false);
+      for (int traced = 0; traced < ctx.params.iters; ++traced) run_call(call++, true);
       uint64_t dropped = 0, untagged = 0;
       const std::vector<KernelRecord> records = tracer->take(&dropped, &untagged);  // waits for the device
       c->traced_clocks.push_back(sampler.stop());
@@ -276,12 +284,10 @@ void trace_kernels(const TimingContext& ctx, int64_t num_tokens, const std::stri
       if (impl.has_backward) add_pass(backward_tags, backward_events, "backward", wgrad_name(WeightGradDtype::kBFloat16));
     }
   } catch (const std::exception& e) {
-    for (cudaEvent_t ev : events) cudaEventDestroy(ev);
     c->kernel_times_status = std::string("failed: ") + e.what();
     std::fprintf(stderr, "[bench] %s: kernel tracing failed: %s\n", label.c_str(), e.what());
     return;
   }
-  for (cudaEvent_t ev : events) cudaEventDestroy(ev);
   c->kernel_times_status = "traced";
 }
 
