@@ -83,6 +83,7 @@ const char* kernel_name(int32_t kernel) {
     case WaitKernel::kFp8RecomputeZ: return "FP8 z-recompute GEMM";
     case WaitKernel::kFp8DgradSwiglu: return "FP8 dgrad + SwiGLU GEMM";
     case WaitKernel::kFp8DgradScatter: return "FP8 dgrad-of-x GEMM";
+    case WaitKernel::kFp8WeightGrad: return "FP8 weight-gradient GEMM";
   }
   return "unknown kernel";
 }

@@ -24,9 +24,10 @@ enum class WaitKernel : int32_t {
   kFp8RecomputeZ,
   kFp8DgradSwiglu,
   kFp8DgradScatter,
+  kFp8WeightGrad,
 };
 // Size of a table indexed by WaitKernel (the values start at 1; entry 0 is unused).
-constexpr int kNumWaitKernels = static_cast<int>(WaitKernel::kFp8DgradScatter) + 1;
+constexpr int kNumWaitKernels = static_cast<int>(WaitKernel::kFp8WeightGrad) + 1;
 
 enum class WaitRole : int32_t { kProducer = 1, kConsumer, kExchange };
 

@@ -17,10 +17,18 @@
 //                               scale pool [K/128][rows_pad], one cp.async per producer thread
 //     Fp8GatheredTokenRowsA     token rows gathered by index (as GatheredTokenRowsA) plus one
 //                               4-byte cp.async per row from the token-major scales [T, K/128]
-//   B policies (K-major E4M3 weights; scales by a 4-byte cp.async of the producer thread)
+//     Fp8TokenBlockedA          weight gradients: feature rows of a token-blocked pool (below),
+//                               1 x 128 scales along the positions [P/128, rows]
+//   B policies (K-major E4M3; scales by a 4-byte cp.async of the producer thread)
 //     Fp8WeightsB<N>            [N rows][128 k] of one expert's weight, N = 128 or 256
 //     Fp8GateUpWeightsB         a tile is one 128-column block of h in one pass: gate rows
 //                               [128 n, +128) and the up rows I below them, N = 256
+//     Fp8TokenBlockedB<N>       weight gradients: feature rows of a token-blocked pool, 128 x 128
+//                               block scales [P/128, N/128] (one per half: the promotion's)
+// A token-blocked pool [C features, P positions] (launch_quantize_token_blocked_fp8) holds each
+// expert's routed rows transposed, from a position that is a multiple of 128, zeros after them:
+// Hopper's E4M3 wgmma reads K-major operands only, and a weight gradient's K is the tokens. A
+// K-block is 128 positions of one expert, so no foreign row enters the sum and none is zeroed.
 // The scales of B ride in A's Args (GemmParams has one argument slot per operand source, and B's
 // is its tensor map).
 #pragma once
@@ -145,6 +153,36 @@ struct Fp8GatheredTokenRowsA {
   }
 };
 
+// Where the 128 x 128 block scales of a token-blocked B pool are: block (position block pb, feature
+// block nb) at ptr[pb * n_blocks + nb].
+struct TokenBlockScales {
+  const float* ptr;
+  int32_t n_blocks;  // N / 128 (rounded up): a 256-wide tile past the last block reads the last one's
+};
+
+// Rows [row0 + 128 m, +128) of the pool by TMA at positions [row_begin + 128 kb, +128) (the tile's
+// row_begin is its expert's padded offset); producer thread p copies the scale of tile row p.
+struct Fp8TokenBlockedA {
+  static constexpr bool kGathered = false, kMnMajor = false, kBlockScaled = true, kScalesPerThread = true;
+  static constexpr uint32_t kTmaBytes = kTileABytes;
+  static_assert(kThreadsPerWarpgroup == kBlockM, "producer thread p copies the scale of tile row p");
+  struct Args {
+    CUtensorMap map;      // pool [rows, P] E4M3, boxes [128 rows][128 positions]
+    const float* scales;  // [P/128, rows] fp32, 1 x 128 along the positions
+    int32_t rows;         // feature rows of the pool (the scales' row length)
+    int32_t row0;         // the pool row of the output's first row (dW3 reads dz's up half: I)
+    TokenBlockScales b_scales;
+  };
+  struct ThreadRows {};
+  __device__ static void load(const Args& a, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb) {
+    tma_load_2d(&a.map, full, dst, tile.row_begin + kb * kFp8BlockK, a.row0 + tile.m_tile * kBlockM);
+  }
+  __device__ static void copy_scale(const Args& a, const Tile& tile, int32_t kb, uint32_t scales_a, int thread) {
+    const int64_t block = tile.row_begin / kFp8BlockK + kb;
+    cp_async_4(scales_a + thread * sizeof(float), a.scales + block * a.rows + a.row0 + tile.m_tile * kBlockM + thread);
+  }
+};
+
 // ------------------------------------------------------------------------------------- B
 
 // [kBlockN rows][128 k] of one expert's weight; one scale per 128-row half (kNumBScales). Rows past
@@ -193,6 +231,29 @@ struct Fp8GateUpWeightsB {
     const float* src = w.ptr + tile.expert * w.expert_stride + tile.n_tile * w.n_stride + kb * w.k_stride;
     cp_async_4(dst, src);
     cp_async_4(dst + sizeof(float), src + w.second);
+  }
+};
+
+// [kBlockN rows][128 positions] of a token-blocked pool at feature row n_tile * kBlockN; rows
+// past N read as zeros (TMA) and their columns are never stored.
+template <int kBlockN_>
+struct Fp8TokenBlockedB {
+  static constexpr int kBlockN = kBlockN_, kTileCols = kBlockN_, kNumBScales = kBlockN_ / 128;
+  static constexpr bool kMnMajor = false;
+  static_assert(kBlockN == 128 || kBlockN == 256, "one or two 128-row blocks per tile");
+  static constexpr uint32_t kBoxRows = kBlockN;
+  __device__ static uint32_t bytes(const Tile&, const BShape&) { return kBlockN * kSwizzleRowBytes; }
+  __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb,
+                              const BShape&) {
+    tma_load_2d(map, full, dst, tile.row_begin + kb * kFp8BlockK, tile.n_tile * kTileCols);
+  }
+  __device__ static void load_scales(const TokenBlockScales& w, uint32_t dst, const Tile& tile, int32_t kb) {
+    const int64_t block = tile.row_begin / kFp8BlockK + kb;
+#pragma unroll
+    for (int b = 0; b < kNumBScales; ++b) {
+      const int32_t n_block = min(tile.n_tile * kNumBScales + b, w.n_blocks - 1);
+      cp_async_4(dst + b * sizeof(float), w.ptr + block * w.n_blocks + n_block);
+    }
   }
 };
 
@@ -325,6 +386,23 @@ __device__ __forceinline__ void consume_block_scaled(const GemmParams<Gemm>& p, 
   const int32_t num_tiles = sched.num_tiles();
   for (int32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const Tile tile = sched.tile(t);
+    if constexpr (Gemm::Scheduler::kReducesOverRows) {
+      if (tile.num_k_blocks == 0) {
+        // An expert without rows (weight gradients): no stage comes. The previous tile's held
+        // output goes out, then the epilogue stores zeros (or nothing, accumulating). acc is
+        // zeroed so it is not live across tiles (it is no wgmma operand here: tmp is).
+        if constexpr (kHeldBoxes > 0) {
+#pragma unroll
+          for (int i = 0; i < kHeldBoxes; ++i) Epilogue::drain(p.epilogue, out_shape, staging, held, i, me);
+        }
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+        const AccRows rows(tile, me);
+        typename Epilogue::Inputs inputs = Epilogue::prepare(p.epilogue, out_shape, tile, rows, me);
+        Epilogue::store(p.epilogue, out_shape, tile, rows, inputs, acc, staging, held, me);
+        continue;
+      }
+    }
     // acc[64 rows, kBlockN] = sum over the tile's K-blocks (a row tile has at least one) of
     // promoted A[rows, kb] * B[kb, kBlockN]. The first K-block is peeled so that acc is dead before
     // it (its promotion writes acc rather than adding to it): the previous tile's held words then

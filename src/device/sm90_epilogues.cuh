@@ -584,12 +584,12 @@ struct DgradSwiGLUEpilogue {
 // overwrite's time, docs/experiments.md#tma-reduce-add). bf16 adds the rounded new value, as
 // autograd adds a bf16 gradient into a bf16 .grad. kAccumulate is a template parameter so the
 // overwrite pass has no branch per element whatever the compiler's unswitching decides
-// (docs/experiments.md#kernelargs-size).
-template <bool kFp32, bool kAccumulate>
-struct WeightGradEpilogue {
+// (docs/experiments.md#kernelargs-size). The instances are the named structs below it.
+template <bool kFp32, bool kAccumulate, int kStagingBoxes_>
+struct WeightGradStores {
   static constexpr int kBlockN = 256;
   static constexpr int kStagingBoxBytes = kWgmmaM * 128;  // one TMA store box: 64 rows x 128 B
-  static constexpr int kStagingBoxes = 2;                 // per consumer warpgroup, used in turn
+  static constexpr int kStagingBoxes = kStagingBoxes_;    // per consumer warpgroup, used in turn
   static constexpr int kStagingBytesPerConsumer = kStagingBoxes * kStagingBoxBytes;
   static constexpr int kStagingBytes = kNumConsumers * kStagingBytesPerConsumer;
   static constexpr int kChunksPerBox = kFp32 ? 4 : 8;  // 8-column accumulator chunks in 128 B
@@ -710,7 +710,14 @@ struct WeightGradEpilogue {
     // and an accumulated gradient is left untouched.
     const bool acc_valid = tile.num_k_blocks > 0;
     held.pending = false;
-    if (kAccumulate && !acc_valid) return;
+    if (kAccumulate && !acc_valid) {
+      // The held words are written on every path, so the previous tile's are dead once drained
+      // (else they stay live through the next main loop: the FP8 loop spilled them).
+      if constexpr (kHeldBoxes == kBoxes) {
+        pack_held<Acc::kZero>(acc, false, held, std::make_integer_sequence<int, kHeldBoxes>{});
+      }
+      return;
+    }
     uint8_t* mine = staging + me.consumer * kStagingBytesPerConsumer;
     const int32_t row0 = tile.expert * s.m_valid + tile.m_tile * kBlockM + me.consumer * kWgmmaM;
     const int32_t n0 = tile.n_tile * kBlockN;
@@ -756,5 +763,12 @@ struct WeightGradEpilogue {
     if (me.tid_in_wg == 0) bulk_wait_group_all();
   }
 };
+
+// Named structs, not aliases, so the kernels' names say which (scripts/bound_table.py). The FP8
+// one keeps one staging box per warpgroup: its stage ring's scale records do not fit beside two.
+template <bool kFp32, bool kAccumulate>
+struct WeightGradEpilogue : WeightGradStores<kFp32, kAccumulate, 2> {};
+template <bool kFp32, bool kAccumulate>
+struct Fp8WeightGradEpilogue : WeightGradStores<kFp32, kAccumulate, 1> {};
 
 }  // namespace fusemoe::sm90

@@ -9,11 +9,13 @@
 // so the m-tiles that read one weight slice (n) run at the same time on neighbouring CTAs and
 // the slice comes from HBM once (docs/experiments.md#expert-tile-order). K = the GEMM's inner size.
 //
-// ExpertOutputTileScheduler (weight gradients): output tile (m, n) of an expert's [M, N]
-// gradient, reducing over all of the expert's rows (K = its row count, in 64-row blocks from
+// ExpertOutputTiles<kKRows> (weight gradients): output tile (m, n) of an expert's [M, N]
+// gradient, reducing over all of the expert's rows (K = its row count, in kKRows-row blocks from
 // its first row; one CTA per output tile, so the sum has a fixed order). Expert-major, m fastest.
 // It needs no table: a tile reads its expert's two offsets from global memory (two loads per
-// tile of 4+ K-blocks), which leaves the table's shared memory to the stage ring.
+// tile of 4+ K-blocks), which leaves the table's shared memory to the stage ring. BF16 reads the
+// pools' offsets in 64-row blocks (ExpertOutputTileScheduler); FP8 the token-blocked pools'
+// padded offsets (multiples of 128) in 128-row blocks.
 #pragma once
 
 #include <cstdint>
@@ -105,7 +107,8 @@ struct RowTileScheduler {
   }
 };
 
-struct ExpertOutputTileScheduler {
+template <int kKRows>
+struct ExpertOutputTiles {
   static constexpr bool kReducesOverRows = true;
   static constexpr bool kTableInSmem = false;
   const int32_t* offsets;  // [E + 1] expert_offsets, global
@@ -126,9 +129,12 @@ struct ExpertOutputTileScheduler {
     out.m_tile = local - out.n_tile * num_m_tiles;
     out.row_begin = offsets[out.expert];
     out.row_end = offsets[out.expert + 1];
-    out.num_k_blocks = (out.row_end - out.row_begin + kBlockK - 1) / kBlockK;
+    out.num_k_blocks = (out.row_end - out.row_begin + kKRows - 1) / kKRows;
     return out;
   }
 };
+// Named types, not aliases: the kernels' names (CUPTI's records, kernel_times_table.py) keep them.
+struct ExpertOutputTileScheduler : ExpertOutputTiles<kBlockK> {};
+struct TokenBlockOutputTileScheduler : ExpertOutputTiles<2 * kBlockK> {};  // FP8: 128 E4M3 a K-block
 
 }  // namespace fusemoe::sm90

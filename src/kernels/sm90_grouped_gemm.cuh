@@ -8,6 +8,7 @@
 //   dgrad+SwiGLU    dys pool                w2 N-major            row tiles       dgrad SwiGLU
 //   dgrad of x      dz pool                 w13 N-major*          row tiles       slot rows
 //   weight grads    act_m^T pool            act_n pool N-major    expert output   TMA-store tiles
+//   FP8 weight grads  token-blocked pools, both K-major (sm90_block_scaled.cuh)
 //   * or from separate gate and up weights w1, w3: a second tensor map (map_b_up), same tiles
 //
 // Tile order (TileOrder_): static, t = blockIdx.x + i * gridDim.x; or dynamic (TileFeed: each CTA
@@ -96,8 +97,10 @@ struct GroupedGemm {
   static_assert(kStages >= 3, "a ring of at least 3 stages keeps TMA ahead of the MMAs");
   static_assert(kTileABytes % kSmemAlign == 0 && kTileBBytes % kSmemAlign == 0, "stage alignment");
   static_assert(Epilogue::kStagingBytes % kSmemAlign == 0, "staging alignment");
-  static_assert(!Scheduler::kReducesOverRows || (!A::kGathered && A::kMnMajor && B::kMnMajor),
-                "a reduction over rows reads both operands as transposed pool boxes");
+  static_assert(!Scheduler::kReducesOverRows || (!A::kGathered && A::kMnMajor && B::kMnMajor) ||
+                    (kBlockScaled && !A::kGathered && !A::kMnMajor && !B::kMnMajor),
+                "a reduction over rows reads both operands as transposed pool boxes (bf16) or token-blocked "
+                "pools (FP8, K-major)");
   static_assert(!Consumers::kPingPong || (!Scheduler::kReducesOverRows && !kBlockScaled &&
                                           Epilogue::kStagingBytes == 0 && Consumers::kRowBlocks * kAccRegs <= 128),
                 "ping-pong: row tiles, the bf16 consumer loop, no per-consumer staging, and at most 128 "

@@ -37,6 +37,14 @@ using DgradSwigluGemm =
 using DgradScatterGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB<256>, sm90::RowTileScheduler,
                                      sm90::RowStoreEpilogue<256, false, RowDestination::kSlotRow>>;
 
+// Expert-output tiles over token-blocked pools; one staging box per consumer leaves room for the
+// scale records beside 4 stages.
+template <bool kFp32, bool kAccumulate>
+using WeightGradGemm = GroupedGemm<sm90::Fp8TokenBlockedA, sm90::Fp8TokenBlockedB<256>,
+                                   sm90::TokenBlockOutputTileScheduler, sm90::Fp8WeightGradEpilogue<kFp32, kAccumulate>>;
+
+static_assert(WeightGradGemm<false, false>::kStages == 4 && WeightGradGemm<true, true>::kStages == 4,
+              "FP8 weight-gradient ring depth");
 static_assert(GateUpGemm<false, false>::kStages == 4 && DownGemm::kStages == 4 && DgradSwigluGemm<false>::kStages == 4,
               "FP8 ring depth");
 
@@ -143,7 +151,47 @@ void launch_dgrad_swiglu(const Sm90Fp8DgradSwigluParams& p) {
                          H, p.weights.w2_t, I, I, epilogue, "w2_t_fp8");
 }
 
+template <bool kFp32, bool kAccumulate>
+void launch_weight_grad(const Sm90Fp8WeightGradParams& p) {
+  using Gemm = WeightGradGemm<kFp32, kAccumulate>;
+  const Sm90Rows& rows = p.rows;
+  const int64_t positions = rows.max_rows;
+  GemmParams<Gemm> params{};
+  params.a.map = sm90::make_tensor_map_fp8(p.a, positions, p.a_rows, sm90::kBlockM, "a (token-blocked)");
+  params.a.scales = p.a_scales;
+  params.a.rows = static_cast<int32_t>(p.a_rows);
+  params.a.row0 = static_cast<int32_t>(p.a_row0);
+  params.a.b_scales = {p.b_scales, static_cast<int32_t>((p.n + 127) / 128)};
+  params.map_b = sm90::make_tensor_map_fp8(p.b, positions, p.n, Gemm::B::kBoxRows, "b (token-blocked)");
+  params.epilogue.map = sm90::make_store_tensor_map(p.grad, kFp32, p.n, rows.num_experts * p.m, sm90::kWgmmaM, "grad");
+  sm90::GemmShape& s = params.shape;
+  s.expert_offsets = rows.expert_offsets;
+  s.num_experts = static_cast<int32_t>(rows.num_experts);
+  s.n_valid = static_cast<int32_t>(p.n);
+  s.m_valid = static_cast<int32_t>(p.m);
+  sm90::launch_grouped_gemm(params, rows, WaitKernel::kFp8WeightGrad);
+}
+
 }  // namespace
+
+void launch_sm90_fp8_weight_grad(const Sm90Fp8WeightGradParams& p) {
+  const Sm90Rows& rows = p.rows;
+  FUSEMOE_ASSERT(rows.max_rows >= 0 && rows.max_rows % 128 == 0 && rows.max_rows < (int64_t{1} << 31));
+  FUSEMOE_ASSERT(rows.num_experts >= 1 && rows.num_experts <= sm90::kMaxExperts);
+  FUSEMOE_ASSERT(p.m > 0 && p.m % 128 == 0 && p.n > 0 && p.n % 128 == 0 && p.grad != nullptr);
+  FUSEMOE_ASSERT(p.a_rows % 128 == 0 && p.a_row0 % 128 == 0 && p.a_row0 + p.m <= p.a_rows);
+  FUSEMOE_ASSERT(rows.num_experts * p.m < (int64_t{1} << 31));  // TMA row coordinates of grad
+  if (rows.max_rows == 0) {  // no positions: every expert is empty
+    if (!p.accumulate) {
+      FUSEMOE_CUDA_CHECK(cudaMemsetAsync(p.grad, 0, rows.num_experts * p.m * p.n * (p.bf16_grad ? 2 : 4), rows.stream));
+    }
+    return;
+  }
+  FUSEMOE_ASSERT(p.a && p.a_scales && p.b && p.b_scales && rows.expert_offsets);
+  sm90::with_bool_constants(!p.bf16_grad, p.accumulate, [&](auto fp32, auto accumulate) {
+    launch_weight_grad<decltype(fp32)::value, decltype(accumulate)::value>(p);
+  });
+}
 
 void launch_sm90_fp8_gate_up_swiglu(const Sm90Fp8GateUpParams& p) {
   assert_fp8_rows(p.rows);

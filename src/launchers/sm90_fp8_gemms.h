@@ -10,6 +10,7 @@
 //   dgrad + SwiGLU    a = dq(dy_fp8[s / K]) dq(W2_e) (read as W2_e^T, K-major); as the BF16 dgrad
 //                     epilogue, plus dz_fp8 + scales (1 x 128 along 2I, from the bf16 dz)
 //   dgrad of x        dx_slots[s] = bf16(dq(dz_fp8_r) dq(W13_e)) (read as W13_e^T)
+//   weight gradients  grad_e = dq(a) dq(b)^T over expert e's positions of token-blocked pools
 // dq: E4M3 code times its block's scale; products accumulate in fp32 per 128-wide K-block and are
 // promoted with scale_a * scale_b. Activation scale pools are block-major [K/128, rows_pad]
 // (rows_pad = sm90_fp8_rows_pad(R_max)); those of the token rows the gate/up, the z recompute and
@@ -91,10 +92,31 @@ struct Sm90Fp8DgradScatterParams {
   void* dx_slots = nullptr;           // [S, H] bf16 (output)
 };
 
+// A weight gradient from token-blocked pools (launch_quantize_token_blocked_fp8):
+//   grad_e[m, n] (+)= sum over expert e's positions p of dq(a[row0 + m, p]) dq(b[n, p])
+// a's scales 1 x 128 along the positions, b's 128 x 128; expert e's positions are
+// [padded_offsets[e], padded_offsets[e+1]) (multiples of 128; zeros after its rows). Experts
+// without rows: grad_e zeroed, or left as it is when accumulating.
+struct Sm90Fp8WeightGradParams {
+  Sm90Rows rows;                   // expert_offsets: the PADDED offsets; max_rows: P; hidden and intermediate unused
+  const void* a = nullptr;         // [a_rows, P] E4M3 (dy^T for dW2, dz^T for dW13)
+  const float* a_scales = nullptr; // [P/128, a_rows]
+  int64_t a_rows = 0;              // a multiple of 128
+  int64_t a_row0 = 0;              // the a row of grad's row 0 (a multiple of 128; I for dW3)
+  const void* b = nullptr;         // [n, P] E4M3 (wh^T for dW2, x^T for dW13)
+  const float* b_scales = nullptr; // [P/128, n/128]
+  void* grad = nullptr;            // [E, m, n] fp32 or bf16 (output)
+  int64_t m = 0;                   // multiple of 128, a_row0 + m <= a_rows
+  int64_t n = 0;                   // multiple of 128
+  bool bf16_grad = false;
+  bool accumulate = false;
+};
+
 void launch_sm90_fp8_gate_up_swiglu(const Sm90Fp8GateUpParams& params);
 void launch_sm90_fp8_down_weighted(const Sm90Fp8DownParams& params);
 void launch_sm90_fp8_recompute_z(const Sm90Fp8RecomputeZParams& params);
 void launch_sm90_fp8_dgrad_swiglu(const Sm90Fp8DgradSwigluParams& params);
 void launch_sm90_fp8_dgrad_scatter(const Sm90Fp8DgradScatterParams& params);
+void launch_sm90_fp8_weight_grad(const Sm90Fp8WeightGradParams& params);
 
 }  // namespace fusemoe
