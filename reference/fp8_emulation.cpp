@@ -147,6 +147,36 @@ std::vector<double> combine(const Problem& p, const std::vector<double>& rows_SH
   return out;
 }
 
+// The token-blocked quantization of one expert's n rows (LayerConfig::fp8_weight_grads),
+// dequantized and transposed: out[c * n + i] for feature c of the expert's i-th row (slot order,
+// the pools' order). value(i, c) is the bf16 value the kernels quantize. Blocks of 128 rows from
+// the expert's first (the last one padded with zeros), each feature alone (1 x 128 along the
+// rows) or 128 features together (128 x 128).
+template <typename Value>
+std::vector<double> token_blocked(int64_t n, int64_t cols, bool blocks_128x128, Value&& value) {
+  std::vector<double> out(static_cast<size_t>(cols * n));
+  const int64_t group = blocks_128x128 ? host::kFp8Block : 1;
+  parallel_for(cols / group, [&](int64_t g) {
+    std::vector<float> v(static_cast<size_t>(group * host::kFp8Block));
+    for (int64_t b = 0; b * host::kFp8Block < n; ++b) {
+      const int64_t rows = std::min<int64_t>(host::kFp8Block, n - b * host::kFp8Block);
+      float amax = 0.0f;
+      for (int64_t c = 0; c < group; ++c) {
+        for (int64_t i = 0; i < rows; ++i) v[c * host::kFp8Block + i] = static_cast<float>(value(b * host::kFp8Block + i, g * group + c));
+        amax = std::fmax(amax, host::fp8_amax(v.data() + c * host::kFp8Block, rows));
+      }
+      const host::Fp8BlockScale s = host::fp8_block_scale(amax);
+      for (int64_t c = 0; c < group; ++c) {
+        for (int64_t i = 0; i < rows; ++i) {
+          out[(g * group + c) * n + b * host::kFp8Block + i] =
+              static_cast<double>(host::e4m3_bits_to_float(host::fp8_quantize(v[c * host::kFp8Block + i], s))) * s.scale;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 namespace {
@@ -162,7 +192,7 @@ struct BackwardRows {
 void backward_expert_rows(const Problem& p, int64_t e, const std::vector<int64_t>& rows,
                           const std::vector<double>& w13, const std::vector<double>& w2,
                           const std::vector<double>& dy_TH, const std::vector<double>& dydq_TH,
-                          const ForwardRows& fwd, BackwardRows& b) {
+                          const ForwardRows& fwd, BackwardRows& b, bool fp8_weight_grads) {
   const int64_t H = p.hidden, I = p.intermediate, K = p.top_k, F = 2 * I;
   Gradients& g = b.g;
   parallel_for(static_cast<int64_t>(rows.size()), [&](int64_t r) {
@@ -196,13 +226,29 @@ void backward_expert_rows(const Problem& p, int64_t e, const std::vector<int64_t
     for (int64_t n = 0; n < H; ++n) b.dx_slots_SH[s * H + n] = bf16(dxs[n]);
   });
   double* dw2 = g.dw2_EHI.data() + e * H * I;
+  double* dw13 = g.dw13_EFH.data() + e * F * H;
+  if (fp8_weight_grads) {
+    // dW2 = dq(dy^T, 1 x 128) dq(wh^T, 128 x 128), dW13 = dq(dz^T, 1 x 128) dq(x^T, 128 x 128)
+    // over the expert's rows.
+    const int64_t n = static_cast<int64_t>(rows.size());
+    const auto dyT = token_blocked(n, H, false, [&](int64_t i, int64_t c) { return dy_TH[(rows[i] / K) * H + c]; });
+    const auto whT = token_blocked(n, I, true, [&](int64_t i, int64_t c) { return b.wh_SI[rows[i] * I + c]; });
+    const auto dzT = token_blocked(n, F, false, [&](int64_t i, int64_t c) { return b.dz_SF[rows[i] * F + c]; });
+    const auto xT = token_blocked(n, H, true, [&](int64_t i, int64_t c) { return p.x_TH[(rows[i] / K) * H + c]; });
+    parallel_for(H, [&](int64_t h) {
+      for (int64_t c = 0; c < I; ++c) dw2[h * I + c] = dot(dyT.data() + h * n, whT.data() + c * n, n);
+    });
+    parallel_for(F, [&](int64_t f) {
+      for (int64_t h = 0; h < H; ++h) dw13[f * H + h] = dot(dzT.data() + f * n, xT.data() + h * n, n);
+    });
+    return;
+  }
   parallel_for(H, [&](int64_t n) {
     for (const int64_t s : rows) {
       const double dyv = dy_TH[(s / K) * H + n];
       for (int64_t c = 0; c < I; ++c) dw2[n * I + c] += dyv * b.wh_SI[s * I + c];
     }
   });
-  double* dw13 = g.dw13_EFH.data() + e * F * H;
   parallel_for(F, [&](int64_t f) {
     for (const int64_t s : rows) {
       const double dzv = b.dz_SF[s * F + f];
@@ -214,7 +260,7 @@ void backward_expert_rows(const Problem& p, int64_t e, const std::vector<int64_t
 
 }  // namespace
 
-Fp8Emulation fp8_emulated_layer(const Problem& p, const std::vector<double>& dy_TH) {
+Fp8Emulation fp8_emulated_layer(const Problem& p, const std::vector<double>& dy_TH, bool fp8_weight_grads) {
   validate_fp8(p);
   const int64_t T = p.num_tokens, H = p.hidden, I = p.intermediate, K = p.top_k, F = 2 * I;
   require_size(dy_TH.size(), T * H, "dy_TH", "T*H");
@@ -236,7 +282,7 @@ Fp8Emulation fp8_emulated_layer(const Problem& p, const std::vector<double>& dy_
   for_each_routed_expert(p, slots, [&](int64_t e, const std::vector<int64_t>& rows, const std::vector<double>& w13,
                                        const std::vector<double>& w2) {
     forward_expert_rows(p, rows, w13, w2, xdq_TH, fwd);
-    backward_expert_rows(p, e, rows, w13, w2, dy_TH, dydq_TH, fwd, bwd);
+    backward_expert_rows(p, e, rows, w13, w2, dy_TH, dydq_TH, fwd, bwd, fp8_weight_grads);
   });
   bwd.g.dx_TH = combine(p, bwd.dx_slots_SH);
   return {combine(p, fwd.ys_SH), std::move(bwd.g)};

@@ -34,6 +34,7 @@ LayerBufferBytes layer_buffer_bytes(const LayerConfig& c) {
 size_t bench_workspace_bytes(const LayerConfig& config, const BenchImpl& impl) {
   LayerConfig c = config;
   c.precision = impl.precision;
+  c.fp8_weight_grads = impl.fp8_weight_grads;
   return std::max<size_t>(workspace_bytes(c, impl.impl), 256);
 }
 

@@ -58,6 +58,8 @@ struct BenchImpl {
   // Gate and up weights as two tensors w1, w3 [E, I, H] (torchtitan's layout) and the gradients
   // as dw1, dw3, instead of w13 / dw13: copies of the same values, so the results should match.
   bool separate_gate_up = false;
+  // Precision::kFp8Blockwise: LayerConfig::fp8_weight_grads (the weight gradients' GEMMs in FP8).
+  bool fp8_weight_grads = false;
 };
 
 // Implementations the benchmark can time (the fp32 reference is the oracle, never timed).
@@ -71,6 +73,9 @@ constexpr BenchImpl kBenchImpls[] = {
     // per optimizer step.
     {"fused_fp8", Impl::kFused, true, false, Precision::kFp8Blockwise, kFp8RelErrTol, false},
     {"fused_fp8_saved_z", Impl::kFused, true, true, Precision::kFp8Blockwise, kFp8RelErrTol, false},
+    // The same with FP8 weight gradients.
+    {"fused_fp8_fp8wgrad_saved_z", Impl::kFused, true, true, Precision::kFp8Blockwise, kFp8RelErrTol, false, false,
+     true},
     // fused_saved_z with separate gate and up weights (w1, w3) and gradients (dw1, dw3).
     {"fused_separate_saved_z", Impl::kFused, true, true, Precision::kBf16, kRelErrTol, false, true},
 };

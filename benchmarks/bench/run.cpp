@@ -312,6 +312,7 @@ void LayerOutputs::poison(cudaStream_t stream) const {
 LayerConfig impl_config(const LayerConfig& config, const BenchImpl& impl) {
   LayerConfig c = config;
   c.precision = impl.precision;
+  c.fp8_weight_grads = impl.fp8_weight_grads;
   return c;
 }
 

@@ -82,6 +82,10 @@ struct LayerConfig {
   bool use_swiglu_clamp = false;
   float swiglu_clamp = 0.0f;  // c > 0, finite, when use_swiglu_clamp
   Precision precision = Precision::kBf16;
+  // Precision::kFp8Blockwise only: the weight gradients' GEMMs in FP8 as well (dy and dz in
+  // 1 x 128 blocks along each expert's tokens, x and w * h in 128 x 128 blocks of features by
+  // tokens: docs/numerics.md). false: from the bf16 operands, as at Precision::kBf16.
+  bool fp8_weight_grads = false;
 };
 
 constexpr int64_t kMaxExperts = 1024;  // routing keeps one counter per expert in shared memory

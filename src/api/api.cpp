@@ -154,6 +154,8 @@ void validate_config(const LayerConfig& c) {
   }
   FUSEMOE_CHECK(c.precision == Precision::kBf16 || c.precision == Precision::kFp8Blockwise,
                 "precision: unknown value " << static_cast<int>(c.precision) << " (0 bf16, 1 fp8_blockwise)");
+  FUSEMOE_CHECK(!c.fp8_weight_grads || c.precision == Precision::kFp8Blockwise,
+                "fp8_weight_grads needs precision fp8_blockwise (got " << precision_name(c.precision) << ")");
   // FP8: every K and N of the GEMMs a whole number of 128-blocks (1 x 128 scales of h along I).
   FUSEMOE_CHECK(c.precision != Precision::kFp8Blockwise || c.intermediate % 128 == 0,
                 "precision fp8_blockwise needs intermediate (I) to be a multiple of 128, got " << c.intermediate);

@@ -25,8 +25,8 @@
 //                               [128 n, +128) and the up rows I below them, N = 256
 //     Fp8TokenBlockedB<N>       weight gradients: feature rows of a token-blocked pool, 128 x 128
 //                               block scales [P/128, N/128] (one per half: the promotion's)
-// A token-blocked pool [C features, P positions] (launch_quantize_token_blocked_fp8) holds each
-// expert's routed rows transposed, from a position that is a multiple of 128, zeros after them:
+// A token-blocked pool [P/128][C features][128 positions] (launch_quantize_token_blocked_fp8) holds
+// each expert's routed rows transposed, from a position that is a multiple of 128, zeros after them:
 // Hopper's E4M3 wgmma reads K-major operands only, and a weight gradient's K is the tokens. A
 // K-block is 128 positions of one expert, so no foreign row enters the sum and none is zeroed.
 // The scales of B ride in A's Args (GemmParams has one argument slot per operand source, and B's
@@ -160,14 +160,14 @@ struct TokenBlockScales {
   int32_t n_blocks;  // N / 128 (rounded up): a 256-wide tile past the last block reads the last one's
 };
 
-// Rows [row0 + 128 m, +128) of the pool by TMA at positions [row_begin + 128 kb, +128) (the tile's
+// Rows [row0 + 128 m, +128) of the pool's position block row_begin / 128 + kb by TMA (the tile's
 // row_begin is its expert's padded offset); producer thread p copies the scale of tile row p.
 struct Fp8TokenBlockedA {
   static constexpr bool kGathered = false, kMnMajor = false, kBlockScaled = true, kScalesPerThread = true;
   static constexpr uint32_t kTmaBytes = kTileABytes;
   static_assert(kThreadsPerWarpgroup == kBlockM, "producer thread p copies the scale of tile row p");
   struct Args {
-    CUtensorMap map;      // pool [rows, P] E4M3, boxes [128 rows][128 positions]
+    CUtensorMap map;      // pool [P/128 * rows, 128] E4M3 (fp8_quantize.h), boxes [128 rows][128 positions]
     const float* scales;  // [P/128, rows] fp32, 1 x 128 along the positions
     int32_t rows;         // feature rows of the pool (the scales' row length)
     int32_t row0;         // the pool row of the output's first row (dW3 reads dz's up half: I)
@@ -175,7 +175,8 @@ struct Fp8TokenBlockedA {
   };
   struct ThreadRows {};
   __device__ static void load(const Args& a, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb) {
-    tma_load_2d(&a.map, full, dst, tile.row_begin + kb * kFp8BlockK, a.row0 + tile.m_tile * kBlockM);
+    const int32_t block = tile.row_begin / kFp8BlockK + kb;
+    tma_load_2d(&a.map, full, dst, 0, block * a.rows + a.row0 + tile.m_tile * kBlockM);
   }
   __device__ static void copy_scale(const Args& a, const Tile& tile, int32_t kb, uint32_t scales_a, int thread) {
     const int64_t block = tile.row_begin / kFp8BlockK + kb;
@@ -234,8 +235,8 @@ struct Fp8GateUpWeightsB {
   }
 };
 
-// [kBlockN rows][128 positions] of a token-blocked pool at feature row n_tile * kBlockN; rows
-// past N read as zeros (TMA) and their columns are never stored.
+// [kBlockN rows][128 positions] of a token-blocked pool's position block at feature row n_tile *
+// kBlockN; rows past N (the next block's first rows, or zeros past the pool) are never stored.
 template <int kBlockN_>
 struct Fp8TokenBlockedB {
   static constexpr int kBlockN = kBlockN_, kTileCols = kBlockN_, kNumBScales = kBlockN_ / 128;
@@ -244,8 +245,9 @@ struct Fp8TokenBlockedB {
   static constexpr uint32_t kBoxRows = kBlockN;
   __device__ static uint32_t bytes(const Tile&, const BShape&) { return kBlockN * kSwizzleRowBytes; }
   __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb,
-                              const BShape&) {
-    tma_load_2d(map, full, dst, tile.row_begin + kb * kFp8BlockK, tile.n_tile * kTileCols);
+                              const BShape& s) {
+    const int32_t block = tile.row_begin / kFp8BlockK + kb;
+    tma_load_2d(map, full, dst, 0, block * s.n_valid + tile.n_tile * kTileCols);
   }
   __device__ static void load_scales(const TokenBlockScales& w, uint32_t dst, const Tile& tile, int32_t kb) {
     const int64_t block = tile.row_begin / kFp8BlockK + kb;

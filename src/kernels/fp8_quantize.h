@@ -48,4 +48,46 @@ void launch_quantize_pool_rows_fp8(const void* src_bf16, const int32_t* slot_row
 void launch_quantize_weights_fp8(const void* w_bf16, const void* w_up_bf16, int64_t num_experts, int64_t rows,
                                  int64_t cols, void* q, void* q_t, float* scales, cudaStream_t stream);
 
+// ---- Token-blocked pools (LayerConfig::fp8_weight_grads; src/kernels/fp8_token_blocked.cu)
+// A weight gradient reduces over an expert's rows, and Hopper's E4M3 wgmma reads K-major operands
+// only, so its operands are transposed, token-contiguous, in blocks of 128 positions: q [P/128]
+// [C features][128 positions] (position p of feature c at ((p / 128) * C + c) * 128 + p % 128), so
+// a quantizer CTA's 128 features x 128 positions are 16 contiguous KB and a GEMM K-block of 128
+// features one TMA box. Expert e's pool rows [off[e], off[e+1]) sit at positions [pad[e], pad[e] +
+// count_e), pad[e] a multiple of 128 (sum of the previous experts' counts rounded up to 128);
+// positions up to pad[e+1] hold zeros, so a 128-position block is one expert's and its padding adds
+// nothing. Positions >= pad[E] are never written (nor read by the GEMM).
+enum class Fp8TokenScales {
+  kPer128Tokens,  // a scale per feature and 128-position block: scales [P/128, C]
+  kPer128x128,    // a scale per 128 features x 128 positions: scales [P/128, C/128]
+};
+
+// Positions of a pool of max_rows rows over num_experts experts (the worst case of the padding).
+int64_t fp8_token_blocked_positions(int64_t max_rows, int64_t num_experts);
+
+// pad[0..E] from expert_offsets, and block_expert[b] (b < p_max/128): the expert of position block
+// b, or -1 for a block at or past pad[E]. One small launch; no host synchronisation.
+void launch_token_block_offsets(const int32_t* expert_offsets, int64_t num_experts, int64_t p_max,
+                                int32_t* padded_offsets, int32_t* block_expert, cudaStream_t stream);
+
+struct Fp8TokenBlockedParams {
+  const void* src = nullptr;                // bf16 rows, ld elements apart; columns [0, cols) are read
+  int64_t ld = 0;
+  int64_t cols = 0;                         // C, a multiple of 128
+  const int32_t* row_slot = nullptr;        // null: pool row r is source row r; set: source row row_slot[r] / top_k
+  int64_t top_k = 1;
+  const int32_t* expert_offsets = nullptr;  // [E+1] device
+  const int32_t* padded_offsets = nullptr;  // [E+1] device (launch_token_block_offsets)
+  const int32_t* block_expert = nullptr;    // [p_max/128] device (launch_token_block_offsets)
+  int64_t p_max = 0;                        // positions per q row, fp8_token_blocked_positions(R_max, E)
+  void* q = nullptr;                        // [p_max/128, C, 128] E4M3
+  float* scales = nullptr;                  // per mode
+  Fp8TokenScales mode = Fp8TokenScales::kPer128Tokens;
+  cudaStream_t stream = nullptr;
+};
+
+// The recipe of fp8_quantize.cuh over each block of the token-blocked layout (amax over the block's
+// 128 positions of one feature, or of 128 features; padding counts as zero).
+void launch_quantize_token_blocked_fp8(const Fp8TokenBlockedParams& p);
+
 }  // namespace fusemoe

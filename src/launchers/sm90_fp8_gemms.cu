@@ -157,12 +157,13 @@ void launch_weight_grad(const Sm90Fp8WeightGradParams& p) {
   const Sm90Rows& rows = p.rows;
   const int64_t positions = rows.max_rows;
   GemmParams<Gemm> params{};
-  params.a.map = sm90::make_tensor_map_fp8(p.a, positions, p.a_rows, sm90::kBlockM, "a (token-blocked)");
+  // Token-blocked pools [P/128][rows][128 positions] read as [P/128 * rows, 128] (sm90_block_scaled.cuh).
+  params.a.map = sm90::make_tensor_map_fp8(p.a, 128, positions / 128 * p.a_rows, sm90::kBlockM, "a (token-blocked)");
   params.a.scales = p.a_scales;
   params.a.rows = static_cast<int32_t>(p.a_rows);
   params.a.row0 = static_cast<int32_t>(p.a_row0);
   params.a.b_scales = {p.b_scales, static_cast<int32_t>((p.n + 127) / 128)};
-  params.map_b = sm90::make_tensor_map_fp8(p.b, positions, p.n, Gemm::B::kBoxRows, "b (token-blocked)");
+  params.map_b = sm90::make_tensor_map_fp8(p.b, 128, positions / 128 * p.n, Gemm::B::kBoxRows, "b (token-blocked)");
   params.epilogue.map = sm90::make_store_tensor_map(p.grad, kFp32, p.n, rows.num_experts * p.m, sm90::kWgmmaM, "grad");
   sm90::GemmShape& s = params.shape;
   s.expert_offsets = rows.expert_offsets;

@@ -99,11 +99,11 @@ struct Sm90Fp8DgradScatterParams {
 // without rows: grad_e zeroed, or left as it is when accumulating.
 struct Sm90Fp8WeightGradParams {
   Sm90Rows rows;                   // expert_offsets: the PADDED offsets; max_rows: P; hidden and intermediate unused
-  const void* a = nullptr;         // [a_rows, P] E4M3 (dy^T for dW2, dz^T for dW13)
+  const void* a = nullptr;         // [P/128, a_rows, 128] E4M3 (dy^T for dW2, dz^T for dW13)
   const float* a_scales = nullptr; // [P/128, a_rows]
   int64_t a_rows = 0;              // a multiple of 128
   int64_t a_row0 = 0;              // the a row of grad's row 0 (a multiple of 128; I for dW3)
-  const void* b = nullptr;         // [n, P] E4M3 (wh^T for dW2, x^T for dW13)
+  const void* b = nullptr;         // [P/128, n, 128] E4M3 (wh^T for dW2, x^T for dW13)
   const float* b_scales = nullptr; // [P/128, n/128]
   void* grad = nullptr;            // [E, m, n] fp32 or bf16 (output)
   int64_t m = 0;                   // multiple of 128, a_row0 + m <= a_rows

@@ -5,9 +5,12 @@
 
 namespace fusemoe {
 
-void BackwardPools::carve_pools(WorkspaceCarver& carver, int64_t rows, int64_t hidden, int64_t intermediate) {
-  xs_RH = carver.take(rows * hidden * 2);
-  dys_RH = carver.take(rows * hidden * 2);
+void BackwardPools::carve_pools(WorkspaceCarver& carver, int64_t rows, int64_t hidden, int64_t intermediate,
+                                bool bf16_xs_dys) {
+  if (bf16_xs_dys) {
+    xs_RH = carver.take(rows * hidden * 2);
+    dys_RH = carver.take(rows * hidden * 2);
+  }
   dz_RF = carver.take(rows * 2 * intermediate * 2);
   wh_RI = carver.take(rows * intermediate * 2);
   dx_slots_SH = carver.take(rows * hidden * 2);

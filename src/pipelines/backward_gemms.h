@@ -32,7 +32,9 @@ struct BackwardPools {
   void* wh_RI = nullptr;        // w * h
   void* dx_slots_SH = nullptr;  // per-slot dx rows (t*K + j)
 
-  void carve_pools(WorkspaceCarver& carver, int64_t rows, int64_t hidden, int64_t intermediate);
+  // bf16_xs_dys false: no xs, dys (the FP8 weight gradients read token-blocked pools instead).
+  void carve_pools(WorkspaceCarver& carver, int64_t rows, int64_t hidden, int64_t intermediate,
+                   bool bf16_xs_dys = true);
   // The rows of the weight gradients: the four operand pools, every other field null.
   BackwardRows weight_grad_rows() const;
 };

@@ -88,6 +88,18 @@ struct Fp8BackwardWorkspace : BackwardPools {
   float* dy_scales = nullptr;        // [T, H/128]
   void* dz_fp8_RF = nullptr;         // E4M3 (dgrad of x)
   float* dz_scales = nullptr;        // [2I/128, rows_pad]
+  // LayerConfig::fp8_weight_grads: the token-blocked pools [features, P] E4M3 of the weight
+  // gradients' operands (instead of the bf16 xs and dys pools) and their scales.
+  int32_t* padded_offsets = nullptr;  // [E + 1]
+  int32_t* block_expert = nullptr;    // [P/128]
+  void* dyT = nullptr;                // [H, P], 1 x 128 scales [P/128, H]
+  float* dyT_scales = nullptr;
+  void* whT = nullptr;                // [I, P], 128 x 128 scales [P/128, I/128]
+  float* whT_scales = nullptr;
+  void* dzT = nullptr;                // [2I, P], 1 x 128 scales [P/128, 2I]
+  float* dzT_scales = nullptr;
+  void* xT = nullptr;                 // [H, P], 128 x 128 scales [P/128, H/128]
+  float* xT_scales = nullptr;
   // Only when z is recomputed (last, so a backward given saved z needs less):
   void* z_RF = nullptr;              // bf16
   void* x_fp8_TH = nullptr;          // E4M3 (the recompute gathers its rows)
@@ -98,7 +110,20 @@ struct Fp8BackwardWorkspace : BackwardPools {
     const int64_t rows = c.max_tokens * c.top_k, rows_pad = sm90_fp8_rows_pad(rows);
     const int64_t H = c.hidden, I = c.intermediate;
     WorkspaceCarver carver = carver_after_routing_plan(base, c.max_tokens, c.top_k, c.num_experts, &plan);
-    carve_pools(carver, rows, H, I);
+    carve_pools(carver, rows, H, I, /*bf16_xs_dys=*/!c.fp8_weight_grads);
+    if (c.fp8_weight_grads) {
+      const int64_t P = fp8_token_blocked_positions(rows, c.num_experts), blocks = P / 128;
+      padded_offsets = carver.take<int32_t>((c.num_experts + 1) * sizeof(int32_t));
+      block_expert = carver.take<int32_t>(blocks * sizeof(int32_t));
+      dyT = carver.take(H * P);
+      dyT_scales = carver.take<float>(blocks * H * sizeof(float));
+      whT = carver.take(I * P);
+      whT_scales = carver.take<float>(blocks * (I / 128) * sizeof(float));
+      dzT = carver.take(2 * I * P);
+      dzT_scales = carver.take<float>(blocks * 2 * I * sizeof(float));
+      xT = carver.take(H * P);
+      xT_scales = carver.take<float>(blocks * (H / 128) * sizeof(float));
+    }
     router_partials = carver.take<float>(rows * sm90_router_partials_per_row(I) * sizeof(float));
     dy_fp8_TH = carver.take(c.max_tokens * H);
     dy_scales = carver.take<float>(c.max_tokens * (H / 128) * sizeof(float));
@@ -116,6 +141,77 @@ struct Fp8BackwardWorkspace : BackwardPools {
 Sm90Rows rows_problem(const LayerConfig& c, const RoutingPlan& plan, int64_t num_slots, cudaStream_t stream) {
   return make_sm90_rows(plan.expert_offsets, num_slots, c.num_experts, c.hidden, c.intermediate, 0, stream,
                         /*tile_counter=*/nullptr);  // the block-scaled instances take the static order
+}
+
+// LayerConfig::fp8_weight_grads: each operand transposed into a token-blocked pool by one pass
+// (dy and x gathered from their token rows, dz and w * h from dgrad-1's bf16 rows), then dW2 =
+// dy^T (w h) and dW13 = dz^T x (or dW1, dW3 from dz's halves) as FP8 GEMMs. With no rows every
+// expert is empty: zeroed, or untouched when accumulating.
+void launch_fp8_weight_grads(const LayerConfig& c, const BackwardArgs& args, const Fp8BackwardWorkspace& ws,
+                             const Sm90Rows& rows, void* gate_up_grads) {
+  const int64_t H = c.hidden, I = c.intermediate, E = c.num_experts;
+  cudaStream_t stream = args.stream;
+  const int64_t P = fp8_token_blocked_positions(rows.max_rows, E);
+  launch_token_block_offsets(ws.plan.expert_offsets, E, P, ws.padded_offsets, ws.block_expert, stream);
+  auto quantize = [&](const void* src, int64_t ld, int64_t cols, const int32_t* row_slot, Fp8TokenScales mode,
+                      void* q, float* scales) {
+    if (rows.max_rows == 0) return;  // T = 0: no rows (and src may be null); the GEMMs see empty experts
+    Fp8TokenBlockedParams t;
+    t.src = src;
+    t.ld = ld;
+    t.cols = cols;
+    t.row_slot = row_slot;
+    t.top_k = c.top_k;
+    t.expert_offsets = ws.plan.expert_offsets;
+    t.padded_offsets = ws.padded_offsets;
+    t.block_expert = ws.block_expert;
+    t.q = q;
+    t.p_max = P;
+    t.scales = scales;
+    t.mode = mode;
+    t.stream = stream;
+    launch_quantize_token_blocked_fp8(t);
+  };
+  Sm90Fp8WeightGradParams w;
+  w.rows = rows;
+  w.rows.expert_offsets = ws.padded_offsets;
+  w.rows.max_rows = P;
+  w.bf16_grad = args.weight_grad_dtype == WeightGradDtype::kBFloat16;
+  w.accumulate = args.accumulate_weight_grads;
+  if (args.dw2 != nullptr) {
+    quantize(args.dy, H, H, ws.plan.row_slot, Fp8TokenScales::kPer128Tokens, ws.dyT, ws.dyT_scales);
+    quantize(ws.wh_RI, I, I, nullptr, Fp8TokenScales::kPer128x128, ws.whT, ws.whT_scales);
+    w.a = ws.dyT;
+    w.a_scales = ws.dyT_scales;
+    w.a_rows = H;
+    w.b = ws.whT;
+    w.b_scales = ws.whT_scales;
+    w.grad = args.dw2;
+    w.m = H;
+    w.n = I;
+    launch_sm90_fp8_weight_grad(w);
+  }
+  if (gate_up_grads == nullptr) return;  // frozen gate/up weights
+  quantize(ws.dz_RF, 2 * I, 2 * I, nullptr, Fp8TokenScales::kPer128Tokens, ws.dzT, ws.dzT_scales);
+  quantize(args.x, H, H, ws.plan.row_slot, Fp8TokenScales::kPer128x128, ws.xT, ws.xT_scales);
+  w.a = ws.dzT;
+  w.a_scales = ws.dzT_scales;
+  w.a_rows = 2 * I;
+  w.b = ws.xT;
+  w.b_scales = ws.xT_scales;
+  w.grad = gate_up_grads;
+  w.n = H;
+  if (args.dw3 == nullptr) {
+    w.m = 2 * I;
+    launch_sm90_fp8_weight_grad(w);
+    return;
+  }
+  // dW1 from dz's gate rows, dW3 from its up rows: the tiles of dW13, the same sums.
+  w.m = I;
+  launch_sm90_fp8_weight_grad(w);
+  w.a_row0 = I;
+  w.grad = args.dw3;
+  launch_sm90_fp8_weight_grad(w);
 }
 
 }  // namespace
@@ -199,10 +295,13 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
 
   if (num_slots > 0) {
     // dy once per token for dgrad + SwiGLU; in the same pass the plain pools of dy (dW2's operand)
-    // and x (dW13's); none of a frozen weight's.
+    // and x (dW13's) for bf16 weight gradients; none of a frozen weight's.
+    const bool bf16_pools = !c.fp8_weight_grads;
     launch_quantize_pool_rows_fp8(args.dy, ws.plan.slot_row, args.num_tokens, c.top_k, H,
-                                  args.dw2 != nullptr ? ws.dys_RH : nullptr, ws.dy_fp8_TH, ws.dy_scales, stream,
-                                  gate_up_grads != nullptr ? Fp8RowsPlainCopy{args.x, ws.xs_RH} : Fp8RowsPlainCopy{});
+                                  bf16_pools && args.dw2 != nullptr ? ws.dys_RH : nullptr, ws.dy_fp8_TH, ws.dy_scales,
+                                  stream,
+                                  bf16_pools && gate_up_grads != nullptr ? Fp8RowsPlainCopy{args.x, ws.xs_RH}
+                                                                         : Fp8RowsPlainCopy{});
     const void* z_RF = args.saved_z;
     if (z_RF == nullptr) {
       launch_quantize_token_rows_fp8(args.x, args.num_tokens, H, ws.x_fp8_TH, ws.x_scales, stream);
@@ -250,6 +349,10 @@ void fused_fp8_backward(const LayerConfig& c, const BackwardArgs& args) {
     launch_combine_slots(ws.dx_slots_SH, ws.plan.slot_row, args.num_tokens, c.top_k, H, args.dx, stream, router);
   }
 
+  if (c.fp8_weight_grads) {
+    launch_fp8_weight_grads(c, args, ws, rows, gate_up_grads);
+    return;
+  }
   // Weight gradients from the bf16 pools with the BF16 path's step (no rows: zeroed, or untouched).
   launch_backward_weight_grads(rows, ws.weight_grad_rows(), gate_up_grads, args.dw3, args.dw2, args.weight_grad_dtype,
                                args.accumulate_weight_grads);

@@ -37,6 +37,12 @@ TEST(Fp8Api, ConfigLimits) {
   EXPECT_NO_THROW(validate_config(c));
   c.precision = static_cast<Precision>(9);
   expect_error_mentioning([&] { validate_config(c); }, "precision");
+  // FP8 weight gradients are an option of the FP8 path only.
+  LayerConfig wg = fp8_config();
+  wg.fp8_weight_grads = true;
+  EXPECT_NO_THROW(validate_config(wg));
+  wg.precision = Precision::kBf16;
+  expect_error_mentioning([&] { validate_config(wg); }, "fp8_weight_grads needs precision fp8_blockwise");
   for (Impl impl : {Impl::kUnfused, Impl::kReferenceFp32}) {
     expect_error_mentioning([&] { (void)workspace_bytes(fp8_config(), impl); }, "Impl::kFused only");
   }
@@ -73,6 +79,15 @@ TEST(Fp8Api, WorkspacePerCall) {
                                     a(T * (H / 128) * 4) + a(R * 2 * I) + a((2 * I / 128) * P * 4));
   // Recomputing z also needs z and x once per token in E4M3 (the recompute gathers its rows).
   EXPECT_EQ(w.backward - w.backward_saved_z, a(R * 2 * I * 2) + a(T * H) + a(T * (H / 128) * 4));
+  // FP8 weight gradients: token-blocked pools of dy, w h, dz and x (each expert's positions from a
+  // multiple of 128) and their scales instead of the bf16 x and dy pools.
+  LayerConfig wg = c;
+  wg.fp8_weight_grads = true;
+  const int64_t pos = (R + 127) / 128 * 128 + 128 * c.num_experts, blocks = pos / 128;
+  EXPECT_EQ(workspace_bytes(wg, Impl::kFused, WorkspaceUse::kBackwardSavedZ) + 2 * a(R * H * 2),
+            w.backward_saved_z + a((c.num_experts + 1) * 4) + a(blocks * 4) + a(H * pos) + a(blocks * H * 4) + a(I * pos) +
+                a(blocks * (I / 128) * 4) + a(2 * I * pos) + a(blocks * 2 * I * 4) + a(H * pos) +
+                a(blocks * (H / 128) * 4));
 }
 
 TEST(Fp8Api, WeightBufferLayout) {

@@ -210,6 +210,7 @@ struct RunOptions {
   // kFp8Blockwise (Impl::kFused): the weights are quantized through the API first and the calls
   // get the FP8 buffer with null bf16 weights (an FP8 call must not read them).
   Precision precision = Precision::kBf16;
+  bool fp8_weight_grads = false;  // LayerConfig::fp8_weight_grads
   // The calls get w1 and w3 [E, I, H] (w13's gate and up rows, copied apart on the host) instead of
   // w13 (FP8: quantized from them), and write dw1 and dw3 instead of dw13. LayerOutputs::dw13 is then
   // rebuilt from dw1 and dw3 on the host, so outputs of either form compare directly.
@@ -308,6 +309,7 @@ inline LayerOutputs run_layer(Impl impl, const HostProblem& p, const RunOptions&
   const Dims& d = p.d;
   LayerConfig config = config_of(d, max_tokens < 0 ? std::max<int64_t>(d.T, 1) : max_tokens);
   config.precision = opt.precision;
+  config.fp8_weight_grads = opt.fp8_weight_grads;
   const bool fp8 = opt.precision != Precision::kBf16;
   const DeviceInputs in(p);
   // Separate weights: w13's gate rows and up rows of each expert, as two tensors.

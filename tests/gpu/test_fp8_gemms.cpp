@@ -536,7 +536,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Fp8Gemm, ::testing::ValuesIn(kCases),
 
 // ------------------------------------------------------------------------- weight gradients
 
-// The weight gradient from token-blocked pools built on the host: expert e's rows at positions
+// The weight gradient from token-blocked pools built on the host ([P/128][rows][128]): expert e's rows at positions
 // [pad[e], pad[e] + count_e) with random E4M3 codes, zeros up to pad[e+1], garbage codes and NaN
 // scales past pad[E] (never read); A's scales 1 x 128 along the positions per row, B's 128 x 128.
 // Against fp64 sums of the dequantized products; experts without rows zeroed (overwrite) or left
@@ -576,10 +576,12 @@ TEST_P(Fp8WeightGrad, TokenBlockedPools) {
   // Codes ~ N(0, 64^2) with scales ~2^-7: values ~ N(0, 0.25).
   std::vector<uint8_t> a = random_codes(c.a_rows * P, rng), b = random_codes(N * P, rng);
   std::vector<float> sa = random_scales(blocks * c.a_rows, -7, rng), sb = random_scales(blocks * (N / 128), -7, rng);
+  // Position p of row r in the token-blocked layout [P/128][rows][128].
+  auto at = [](int64_t rows, int64_t r, int64_t p) { return ((p / 128) * rows + r) * 128 + p % 128; };
   for (int64_t e = 0; e < E; ++e) {
     for (int64_t p = pad[e] + c.counts[e]; p < pad[e + 1]; ++p) {
-      for (int64_t r = 0; r < c.a_rows; ++r) a[r * P + p] = 0;
-      for (int64_t r = 0; r < N; ++r) b[r * P + p] = 0;
+      for (int64_t r = 0; r < c.a_rows; ++r) a[at(c.a_rows, r, p)] = 0;
+      for (int64_t r = 0; r < N; ++r) b[at(N, r, p)] = 0;
     }
   }
   const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -597,7 +599,8 @@ TEST_P(Fp8WeightGrad, TokenBlockedPools) {
         for (int64_t blk = pad[e] / 128; blk < pad[e + 1] / 128; ++blk) {
           double part = 0.0;
           for (int64_t p = blk * 128; p < blk * 128 + 128; ++p) {
-            part += static_cast<double>(host::e4m3_bits_to_float(a[ar * P + p])) * host::e4m3_bits_to_float(b[n * P + p]);
+            part += static_cast<double>(host::e4m3_bits_to_float(a[at(c.a_rows, ar, p)])) *
+                    host::e4m3_bits_to_float(b[at(N, n, p)]);
           }
           sum += part * sa[blk * c.a_rows + ar] * sb[blk * (N / 128) + n / 128];
         }

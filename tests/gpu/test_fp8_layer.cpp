@@ -49,7 +49,7 @@ LayerOutputs from_reference(const std::vector<double>& y, const reference::Gradi
 References cpu_references(const HostProblem& p, const RunOptions& opt = {}) {
   const reference::Problem rp = to_reference(p);
   const std::vector<double> dy = widen(p.dy_TH);
-  const reference::Fp8Emulation emu = reference::fp8_emulated_layer(rp, dy);
+  const reference::Fp8Emulation emu = reference::fp8_emulated_layer(rp, dy, opt.fp8_weight_grads);
   References r{from_reference(emu.y_TH, emu.grads), from_reference(reference::forward(rp), reference::backward(rp, dy))};
   if (opt.accumulate) {
     for (LayerOutputs* o : {&r.emulation, &r.reference}) {
@@ -101,6 +101,32 @@ TEST_P(Fp8LayerSmall, WithinEmulationBounds) {
     RunOptions opt;
     opt.save_z = save_z;
     expect_fp8_bounds(run_fp8_layer(p, opt), refs);
+  }
+}
+
+// LayerConfig::fp8_weight_grads: the weight gradients from token-blocked FP8 pools, against the
+// emulation of that recipe; both gradient dtypes, overwrite and accumulate, separate gate and up
+// gradients (dW1, dW3 from dz's halves), frozen weights (their outputs keep the poison).
+TEST_P(Fp8LayerSmall, Fp8WeightGradsWithinEmulationBounds) {
+  const HostProblem p = small_problem(9100);
+  std::mt19937_64 rng(91);
+  std::normal_distribution<float> dist(0.0f, 0.1f);
+  std::vector<float> dw13_init(p.d.E * 2 * p.d.I * p.d.H), dw2_init(p.d.E * p.d.H * p.d.I);
+  for (float& v : dw13_init) v = dist(rng);
+  for (float& v : dw2_init) v = dist(rng);
+  for (int variant = 0; variant < 3; ++variant) {
+    RunOptions opt;
+    opt.fp8_weight_grads = true;
+    opt.save_z = variant != 1;
+    opt.separate_grads = variant == 2;
+    if (variant == 1) {
+      opt.accumulate = true;
+      opt.dw13_init = &dw13_init;
+      opt.dw2_init = &dw2_init;
+    }
+    std::printf(" fp8 weight gradients, %s\n",
+                variant == 0 ? "saved z" : variant == 1 ? "recomputed z, accumulated" : "separate dW1, dW3");
+    expect_fp8_bounds(run_fp8_layer(p, opt), cpu_references(p, opt));
   }
 }
 

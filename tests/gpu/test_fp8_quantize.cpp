@@ -121,6 +121,103 @@ TEST(Fp8Quantize, ScatteredRowsMatchHostRecipe) {
   expect_floats_bitwise("dy_scales", s_dev.to_host<float>(), s_want);
 }
 
+// The token-blocked pools of the FP8 weight gradients: the padded offsets and block owners, every
+// code of each expert's positions (its rows, then zeros to the next multiple of 128) and every
+// scale, bitwise against the host recipe over the same blocks; positions and scale blocks past
+// the last expert keep their poison. Experts with 0, 1, 127, 128, 129 and 300 rows; sources
+// gathered by row_slot / top_k or read in pool order, with a row stride above C; the edge blocks.
+TEST(Fp8Quantize, TokenBlockedMatchHostRecipe) {
+  struct Case {
+    const char* name;
+    std::vector<int32_t> counts;
+    int64_t cols, ld, top_k;  // top_k 0: the source rows are the pool rows
+    Fp8TokenScales mode;
+  };
+  const Case cases[] = {
+      {"gathered 1x128", {0, 1, 127, 128, 129, 300}, 256, 256, 4, Fp8TokenScales::kPer128Tokens},
+      {"gathered 128x128", {129, 0, 300, 1}, 384, 384, 8, Fp8TokenScales::kPer128x128},
+      {"pool rows 1x128, ld > C", {300, 0, 1, 128}, 128, 384, 0, Fp8TokenScales::kPer128Tokens},
+      {"pool rows 128x128, ld > C", {127, 129, 0}, 256, 384, 0, Fp8TokenScales::kPer128x128},
+      {"all empty", {0, 0}, 128, 256, 0, Fp8TokenScales::kPer128Tokens},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int64_t E = static_cast<int64_t>(c.counts.size()), C = c.cols;
+    std::vector<int32_t> off(E + 1, 0), pad(E + 1, 0);
+    for (int64_t e = 0; e < E; ++e) {
+      off[e + 1] = off[e] + c.counts[e];
+      pad[e + 1] = pad[e] + (c.counts[e] + 127) / 128 * 128;
+    }
+    const int64_t R = off[E], P = fp8_token_blocked_positions(R, E), blocks = P / 128;
+    std::mt19937_64 rng(40 + E);
+    // Source rows: T tokens (gathered; slot s is token s / top_k) or the R pool rows.
+    const int64_t T = c.top_k > 0 ? std::max<int64_t>(3, R / 2) : R;
+    std::vector<uint16_t> src = rows_with_edge_blocks(std::max<int64_t>(T, 4), c.ld, 41);
+    std::vector<int32_t> row_slot(std::max<int64_t>(R, 1));
+    for (int64_t r = 0; r < R; ++r) {
+      row_slot[r] = c.top_k > 0 ? static_cast<int32_t>(rng() % (T * c.top_k)) : 0;
+    }
+    if (c.top_k > 0 && R > 0) row_slot[0] = 0;  // the edge blocks' rows
+    DeviceBuffer src_dev = DeviceBuffer::from(src), off_dev = DeviceBuffer::from(off), slot_dev = DeviceBuffer::from(row_slot);
+    DeviceBuffer pad_dev((E + 1) * 4), owner_dev(blocks * 4), q_dev(C * P);
+    DeviceBuffer s_dev(blocks * (c.mode == Fp8TokenScales::kPer128Tokens ? C : C / 128) * 4);
+    for (DeviceBuffer* b : {&pad_dev, &owner_dev, &q_dev, &s_dev}) b->poison();
+    launch_token_block_offsets(static_cast<const int32_t*>(off_dev.get()), E, P, static_cast<int32_t*>(pad_dev.get()),
+                               static_cast<int32_t*>(owner_dev.get()), nullptr);
+    Fp8TokenBlockedParams t;
+    t.src = src_dev.get();
+    t.ld = c.ld;
+    t.cols = C;
+    t.row_slot = c.top_k > 0 ? static_cast<const int32_t*>(slot_dev.get()) : nullptr;
+    t.top_k = std::max<int64_t>(c.top_k, 1);
+    t.expert_offsets = static_cast<const int32_t*>(off_dev.get());
+    t.padded_offsets = static_cast<const int32_t*>(pad_dev.get());
+    t.block_expert = static_cast<const int32_t*>(owner_dev.get());
+    t.p_max = P;
+    t.q = q_dev.get();
+    t.scales = static_cast<float*>(s_dev.get());
+    t.mode = c.mode;
+    launch_quantize_token_blocked_fp8(t);
+    TEST_CUDA(cudaDeviceSynchronize());
+    EXPECT_TRUE(pad_dev.to_host<int32_t>() == pad) << "padded offsets";
+    std::vector<int32_t> owner_want(blocks, -1);
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t b = pad[e] / 128; b < pad[e + 1] / 128; ++b) owner_want[b] = static_cast<int32_t>(e);
+    }
+    EXPECT_TRUE(owner_dev.to_host<int32_t>() == owner_want) << "block owners";
+    // The host recipe over the same blocks; everything else stays poisoned (0xFF).
+    std::vector<uint8_t> q_want(C * P, 0xFF);
+    std::vector<float> s_want = s_dev.to_host<float>();
+    std::memset(s_want.data(), 0xFF, s_want.size() * 4);
+    const int64_t group = c.mode == Fp8TokenScales::kPer128x128 ? 128 : 1;
+    auto value = [&](int64_t e, int64_t p, int64_t col) -> float {  // position p of expert e
+      const int64_t i = p - pad[e];
+      if (i >= c.counts[e]) return 0.0f;
+      const int64_t r = off[e] + i, source = c.top_k > 0 ? row_slot[r] / c.top_k : r;
+      return host::bf16_bits_to_float(src[source * c.ld + col]);
+    };
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t b = pad[e] / 128; b < pad[e + 1] / 128; ++b) {
+        for (int64_t g = 0; g < C / group; ++g) {
+          std::vector<float> v(group * 128);
+          for (int64_t f = 0; f < group; ++f) {
+            for (int64_t i = 0; i < 128; ++i) v[f * 128 + i] = value(e, b * 128 + i, g * group + f);
+          }
+          const host::Fp8BlockScale sc = host::fp8_block_scale(host::fp8_amax(v.data(), group * 128));
+          for (int64_t f = 0; f < group; ++f) {
+            for (int64_t i = 0; i < 128; ++i) {
+              q_want[(b * C + g * group + f) * 128 + i] = host::fp8_quantize(v[f * 128 + i], sc);  // [P/128][C][128]
+            }
+          }
+          s_want[b * (C / group) + g] = sc.scale;
+        }
+      }
+    }
+    expect_codes_equal("token-blocked codes", q_dev.to_host<uint8_t>(), q_want);
+    expect_floats_bitwise("token-blocked scales", s_dev.to_host<float>(), s_want);
+  }
+}
+
 // Both weight shapes' block grids, the transposed copy, and edge blocks inside a weight.
 TEST(Fp8Quantize, WeightsAndTransposesMatchHostRecipe) {
   const int64_t E = 3, R = 256, C = 384;
