@@ -1,5 +1,5 @@
 // The token-blocked E4M3 pools of the FP8 weight gradients (fp8_quantize.h, "Token-blocked
-// pools"). One CTA per (128-position block, kSlices slices of 128 features): it copies the block's
+// pools"). One CTA per (128-position block, 128 features): it copies the block's
 // 128 rows x 128 features of bf16 (gathered through row_slot or not) into shared memory, takes
 // the amax of each feature (or of all 128), and writes each feature's 128 positions as E4M3,
 // 32 bytes (one DRAM sector) per thread. Memory-bound: the reads are the rows' bytes, the writes
@@ -80,108 +80,87 @@ __global__ void __launch_bounds__(kOffsetThreads) token_block_offsets_kernel(con
   }
 }
 
-// A CTA takes one 128-position block and kSlices feature slices of 128 in turn, each slice's rows
-// copied (cp.async, rows past the expert's end zero-filled) into one of two buffers while the
-// previous slice is quantized from the other: the row lookups (block owner, offsets, row_slot)
-// are made once per block, and loads stay in flight while a slice is written.
-constexpr int kSlices = 4;
+// One CTA per 128 positions x 128 features; its rows are copied by cp.async (rows past the expert's
+// end zero-filled). The bandwidth follows the bytes in flight: 6 CTAs an SM (a slice per CTA)
+// moved 2.6-2.8 TB/s where a CTA that double-buffered 4 slices, or loaded 2-4 at once for longer
+// row runs, moved 2.1-2.6 (the same blocked output; experiments.md#fp8-weight-gradients).
+constexpr int kMinBlocksPerSm = 6;
 constexpr int kTileBytes = kFp8Block * kRowBytes;  // [128 rows][128 features] bf16
-constexpr size_t kSmemBytes = 2 * kTileBytes + 2 * kFp8Block * sizeof(float);
+constexpr size_t kSmemBytes = kTileBytes + 2 * kFp8Block * sizeof(float);
 
 template <bool kGathered, bool kBlock128x128>
-__global__ void __launch_bounds__(kThreads) quantize_token_blocked_kernel(
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_token_blocked_kernel(
     const __nv_bfloat16* __restrict__ src, int64_t ld, int32_t cols, const int32_t* __restrict__ row_slot,
     int32_t top_k, const int32_t* __restrict__ offsets, const int32_t* __restrict__ pad,
-    const int32_t* __restrict__ block_expert, int64_t p_max, uint8_t* __restrict__ q, float* __restrict__ scales) {
+    const int32_t* __restrict__ block_expert, uint8_t* __restrict__ q, float* __restrict__ scales) {
   extern __shared__ __align__(16) uint8_t smem[];
-  uint8_t* tiles = smem;                                          // two [128 rows][128 features] bf16
-  float (*part)[kFp8Block] = reinterpret_cast<float (*)[kFp8Block]>(smem + 2 * kTileBytes);
-  const int32_t pb = blockIdx.x;
+  uint8_t* tile = smem;
+  float (*part)[kFp8Block] = reinterpret_cast<float (*)[kFp8Block]>(smem + kTileBytes);
+  const int32_t pb = blockIdx.x, c0 = blockIdx.y * kFp8Block;
   const int32_t e = block_expert[pb];
   if (e < 0) return;
-  const int32_t first_slice = blockIdx.y * kSlices;
-  const int32_t num_slices = min(kSlices, cols / kFp8Block - first_slice);
   const int32_t r0 = offsets[e] + (pb * kFp8Block - pad[e]);
   const int32_t rows = min(kFp8Block, offsets[e + 1] - r0);  // the rest of the block is padding
-
-  // This thread's loads: chunk k of rows r_i = i * 16 + tid / 16, the same rows for every slice.
-  const int k = threadIdx.x % kChunksPerRow;
-  const __nv_bfloat16* row_src[kLoadsPerThread];
-#pragma unroll
-  for (int i = 0; i < kLoadsPerThread; ++i) {
-    const int r = i * (kThreads / kChunksPerRow) + threadIdx.x / kChunksPerRow;
-    const int64_t src_row = r < rows ? (kGathered ? row_slot[r0 + r] / top_k : r0 + r) : 0;
-    row_src[i] = r < rows ? src + src_row * ld + k * 8 : nullptr;
-  }
-  auto load_slice = [&](int slice, int buffer) {
-    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(tiles + buffer * kTileBytes));
+  {
+    // Chunk k of rows i * 16 + tid / 16: a half-warp copies one row's 256 bytes.
+    const int k = threadIdx.x % kChunksPerRow;
+    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
 #pragma unroll
     for (int i = 0; i < kLoadsPerThread; ++i) {
-      const int idx = i * kThreads + threadIdx.x;
-      const void* from = row_src[i] != nullptr ? row_src[i] + (first_slice + slice) * kFp8Block : src;
-      sm90::cp_async_16_zfill(base + idx * 16, from, row_src[i] != nullptr ? 16u : 0u);
+      const int r = i * (kThreads / kChunksPerRow) + threadIdx.x / kChunksPerRow;
+      const int64_t src_row = r < rows ? (kGathered ? row_slot[r0 + r] / top_k : r0 + r) : 0;
+      sm90::cp_async_16_zfill(base + (i * kThreads + threadIdx.x) * 16, src + src_row * ld + c0 + k * 8,
+                              r < rows ? 16u : 0u);
     }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  };
+    sm90::cp_async_wait_all();
+  }
+  __syncthreads();
 
   // Thread (feature f, half h): positions [32 h, +32) and [64 + 32 h, +32) of feature f; a warp
   // reads 32 consecutive features of one row at a time (no bank conflicts).
   const int f = threadIdx.x % kFp8Block, h = threadIdx.x / kFp8Block;
-  load_slice(0, 0);
-  for (int slice = 0; slice < num_slices; ++slice) {
-    if (slice + 1 < num_slices) {
-      load_slice(slice + 1, (slice + 1) % 2);
-      asm volatile("cp.async.wait_group 1;" ::: "memory");
-    } else {
-      asm volatile("cp.async.wait_group 0;" ::: "memory");
-    }
-    __syncthreads();
-    const uint8_t* tile = tiles + (slice % 2) * kTileBytes;
-    auto value = [&](int run, int i) {
-      const int r = (2 * run + h) * kRun + i;
-      return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(tile + r * kRowBytes + f * 2));
-    };
-    float amax = 0.0f;
+  auto value = [&](int run, int i) {
+    const int r = (2 * run + h) * kRun + i;
+    return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(tile + r * kRowBytes + f * 2));
+  };
+  float amax = 0.0f;
 #pragma unroll
-    for (int run = 0; run < kRunsPerThread; ++run) {
+  for (int run = 0; run < kRunsPerThread; ++run) {
 #pragma unroll
-      for (int i = 0; i < kRun; ++i) amax = fmaxf(amax, fabsf(value(run, i)));
-    }
-    part[h][f] = amax;
+    for (int i = 0; i < kRun; ++i) amax = fmaxf(amax, fabsf(value(run, i)));
+  }
+  part[h][f] = amax;
+  __syncthreads();
+  amax = fmaxf(part[0][f], part[1][f]);
+  if constexpr (kBlock128x128) {
+    // The max over the 128 features: each warp reduces its 32, then every thread reads the four.
+#pragma unroll
+    for (int d = 16; d > 0; d /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, d));
+    __syncthreads();  // part[] read by all before it is reused
+    if (threadIdx.x % 32 == 0 && h == 0) part[0][f / 32] = amax;
     __syncthreads();
-    amax = fmaxf(part[0][f], part[1][f]);
+    amax = fmaxf(fmaxf(part[0][0], part[0][1]), fmaxf(part[0][2], part[0][3]));
+  }
+  const sm90::Fp8Scale sc = sm90::fp8_block_scale(amax);
+  uint8_t* out = q + (static_cast<int64_t>(pb) * cols + c0 + f) * kFp8Block;  // the CTA's 16 KB are contiguous
+#pragma unroll
+  for (int run = 0; run < kRunsPerThread; ++run) {
+    uint32_t w[kRun / 4];
+#pragma unroll
+    for (int j = 0; j < kRun / 4; ++j) {
+      w[j] = sm90::cvt_e4m3x4(value(run, 4 * j) * sc.inv, value(run, 4 * j + 1) * sc.inv,
+                              value(run, 4 * j + 2) * sc.inv, value(run, 4 * j + 3) * sc.inv);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(out + (2 * run + h) * kRun);
+    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+  if (h == 0) {
     if constexpr (kBlock128x128) {
-      // The max over the 128 features: each warp reduces its 32, then every thread reads the four.
-#pragma unroll
-      for (int d = 16; d > 0; d /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, d));
-      __syncthreads();  // part[] read by all before it is reused
-      if (threadIdx.x % 32 == 0 && h == 0) part[0][f / 32] = amax;
-      __syncthreads();
-      amax = fmaxf(fmaxf(part[0][0], part[0][1]), fmaxf(part[0][2], part[0][3]));
+      if (f == 0) scales[static_cast<int64_t>(pb) * (cols / kFp8Block) + c0 / kFp8Block] = sc.scale;
+    } else {
+      scales[static_cast<int64_t>(pb) * cols + c0 + f] = sc.scale;
     }
-    const sm90::Fp8Scale sc = sm90::fp8_block_scale(amax);
-    const int32_t c0 = (first_slice + slice) * kFp8Block;
-    uint8_t* out = q + (static_cast<int64_t>(pb) * cols + c0 + f) * kFp8Block;  // the CTA's 16 KB are contiguous
-#pragma unroll
-    for (int run = 0; run < kRunsPerThread; ++run) {
-      uint32_t w[kRun / 4];
-#pragma unroll
-      for (int j = 0; j < kRun / 4; ++j) {
-        w[j] = sm90::cvt_e4m3x4(value(run, 4 * j) * sc.inv, value(run, 4 * j + 1) * sc.inv,
-                                value(run, 4 * j + 2) * sc.inv, value(run, 4 * j + 3) * sc.inv);
-      }
-      uint4* dst = reinterpret_cast<uint4*>(out + (2 * run + h) * kRun);
-      dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-      dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
-    }
-    if (h == 0) {
-      if constexpr (kBlock128x128) {
-        if (f == 0) scales[static_cast<int64_t>(pb) * (cols / kFp8Block) + c0 / kFp8Block] = sc.scale;
-      } else {
-        scales[static_cast<int64_t>(pb) * cols + c0 + f] = sc.scale;
-      }
-    }
-    __syncthreads();  // every read of this buffer and of part[] done before they are refilled
   }
 }
 
@@ -194,8 +173,8 @@ void launch_quantize(const Fp8TokenBlockedParams& p, dim3 grid) {
                               &configured);
   kernel<<<grid, kThreads, kSmemBytes, p.stream>>>(
       static_cast<const __nv_bfloat16*>(p.src), p.ld, static_cast<int32_t>(p.cols), p.row_slot,
-      static_cast<int32_t>(p.top_k), p.expert_offsets, p.padded_offsets, p.block_expert, p.p_max,
-      static_cast<uint8_t*>(p.q), p.scales);
+      static_cast<int32_t>(p.top_k), p.expert_offsets, p.padded_offsets, p.block_expert, static_cast<uint8_t*>(p.q),
+      p.scales);
 }
 
 }  // namespace
@@ -219,8 +198,7 @@ void launch_quantize_token_blocked_fp8(const Fp8TokenBlockedParams& p) {
   FUSEMOE_ASSERT(p.src && p.expert_offsets && p.padded_offsets && p.block_expert && p.q && p.scales);
   FUSEMOE_ASSERT(p.row_slot == nullptr || p.top_k >= 1);
   if (p.p_max == 0) return;
-  const int64_t slices = p.cols / kFp8Block;
-  const dim3 grid(static_cast<unsigned>(p.p_max / kFp8Block), static_cast<unsigned>((slices + kSlices - 1) / kSlices));
+  const dim3 grid(static_cast<unsigned>(p.p_max / kFp8Block), static_cast<unsigned>(p.cols / kFp8Block));
   const bool gathered = p.row_slot != nullptr, blocks_2d = p.mode == Fp8TokenScales::kPer128x128;
   if (gathered) {
     blocks_2d ? launch_quantize<true, true>(p, grid) : launch_quantize<true, false>(p, grid);
