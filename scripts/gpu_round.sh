@@ -220,8 +220,9 @@ if wants bench; then
 # id | preset | routing | tokens | extra fusemoe_bench flags | extra torch_baseline flags
 # The uniform cases also time blockwise FP8 (issue 16) in the same run: fusemoe's FP8 layer with z
 # saved, and the FP8 path a PyTorch user can pick today (torch._scaled_grouped_mm, rowwise scales,
-# quantization counted; torch_baseline.py --fp8).
-FP8_IMPLS="--impl unfused,fused,fused_saved_z,fused_fp8_saved_z"
+# quantization counted; torch_baseline.py --fp8). fused_fp8_fp8wgrad_saved_z: the same FP8 layer
+# with FP8 weight gradients (LayerConfig::fp8_weight_grads).
+FP8_IMPLS="--impl unfused,fused,fused_saved_z,fused_fp8_saved_z,fused_fp8_fp8wgrad_saved_z"
 CASES=(
   "30b-uniform|qwen3-30b-a3b|uniform|4096,16384|$FP8_IMPLS|--fp8"
   "235b-uniform|qwen3-235b-a22b|uniform|4096,16384|$FP8_IMPLS${CHECK_235B_MAX_TOKENS:+ --check-max-tokens $CHECK_235B_MAX_TOKENS}|--fp8"
