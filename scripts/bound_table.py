@@ -55,6 +55,8 @@ def role(name):
     for key, label in (("routing_count", "routing"), ("routing_place", "routing"), ("gather_rows", "x, dy pools"),
                        ("scatter_token_rows", "x, dy pools"), ("quantize_rows_fp8", "FP8 quantize"),
                        ("quantize_token_rows_fp8", "FP8 quantize"), ("quantize_pool_rows_fp8", "FP8 quantize"),
+                       # LayerConfig::fp8_weight_grads: the weight gradients' transposed operands
+                       ("quantize_token_blocked", "FP8 token blocks"), ("token_block_offsets", "FP8 token blocks"),
                        ("combine", "combine"), ("router", "router")):
         if key in name:
             return label

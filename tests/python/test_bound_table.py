@@ -43,6 +43,12 @@ NAMES = {
     "fp8_recompute": GEMM.format("Fp8GatheredTokenRowsA, Fp8WeightsB<256>, RowTileScheduler, "
                                  "RowStoreEpilogue<256, 0, 0>, CooperativeConsumers, StaticTileOrder"),
     "scatter": "unnamed>::scatter_token_rows_kernel(const bf16 *, const int *, long, bf16 *)",
+    # FP8 weight gradients (LayerConfig::fp8_weight_grads)
+    "token_offsets": "void fusemoe::(anonymous namespace)::token_block_offsets_kernel(const int *, int, int, int *, int *)",
+    "token_blocked": "void fusemoe::(anonymous namespace)::quantize_token_blocked_kernel<1, 0>(const bf16 *, long, int, "
+                     "const int *, int, const int *, const int *, const int *, unsigned char *, float *)",
+    "fp8_dw": GEMM.format("Fp8TokenBlockedA, Fp8TokenBlockedB<256>, TokenBlockOutputTileScheduler, "
+                          "Fp8WeightGradEpilogue<0, 0>"),
 }
 # (kernel, ns, tensor %, dram %, L2 %, DRAM read in Mbyte, clock in hz)
 FORWARD = [("count", 4000, 0, 1, 2, 0.1, 1.97e9), ("place", 10000, 0, 0, 4, 0.2, 1.97e9),
@@ -178,3 +184,18 @@ def test_fp8_gathering_backward_gemms_keep_their_roles(tmp_path):
     assert "z recompute 400, 50 / 30 / 60" in bwd
     assert "dgrad-1 750, 31 / 60 / 71, 1.72" in bwd
     assert "dgrad-2 380" in bwd
+
+
+def test_fp8_weight_gradients_name_their_token_blocks(tmp_path):
+    # LayerConfig::fp8_weight_grads: the transposing quantizations are one role, and the FP8
+    # weight-gradient GEMMs stay weight gradients (Fp8WeightGradEpilogue<0, 0>).
+    f = tmp_path / "fp8_wgrad.csv"
+    backward = BACKWARD_BF16[:2] + [("token_offsets", 2000, 0, 1, 1, 1, 1.9e9),
+                                    ("token_blocked", 300000, 0, 60, 70, 500, 1.9e9),
+                                    ("fp8_dw", 400000, 60, 30, 40, 300, 1.6e9)]
+    case_file(f, FORWARD + backward)
+    r = run(f)
+    assert r.returncode == 0, r.stderr
+    bwd = next(line for line in r.stdout.splitlines() if "| backward:" in line)
+    assert "FP8 token blocks" in bwd, bwd
+    assert "dW" in bwd and "None" not in bwd, bwd
