@@ -15,7 +15,9 @@
 //                (bf16), dz_fp8 + scales, wh, router partials
 //             5. dgrad of x on W13^T -> bf16 slot rows
 //             6. combine, and the router reduce in the same launch
-//             7. weight gradients from the bf16 pools (the BF16 path's kernels)
+//             7. weight gradients from the bf16 pools (the BF16 path's kernels); with
+//                LayerConfig::fp8_weight_grads instead: dy, w*h, dz and x transposed into
+//                token-blocked E4M3 pools (no bf16 xs, dys pools in step 2), then FP8 GEMMs
 // The pools' scales (h, dz) are block-major [K/128, rows_pad] with rows_pad = sm90_fp8_rows_pad(T*K)
 // of the call (sized for max_tokens*K); those of the token rows the GEMMs gather (x, dy) are
 // token-major [T, H/128].
@@ -88,17 +90,18 @@ struct Fp8BackwardWorkspace : BackwardPools {
   float* dy_scales = nullptr;        // [T, H/128]
   void* dz_fp8_RF = nullptr;         // E4M3 (dgrad of x)
   float* dz_scales = nullptr;        // [2I/128, rows_pad]
-  // LayerConfig::fp8_weight_grads: the token-blocked pools [features, P] E4M3 of the weight
-  // gradients' operands (instead of the bf16 xs and dys pools) and their scales.
+  // LayerConfig::fp8_weight_grads: the token-blocked pools [P/128][features][128] E4M3 of the
+  // weight gradients' operands (instead of the bf16 xs and dys pools) and their scales
+  // (src/kernels/fp8_quantize.h; P = fp8_token_blocked_positions(R_max, E)).
   int32_t* padded_offsets = nullptr;  // [E + 1]
   int32_t* block_expert = nullptr;    // [P/128]
-  void* dyT = nullptr;                // [H, P], 1 x 128 scales [P/128, H]
+  void* dyT = nullptr;                // H features, 1 x 128 scales [P/128, H]
   float* dyT_scales = nullptr;
-  void* whT = nullptr;                // [I, P], 128 x 128 scales [P/128, I/128]
+  void* whT = nullptr;                // I features, 128 x 128 scales [P/128, I/128]
   float* whT_scales = nullptr;
-  void* dzT = nullptr;                // [2I, P], 1 x 128 scales [P/128, 2I]
+  void* dzT = nullptr;                // 2I features, 1 x 128 scales [P/128, 2I]
   float* dzT_scales = nullptr;
-  void* xT = nullptr;                 // [H, P], 128 x 128 scales [P/128, H/128]
+  void* xT = nullptr;                 // H features, 128 x 128 scales [P/128, H/128]
   float* xT_scales = nullptr;
   // Only when z is recomputed (last, so a backward given saved z needs less):
   void* z_RF = nullptr;              // bf16
