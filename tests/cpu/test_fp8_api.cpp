@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <tuple>
 
 #include "common/layer_config.h"
 #include "expect_error.h"
@@ -193,6 +194,19 @@ TEST(Fp8Emulation, ErrorIsThatOfE4m3) {
     EXPECT_TRUE(e >= 3e-3 && e <= 1e-1) << name << ": " << e;
   }
   EXPECT_EQ(emu.grads.d_topk_w_TK[1], 0.0);  // token 0, slot 1 is masked
+  // FP8 weight gradients (LayerConfig::fp8_weight_grads): the same forward, dx and router gradient;
+  // the weight gradients now quantized too, so further from fp64 than with bf16 inputs, still E4M3's.
+  const reference::Fp8Emulation wg = reference::fp8_emulated_layer(p, dy, /*fp8_weight_grads=*/true);
+  EXPECT_EQ(wg.y_TH, emu.y_TH);
+  EXPECT_EQ(wg.grads.dx_TH, emu.grads.dx_TH);
+  EXPECT_EQ(wg.grads.d_topk_w_TK, emu.grads.d_topk_w_TK);
+  for (const auto& [name, e_wg, e_bf16] :
+       {std::tuple<const char*, double, double>{"dw13", rel(wg.grads.dw13_EFH, g.dw13_EFH), rel(emu.grads.dw13_EFH, g.dw13_EFH)},
+        {"dw2", rel(wg.grads.dw2_EHI, g.dw2_EHI), rel(emu.grads.dw2_EHI, g.dw2_EHI)}}) {
+    std::printf("  emulation %-9s rel_l2 vs fp64 %.3e with FP8 weight gradients (%.3e with bf16 inputs)\n", name,
+                e_wg, e_bf16);
+    EXPECT_TRUE(e_wg > e_bf16 && e_wg <= 1e-1) << name << ": " << e_wg << " against " << e_bf16;
+  }
   p.num_tokens = 0;
   p.x_TH.clear();
   p.topk_idx_TK.clear();
