@@ -83,7 +83,8 @@ __global__ void __launch_bounds__(kOffsetThreads) token_block_offsets_kernel(con
 // One CTA per 128 positions x 128 features; its rows are copied by cp.async (rows past the expert's
 // end zero-filled). The bandwidth follows the bytes in flight: 6 CTAs an SM (a slice per CTA)
 // moved 2.6-2.8 TB/s where a CTA that double-buffered 4 slices, or loaded 2-4 at once for longer
-// row runs, moved 2.1-2.6 (the same blocked output; experiments.md#fp8-weight-gradients).
+// row runs, moved 2.1-2.6 (the same blocked output). A swizzled tile read two features x 16
+// positions a lane measured faster still, in another layout: docs/experiments.md#fp8-weight-gradients.
 constexpr int kMinBlocksPerSm = 6;
 constexpr int kTileBytes = kFp8Block * kRowBytes;  // [128 rows][128 features] bf16
 constexpr size_t kSmemBytes = kTileBytes + 2 * kFp8Block * sizeof(float);
