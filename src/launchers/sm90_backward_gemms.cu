@@ -61,19 +61,13 @@ void launch_weight_grad(const Sm90WeightGradParams& p) {
   using Gemm = WeightGradGemm<kFp32, kAccumulate>;
   const Sm90Rows& rows = p.rows;
   GemmParams<Gemm> params{};
-  // Both operands are pool rows read as MN-major boxes [64 rows][64 columns]; grad is stored as
-  // [E*M rows, N] in boxes of [64 rows][128 B], one per consumer warpgroup and box column.
+  // Both operands are pool rows read as MN-major boxes [64 rows][64 columns].
   params.a.map = p.act_m_row_stride == 0
                      ? sm90::make_tensor_map_bf16(p.act_m, p.m, rows.max_rows, sm90::kMnBoxRows, "act_m")
                      : sm90::make_tensor_map_bf16_rows(p.act_m, p.m, rows.max_rows, p.act_m_row_stride,
                                                        sm90::kMnBoxRows, "act_m");
   params.map_b = sm90::make_tensor_map_bf16(p.act_n, p.n, rows.max_rows, sm90::kMnBoxRows, "act_n");
-  params.epilogue.map = sm90::make_store_tensor_map(p.grad, kFp32, p.n, rows.num_experts * p.m, sm90::kWgmmaM, "grad");
-  sm90::GemmShape& s = params.shape;
-  s.expert_offsets = rows.expert_offsets;
-  s.num_experts = static_cast<int32_t>(rows.num_experts);
-  s.n_valid = static_cast<int32_t>(p.n);
-  s.m_valid = static_cast<int32_t>(p.m);
+  sm90::set_weight_grad_output(params, rows, p.grad, kFp32, p.m, p.n);
   sm90::launch_grouped_gemm(params, rows, WaitKernel::kWeightGrad);
 }
 
@@ -141,12 +135,7 @@ void launch_sm90_weight_grad(const Sm90WeightGradParams& p) {
   FUSEMOE_ASSERT(rows.num_experts >= 1 && rows.num_experts <= sm90::kMaxExperts);
   FUSEMOE_ASSERT(p.m > 0 && p.m % 128 == 0 && p.n > 0 && p.n % 64 == 0 && p.grad != nullptr);
   FUSEMOE_ASSERT(rows.num_experts * p.m < (int64_t{1} << 31));  // TMA row coordinates of grad
-  if (rows.max_rows == 0) {  // every expert is empty
-    if (!p.accumulate) {
-      FUSEMOE_CUDA_CHECK(cudaMemsetAsync(p.grad, 0, rows.num_experts * p.m * p.n * (p.bf16_grad ? 2 : 4), rows.stream));
-    }
-    return;
-  }
+  if (sm90::weight_grad_without_rows(rows, p.grad, p.m, p.n, p.bf16_grad, p.accumulate)) return;
   FUSEMOE_ASSERT(p.act_m && p.act_n && rows.expert_offsets);
   sm90::with_bool_constants(!p.bf16_grad, p.accumulate, [&](auto fp32, auto accumulate) {
     launch_weight_grad<decltype(fp32)::value, decltype(accumulate)::value>(p);

@@ -164,12 +164,7 @@ void launch_weight_grad(const Sm90Fp8WeightGradParams& p) {
   params.a.row0 = static_cast<int32_t>(p.a_row0);
   params.a.b_scales = {p.b_scales, static_cast<int32_t>((p.n + 127) / 128)};
   params.map_b = sm90::make_tensor_map_fp8(p.b, 128, positions / 128 * p.n, Gemm::B::kBoxRows, "b (token-blocked)");
-  params.epilogue.map = sm90::make_store_tensor_map(p.grad, kFp32, p.n, rows.num_experts * p.m, sm90::kWgmmaM, "grad");
-  sm90::GemmShape& s = params.shape;
-  s.expert_offsets = rows.expert_offsets;
-  s.num_experts = static_cast<int32_t>(rows.num_experts);
-  s.n_valid = static_cast<int32_t>(p.n);
-  s.m_valid = static_cast<int32_t>(p.m);
+  sm90::set_weight_grad_output(params, rows, p.grad, kFp32, p.m, p.n);  // the padded offsets: rows.expert_offsets
   sm90::launch_grouped_gemm(params, rows, WaitKernel::kFp8WeightGrad);
 }
 
@@ -182,12 +177,7 @@ void launch_sm90_fp8_weight_grad(const Sm90Fp8WeightGradParams& p) {
   FUSEMOE_ASSERT(p.m > 0 && p.m % 128 == 0 && p.n > 0 && p.n % 128 == 0 && p.grad != nullptr);
   FUSEMOE_ASSERT(p.a_rows % 128 == 0 && p.a_row0 % 128 == 0 && p.a_row0 + p.m <= p.a_rows);
   FUSEMOE_ASSERT(rows.num_experts * p.m < (int64_t{1} << 31));  // TMA row coordinates of grad
-  if (rows.max_rows == 0) {  // no positions: every expert is empty
-    if (!p.accumulate) {
-      FUSEMOE_CUDA_CHECK(cudaMemsetAsync(p.grad, 0, rows.num_experts * p.m * p.n * (p.bf16_grad ? 2 : 4), rows.stream));
-    }
-    return;
-  }
+  if (sm90::weight_grad_without_rows(rows, p.grad, p.m, p.n, p.bf16_grad, p.accumulate)) return;  // no positions
   FUSEMOE_ASSERT(p.a && p.a_scales && p.b && p.b_scales && rows.expert_offsets);
   sm90::with_bool_constants(!p.bf16_grad, p.accumulate, [&](auto fp32, auto accumulate) {
     launch_weight_grad<decltype(fp32)::value, decltype(accumulate)::value>(p);

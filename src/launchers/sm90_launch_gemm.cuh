@@ -31,6 +31,31 @@ inline GemmShape rows_shape(const Sm90Rows& rows, int64_t k, int64_t n, int64_t 
   return s;
 }
 
+// The output side of a weight-gradient instance (BF16 or FP8): grad [E, M, N] stored as [E*M rows,
+// N] in boxes of [64 rows][128 B], one per consumer warpgroup and box column, and the sizes of its
+// expert-output tiles, reduced over each expert's rows between rows.expert_offsets.
+template <class Gemm>
+void set_weight_grad_output(GemmParams<Gemm>& params, const Sm90Rows& rows, void* grad, bool fp32, int64_t m,
+                            int64_t n) {
+  params.epilogue.map = make_store_tensor_map(grad, fp32, n, rows.num_experts * m, kWgmmaM, "grad");
+  GemmShape& s = params.shape;
+  s.expert_offsets = rows.expert_offsets;
+  s.num_experts = static_cast<int32_t>(rows.num_experts);
+  s.n_valid = static_cast<int32_t>(n);
+  s.m_valid = static_cast<int32_t>(m);
+}
+
+// A weight-gradient call with no rows at all: grad [E, m, n] zeroed, or left as it is when
+// accumulating. Returns true when there was nothing else to do.
+inline bool weight_grad_without_rows(const Sm90Rows& rows, void* grad, int64_t m, int64_t n, bool bf16,
+                                     bool accumulate) {
+  if (rows.max_rows != 0) return false;
+  if (!accumulate) {
+    FUSEMOE_CUDA_CHECK(cudaMemsetAsync(grad, 0, rows.num_experts * m * n * (bf16 ? 2 : 4), rows.stream));
+  }
+  return true;
+}
+
 // One CTA per SM (or rows.num_sms of them). The dynamic shared-memory limit is raised once per
 // device and instance, to what the largest E needs (a limit, not an allocation: each launch asks
 // for its own E's bytes), so later calls make no attribute call and threads running layers of

@@ -162,6 +162,9 @@ TEST(Fp8Quantize, TokenBlockedMatchHostRecipe) {
     DeviceBuffer pad_dev((E + 1) * 4), owner_dev(blocks * 4), q_dev(C * P);
     DeviceBuffer s_dev(blocks * (c.mode == Fp8TokenScales::kPer128Tokens ? C : C / 128) * 4);
     for (DeviceBuffer* b : {&pad_dev, &owner_dev, &q_dev, &s_dev}) b->poison();
+    // 0xFF is also an E4M3 NaN code, which the comparison matches with any NaN: the codes are
+    // checked again after a second call over a finite poison, where an unwritten code shows.
+    constexpr uint8_t kFinitePoison = 0x5A;
     launch_token_block_offsets(static_cast<const int32_t*>(off_dev.get()), E, P, static_cast<int32_t*>(pad_dev.get()),
                                static_cast<int32_t*>(owner_dev.get()), nullptr);
     Fp8TokenBlockedParams t;
@@ -215,6 +218,19 @@ TEST(Fp8Quantize, TokenBlockedMatchHostRecipe) {
     }
     expect_codes_equal("token-blocked codes", q_dev.to_host<uint8_t>(), q_want);
     expect_floats_bitwise("token-blocked scales", s_dev.to_host<float>(), s_want);
+    TEST_CUDA(cudaMemset(q_dev.get(), kFinitePoison, C * P));
+    launch_quantize_token_blocked_fp8(t);
+    TEST_CUDA(cudaDeviceSynchronize());
+    for (int64_t b = pad[E] / 128; b < P / 128; ++b) {  // never written: the new poison
+      std::fill(q_want.begin() + b * C * 128, q_want.begin() + (b + 1) * C * 128, kFinitePoison);
+    }
+    const std::vector<uint8_t> again = q_dev.to_host<uint8_t>();
+    int64_t unwritten = 0;
+    for (int64_t i = 0; i < pad[E] / 128 * C * 128; ++i) {
+      unwritten += again[i] == kFinitePoison && q_want[i] != kFinitePoison;
+    }
+    EXPECT_EQ(unwritten, 0) << "codes below pad[E] not written by the second call";
+    expect_codes_equal("token-blocked codes over a finite poison", again, q_want);
   }
 }
 
