@@ -152,6 +152,7 @@ Sm90Rows rows_problem(const LayerConfig& c, const RoutingPlan& plan, int64_t num
 // expert is empty: zeroed, or untouched when accumulating.
 void launch_fp8_weight_grads(const LayerConfig& c, const BackwardArgs& args, const Fp8BackwardWorkspace& ws,
                              const Sm90Rows& rows, void* gate_up_grads) {
+  if (args.dw2 == nullptr && gate_up_grads == nullptr) return;  // both weights frozen
   const int64_t H = c.hidden, I = c.intermediate, E = c.num_experts;
   cudaStream_t stream = args.stream;
   const int64_t P = fp8_token_blocked_positions(rows.max_rows, E);
