@@ -89,6 +89,9 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
                    help="fusemoe experts' GEMM precision (fp8: blockwise E4M3, impl fused; the "
                         "model and the other runs stay bf16)")
+    p.add_argument("--fp8-weight-grads", action="store_true",
+                   help="with --precision fp8: the experts' weight gradients from FP8 operands too "
+                        "(fusemoe.MoEExperts fp8_weight_grads)")
     p.add_argument("--out", default="train_qwen3_moe_out", help="output folder")
     p.add_argument("--runs", default=f"{RUN_HF},{RUN_FUSEMOE}",
                    help=f"which runs, in this order, from {', '.join(RUN_NAMES)} ({RUN_HF_REORDERED}: "
@@ -107,6 +110,8 @@ def parse_args(argv=None):
     check_common_arguments(p, args)
     if not 0 <= args.profile_steps <= args.steps:
         p.error(f"--profile-steps must be in [0, --steps], got {args.profile_steps}")
+    if args.fp8_weight_grads and args.precision != "fp8":
+        p.error("--fp8-weight-grads needs --precision fp8")
     return args
 
 
@@ -486,9 +491,11 @@ def main(argv=None):
         if name == RUN_FUSEMOE:
             report = fusemoe.patch_hf_experts(model, impl=args.impl,
                                               grad_in_place=args.grad_in_place,
-                                              precision=args.precision)
+                                              precision=args.precision,
+                                              fp8_weight_grads=args.fp8_weight_grads)
             log(f"fusemoe experts (impl={args.impl}, grad_in_place={args.grad_in_place}, "
-                f"precision={args.precision}) in {len(report.replaced)} layers")
+                f"precision={args.precision}, fp8_weight_grads={args.fp8_weight_grads}) in "
+                f"{len(report.replaced)} layers")
         else:
             for module_name, module in hf_modules.items():
                 parent, _, child = module_name.rpartition(".")
@@ -497,6 +504,7 @@ def main(argv=None):
         log(f"[{name}] training {args.steps} steps")
         record = train(name, model, corpus_N, offsets_SMB, args)
         record["experts"] = (args.impl + ("" if args.precision == "bf16" else f" {args.precision}")
+                             + (" fp8 weight grads" if args.fp8_weight_grads else "")
                              if name == RUN_FUSEMOE else hf_experts)
         runs[name] = record
         peak = record["peak_memory_gib"]

@@ -25,8 +25,10 @@ extern "C" {
  * 7: expert parallelism (FusemoeCEpConfig, FusemoeCEpForwardArgs, FusemoeCEpBackwardArgs and the
  * fusemoe_c_ep_* functions); the single-GPU args' caller_checked_pointers.
  * 8: separate gate and up weights and gradients (the single-GPU args' and FusemoeCFp8QuantizeArgs'
- * w1, w3; FusemoeCBackwardArgs' dw1, dw3). */
-#define FUSEMOE_C_ABI_VERSION 8
+ * w1, w3; FusemoeCBackwardArgs' dw1, dw3).
+ * 9: FusemoeCLayer.fp8_weight_grads (it fills what was the struct's tail padding, so sizeof stays
+ * 64: the library refuses any value but 0 and 1 there, which catches a caller built for 8). */
+#define FUSEMOE_C_ABI_VERSION 9
 
 typedef enum {
   FUSEMOE_C_OK = 0,
@@ -63,6 +65,9 @@ typedef struct FusemoeCLayer {
   int32_t use_swiglu_clamp;  /* != 0: g <- min(g, c), u <- clamp(u, -c, c) before silu(g) * u */
   float swiglu_clamp;        /* c: finite and > 0 when use_swiglu_clamp */
   int32_t precision;         /* FUSEMOE_C_PRECISION_* */
+  /* 0 or 1. 1 (FP8_BLOCKWISE only): the weight gradients' GEMMs in FP8 as well
+   * (fusemoe::LayerConfig::fp8_weight_grads); 0: from bf16 operands. */
+  int32_t fp8_weight_grads;
 } FusemoeCLayer;
 
 /* y = MoE(x): fusemoe::ForwardArgs. */

@@ -16,7 +16,7 @@ import functools
 import os
 import threading
 
-ABI_VERSION = 8  # FUSEMOE_C_ABI_VERSION this binding is written for
+ABI_VERSION = 9  # FUSEMOE_C_ABI_VERSION this binding is written for
 WEIGHT_GRAD_FLOAT32 = 0
 WEIGHT_GRAD_BFLOAT16 = 1
 EXPERT_ID_REPORT_INTS = 3  # fusemoe::kExpertIdReportInts
@@ -42,7 +42,7 @@ class Layer(ctypes.Structure):
     _fields_ = [("struct_size", _u32), ("impl_code", _i32), ("hidden", _i64),
                 ("intermediate", _i64), ("num_experts", _i64), ("top_k", _i64),
                 ("max_tokens", _i64), ("use_swiglu_clamp", _i32), ("swiglu_clamp", ctypes.c_float),
-                ("precision", _i32)]
+                ("precision", _i32), ("fp8_weight_grads", _i32)]
 
     def workspace_bytes(self, use=None):
         """Bytes of workspace: use None (what every call accepts) or one of WORKSPACE_USES
@@ -238,17 +238,18 @@ def impl_code(name):
 
 @functools.lru_cache(maxsize=256)
 def layer(hidden, intermediate, num_experts, top_k, max_tokens, impl, swiglu_clamp=None,
-          precision="bf16"):
+          precision="bf16", fp8_weight_grads=False):
     """The FusemoeCLayer of a layer, implementation and precision (PRECISIONS), built once and
     cached (the op calls this with max_tokens = T, so a training loop reuses a handful).
-    swiglu_clamp: None (off) or c. Values are checked by the library when a call uses the struct,
-    not here."""
+    swiglu_clamp: None (off) or c; fp8_weight_grads: the weight gradients' GEMMs in FP8 too
+    (precision "fp8" only). Values are checked by the library when a call uses the struct, not
+    here."""
     if precision not in PRECISIONS:
         raise FusemoeError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     clamp_on = swiglu_clamp is not None
     built = Layer(ctypes.sizeof(Layer), impl_code(impl), hidden, intermediate, num_experts, top_k,
                   max_tokens, int(clamp_on), float(swiglu_clamp) if clamp_on else 0.0,
-                  PRECISIONS[precision])
+                  PRECISIONS[precision], int(bool(fp8_weight_grads)))
     built.impl = impl
     return built
 

@@ -3,7 +3,9 @@
 
 The GEMMs run on E4M3 operands (x, h, dy, dz scaled per 1 x 128 block, the weights per 128 x 128),
 accumulate in fp32 and return what the bf16 op returns, in the same dtypes; the weight gradients
-are computed from bf16 operands. The master weights stay the caller's bf16 (or fp32) parameters:
+are computed from bf16 operands, or with fp8_weight_grads=True from FP8 ones too (the activations
+x and w*h in 128 x 128 blocks, the gradients dy and dz in 1 x 128 blocks along the tokens; the
+C++ LayerConfig::fp8_weight_grads, docs/numerics.md). The master weights stay the caller's bf16 (or fp32) parameters:
 their FP8 copy (both weights, their per-expert transposes and the block scales, one uint8 buffer)
 comes from fusemoe::quantize_weights_fp8 and is kept by Fp8WeightCache until a weight changes
 (tensor._version: an optimizer step, load_state_dict, any in-place update), so it is built once per
@@ -15,8 +17,10 @@ MoEExperts.reset_parameters bump; any other rewrite of that kind (e.g. an in-pla
 FSDP2's sharded weights that bypasses load_state_dict) must call invalidate_fp8_caches().
 
 Ops: fusemoe::quantize_weights_fp8, fusemoe::moe_experts_fp8_forward / _backward /
-_backward_into (the bf16 ops' signatures plus the FP8 weight buffer, which gets no gradient). The
-C calls take a FusemoeCLayer of precision "fp8" and the buffer in the args' fp8_weights (C ABI 6).
+_backward_into (the bf16 ops' signatures plus the FP8 weight buffer, which gets no gradient, and
+the option fp8_weight_grads last, which the forward hands to the backward ops). The C calls take
+a FusemoeCLayer of precision "fp8" (and its fp8_weight_grads, C ABI 9) and the buffer in the args'
+fp8_weights (C ABI 6).
 Expert parallelism (fusemoe::ep_*) is bf16 only.
 Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, K top-k.
 """
@@ -222,16 +226,19 @@ def cached_buffer(quantize, weights, cache, sources, attribute):
 def moe_experts_fp8_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
                             w13_EFH: Tensor, w2_EHI: Tensor, fp8_weights: Tensor, impl: str,
                             grad_in_place: bool = False, save_z: bool = False,
-                            swiglu_clamp: Optional[float] = None) -> tuple[Tensor, Tensor]:
+                            swiglu_clamp: Optional[float] = None,
+                            fp8_weight_grads: bool = False) -> tuple[Tensor, Tensor]:
     """fusemoe::moe_experts_forward on the FP8 weights (w13/w2 give the shapes and receive the
-    gradients; their values are not read: the library gets null pointers for them)."""
+    gradients; their values are not read: the library gets null pointers for them).
+    fp8_weight_grads: the backward's option, kept for it by autograd."""
     return _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
-                           swiglu_clamp, fp8_weights)
+                           swiglu_clamp, fp8_weights, fp8_weight_grads)
 
 
 @torch.library.register_fake("fusemoe::moe_experts_fp8_forward")
 def _moe_experts_fp8_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights,
-                                  impl, grad_in_place=False, save_z=False, swiglu_clamp=None):
+                                  impl, grad_in_place=False, save_z=False, swiglu_clamp=None,
+                                  fp8_weight_grads=False):
     return _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
                          swiglu_clamp, fp8_weights=fp8_weights)
 
@@ -241,19 +248,21 @@ def moe_experts_fp8_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor,
                              topk_weights_TK: Tensor, w13_EFH: Tensor, w2_EHI: Tensor,
                              fp8_weights: Tensor, impl: str, saved_z_SF: Optional[Tensor] = None,
                              swiglu_clamp: Optional[float] = None, gate_up_grad: bool = True,
-                             down_grad: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, d_topk_weights, dw13, dw2) as fusemoe::moe_experts_backward, at FP8."""
+                             down_grad: bool = True, fp8_weight_grads: bool = False
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d_topk_weights, dw13, dw2) as fusemoe::moe_experts_backward, at FP8 (fp8_weight_grads:
+    the weight gradients too)."""
     grads = _fresh_weight_grads((w13_EFH, w2_EHI), gate_up_grad, down_grad)
     dx_TH, d_topk_weights_TK = _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH,
                                                 w2_EHI, *grads, False, impl, saved_z_SF,
-                                                swiglu_clamp, fp8_weights)
+                                                swiglu_clamp, fp8_weights, fp8_weight_grads)
     return (dx_TH, d_topk_weights_TK, *_returned_weight_grads(grads, (w13_EFH, w2_EHI)))
 
 
 @torch.library.register_fake("fusemoe::moe_experts_fp8_backward")
 def _moe_experts_fp8_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                                    fp8_weights, impl, saved_z_SF=None, swiglu_clamp=None,
-                                   gate_up_grad=True, down_grad=True):
+                                   gate_up_grad=True, down_grad=True, fp8_weight_grads=False):
     return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
                           saved_z_SF, swiglu_clamp, fp8_weights=fp8_weights,
                           gate_up_grad=gate_up_grad, down_grad=down_grad)
@@ -265,23 +274,26 @@ def moe_experts_fp8_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tens
                                   fp8_weights: Tensor, dw13_EFH: Tensor, dw2_EHI: Tensor,
                                   accumulate: bool, impl: str,
                                   saved_z_SF: Optional[Tensor] = None,
-                                  swiglu_clamp: Optional[float] = None) -> tuple[Tensor, Tensor]:
+                                  swiglu_clamp: Optional[float] = None,
+                                  fp8_weight_grads: bool = False) -> tuple[Tensor, Tensor]:
     """fusemoe::moe_experts_backward_into at FP8."""
     return _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13_EFH,
-                            dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp, fp8_weights)
+                            dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp, fp8_weights,
+                            fp8_weight_grads)
 
 
 @torch.library.register_fake("fusemoe::moe_experts_fp8_backward_into")
 def _moe_experts_fp8_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                                         fp8_weights, dw13_EFH, dw2_EHI, accumulate, impl,
-                                        saved_z_SF=None, swiglu_clamp=None):
+                                        saved_z_SF=None, swiglu_clamp=None,
+                                        fp8_weight_grads=False):
     return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
                           saved_z_SF, swiglu_clamp, weight_grads=(dw13_EFH, dw2_EHI),
                           fp8_weights=fp8_weights)
 
 
 def _setup_context(ctx, inputs, output):
-    _save_for_backward(ctx, inputs[:6], *inputs[6:], output[1])
+    _save_for_backward(ctx, inputs[:6], *inputs[6:10], output[1], options=inputs[10:])
 
 
 def _backward(ctx, dy_TH, _dz_unused):
@@ -292,13 +304,15 @@ _forward_call = _register_autograd("moe_experts_fp8_forward", _backward, _setup_
 
 
 def moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl="fused",
-                    grad_in_place=False, recompute_z=False, fp8_weights=None, swiglu_clamp=None):
+                    grad_in_place=False, recompute_z=False, fp8_weights=None, swiglu_clamp=None,
+                    fp8_weight_grads=False):
     """fusemoe.moe_experts at precision="fp8". fp8_weights: the buffer of quantize_weights_fp8(w13,
-    w2), or None for the one cached on w13 (rebuilt when w13 or w2 change)."""
+    w2), or None for the one cached on w13 (rebuilt when w13 or w2 change); fp8_weight_grads: the
+    weight gradients from FP8 operands too."""
     if impl != "fused":
         _fail(f"precision=\"fp8\" needs impl=\"fused\" (got {impl!r})")
     if fp8_weights is None:
         fp8_weights = cached_fp8_weights(w13_EFH, w2_EHI)
     save_z = _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI)
     return _call(_forward_call, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
-                 fp8_weights, impl, grad_in_place, save_z, swiglu_clamp)[0]
+                 fp8_weights, impl, grad_in_place, save_z, swiglu_clamp, fp8_weight_grads)[0]

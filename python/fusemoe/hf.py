@@ -20,7 +20,7 @@ from torch import nn
 
 from . import _capi
 from .modules import MoEExperts
-from .ops import DEFAULT_IMPL
+from .ops import DEFAULT_IMPL, _check_fp8_weight_grads
 
 _SILU_ACTIVATIONS = ("silu", "swish")
 _SILU_CLASSES = ("SiLU", "SiLUActivation")
@@ -162,25 +162,27 @@ def plan_hf_experts(model, impl=DEFAULT_IMPL, precision="bf16"):
                         if name and _is_experts_candidate(module)])
 
 
-def _swap(model, decision, impl, grad_in_place, recompute_z, precision):
+def _swap(model, decision, impl, grad_in_place, recompute_z, precision, fp8_weight_grads):
     experts = model.get_submodule(decision.name)
     parent_name, _, child_name = decision.name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child_name,
             MoEExperts.from_experts(experts, impl=impl, grad_in_place=grad_in_place,
                                     recompute_z=recompute_z, swiglu_clamp=decision.swiglu_clamp,
-                                    precision=precision))
+                                    precision=precision, fp8_weight_grads=fp8_weight_grads))
 
 
 def patch_hf_experts(model, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False,
-                     strict=True, precision="bf16"):
+                     strict=True, precision="bf16", fp8_weight_grads=False):
     """Swaps every transformers experts module that computes fusemoe's math (see the module
     docstring) for a fusemoe.MoEExperts sharing its Parameter objects (an optimizer or state
     dict that holds them keeps working), leaves the others alone, and returns the PatchReport
     (report.replaced, report.left with the reasons; print(report) lists both).
     strict=True raises ValueError, listing every reason, when no module is swapped.
-    grad_in_place, recompute_z, precision: see fusemoe.MoEExperts (a layer the library refuses at
-    that precision, e.g. fp8 with I % 128 != 0, is left with the library's reason)."""
+    grad_in_place, recompute_z, precision, fp8_weight_grads: see fusemoe.MoEExperts (a layer the
+    library refuses at that precision, e.g. fp8 with I % 128 != 0, is left with the library's
+    reason)."""
+    _check_fp8_weight_grads(fp8_weight_grads, precision, "fusemoe.patch_hf_experts")
     report = plan_hf_experts(model, impl, precision)
     if strict and not report.replaced:
         detail = ("\n" + str(report)) if report.decisions else (
@@ -189,14 +191,15 @@ def patch_hf_experts(model, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=
         raise ValueError(f"fusemoe.patch_hf_experts: no experts module swapped{detail}")
     for decision in report.decisions:
         if decision.swap:
-            _swap(model, decision, impl, grad_in_place, recompute_z, precision)
+            _swap(model, decision, impl, grad_in_place, recompute_z, precision, fp8_weight_grads)
     return report
 
 
 def replace_qwen3_moe_experts(model, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False,
-                              precision="bf16"):
+                              precision="bf16", fp8_weight_grads=False):
     """patch_hf_experts for Qwen3MoeExperts modules only, and strict about them: raises
     ValueError if there is none or one cannot be swapped. Returns the names replaced."""
+    _check_fp8_weight_grads(fp8_weight_grads, precision, "fusemoe.replace_qwen3_moe_experts")
     decisions = [d for d in plan_hf_experts(model, impl, precision).decisions
                  if d.class_name == "Qwen3MoeExperts"]
     if not decisions:
@@ -206,5 +209,5 @@ def replace_qwen3_moe_experts(model, impl=DEFAULT_IMPL, grad_in_place=False, rec
     if refused:
         raise ValueError("fusemoe.replace_qwen3_moe_experts: " + "; ".join(refused))
     for decision in decisions:
-        _swap(model, decision, impl, grad_in_place, recompute_z, precision)
+        _swap(model, decision, impl, grad_in_place, recompute_z, precision, fp8_weight_grads)
     return [d.name for d in decisions]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from . import _capi
-from .ops import DEFAULT_IMPL, moe_experts
+from .ops import DEFAULT_IMPL, _check_fp8_weight_grads, moe_experts
 
 
 def _check_impl_name(impl):
@@ -58,19 +58,23 @@ class MoEExperts(nn.Module):
 
     def __init__(self, num_experts, hidden_dim, intermediate_dim, impl=DEFAULT_IMPL, device=None,
                  dtype=torch.bfloat16, init_std=0.02, grad_in_place=False, recompute_z=False,
-                 swiglu_clamp=None, precision="bf16"):
+                 swiglu_clamp=None, precision="bf16", fp8_weight_grads=False):
         """grad_in_place: the backward adds the weight gradients straight into .grad (see
         fusemoe.moe_experts; eager mode, bf16 parameters, no gradient hooks on them).
         recompute_z: recompute the pre-activations in the backward instead of saving them in the
         forward (impl "fused": less activation memory, one more GEMM; see fusemoe.moe_experts).
         swiglu_clamp: None, or c: g <- min(g, c), u <- clamp(u, -c, c) (DeepSeek-V4's limit).
         precision: "bf16", or "fp8" (blockwise FP8 GEMMs, impl "fused", intermediate_dim a multiple
-        of 128; the FP8 copy of the weights is rebuilt once per weight update: fusemoe.fp8)."""
+        of 128; the FP8 copy of the weights is rebuilt once per weight update: fusemoe.fp8).
+        fp8_weight_grads (precision "fp8" only): the weight gradients' GEMMs in FP8 too (faster at
+        many tokens per expert, less accurate: see fusemoe.moe_experts)."""
         super().__init__()
         _check_impl_name(impl)
         if precision not in ("bf16", "fp8"):
             raise ValueError(f"fusemoe: precision must be \"bf16\" or \"fp8\", got {precision!r}")
+        _check_fp8_weight_grads(fp8_weight_grads, precision, "fusemoe.MoEExperts")
         self.precision = precision
+        self.fp8_weight_grads = fp8_weight_grads
         from .fp8 import Fp8WeightCache
         self._fp8_cache = Fp8WeightCache()  # empty until a forward at precision "fp8"
         self.grad_in_place = bool(grad_in_place)
@@ -102,13 +106,14 @@ class MoEExperts(nn.Module):
 
     @classmethod
     def from_experts(cls, experts, impl=DEFAULT_IMPL, grad_in_place=False, recompute_z=False,
-                     swiglu_clamp=None, precision="bf16"):
+                     swiglu_clamp=None, precision="bf16", fp8_weight_grads=False):
         """A MoEExperts over the very Parameter objects of `experts` (no copy): an optimizer or a
         state dict that holds them keeps working."""
         num_experts, two_intermediate, hidden_dim = experts.gate_up_proj.shape
         module = cls(num_experts, hidden_dim, two_intermediate // 2, impl=impl, device="meta",
                      grad_in_place=grad_in_place, recompute_z=recompute_z,
-                     swiglu_clamp=swiglu_clamp, precision=precision)
+                     swiglu_clamp=swiglu_clamp, precision=precision,
+                     fp8_weight_grads=fp8_weight_grads)
         module.gate_up_proj = experts.gate_up_proj
         module.down_proj = experts.down_proj
         return module
@@ -128,7 +133,7 @@ class MoEExperts(nn.Module):
         y_TH = moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=self.impl,
                            grad_in_place=self.grad_in_place, recompute_z=self.recompute_z,
                            swiglu_clamp=self.swiglu_clamp, precision=self.precision,
-                           fp8_weights=fp8_weights)
+                           fp8_weights=fp8_weights, fp8_weight_grads=self.fp8_weight_grads)
         return output_like(y_TH, hidden_states)
 
     def extra_repr(self):
@@ -137,4 +142,5 @@ class MoEExperts(nn.Module):
                 (", grad_in_place=True" if self.grad_in_place else "") +
                 (", recompute_z=True" if self.recompute_z else "") +
                 (f", swiglu_clamp={self.swiglu_clamp}" if self.swiglu_clamp is not None else "") +
-                (f", precision={self.precision!r}" if self.precision != "bf16" else ""))
+                (f", precision={self.precision!r}" if self.precision != "bf16" else "") +
+                (", fp8_weight_grads=True" if self.fp8_weight_grads else ""))

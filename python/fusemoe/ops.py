@@ -278,11 +278,13 @@ def _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI, layer=None):
     _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI, layer)
 
 
-def _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights):
-    """The call's layer (precision "fp8" when the FP8 buffer is given, which is then checked)
-    and its weight pointers by the C args' names (w13, w2, fp8_weights): a call on the FP8 buffer
-    gets null bf16 weights (their values are not read)."""
-    layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16" if fp8_weights is None else "fp8")
+def _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights,
+                       fp8_weight_grads=False):
+    """The call's layer (precision "fp8" when the FP8 buffer is given, which is then checked;
+    fp8_weight_grads: the FP8 ops' option) and its weight pointers by the C args' names (w13, w2,
+    fp8_weights): a call on the FP8 buffer gets null bf16 weights (their values are not read)."""
+    layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16" if fp8_weights is None else "fp8",
+                        fp8_weight_grads)
     if fp8_weights is None:
         return layer, dict(w13=w13_EFH.data_ptr(), w2=w2_EHI.data_ptr(), fp8_weights=None)
     _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI, layer)
@@ -331,14 +333,15 @@ def _call_backward(layer, dims, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, saved
 
 
 def _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
-                    swiglu_clamp, fp8_weights=None):
+                    swiglu_clamp, fp8_weights=None, fp8_weight_grads=False):
     """The forward ops' call: on the bf16 weights, or on the FP8 weight buffer when given (a
-    layer of precision "fp8")."""
+    layer of precision "fp8"; fp8_weight_grads, which the forward does not use, is checked)."""
     dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
     _check_cuda(x_TH)
     _check_save_z(save_z, impl)
     _check_swiglu_clamp(swiglu_clamp)
-    layer, weights = _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights)
+    layer, weights = _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights,
+                                        fp8_weight_grads)
     return _call_forward(layer, dims, x_TH, topk_idx_TK, topk_weights_TK, save_z, weights)
 
 
@@ -360,6 +363,15 @@ def _moe_experts_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EH
                               grad_in_place=False, save_z=False, swiglu_clamp=None):
     return _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
                          swiglu_clamp)
+
+
+def _check_fp8_weight_grads(fp8_weight_grads, precision, api=API):
+    """The fp8_weight_grads option of the public functions: a bool, set only with precision
+    "fp8" (the library refuses it otherwise too, later and in C's words)."""
+    if not isinstance(fp8_weight_grads, bool):
+        _fail(f"fp8_weight_grads must be a bool, got {fp8_weight_grads!r}", api)
+    if fp8_weight_grads and precision != "fp8":
+        _fail(f"fp8_weight_grads=True needs precision=\"fp8\" (got {precision!r})", api)
 
 
 def _check_save_z(save_z, impl):
@@ -418,7 +430,8 @@ def _returned_weight_grads(grads, weights):
 
 
 def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dw13_EFH,
-                     dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp, fp8_weights=None):
+                     dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp, fp8_weights=None,
+                     fp8_weight_grads=False):
     """The backward ops' call, on the bf16 weights or the FP8 buffer as _launch_forward. dw13 or
     dw2 None: that gradient is not computed (frozen weights)."""
     dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
@@ -428,7 +441,8 @@ def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                                      w2_EHI if dw2_EHI is None else dw2_EHI, w13_EFH, w2_EHI)
     saved_z_SF = _check_saved_z(saved_z_SF, dims, x_TH, impl)
     _check_swiglu_clamp(swiglu_clamp)
-    layer, weights = _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights)
+    layer, weights = _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights,
+                                        fp8_weight_grads)
     return _call_backward(layer, dims, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, saved_z_SF,
                           grad_dtype, accumulate, weights,
                           dict(dw13=_pointer(dw13_EFH), dw2=_pointer(dw2_EHI)))
@@ -516,18 +530,20 @@ def _weight_grad_dtype(named, api=API):
 
 
 def _save_for_backward(ctx, tensors, impl, grad_in_place, save_z, swiglu_clamp, z_SF,
-                       num_weights=2):
+                       num_weights=2, options=()):
     """setup_context of the forward ops (bf16 and FP8): tensors are the op's tensor inputs, (x,
     topk_idx, topk_weights, then the num_weights weights: w13, w2, or w1, w3, w2 for
     fusemoe.separate) and for the FP8 ops fp8_weights; the rest its other inputs and its z
-    output."""
+    output; options: the inputs after swiglu_clamp, which both backward ops take last (the FP8
+    ops' fp8_weight_grads)."""
     ctx.mark_non_differentiable(z_SF)
     # Without this autograd hands the backward a zero-filled gradient of z (T K x 2I bf16: 256 MiB
     # at T = 4096, 2I = 4096), allocated and written on every backward for nothing.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(*tensors, z_SF)
-    ctx.num_inputs = len(tensors) + 4
+    ctx.num_inputs = len(tensors) + 4 + len(options)
     ctx.num_weights = num_weights
+    ctx.options = tuple(options)
     ctx.impl = impl
     ctx.swiglu_clamp = swiglu_clamp
     # In-place gradients need the leaf Parameters themselves (not a converted copy).
@@ -553,13 +569,13 @@ def _gradients(ctx, dy_TH, backward_op, backward_into_op):
         dx_TH, d_topk_weights_TK = _backward_into_grads(
             ctx, lambda *grads_and_accumulate: _call(
                 backward_into_op, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights,
-                *grads_and_accumulate, ctx.impl, saved_z_SF, ctx.swiglu_clamp))
+                *grads_and_accumulate, ctx.impl, saved_z_SF, ctx.swiglu_clamp, *ctx.options))
         weight_grads = (None,) * ctx.num_weights
     else:
         wanted = ctx.weights_need_grad
         dx_TH, d_topk_weights_TK, *weight_grads = _call(
             backward_op, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights, ctx.impl,
-            saved_z_SF, ctx.swiglu_clamp, any(wanted[:-1]), wanted[-1])
+            saved_z_SF, ctx.swiglu_clamp, any(wanted[:-1]), wanted[-1], *ctx.options)
         weight_grads = [g if want else None for g, want in zip(weight_grads, wanted)]
     return ((dx_TH, None, d_topk_weights_TK, *weight_grads)
             + (None,) * (ctx.num_inputs - 3 - ctx.num_weights))
@@ -759,7 +775,7 @@ def _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, *weights):
 
 def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAULT_IMPL,
                 grad_in_place=False, recompute_z=False, swiglu_clamp=None, precision="bf16",
-                fp8_weights=None):
+                fp8_weights=None, fp8_weight_grads=False):
     """The experts block as a differentiable function (strict inputs: see the module docstring;
     fusemoe.MoEExperts converts dtypes and layouts for you).
 
@@ -784,14 +800,18 @@ def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAUL
     (inclusive), as torch.clamp's do.
 
     precision="fp8": blockwise FP8 GEMMs (impl "fused"; fusemoe.fp8). fp8_weights: the buffer of
-    fusemoe.fp8.quantize_weights_fp8(w13, w2), or None for one cached on w13 per weight version."""
+    fusemoe.fp8.quantize_weights_fp8(w13, w2), or None for one cached on w13 per weight version.
+    fp8_weight_grads=True (precision "fp8" only): the weight gradients' GEMMs in FP8 too (faster
+    at many tokens per expert, less accurate; docs/numerics.md), else from bf16 operands."""
     _check_swiglu_clamp(swiglu_clamp)
+    _check_fp8_weight_grads(fp8_weight_grads, precision)
     if precision != "bf16":
         if precision != "fp8":
             _fail(f"precision must be \"bf16\" or \"fp8\", got {precision!r}")
         from .fp8 import moe_experts_fp8
         return moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                               grad_in_place, recompute_z, fp8_weights, swiglu_clamp)
+                               grad_in_place, recompute_z, fp8_weights, swiglu_clamp,
+                               fp8_weight_grads)
     save_z = _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI)
     return _call(_forward_call, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
                  grad_in_place, save_z, swiglu_clamp)[0]

@@ -31,7 +31,8 @@ from torch import Tensor
 from . import _capi
 from .fp8 import _check_fp8_buffer_bytes, _check_fp8_dims, cached_buffer, fp8_weights_bytes
 from .ops import (DEFAULT_IMPL, _call, _call_backward, _call_forward, _check_cuda, _check_dtypes,
-                  _check_impl, _check_routing, _check_save_z, _check_saved_z, _check_swiglu_clamp,
+                  _check_fp8_weight_grads, _check_impl, _check_routing, _check_save_z,
+                  _check_saved_z, _check_swiglu_clamp,
                   _check_tensor, _empty_saved_z, _fail, _fresh_weight_grads, _gradients, _op,
                   _pointer, _register_autograd, _returned_weight_grads, _save_for_backward,
                   _wants_saved_z, _weight_grad_dtype)
@@ -84,11 +85,13 @@ def _check_fp8_buffer_w1w3(fp8_weights, dims, device, layer=None):
                             device, layer, _FP8_MADE_BY, API)
 
 
-def _layer_and_weights(dims, impl, swiglu_clamp, w1_EIH, w3_EIH, w2_EHI, fp8_weights):
+def _layer_and_weights(dims, impl, swiglu_clamp, w1_EIH, w3_EIH, w2_EHI, fp8_weights,
+                       fp8_weight_grads=False):
     """fusemoe.ops._layer_and_weights for w1, w3: the call's layer and the C args' weight
     pointers by name (w13 null, w1, w3, w2, fp8_weights), null bf16 weights on the FP8 buffer
     (their values are not read)."""
-    layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16" if fp8_weights is None else "fp8")
+    layer = _capi.layer(*dims, impl, swiglu_clamp, "bf16" if fp8_weights is None else "fp8",
+                        fp8_weight_grads)
     if fp8_weights is None:
         return layer, dict(w13=None, w1=w1_EIH.data_ptr(), w3=w3_EIH.data_ptr(),
                            w2=w2_EHI.data_ptr(), fp8_weights=None)
@@ -97,20 +100,20 @@ def _layer_and_weights(dims, impl, swiglu_clamp, w1_EIH, w3_EIH, w2_EHI, fp8_wei
 
 
 def _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl, save_z,
-                    swiglu_clamp, fp8_weights=None):
+                    swiglu_clamp, fp8_weights=None, fp8_weight_grads=False):
     """The forward ops' call (bf16, or the FP8 buffer when given). Returns (y, z)."""
     dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI)
     _check_cuda(x_TH, API)
     _check_save_z(save_z, impl)
     _check_swiglu_clamp(swiglu_clamp)
     layer, weights = _layer_and_weights(dims, impl, swiglu_clamp, w1_EIH, w3_EIH, w2_EHI,
-                                        fp8_weights)
+                                        fp8_weights, fp8_weight_grads)
     return _call_forward(layer, dims, x_TH, topk_idx_TK, topk_weights_TK, save_z, weights)
 
 
 def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, dw1_EIH,
                      dw3_EIH, dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp,
-                     fp8_weights=None):
+                     fp8_weights=None, fp8_weight_grads=False):
     """The backward ops' call: dw1, dw3, dw2 written (accumulate False) or added into the given
     buffers. Returns (dx, d_topk_weights)."""
     dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, dy_TH)
@@ -122,7 +125,7 @@ def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, 
     saved_z_SF = _check_saved_z(saved_z_SF, dims, x_TH, impl)
     _check_swiglu_clamp(swiglu_clamp)
     layer, weights = _layer_and_weights(dims, impl, swiglu_clamp, w1_EIH, w3_EIH, w2_EHI,
-                                        fp8_weights)
+                                        fp8_weights, fp8_weight_grads)
     return _call_backward(layer, dims, dy_TH, x_TH, topk_idx_TK, topk_weights_TK, saved_z_SF,
                           grad_dtype, accumulate, weights,
                           dict(dw13=None, dw1=_pointer(dw1_EIH), dw3=_pointer(dw3_EIH),
@@ -131,14 +134,14 @@ def _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, 
 
 def _launch_backward_fresh(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
                            impl, saved_z_SF, swiglu_clamp, gate_up_grad, down_grad,
-                           fp8_weights=None):
+                           fp8_weights=None, fp8_weight_grads=False):
     """The backward into fresh gradients of the weights' dtype: (dx, d_topk_weights, dw1, dw3,
     dw2); gate_up_grad / down_grad False: dw1 and dw3 / dw2 not computed, 0-element."""
     weights = (w1_EIH, w3_EIH, w2_EHI)
     grads = _fresh_weight_grads(weights, gate_up_grad, down_grad)
     dx_TH, d_topk_weights_TK = _launch_backward(
         dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, *grads, False, impl,
-        saved_z_SF, swiglu_clamp, fp8_weights)
+        saved_z_SF, swiglu_clamp, fp8_weights, fp8_weight_grads)
     return (dx_TH, d_topk_weights_TK, *_returned_weight_grads(grads, weights))
 
 
@@ -299,18 +302,19 @@ def cached_fp8_weights_w1w3(w1_EIH, w3_EIH, w2_EHI, cache=None, sources=None):
 def moe_experts_w1w3_fp8_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
                                  w1_EIH: Tensor, w3_EIH: Tensor, w2_EHI: Tensor,
                                  fp8_weights: Tensor, impl: str, grad_in_place: bool = False,
-                                 save_z: bool = False, swiglu_clamp: Optional[float] = None
-                                 ) -> tuple[Tensor, Tensor]:
+                                 save_z: bool = False, swiglu_clamp: Optional[float] = None,
+                                 fp8_weight_grads: bool = False) -> tuple[Tensor, Tensor]:
     """moe_experts_w1w3_forward on the FP8 weights (w1, w3, w2 give the shapes and receive the
-    gradients; their values are not read: the library gets null pointers for them)."""
+    gradients; their values are not read: the library gets null pointers for them);
+    fp8_weight_grads as fusemoe::moe_experts_fp8_forward's."""
     return _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
-                           save_z, swiglu_clamp, fp8_weights)
+                           save_z, swiglu_clamp, fp8_weights, fp8_weight_grads)
 
 
 @torch.library.register_fake("fusemoe::moe_experts_w1w3_fp8_forward")
 def _moe_experts_w1w3_fp8_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
                                        fp8_weights, impl, grad_in_place=False, save_z=False,
-                                       swiglu_clamp=None):
+                                       swiglu_clamp=None, fp8_weight_grads=False):
     return _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl, save_z,
                          swiglu_clamp, fp8_weights)
 
@@ -321,18 +325,19 @@ def moe_experts_w1w3_fp8_backward(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tens
                                   w2_EHI: Tensor, fp8_weights: Tensor, impl: str,
                                   saved_z_SF: Optional[Tensor] = None,
                                   swiglu_clamp: Optional[float] = None, gate_up_grad: bool = True,
-                                  down_grad: bool = True
+                                  down_grad: bool = True, fp8_weight_grads: bool = False
                                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """moe_experts_w1w3_backward at FP8."""
+    """moe_experts_w1w3_backward at FP8 (fp8_weight_grads: the weight gradients too)."""
     return _launch_backward_fresh(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH,
                                   w2_EHI, impl, saved_z_SF, swiglu_clamp, gate_up_grad, down_grad,
-                                  fp8_weights)
+                                  fp8_weights, fp8_weight_grads)
 
 
 @torch.library.register_fake("fusemoe::moe_experts_w1w3_fp8_backward")
 def _moe_experts_w1w3_fp8_backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH,
                                         w3_EIH, w2_EHI, fp8_weights, impl, saved_z_SF=None,
-                                        swiglu_clamp=None, gate_up_grad=True, down_grad=True):
+                                        swiglu_clamp=None, gate_up_grad=True, down_grad=True,
+                                        fp8_weight_grads=False):
     return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
                           saved_z_SF, swiglu_clamp, fp8_weights=fp8_weights,
                           gate_up_grad=gate_up_grad, down_grad=down_grad)
@@ -344,26 +349,27 @@ def moe_experts_w1w3_fp8_backward_into(dy_TH: Tensor, x_TH: Tensor, topk_idx_TK:
                                        w2_EHI: Tensor, fp8_weights: Tensor, dw1_EIH: Tensor,
                                        dw3_EIH: Tensor, dw2_EHI: Tensor, accumulate: bool,
                                        impl: str, saved_z_SF: Optional[Tensor] = None,
-                                       swiglu_clamp: Optional[float] = None
-                                       ) -> tuple[Tensor, Tensor]:
+                                       swiglu_clamp: Optional[float] = None,
+                                       fp8_weight_grads: bool = False) -> tuple[Tensor, Tensor]:
     """moe_experts_w1w3_backward_into at FP8."""
     return _launch_backward(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
                             dw1_EIH, dw3_EIH, dw2_EHI, accumulate, impl, saved_z_SF, swiglu_clamp,
-                            fp8_weights)
+                            fp8_weights, fp8_weight_grads)
 
 
 @torch.library.register_fake("fusemoe::moe_experts_w1w3_fp8_backward_into")
 def _moe_experts_w1w3_fp8_backward_into_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH,
                                              w3_EIH, w2_EHI, fp8_weights, dw1_EIH, dw3_EIH,
                                              dw2_EHI, accumulate, impl, saved_z_SF=None,
-                                             swiglu_clamp=None):
+                                             swiglu_clamp=None, fp8_weight_grads=False):
     return _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, impl,
                           saved_z_SF, swiglu_clamp, weight_grads=(dw1_EIH, dw3_EIH, dw2_EHI),
                           fp8_weights=fp8_weights)
 
 
 def _fp8_setup_context(ctx, inputs, output):
-    _save_for_backward(ctx, inputs[:7], *inputs[7:], output[1], num_weights=3)
+    _save_for_backward(ctx, inputs[:7], *inputs[7:11], output[1], num_weights=3,
+                       options=inputs[11:])
 
 
 def _fp8_backward(ctx, dy_TH, _dz_unused):
@@ -377,14 +383,17 @@ _fp8_forward_call = _register_autograd("moe_experts_w1w3_fp8_forward", _fp8_back
 
 def moe_experts_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
                      impl=DEFAULT_IMPL, recompute_z=False, swiglu_clamp=None, *,
-                     grad_in_place=False, precision="bf16", fp8_weights=None):
+                     grad_in_place=False, precision="bf16", fp8_weights=None,
+                     fp8_weight_grads=False):
     """fusemoe.moe_experts on separate gate and up weights w1, w3 [E, I, H] (torchtitan's
     GroupedExperts.w1 / w3) and w2 [E, H, I]: strict inputs (bf16, contiguous, one CUDA device),
     impl "fused" (the library refuses the others for this form). recompute_z, swiglu_clamp,
     grad_in_place (eager, leaf w1, w3, w2: the kernels write or add dw1, dw3, dw2 into their
-    .grad) and precision ("bf16" or "fp8") as in fusemoe.moe_experts. fp8_weights: the buffer of
-    quantize_weights_fp8_w1w3(w1, w3, w2), or None for one cached on w1 per weight version."""
+    .grad), precision ("bf16" or "fp8") and fp8_weight_grads as in fusemoe.moe_experts.
+    fp8_weights: the buffer of quantize_weights_fp8_w1w3(w1, w3, w2), or None for one cached on w1
+    per weight version."""
     _check_swiglu_clamp(swiglu_clamp)
+    _check_fp8_weight_grads(fp8_weight_grads, precision, API)
     save_z = _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI)
     if precision == "bf16":
         return _call(_forward_call, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
@@ -396,4 +405,4 @@ def moe_experts_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
     if fp8_weights is None:
         fp8_weights = cached_fp8_weights_w1w3(w1_EIH, w3_EIH, w2_EHI)
     return _call(_fp8_forward_call, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
-                 fp8_weights, impl, grad_in_place, save_z, swiglu_clamp)[0]
+                 fp8_weights, impl, grad_in_place, save_z, swiglu_clamp, fp8_weight_grads)[0]

@@ -28,7 +28,7 @@ import torch
 
 from .fp8 import Fp8WeightCache
 from .hf import ExpertsDecision, PatchReport
-from .ops import DEFAULT_IMPL
+from .ops import DEFAULT_IMPL, _check_fp8_weight_grads
 from .separate import cached_fp8_weights_w1w3, moe_experts_w1w3
 
 
@@ -101,16 +101,18 @@ def plan_torchtitan_moe(model):
 
 
 def patch_torchtitan_moe(model, impl=DEFAULT_IMPL, recompute_z=False, grad_in_place=False,
-                         precision="bf16"):
+                         precision="bf16", fp8_weight_grads=False):
     """Swaps the forward of every supported RoutedExperts in model (in place; the Parameters,
     their names and state dicts are unchanged) and returns the fusemoe.PatchReport. recompute_z,
-    grad_in_place and precision ("bf16" or "fp8") as in fusemoe.moe_experts_w1w3 (see the
-    module docstring). unpatch_torchtitan_moe restores the forwards."""
+    grad_in_place, precision ("bf16" or "fp8") and fp8_weight_grads as in
+    fusemoe.moe_experts_w1w3 (see the module docstring). unpatch_torchtitan_moe restores the
+    forwards."""
+    _check_fp8_weight_grads(fp8_weight_grads, precision, "fusemoe.patch_torchtitan_moe")
     moe, token_dispatcher = _torchtitan_moe()
     report = plan_torchtitan_moe(model)
     modules = dict(model.named_modules())
     options = dict(impl=impl, recompute_z=recompute_z, grad_in_place=grad_in_place,
-                   precision=precision)
+                   precision=precision, fp8_weight_grads=fp8_weight_grads)
     for decision in report.decisions:
         if decision.swap:
             module = modules[decision.name]

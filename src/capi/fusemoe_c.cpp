@@ -96,6 +96,12 @@ fusemoe::LayerConfig config_of(const FusemoeCLayer& l) {
   config.use_swiglu_clamp = l.use_swiglu_clamp != 0;
   config.swiglu_clamp = l.swiglu_clamp;
   config.precision = static_cast<fusemoe::Precision>(l.precision);
+  // Strictly 0 or 1: the field sits where ABI 8's struct had padding, so a caller built for
+  // that version can pass garbage here with a struct_size that matches.
+  FUSEMOE_CHECK(l.fp8_weight_grads == 0 || l.fp8_weight_grads == 1,
+                "FusemoeCLayer.fp8_weight_grads must be 0 or 1, got " << l.fp8_weight_grads
+                                                                      << " (a caller built for C ABI 8?)");
+  config.fp8_weight_grads = l.fp8_weight_grads != 0;
   return config;
 }
 
@@ -235,6 +241,7 @@ constexpr FieldLayout kLayerFields[] = {
     FUSEMOE_C_FIELD(FusemoeCLayer, num_experts),  FUSEMOE_C_FIELD(FusemoeCLayer, top_k),
     FUSEMOE_C_FIELD(FusemoeCLayer, max_tokens),   FUSEMOE_C_FIELD(FusemoeCLayer, use_swiglu_clamp),
     FUSEMOE_C_FIELD(FusemoeCLayer, swiglu_clamp), FUSEMOE_C_FIELD(FusemoeCLayer, precision),
+    FUSEMOE_C_FIELD(FusemoeCLayer, fp8_weight_grads),
 };
 constexpr FieldLayout kForwardFields[] = {
     FUSEMOE_C_FIELD(FusemoeCForwardArgs, struct_size),

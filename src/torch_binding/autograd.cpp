@@ -42,6 +42,9 @@ struct OpFamily {
   c10::OperatorHandle forward, backward, backward_into;
   size_t num_tensors;  // the forward's tensor arguments, first: x, topk_idx, topk_weights, weights...
   size_t num_weights;  // w13, w2 or w1, w3, w2, starting at argument 3
+  // The forward's bool arguments after swiglu_clamp, which both backward ops take last, in the same
+  // order (the FP8 ops' fp8_weight_grads); passed around as bits (bit i: option i).
+  size_t num_options;
 };
 
 // A deque: nodes keep pointers to their family, which a later registration must not move.
@@ -112,17 +115,24 @@ void call_below_autograd(const c10::OperatorHandle& op, torch::jit::Stack& stack
   }
 }
 
+// Pushes the family's options (bits, see OpFamily::num_options) onto an op's stack.
+void push_options(const OpFamily& family, int64_t option_bits, torch::jit::Stack& stack) {
+  for (size_t i = 0; i < family.num_options; ++i) stack.emplace_back(((option_bits >> i) & 1) != 0);
+}
+
 // The forward op of `family` below autograd: (y, z).
 std::pair<at::Tensor, at::Tensor> call_forward_op(const OpFamily& family, at::TensorList tensors,
                                                   const std::string& impl, bool grad_in_place,
-                                                  bool save_z, std::optional<double> swiglu_clamp) {
+                                                  bool save_z, std::optional<double> swiglu_clamp,
+                                                  int64_t option_bits) {
   torch::jit::Stack stack;
-  stack.reserve(tensors.size() + 4);
+  stack.reserve(tensors.size() + 4 + family.num_options);
   for (const auto& t : tensors) stack.emplace_back(t);
   stack.emplace_back(impl);
   stack.emplace_back(grad_in_place);
   stack.emplace_back(save_z);
   stack.emplace_back(swiglu_clamp ? c10::IValue(*swiglu_clamp) : c10::IValue());
+  push_options(family, option_bits, stack);
   call_below_autograd(family.forward, stack);
   return {std::move(stack[0]).toTensor(), std::move(stack[1]).toTensor()};
 }
@@ -163,6 +173,7 @@ using torch_autograd::g_in_place_backwards;
 using torch_autograd::in_place_params;
 using torch_autograd::OpFamily;
 using torch_autograd::param_key;
+using torch_autograd::push_options;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -174,10 +185,10 @@ using torch::autograd::variable_list;
 struct MoEExperts : torch::autograd::Function<MoEExperts> {
   static variable_list forward(AutogradContext* ctx, int64_t family_index, at::TensorList tensors,
                                const std::string& impl, bool grad_in_place, bool save_z,
-                               std::optional<double> swiglu_clamp, at::Tensor* z_out) {
+                               std::optional<double> swiglu_clamp, int64_t option_bits, at::Tensor* z_out) {
     const OpFamily& family = families()[family_index];
     at::Tensor y;
-    std::tie(y, *z_out) = call_forward_op(family, tensors, impl, grad_in_place, save_z, swiglu_clamp);
+    std::tie(y, *z_out) = call_forward_op(family, tensors, impl, grad_in_place, save_z, swiglu_clamp, option_bits);
     // What ops._save_for_backward saves: the op's tensors and z, through saved-tensor hooks.
     variable_list to_save(tensors.begin(), tensors.end());
     to_save.push_back(*z_out);
@@ -185,6 +196,7 @@ struct MoEExperts : torch::autograd::Function<MoEExperts> {
     ctx->saved_data["family"] = family_index;
     ctx->saved_data["impl"] = impl;
     ctx->saved_data["swiglu_clamp"] = swiglu_clamp ? c10::IValue(*swiglu_clamp) : c10::IValue();
+    ctx->saved_data["options"] = option_bits;
     if (grad_in_place) {
       // The leaf weights themselves, outside the saved tensors: a hook's unpack may hand back a
       // copy, whose .grad nobody would see. One entry each: compiled autograd lifts tensors of
@@ -203,8 +215,8 @@ struct MoEExperts : torch::autograd::Function<MoEExperts> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const OpFamily& family = families()[ctx->saved_data["family"].toInt()];
     const size_t n = family.num_tensors;
-    // Gradients per forward input: family, then the tensors, then the 5 other arguments.
-    variable_list result(1 + n + 5);
+    // Gradients per forward input: family, then the tensors, then the 6 other arguments.
+    variable_list result(1 + n + 6);
     if (!grads[0].defined()) return result;
     // As ops._refuse_create_graph: the gradients below are constants of autograd's graph.
     TORCH_CHECK(!at::GradMode::is_enabled(),
@@ -213,7 +225,7 @@ struct MoEExperts : torch::autograd::Function<MoEExperts> {
     variable_list saved = ctx->get_saved_variables();  // the op's tensors, then z
     const at::Tensor& z = saved.back();
     torch::jit::Stack stack;
-    stack.reserve(2 * n + 8);
+    stack.reserve(2 * n + 8 + family.num_options);
     // dy may arrive expanded (e.g. from y.sum()) or in another layout: the ops need it dense.
     stack.emplace_back(grads[0].contiguous());
     for (size_t i = 0; i < n; ++i) stack.emplace_back(saved[i]);
@@ -247,6 +259,7 @@ struct MoEExperts : torch::autograd::Function<MoEExperts> {
       stack.emplace_back(gate_up_grad);
       stack.emplace_back(ctx->needs_input_grad(3 + family.num_weights - 1));
     }
+    push_options(family, ctx->saved_data["options"].toInt(), stack);
     call_below_autograd(in_place ? family.backward_into : family.backward, stack);
     result[1] = std::move(stack[0]).toTensor();  // dx
     result[3] = std::move(stack[1]).toTensor();  // d_topk_weights
@@ -285,10 +298,11 @@ PyObject* forward(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   }
   const OpFamily& family = families()[index];
   const size_t n = family.num_tensors;
-  // Arguments: n tensors, impl, then optional grad_in_place, save_z, swiglu_clamp.
+  // Arguments: n tensors, impl, then optional grad_in_place, save_z, swiglu_clamp and the options.
   const Py_ssize_t num_args = nargs - 1;
   PyObject* const* a = args + 1;
-  if (num_args < static_cast<Py_ssize_t>(n + 1) || num_args > static_cast<Py_ssize_t>(n + 4)) {
+  if (num_args < static_cast<Py_ssize_t>(n + 1) ||
+      num_args > static_cast<Py_ssize_t>(n + 4 + family.num_options)) {
     Py_RETURN_NOTIMPLEMENTED;
   }
   for (size_t i = 0; i < n; ++i) {
@@ -312,6 +326,11 @@ PyObject* forward(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
     swiglu_clamp = PyFloat_AsDouble(a[n + 3]);
     if (PyErr_Occurred()) return nullptr;
   }
+  int64_t option_bits = 0;
+  for (Py_ssize_t i = static_cast<Py_ssize_t>(n + 4); i < num_args; ++i) {
+    if (!PyBool_Check(a[i])) Py_RETURN_NOTIMPLEMENTED;
+    if (a[i] == Py_True) option_bits |= int64_t{1} << (i - static_cast<Py_ssize_t>(n + 4));
+  }
   std::vector<at::Tensor> tensors;
   tensors.reserve(n);
   for (size_t i = 0; i < n; ++i) tensors.push_back(THPVariable_Unpack(a[i]));
@@ -328,9 +347,9 @@ PyObject* forward(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
     pybind11::gil_scoped_release no_gil;
     if (requires_grad) {
       y = fusemoe::MoEExperts::apply(static_cast<int64_t>(index), at::TensorList(tensors), impl,
-                                     grad_in_place, save_z, swiglu_clamp, &z)[0];
+                                     grad_in_place, save_z, swiglu_clamp, option_bits, &z)[0];
     } else {  // no gradient to compute: the op alone, as the Python path calls it then
-      std::tie(y, z) = call_forward_op(family, tensors, impl, grad_in_place, save_z, swiglu_clamp);
+      std::tie(y, z) = call_forward_op(family, tensors, impl, grad_in_place, save_z, swiglu_clamp, option_bits);
     }
   }
   PyObject* y_py = THPVariable_Wrap(std::move(y));
@@ -361,10 +380,29 @@ PyObject* register_ops(PyObject* /*self*/, PyObject* args) {
     return nullptr;
   }
   auto& dispatcher = c10::Dispatcher::singleton();
-  families().push_back(OpFamily{dispatcher.findSchemaOrThrow(forward_name, ""),
-                                dispatcher.findSchemaOrThrow(backward_name, ""),
-                                dispatcher.findSchemaOrThrow(backward_into_name, ""),
-                                static_cast<size_t>(num_tensors), static_cast<size_t>(num_weights)});
+  OpFamily family{dispatcher.findSchemaOrThrow(forward_name, ""), dispatcher.findSchemaOrThrow(backward_name, ""),
+                  dispatcher.findSchemaOrThrow(backward_into_name, ""), static_cast<size_t>(num_tensors),
+                  static_cast<size_t>(num_weights), 0};
+  // The options: whatever follows (tensors, impl, grad_in_place, save_z, swiglu_clamp), each a bool
+  // that ends both backward schemas too.
+  const auto& arguments = family.forward.schema().arguments();
+  const size_t fixed = family.num_tensors + 4;
+  family.num_options = arguments.size() > fixed ? arguments.size() - fixed : 0;
+  for (size_t i = fixed; i < arguments.size(); ++i) {
+    const std::string& name = arguments[i].name();
+    bool ok = arguments[i].type()->kind() == c10::TypeKind::BoolType && family.num_options <= 62;
+    for (const auto* op : {&family.backward, &family.backward_into}) {
+      const auto& b = op->schema().arguments();
+      const size_t at = b.size() - family.num_options + (i - fixed);
+      ok = ok && b.size() >= family.num_options && b[at].name() == name;
+    }
+    if (!ok) {
+      PyErr_Format(PyExc_ValueError, "register_ops: %s's argument %s is no bool option both backward ops end with",
+                   forward_name, name.c_str());
+      return nullptr;
+    }
+  }
+  families().push_back(std::move(family));
   return PyLong_FromSsize_t(static_cast<Py_ssize_t>(families().size()) - 1);
   END_HANDLE_TH_ERRORS
 }

@@ -39,10 +39,10 @@ int32_t impl_code(const std::string& impl) {
   return code;
 }
 
-// _capi.layer(H, I, E, K, T, impl, swiglu_clamp, precision): max_tokens = T, the workspace is
-// sized per call.
+// _capi.layer(H, I, E, K, T, impl, swiglu_clamp, precision, fp8_weight_grads): max_tokens = T, the
+// workspace is sized per call.
 FusemoeCLayer c_layer(const LayerDims& d, const std::string& impl, std::optional<double> swiglu_clamp,
-                      int32_t precision) {
+                      int32_t precision, bool fp8_weight_grads = false) {
   FusemoeCLayer layer{};
   layer.struct_size = sizeof(FusemoeCLayer);
   layer.impl_code = impl_code(impl);
@@ -54,6 +54,7 @@ FusemoeCLayer c_layer(const LayerDims& d, const std::string& impl, std::optional
   layer.use_swiglu_clamp = swiglu_clamp.has_value() ? 1 : 0;
   layer.swiglu_clamp = swiglu_clamp.has_value() ? static_cast<float>(*swiglu_clamp) : 0.0f;
   layer.precision = precision;
+  layer.fp8_weight_grads = fp8_weight_grads ? 1 : 0;
   return layer;
 }
 
@@ -135,7 +136,8 @@ void* data(const Tensor& t) { return t.data_ptr(); }
 
 // The tensors both directions read. w3_EIH null: w13_EFH is w13 [E, 2I, H]; set: separate gate
 // and up weights (fusemoe.separate's ops), w13_EFH holds w1 [E, I, H] and w3_EIH the up weights.
-// fp8_weights: the FP8 weight buffer, or null for bf16.
+// fp8_weights: the FP8 weight buffer, or null for bf16; fp8_weight_grads (the FP8 ops' option):
+// the weight gradients' GEMMs in FP8 too (LayerConfig::fp8_weight_grads).
 struct Inputs {
   const Tensor& x_TH;
   const Tensor& topk_idx_TK;
@@ -144,6 +146,7 @@ struct Inputs {
   const Tensor& w2_EHI;
   const Tensor* fp8_weights;
   const Tensor* w3_EIH = nullptr;
+  bool fp8_weight_grads = false;
 
   bool separate() const { return w3_EIH != nullptr; }
   const char* api() const { return separate() ? kApiW1W3 : kApi; }  // the entry point messages name
@@ -164,8 +167,9 @@ LayerDims check_call_inputs(const Inputs& in, const Tensor* dy_TH) {
 FusemoeCLayer call_layer(const LayerDims& d, const Inputs& in, const std::string& impl,
                          std::optional<double> swiglu_clamp) {
   const bool fp8 = in.fp8_weights != nullptr;
-  const FusemoeCLayer layer =
-      c_layer(d, impl, swiglu_clamp, fp8 ? FUSEMOE_C_PRECISION_FP8_BLOCKWISE : FUSEMOE_C_PRECISION_BF16);
+  const FusemoeCLayer layer = c_layer(d, impl, swiglu_clamp,
+                                      fp8 ? FUSEMOE_C_PRECISION_FP8_BLOCKWISE : FUSEMOE_C_PRECISION_BF16,
+                                      in.fp8_weight_grads);
   if (fp8) {
     if (in.separate()) {
       check_fp8_dims(d.hidden, d.intermediate, kApiW1W3);
@@ -321,9 +325,9 @@ std::tuple<Tensor, Tensor> moe_experts_fp8_forward(const Tensor& x_TH, const Ten
                                                    const Tensor& topk_weights_TK, const Tensor& w13_EFH,
                                                    const Tensor& w2_EHI, const Tensor& fp8_weights,
                                                    const std::string& impl, bool /*grad_in_place*/, bool save_z,
-                                                   std::optional<double> swiglu_clamp) {
-  return launch_forward({x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &fp8_weights}, impl, save_z,
-                        swiglu_clamp);
+                                                   std::optional<double> swiglu_clamp, bool fp8_weight_grads) {
+  return launch_forward({x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &fp8_weights, nullptr, fp8_weight_grads},
+                        impl, save_z, swiglu_clamp);
 }
 
 using FourTensors = std::tuple<Tensor, Tensor, Tensor, Tensor>;
@@ -366,9 +370,10 @@ FourTensors moe_experts_fp8_backward(const Tensor& dy_TH, const Tensor& x_TH, co
                                      const Tensor& topk_weights_TK, const Tensor& w13_EFH, const Tensor& w2_EHI,
                                      const Tensor& fp8_weights, const std::string& impl,
                                      const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp,
-                                     bool gate_up_grad, bool down_grad) {
-  return w13_backward_fresh(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &fp8_weights}, impl,
-                            saved_z_SF, swiglu_clamp, {gate_up_grad, down_grad});
+                                     bool gate_up_grad, bool down_grad, bool fp8_weight_grads) {
+  return w13_backward_fresh(
+      dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &fp8_weights, nullptr, fp8_weight_grads}, impl,
+      saved_z_SF, swiglu_clamp, {gate_up_grad, down_grad});
 }
 
 std::tuple<Tensor, Tensor> moe_experts_backward_into(const Tensor& dy_TH, const Tensor& x_TH,
@@ -385,8 +390,9 @@ std::tuple<Tensor, Tensor> moe_experts_fp8_backward_into(
     const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
     const Tensor& w13_EFH, const Tensor& w2_EHI, const Tensor& fp8_weights, const Tensor& dw13_EFH,
     const Tensor& dw2_EHI, bool accumulate, const std::string& impl, const OptionalTensor& saved_z_SF,
-    std::optional<double> swiglu_clamp) {
-  return backward_into(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &fp8_weights},
+    std::optional<double> swiglu_clamp, bool fp8_weight_grads) {
+  return backward_into(dy_TH,
+                       {x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, &fp8_weights, nullptr, fp8_weight_grads},
                        {dw13_EFH, std::nullopt, dw2_EHI}, accumulate, impl, saved_z_SF, swiglu_clamp);
 }
 
@@ -406,9 +412,9 @@ std::tuple<Tensor, Tensor> moe_experts_w1w3_fp8_forward(const Tensor& x_TH, cons
                                                         const Tensor& w3_EIH, const Tensor& w2_EHI,
                                                         const Tensor& fp8_weights, const std::string& impl,
                                                         bool /*grad_in_place*/, bool save_z,
-                                                        std::optional<double> swiglu_clamp) {
-  return launch_forward({x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights, &w3_EIH}, impl, save_z,
-                        swiglu_clamp);
+                                                        std::optional<double> swiglu_clamp, bool fp8_weight_grads) {
+  return launch_forward({x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights, &w3_EIH, fp8_weight_grads},
+                        impl, save_z, swiglu_clamp);
 }
 
 FiveTensors moe_experts_w1w3_backward(const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK,
@@ -424,9 +430,10 @@ FiveTensors moe_experts_w1w3_fp8_backward(const Tensor& dy_TH, const Tensor& x_T
                                           const Tensor& topk_weights_TK, const Tensor& w1_EIH, const Tensor& w3_EIH,
                                           const Tensor& w2_EHI, const Tensor& fp8_weights, const std::string& impl,
                                           const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp,
-                                          bool gate_up_grad, bool down_grad) {
-  return w1w3_backward_fresh(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights, &w3_EIH},
-                             impl, saved_z_SF, swiglu_clamp, {gate_up_grad, down_grad});
+                                          bool gate_up_grad, bool down_grad, bool fp8_weight_grads) {
+  return w1w3_backward_fresh(
+      dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights, &w3_EIH, fp8_weight_grads}, impl,
+      saved_z_SF, swiglu_clamp, {gate_up_grad, down_grad});
 }
 
 std::tuple<Tensor, Tensor> moe_experts_w1w3_backward_into(
@@ -442,8 +449,9 @@ std::tuple<Tensor, Tensor> moe_experts_w1w3_fp8_backward_into(
     const Tensor& dy_TH, const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_weights_TK,
     const Tensor& w1_EIH, const Tensor& w3_EIH, const Tensor& w2_EHI, const Tensor& fp8_weights,
     const Tensor& dw1_EIH, const Tensor& dw3_EIH, const Tensor& dw2_EHI, bool accumulate, const std::string& impl,
-    const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp) {
-  return backward_into(dy_TH, {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights, &w3_EIH},
+    const OptionalTensor& saved_z_SF, std::optional<double> swiglu_clamp, bool fp8_weight_grads) {
+  return backward_into(dy_TH,
+                       {x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w2_EHI, &fp8_weights, &w3_EIH, fp8_weight_grads},
                        {dw1_EIH, dw3_EIH, dw2_EHI}, accumulate, impl, saved_z_SF, swiglu_clamp);
 }
 
@@ -511,13 +519,15 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fusemoe, m) {
         "Tensor? saved_z_SF=None, float? swiglu_clamp=None) -> (Tensor, Tensor)");
   m.def("moe_experts_fp8_forward(Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, Tensor w13_EFH, "
         "Tensor w2_EHI, Tensor fp8_weights, str impl, bool grad_in_place=False, bool save_z=False, "
-        "float? swiglu_clamp=None) -> (Tensor, Tensor)");
+        "float? swiglu_clamp=None, bool fp8_weight_grads=False) -> (Tensor, Tensor)");
   m.def("moe_experts_fp8_backward(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, "
         "Tensor w13_EFH, Tensor w2_EHI, Tensor fp8_weights, str impl, Tensor? saved_z_SF=None, "
-        "float? swiglu_clamp=None, bool gate_up_grad=True, bool down_grad=True) -> (Tensor, Tensor, Tensor, Tensor)");
+        "float? swiglu_clamp=None, bool gate_up_grad=True, bool down_grad=True, bool fp8_weight_grads=False) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_experts_fp8_backward_into(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, "
         "Tensor w13_EFH, Tensor w2_EHI, Tensor fp8_weights, Tensor(a7!) dw13_EFH, Tensor(a8!) dw2_EHI, "
-        "bool accumulate, str impl, Tensor? saved_z_SF=None, float? swiglu_clamp=None) -> (Tensor, Tensor)");
+        "bool accumulate, str impl, Tensor? saved_z_SF=None, float? swiglu_clamp=None, "
+        "bool fp8_weight_grads=False) -> (Tensor, Tensor)");
   m.def("quantize_weights_fp8(Tensor w13_EFH, Tensor w2_EHI) -> Tensor");
   m.def("moe_experts_w1w3_forward(Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, Tensor w1_EIH, "
         "Tensor w3_EIH, Tensor w2_EHI, str impl, bool grad_in_place=False, bool save_z=False, "
@@ -533,15 +543,15 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fusemoe, m) {
   m.def("quantize_weights_fp8_w1w3(Tensor w1_EIH, Tensor w3_EIH, Tensor w2_EHI) -> Tensor");
   m.def("moe_experts_w1w3_fp8_forward(Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, Tensor w1_EIH, "
         "Tensor w3_EIH, Tensor w2_EHI, Tensor fp8_weights, str impl, bool grad_in_place=False, "
-        "bool save_z=False, float? swiglu_clamp=None) -> (Tensor, Tensor)");
+        "bool save_z=False, float? swiglu_clamp=None, bool fp8_weight_grads=False) -> (Tensor, Tensor)");
   m.def("moe_experts_w1w3_fp8_backward(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, Tensor topk_weights_TK, "
         "Tensor w1_EIH, Tensor w3_EIH, Tensor w2_EHI, Tensor fp8_weights, str impl, Tensor? saved_z_SF=None, "
-        "float? swiglu_clamp=None, bool gate_up_grad=True, bool down_grad=True) "
+        "float? swiglu_clamp=None, bool gate_up_grad=True, bool down_grad=True, bool fp8_weight_grads=False) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_experts_w1w3_fp8_backward_into(Tensor dy_TH, Tensor x_TH, Tensor topk_idx_TK, "
         "Tensor topk_weights_TK, Tensor w1_EIH, Tensor w3_EIH, Tensor w2_EHI, Tensor fp8_weights, "
         "Tensor(a8!) dw1_EIH, Tensor(a9!) dw3_EIH, Tensor(a10!) dw2_EHI, bool accumulate, str impl, "
-        "Tensor? saved_z_SF=None, float? swiglu_clamp=None) -> (Tensor, Tensor)");
+        "Tensor? saved_z_SF=None, float? swiglu_clamp=None, bool fp8_weight_grads=False) -> (Tensor, Tensor)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(fusemoe, CompositeExplicitAutograd, m) {

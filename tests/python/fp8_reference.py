@@ -6,7 +6,10 @@ materialise bf16 values. Mirrors reference/fp8_emulation.cpp (the C++ suite's, f
     q = e4m3(v * 448 / amax), dequantized q * scale.
 Forward: z = dq(x) dq(W13)^T, h = bf16(silu(g) u), o = dq(h) dq(W2)^T, y = bf16(sum_j bf16(w o)).
 Backward (straight-through): a = dq(dy) dq(W2), h from bf16 z, d_topk_w = <h, a>,
-dz = bf16(SwiGLU'(w a)), dx = bf16(sum_j bf16(dq(dz) dq(W13))), dW2 = dy^T bf16(w h), dW13 = dz^T x.
+dz = bf16(SwiGLU'(w a)), dx = bf16(sum_j bf16(dq(dz) dq(W13))), dW2 = dy^T bf16(w h), dW13 = dz^T x;
+with fp8_weight_grads, dW2 = dq_t(dy)^T dq_tt(bf16(w h)) and dW13 = dq_t(dz)^T dq_tt(x) over each
+expert's rows in slot order, blocked from its first row (the last block padded with zeros): dq_t
+one scale per feature and 128 rows, dq_tt one per 128 features x 128 rows.
 With a SwiGLU clamp c, g <- min(g, c) and u <- clamp(u, -c, c) before h, and dg, du are zero where
 their bound is active (as moe_reference.py and the kernels' epilogues).
 Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, K top-k, N rows of
@@ -41,6 +44,17 @@ def quantize_matrix(w_RC):
     return _quantize_blocks(blocks, (1, 3)).reshape(r, c)
 
 
+def quantize_token_blocks(v_NC, blocks_128x128):
+    """The weight gradients' token-blocked quantization (fp8_weight_grads) of one expert's fp32
+    [N, C] rows: blocks of 128 rows from the first, each column alone or 128 columns together."""
+    n, c = v_NC.shape
+    padded = -(-n // BLOCK) * BLOCK
+    v = torch.zeros(padded, c, dtype=v_NC.dtype, device=v_NC.device)
+    v[:n] = v_NC
+    blocks = v.reshape(padded // BLOCK, BLOCK, c // BLOCK, BLOCK)
+    return _quantize_blocks(blocks, (1, 3) if blocks_128x128 else (1,)).reshape(padded, c)[:n]
+
+
 def _bf16(t):
     return t.to(torch.bfloat16).float()
 
@@ -58,7 +72,7 @@ def _clamped(z_NF, intermediate, swiglu_clamp):
 
 
 def moe_experts_fp8_emulated(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH,
-                             swiglu_clamp=None):
+                             swiglu_clamp=None, fp8_weight_grads=False):
     """y and every gradient (dict: y, dx, d_topk_weights, dw13, dw2) of the FP8 recipe, fp32."""
     x_TH, dy_TH = x_TH.float(), dy_TH.float()
     num_tokens, hidden = x_TH.shape
@@ -95,7 +109,14 @@ def moe_experts_fp8_emulated(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI
         dz_NF = _bf16(torch.cat([dh_NI * u_NI * sig_NI * (1 + g_NI * (1 - sig_NI)) * g_pass_NI,
                                  dh_NI * silu_NI * u_pass_NI], dim=1))
         dx_TH.index_add_(0, token_N, _bf16(quantize_rows(dz_NF) @ w13q_FH))
-        dw2_EHI[e] = dy_TH[token_N].t() @ _bf16(w_N * hb_NI)
-        dw13_EFH[e] = dz_NF.t() @ x_TH[token_N]
+        wh_NI = _bf16(w_N * hb_NI)
+        if fp8_weight_grads:  # token_N, slot_N: the expert's rows in slot order
+            dw2_EHI[e] = (quantize_token_blocks(dy_TH[token_N], False).t()
+                          @ quantize_token_blocks(wh_NI, True))
+            dw13_EFH[e] = (quantize_token_blocks(dz_NF, False).t()
+                           @ quantize_token_blocks(x_TH[token_N], True))
+        else:
+            dw2_EHI[e] = dy_TH[token_N].t() @ wh_NI
+            dw13_EFH[e] = dz_NF.t() @ x_TH[token_N]
     return dict(y=_bf16(y_TH), dx=_bf16(dx_TH), d_topk_weights=d_topk_weights_TK, dw13=dw13_EFH,
                 dw2=dw2_EHI)

@@ -101,6 +101,9 @@ into_accumulate_flags = []
 # (gate_up_grad, down_grad) of every call of a stand-in backward op of fresh gradients, in order:
 # which weight gradients a formula asked for (frozen weights ask for none).
 weight_grad_requests = []
+# (op, fp8_weight_grads) of every call of a stand-in FP8 op ("forward", "backward",
+# "backward_into"), in order: what reached the ops of the option, whichever formula called them.
+fp8_weight_grads_calls = []
 
 
 def fresh_weight_grads(grads, weights, gate_up_grad, down_grad):
@@ -244,7 +247,8 @@ def register_cpu_fp8_kernels():
 
     @torch.library.register_kernel("fusemoe::moe_experts_fp8_forward", "cpu")
     def _forward_cpu(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights, impl,
-                     grad_in_place=False, save_z=False, swiglu_clamp=None):
+                     grad_in_place=False, save_z=False, swiglu_clamp=None, fp8_weight_grads=False):
+        fp8_weight_grads_calls.append(("forward", fp8_weight_grads))
         dims = _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI)
         w13, w2 = weights_of(fp8_weights, w13_EFH, w2_EHI)
         y_TH = moe_experts_torch(x_TH.float(), topk_idx_TK, topk_weights_TK, w13.float(),
@@ -253,7 +257,9 @@ def register_cpu_fp8_kernels():
 
     @torch.library.register_kernel("fusemoe::moe_experts_fp8_backward", "cpu")
     def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, fp8_weights,
-                      impl, saved_z_SF=None, swiglu_clamp=None, gate_up_grad=True, down_grad=True):
+                      impl, saved_z_SF=None, swiglu_clamp=None, gate_up_grad=True, down_grad=True,
+                      fp8_weight_grads=False):
+        fp8_weight_grads_calls.append(("backward", fp8_weight_grads))
         _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
         w13, w2 = weights_of(fp8_weights, w13_EFH, w2_EHI)
         dx_TH, dw_TK, dw13_EFH, dw2_EHI = moe_experts_backward_fp32(
@@ -264,7 +270,8 @@ def register_cpu_fp8_kernels():
     @torch.library.register_kernel("fusemoe::moe_experts_fp8_backward_into", "cpu")
     def _backward_into_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI,
                            fp8_weights, dw13_EFH, dw2_EHI, accumulate, impl, saved_z_SF=None,
-                           swiglu_clamp=None):
+                           swiglu_clamp=None, fp8_weight_grads=False):
+        fp8_weight_grads_calls.append(("backward_into", fp8_weight_grads))
         into_accumulate_flags.append(accumulate)
         _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH)
         w13, w2 = weights_of(fp8_weights, w13_EFH, w2_EHI)
@@ -300,7 +307,9 @@ def register_cpu_fp8_w1w3_kernels():
 
     @torch.library.register_kernel("fusemoe::moe_experts_w1w3_fp8_forward", "cpu")
     def _forward_cpu(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI, fp8_weights,
-                     impl, grad_in_place=False, save_z=False, swiglu_clamp=None):
+                     impl, grad_in_place=False, save_z=False, swiglu_clamp=None,
+                     fp8_weight_grads=False):
+        fp8_weight_grads_calls.append(("forward", fp8_weight_grads))
         dims = _check_inputs_w1w3(x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI)
         w13, w2 = weights_of(fp8_weights, dims, w1_EIH, w2_EHI)
         y_TH = moe_experts_torch(x_TH.float(), topk_idx_TK, topk_weights_TK, w13.float(),
@@ -319,7 +328,8 @@ def register_cpu_fp8_w1w3_kernels():
     @torch.library.register_kernel("fusemoe::moe_experts_w1w3_fp8_backward", "cpu")
     def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
                       fp8_weights, impl, saved_z_SF=None, swiglu_clamp=None, gate_up_grad=True,
-                      down_grad=True):
+                      down_grad=True, fp8_weight_grads=False):
+        fp8_weight_grads_calls.append(("backward", fp8_weight_grads))
         weights = (w1_EIH, w3_EIH, w2_EHI)
         grads = tuple(torch.empty_like(w) for w in weights)
         dx_and_dw = backward_into(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, *weights,
@@ -329,7 +339,8 @@ def register_cpu_fp8_w1w3_kernels():
     @torch.library.register_kernel("fusemoe::moe_experts_w1w3_fp8_backward_into", "cpu")
     def _backward_into_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
                            fp8_weights, dw1_EIH, dw3_EIH, dw2_EHI, accumulate, impl,
-                           saved_z_SF=None, swiglu_clamp=None):
+                           saved_z_SF=None, swiglu_clamp=None, fp8_weight_grads=False):
+        fp8_weight_grads_calls.append(("backward_into", fp8_weight_grads))
         into_accumulate_flags.append(accumulate)
         return backward_into(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w1_EIH, w3_EIH, w2_EHI,
                              fp8_weights, (dw1_EIH, dw3_EIH, dw2_EHI), accumulate, swiglu_clamp)

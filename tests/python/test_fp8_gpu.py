@@ -32,13 +32,16 @@ def gpu():
     require_gpu()
 
 
-def check_fp8(p, swiglu_clamp=None, emulation_tol=None, **options):
+def check_fp8(p, swiglu_clamp=None, emulation_tol=None, fp8_weight_grads=False, **options):
     """emulation_tol: per-output tolerances against the emulation that replace EMULATION_TOL."""
     tols = {name: EMULATION_TOL for name in OUTPUTS} | (emulation_tol or {})
     got = run_layer(functools.partial(fusemoe.moe_experts, precision="fp8",
-                                      swiglu_clamp=swiglu_clamp, **options), p, torch.bfloat16)
+                                      swiglu_clamp=swiglu_clamp,
+                                      fp8_weight_grads=fp8_weight_grads, **options),
+                    p, torch.bfloat16)
     emulation = moe_experts_fp8_emulated(p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"],
-                                         p["w13_EFH"], p["w2_EHI"], p["dy_TH"], swiglu_clamp)
+                                         p["w13_EFH"], p["w2_EHI"], p["dy_TH"], swiglu_clamp,
+                                         fp8_weight_grads)
     ref = run_layer(functools.partial(moe_experts_torch, swiglu_clamp=swiglu_clamp), p,
                     torch.float32)
     lines, failures = [], []
@@ -68,6 +71,48 @@ SHAPES = {  # T, H, I, E, K
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_fp8_within_emulation_bounds(shape):
     check_fp8(make_problem(*shape, "cuda", seed=sum(shape) + 16))
+
+
+# Experts of more than one 128-row block (the recipe's blocks start at each expert's first row).
+WGRAD_SHAPES = SHAPES | {"many_rows_per_expert": (700, 256, 256, 4, 2)}
+
+
+@pytest.mark.parametrize("shape", WGRAD_SHAPES.values(), ids=WGRAD_SHAPES.keys())
+def test_fp8_weight_grads_within_emulation_bounds(shape):
+    """fp8_weight_grads=True through the op: every output within the bounds of the emulation of
+    that recipe (the weight gradients from token-blocked FP8 operands), and dw13, dw2 not those
+    of the default (bf16 operands), so the option did reach the library."""
+    p = make_problem(*shape, "cuda", seed=sum(shape) + 17)
+    got = check_fp8(p, fp8_weight_grads=True)
+    default = run_layer(functools.partial(fusemoe.moe_experts, precision="fp8"), p,
+                        torch.bfloat16)
+    for name in OUTPUTS:
+        same = torch.equal(got[name], default[name])
+        assert same == (name not in ("dw13", "dw2")), name
+
+
+def test_fp8_weight_grads_module_paths_agree():
+    """MoEExperts(precision="fp8", fp8_weight_grads=True): the gradients written in place
+    (grad_in_place, the _into op) equal the returned ones bitwise, and separate gate and up
+    weights (moe_experts_w1w3) give dw13's halves bitwise."""
+    p = make_problem(300, 256, 128, 8, 2, "cuda", seed=166)
+    grads = {}
+    for in_place in (False, True):
+        experts = fusemoe.MoEExperts(8, 256, 128, device="cuda", precision="fp8",
+                                     fp8_weight_grads=True, grad_in_place=in_place)
+        with torch.no_grad():
+            experts.gate_up_proj.copy_(p["w13_EFH"])
+            experts.down_proj.copy_(p["w2_EHI"])
+        experts(p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"]).backward(p["dy_TH"])
+        grads[in_place] = (experts.gate_up_proj.grad, experts.down_proj.grad)
+    assert torch.equal(grads[True][0], grads[False][0])
+    assert torch.equal(grads[True][1], grads[False][1])
+    w1, w3 = (w.contiguous().requires_grad_() for w in p["w13_EFH"].chunk(2, dim=1))
+    w2 = p["w2_EHI"].clone().requires_grad_()
+    fusemoe.moe_experts_w1w3(p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"], w1, w3, w2,
+                             precision="fp8", fp8_weight_grads=True).backward(p["dy_TH"])
+    assert torch.equal(torch.cat([w1.grad, w3.grad], dim=1), grads[False][0])
+    assert torch.equal(w2.grad, grads[False][1])
 
 
 def test_fp8_recomputed_z_equals_saved_z():

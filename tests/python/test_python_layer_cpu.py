@@ -495,14 +495,15 @@ def test_struct_layout_query_errors():
         _capi.library_struct_layout("FusemoeCNope")
     lib = _capi.load()
     out = [ctypes.c_char_p(), ctypes.c_uint64(), ctypes.c_uint64()]
-    status = lib.fusemoe_c_struct_field(b"FusemoeCLayer", 10, *[ctypes.byref(o) for o in out])
-    assert status == 1 and b"field_index: 10 is outside [0, 10)" in lib.fusemoe_c_last_error()
+    status = lib.fusemoe_c_struct_field(b"FusemoeCLayer", 11, *[ctypes.byref(o) for o in out])
+    assert status == 1 and b"field_index: 11 is outside [0, 11)" in lib.fusemoe_c_last_error()
 
 
 def layer_struct(**changes):
     fields = dict(struct_size=ctypes.sizeof(_capi.Layer), impl_code=_capi.impl_code("fused"),
                   hidden=256, intermediate=128, num_experts=8, top_k=2, max_tokens=64,
-                  use_swiglu_clamp=0, swiglu_clamp=0.0, precision=_capi.PRECISIONS["bf16"])
+                  use_swiglu_clamp=0, swiglu_clamp=0.0, precision=_capi.PRECISIONS["bf16"],
+                  fp8_weight_grads=0)
     fields.update(changes)
     return _capi.Layer(**fields)
 
@@ -584,7 +585,15 @@ def c_error(fn, *args):
      r"layer \(FusemoeCLayer\*\) must not be null"),
     (lambda: ("fusemoe_c_workspace_bytes", layer_struct(struct_size=56),
               ctypes.byref(ctypes.c_uint64())),
-     r"FusemoeCLayer.struct_size: 56, but this library \(C ABI 8\) has sizeof\(FusemoeCLayer\) = 64"),
+     r"FusemoeCLayer.struct_size: 56, but this library \(C ABI 9\) has sizeof\(FusemoeCLayer\) = 64"),
+    # C ABI 9's field sits in ABI 8's tail padding (same sizeof): only 0 and 1 pass, so a caller
+    # built for 8 that leaves garbage there is refused, naming the field.
+    (lambda: ("fusemoe_c_workspace_bytes", layer_struct(precision=FP8, fp8_weight_grads=2),
+              ctypes.byref(ctypes.c_uint64())),
+     r"FusemoeCLayer.fp8_weight_grads must be 0 or 1, got 2 \(a caller built for C ABI 8\?\)"),
+    (lambda: ("fusemoe_c_workspace_bytes", layer_struct(fp8_weight_grads=1),
+              ctypes.byref(ctypes.c_uint64())),
+     r"fp8_weight_grads needs precision fp8_blockwise \(got bf16\)"),
     (lambda: ("fusemoe_c_workspace_bytes", layer_struct(impl_code=99),
               ctypes.byref(ctypes.c_uint64())),
      r"impl_code: 99 is not a code from fusemoe_c_impl_code"),
@@ -733,7 +742,7 @@ def test_abi_version_mismatch_is_refused(monkeypatch):
     require_library()
     monkeypatch.setattr(_capi, "_lib", None)
     monkeypatch.setattr(_capi, "ABI_VERSION", 6)
-    with pytest.raises(fusemoe.FusemoeError, match="has C ABI version 8, this package needs 6"):
+    with pytest.raises(fusemoe.FusemoeError, match="has C ABI version 9, this package needs 6"):
         _capi.load()
 
 
@@ -749,6 +758,13 @@ def test_layer_struct_is_built_once():
     fp8 = _capi.layer(256, 128, 8, 2, 64, "fused", None, "fp8")
     assert fp8 is not a and (a.precision, fp8.precision) == (0, FP8)
     assert fp8.workspace_bytes("forward") != a.workspace_bytes("forward")
+    # fp8_weight_grads reaches the library: its backward carves the token-blocked pools instead
+    # of the bf16 ones, so the backward's workspace differs; the forward's does not.
+    wgrad = _capi.layer(256, 128, 8, 2, 64, "fused", None, "fp8", True)
+    assert wgrad is not fp8 and (fp8.fp8_weight_grads, wgrad.fp8_weight_grads) == (0, 1)
+    assert wgrad.workspace_bytes("forward") == fp8.workspace_bytes("forward")
+    for use in ("backward", "backward_saved_z"):
+        assert wgrad.workspace_bytes(use) != fp8.workspace_bytes(use), use
     with pytest.raises(fusemoe.FusemoeError, match="precision must be one of"):
         _capi.layer(256, 128, 8, 2, 64, "fused", None, "fp16")
 
@@ -1073,6 +1089,53 @@ def test_frozen_weights_are_not_differentiated(precision, separate, frozen, form
         assert torch.equal(a, b), f"output {i}"
     for i, (a, b, train) in enumerate(zip(got[3:], everything[3:], trainable)):
         assert (torch.equal(a, b) if train else a is None), f"weight {i}"
+
+
+@pytest.mark.parametrize("formula", ["cpp", "python"])
+@pytest.mark.parametrize("grad_in_place", [False, True])
+@pytest.mark.parametrize("separate", [False, True], ids=["w13", "w1w3"])
+def test_fp8_weight_grads_reaches_the_backward_op(separate, grad_in_place, formula, monkeypatch):
+    """fp8_weight_grads=True of the public function reaches the FP8 forward op and, kept by the
+    autograd formula, the backward op that runs (fresh gradients, or _into for grad_in_place);
+    False (the default) reaches them as False. Each stand-in op records the value it got."""
+    import moe_reference
+    register_cpu_fp8_w1w3_kernels()
+    use_formula(formula, monkeypatch)
+    p = make_problem(37, 128, 128, 6, 2, device="cpu")  # FP8: H and I multiples of 128
+    weights = split_w13(p["w13_EFH"]) + (p["w2_EHI"],) if separate else (p["w13_EFH"], p["w2_EHI"])
+    layer = fusemoe.moe_experts_w1w3 if separate else fusemoe.moe_experts
+    backward = "backward_into" if grad_in_place else "backward"
+    for option in (True, False, None):
+        x, w, *ws = (t.clone().requires_grad_() for t in (p["x_TH"], p["topk_weights_TK"],
+                                                         *weights))
+        before = len(moe_reference.fp8_weight_grads_calls)
+        given = {} if option is None else {"fp8_weight_grads": option}
+        y = layer(x, p["topk_idx_TK"], w, *ws, impl="fused", precision="fp8",
+                  grad_in_place=grad_in_place, **given)
+        y.backward(p["dy_TH"])
+        expected = bool(option)
+        assert moe_reference.fp8_weight_grads_calls[before:] == [("forward", expected),
+                                                                 (backward, expected)], option
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["w13", "w1w3"])
+def test_fp8_weight_grads_needs_precision_fp8(separate):
+    """fp8_weight_grads is FP8's option: True at precision "bf16", or a value that is not a bool,
+    is refused by the function, MoEExperts and the model patchers, naming it."""
+    p = make_problem(8, 128, 128, 4, 2, device="cpu")
+    weights = split_w13(p["w13_EFH"]) + (p["w2_EHI"],) if separate else (p["w13_EFH"], p["w2_EHI"])
+    layer = fusemoe.moe_experts_w1w3 if separate else fusemoe.moe_experts
+    args = (p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"], *weights)
+    with pytest.raises(ValueError, match='fp8_weight_grads=True needs precision="fp8"'):
+        layer(*args, fp8_weight_grads=True)
+    with pytest.raises(ValueError, match="fp8_weight_grads must be a bool, got 1"):
+        layer(*args, precision="fp8", fp8_weight_grads=1)
+    with pytest.raises(ValueError, match='MoEExperts: fp8_weight_grads=True needs precision="fp8"'):
+        fusemoe.MoEExperts(4, 128, 128, device="meta", fp8_weight_grads=True)
+    module = fusemoe.MoEExperts(4, 128, 128, device="meta", precision="fp8", fp8_weight_grads=True)
+    assert "fp8_weight_grads=True" in repr(module)
+    with pytest.raises(ValueError, match='patch_hf_experts: fp8_weight_grads=True needs'):
+        fusemoe.patch_hf_experts(torch.nn.Module(), fp8_weight_grads=True)
 
 
 def test_cpp_entry_without_gradients_calls_the_op_alone(problem, monkeypatch):
