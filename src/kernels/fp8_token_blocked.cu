@@ -1,36 +1,38 @@
 // The token-blocked E4M3 pools of the FP8 weight gradients (fp8_quantize.h, "Token-blocked
-// pools"). One CTA per (128-position block, 128 features): it copies the block's
-// 128 rows x 128 features of bf16 (gathered through row_slot or not) into shared memory, takes
-// the amax of each feature (or of all 128), and writes each feature's 128 positions as E4M3,
-// 32 bytes (one DRAM sector) per thread. Memory-bound: the reads are the rows' bytes, the writes
-// half of them.
+// pools"). One CTA per (128-position block, 128 features): cp.async copies the block's 128 rows x
+// 128 features of bf16 (gathered through row_slot or not; rows past the expert's end zero-filled)
+// into a swizzled shared tile. Warp w then quantizes feature chunks w and w + 8 (8 features each):
+// lane (pair p = lane / 8, k = lane % 8) reads features 2p, 2p + 1 of positions [16k, 16k + 16)
+// as 16 bf16x2 words, and the 8 lanes of a pair write each feature's 128 positions as one 128-byte
+// line. The amax is a shuffle over those 8 lanes (kPer128Tokens) or over the tile (kPer128x128).
+// Memory-bound: the reads are the rows' bytes, the writes half of them.
 #include <cuda_bf16.h>
 
-#include <atomic>
 #include <cstdint>
 
 #include "common/assert.h"
 #include "device/fp8_quantize.cuh"
-#include "device/sm90_fragment.cuh"
 #include "device/sm90_ptx.cuh"
 #include "fusemoe/error.h"
 #include "kernels/fp8_quantize.h"
-#include "launchers/sm90_launch_common.h"
 
 namespace fusemoe {
 namespace {
 
 using sm90::kFp8Block;
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 256;                             // 8 warps
 constexpr int kOffsetThreads = 1024;
-constexpr int kRowBytes = kFp8Block * 2;                     // one block row of bf16 in shared memory
-constexpr int kChunksPerRow = kRowBytes / 16;                // 16-byte loads per row
-constexpr int kLoadsPerThread = kFp8Block * kChunksPerRow / kThreads;
-constexpr int kRun = 32;                                     // positions a thread writes at once (one sector)
-constexpr int kRunsPerThread = kFp8Block * (kFp8Block / kRun) / kThreads;
-static_assert(kLoadsPerThread * kThreads == kFp8Block * kChunksPerRow, "loads spread evenly");
-static_assert(kRunsPerThread == 2 && kThreads == 2 * kFp8Block, "two runs of 32 positions per thread");
+constexpr int kRowBytes = kFp8Block * 2;                  // one tile row (position) of bf16
+constexpr int kChunks = kRowBytes / 16;                   // 16-byte chunks (8 features) of a row
+constexpr int kTileBytes = kFp8Block * kRowBytes;         // [128 positions][128 features] bf16
+constexpr int kLoadsPerThread = kTileBytes / 16 / kThreads;
+constexpr int kRunPositions = 16;                         // positions a lane reads and writes per feature
+constexpr int kLanesPerLine = kFp8Block / kRunPositions;  // lanes that write one feature's 128 bytes
+constexpr int kPasses = kChunks / (kThreads / 32);        // chunks a warp quantizes
+static_assert(kLoadsPerThread == 8 && kThreads % kChunks == 0, "thread t copies chunk t % 16 of rows t / 16 + 16 i");
+static_assert(kLanesPerLine * 4 == 32 && kPasses == 2, "a warp is 4 feature pairs (one chunk) x 8 runs");
+static_assert(2 * kLanesPerLine == kChunks, "the swizzle's XOR by a lane's run stays inside the row");
 
 // pad[e] and the expert of every position block; one CTA (E <= 1024).
 __global__ void __launch_bounds__(kOffsetThreads) token_block_offsets_kernel(const int32_t* __restrict__ offsets,
@@ -80,99 +82,140 @@ __global__ void __launch_bounds__(kOffsetThreads) token_block_offsets_kernel(con
   }
 }
 
-// One CTA per 128 positions x 128 features; its rows are copied by cp.async (rows past the expert's
-// end zero-filled). The bandwidth follows the bytes in flight: 6 CTAs an SM (a slice per CTA)
-// moved 2.6-2.8 TB/s where a CTA that double-buffered 4 slices, or loaded 2-4 at once for longer
-// row runs, moved 2.1-2.6 (the same blocked output). A swizzled tile read two features x 16
-// positions a lane measured faster still, in another layout: docs/experiments.md#fp8-weight-gradients.
-constexpr int kMinBlocksPerSm = 6;
-constexpr int kTileBytes = kFp8Block * kRowBytes;  // [128 rows][128 features] bf16
-constexpr size_t kSmemBytes = kTileBytes + 2 * kFp8Block * sizeof(float);
+// The shared tile: chunk c of row r sits at chunk c ^ (r / 16 % 8). In one read step a warp's 32
+// lanes take one chunk's 4 words in rows 16 k + i (k = 0..7): 8 slots x 4 words, all 32 banks
+// (unswizzled, the 8 rows would share 4 banks).
+__device__ __forceinline__ int tile_byte(int row, int chunk) {
+  return row * kRowBytes + (chunk ^ (row / kRunPositions % kLanesPerLine)) * 16;
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+// Lane (pair, k)'s run: w[i] holds position 16 k + i of features 2 pair (low half) and 2 pair + 1.
+__device__ __forceinline__ void read_run(const uint8_t* tile, int pair, int k, uint32_t (&w)[kRunPositions]) {
+#pragma unroll
+  for (int i = 0; i < kRunPositions; ++i) {
+    w[i] = *reinterpret_cast<const uint32_t*>(tile + tile_byte(kRunPositions * k + i, pair / 4) + pair % 4 * 4);
+  }
+}
+
+__device__ __forceinline__ void run_amax(const uint32_t (&w)[kRunPositions], float& amax_lo, float& amax_hi) {
+#pragma unroll
+  for (int i = 0; i < kRunPositions; ++i) {
+    amax_lo = fmaxf(amax_lo, fabsf(bf16_lo(w[i])));
+    amax_hi = fmaxf(amax_hi, fabsf(bf16_hi(w[i])));
+  }
+}
+
+// The max over the 8 lanes of one feature's line (lane / 8 equal), left in each of them.
+__device__ __forceinline__ float line_max(float amax) {
+#pragma unroll
+  for (int d = 1; d < kLanesPerLine; d *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, d));
+  return amax;
+}
+
+// One feature's 16 E4M3 bytes in position order, from the low (feature 2 pair) or high halves.
+template <bool kHigh>
+__device__ __forceinline__ uint4 quantize_run(const uint32_t (&w)[kRunPositions], float inv) {
+  uint32_t b[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = (kHigh ? bf16_hi(w[4 * m + i]) : bf16_lo(w[4 * m + i])) * inv;
+    b[m] = sm90::cvt_e4m3x4(v[0], v[1], v[2], v[3]);
+  }
+  return make_uint4(b[0], b[1], b[2], b[3]);
+}
+
+// One tile a CTA, no loop: the bandwidth follows the bytes in flight, so several CTAs an SM keep
+// their loads going while others write. 5 an SM (160 KB of tiles, registers capped at 48); 4 was
+// slower over gathered 128 x 128 blocks. Figures: docs/experiments.md#fp8-weight-gradients.
+constexpr int kMinBlocksPerSm = 5;
 
 template <bool kGathered, bool kBlock128x128>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_token_blocked_kernel(
     const __nv_bfloat16* __restrict__ src, int64_t ld, int32_t cols, const int32_t* __restrict__ row_slot,
     int32_t top_k, const int32_t* __restrict__ offsets, const int32_t* __restrict__ pad,
     const int32_t* __restrict__ block_expert, uint8_t* __restrict__ q, float* __restrict__ scales) {
-  extern __shared__ __align__(16) uint8_t smem[];
-  uint8_t* tile = smem;
-  float (*part)[kFp8Block] = reinterpret_cast<float (*)[kFp8Block]>(smem + kTileBytes);
+  __shared__ __align__(128) uint8_t tile[kTileBytes];  // [128 positions][16 chunks, swizzled][8 features] bf16
+  __shared__ float warp_amax[kThreads / 32];           // kPer128x128
   const int32_t pb = blockIdx.x, c0 = blockIdx.y * kFp8Block;
   const int32_t e = block_expert[pb];
   if (e < 0) return;
   const int32_t r0 = offsets[e] + (pb * kFp8Block - pad[e]);
   const int32_t rows = min(kFp8Block, offsets[e + 1] - r0);  // the rest of the block is padding
   {
-    // Chunk k of rows i * 16 + tid / 16: a half-warp copies one row's 256 bytes.
-    const int k = threadIdx.x % kChunksPerRow;
+    // Chunk t % 16 of rows t / 16 + 16 i: a half-warp copies one row's 256 bytes. Every row lookup
+    // comes before the first copy (cp.async's memory clobber would otherwise serialise them).
+    const int chunk = threadIdx.x % kChunks;
+    int64_t from[kLoadsPerThread];
+#pragma unroll
+    for (int i = 0; i < kLoadsPerThread; ++i) {
+      const int r = threadIdx.x / kChunks + (kThreads / kChunks) * i;
+      const int64_t src_row = r < rows ? (kGathered ? row_slot[r0 + r] / top_k : r0 + r) : 0;
+      from[i] = src_row * ld + c0 + chunk * 8;
+    }
     const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
 #pragma unroll
     for (int i = 0; i < kLoadsPerThread; ++i) {
-      const int r = i * (kThreads / kChunksPerRow) + threadIdx.x / kChunksPerRow;
-      const int64_t src_row = r < rows ? (kGathered ? row_slot[r0 + r] / top_k : r0 + r) : 0;
-      sm90::cp_async_16_zfill(base + (i * kThreads + threadIdx.x) * 16, src + src_row * ld + c0 + k * 8,
-                              r < rows ? 16u : 0u);
+      const int r = threadIdx.x / kChunks + (kThreads / kChunks) * i;
+      sm90::cp_async_16_zfill(base + tile_byte(r, chunk), src + from[i], r < rows ? 16u : 0u);
     }
     sm90::cp_async_wait_all();
   }
   __syncthreads();
 
-  // Thread (feature f, half h): positions [32 h, +32) and [64 + 32 h, +32) of feature f; a warp
-  // reads 32 consecutive features of one row at a time (no bank conflicts).
-  const int f = threadIdx.x % kFp8Block, h = threadIdx.x / kFp8Block;
-  auto value = [&](int run, int i) {
-    const int r = (2 * run + h) * kRun + i;
-    return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(tile + r * kRowBytes + f * 2));
-  };
-  float amax = 0.0f;
-#pragma unroll
-  for (int run = 0; run < kRunsPerThread; ++run) {
-#pragma unroll
-    for (int i = 0; i < kRun; ++i) amax = fmaxf(amax, fabsf(value(run, i)));
-  }
-  part[h][f] = amax;
-  __syncthreads();
-  amax = fmaxf(part[0][f], part[1][f]);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, k = lane % kLanesPerLine;
+  auto pair_of = [&](int pass) { return (warp + (kThreads / 32) * pass) * 4 + lane / kLanesPerLine; };
+  sm90::Fp8Scale tile_scale{};
   if constexpr (kBlock128x128) {
-    // The max over the 128 features: each warp reduces its 32, then every thread reads the four.
+    // One amax for the tile: each lane's two runs, its warp, then the 8 warps; the runs are read
+    // again below (shared-memory reads are cheap next to the DRAM bytes).
+    float amax = 0.0f;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      uint32_t w[kRunPositions];
+      read_run(tile, pair_of(pass), k, w);
+      run_amax(w, amax, amax);
+    }
 #pragma unroll
     for (int d = 16; d > 0; d /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, d));
-    __syncthreads();  // part[] read by all before it is reused
-    if (threadIdx.x % 32 == 0 && h == 0) part[0][f / 32] = amax;
+    if (lane == 0) warp_amax[warp] = amax;
     __syncthreads();
-    amax = fmaxf(fmaxf(part[0][0], part[0][1]), fmaxf(part[0][2], part[0][3]));
-  }
-  const sm90::Fp8Scale sc = sm90::fp8_block_scale(amax);
-  uint8_t* out = q + (static_cast<int64_t>(pb) * cols + c0 + f) * kFp8Block;  // the CTA's 16 KB are contiguous
 #pragma unroll
-  for (int run = 0; run < kRunsPerThread; ++run) {
-    uint32_t w[kRun / 4];
-#pragma unroll
-    for (int j = 0; j < kRun / 4; ++j) {
-      w[j] = sm90::cvt_e4m3x4(value(run, 4 * j) * sc.inv, value(run, 4 * j + 1) * sc.inv,
-                              value(run, 4 * j + 2) * sc.inv, value(run, 4 * j + 3) * sc.inv);
-    }
-    uint4* dst = reinterpret_cast<uint4*>(out + (2 * run + h) * kRun);
-    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    for (int i = 0; i < kThreads / 32; ++i) amax = fmaxf(amax, warp_amax[i]);
+    tile_scale = sm90::fp8_block_scale(amax);
+    if (threadIdx.x == 0) scales[static_cast<int64_t>(pb) * (cols / kFp8Block) + c0 / kFp8Block] = tile_scale.scale;
   }
-  if (h == 0) {
-    if constexpr (kBlock128x128) {
-      if (f == 0) scales[static_cast<int64_t>(pb) * (cols / kFp8Block) + c0 / kFp8Block] = sc.scale;
-    } else {
-      scales[static_cast<int64_t>(pb) * cols + c0 + f] = sc.scale;
+  uint8_t* out = q + (static_cast<int64_t>(pb) * cols + c0) * kFp8Block;  // the CTA's 16 KB are contiguous
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int pair = pair_of(pass);
+    uint32_t w[kRunPositions];
+    sm90::Fp8Scale s_lo = tile_scale, s_hi = tile_scale;
+    if constexpr (!kBlock128x128) {
+      // The run is read again after the divisions: held across their calls, it spilled.
+      read_run(tile, pair, k, w);
+      float amax_lo = 0.0f, amax_hi = 0.0f;
+      run_amax(w, amax_lo, amax_hi);
+      s_lo = sm90::fp8_block_scale(line_max(amax_lo));
+      s_hi = sm90::fp8_block_scale(line_max(amax_hi));
+      // Lanes 0 and 1 of the line: a warp's 8 features' scales in one 32-byte store.
+      if (k < 2) scales[static_cast<int64_t>(pb) * cols + c0 + 2 * pair + k] = k == 0 ? s_lo.scale : s_hi.scale;
     }
+    read_run(tile, pair, k, w);
+    uint8_t* dst = out + 2 * pair * kFp8Block + kRunPositions * k;
+    *reinterpret_cast<uint4*>(dst) = quantize_run<false>(w, s_lo.inv);
+    *reinterpret_cast<uint4*>(dst + kFp8Block) = quantize_run<true>(w, s_hi.inv);
   }
 }
 
-// One instance's launch; its shared-memory limit is raised once per device.
+// One instance's launch: static shared memory (32 KB), under the default 48 KB limit.
 template <bool kGathered, bool kBlock128x128>
 void launch_quantize(const Fp8TokenBlockedParams& p, dim3 grid) {
-  auto kernel = quantize_token_blocked_kernel<kGathered, kBlock128x128>;
-  static std::atomic<uint64_t> configured{0};
-  sm90::raise_smem_limit_once(reinterpret_cast<const void*>(kernel), kSmemBytes, sm90::device_info().device,
-                              &configured);
-  kernel<<<grid, kThreads, kSmemBytes, p.stream>>>(
+  quantize_token_blocked_kernel<kGathered, kBlock128x128><<<grid, kThreads, 0, p.stream>>>(
       static_cast<const __nv_bfloat16*>(p.src), p.ld, static_cast<int32_t>(p.cols), p.row_slot,
       static_cast<int32_t>(p.top_k), p.expert_offsets, p.padded_offsets, p.block_expert, static_cast<uint8_t*>(p.q),
       p.scales);
