@@ -130,12 +130,14 @@ __device__ __forceinline__ uint4 quantize_run(const uint32_t (&w)[kRunPositions]
 }
 
 // One tile a CTA, no loop: the bandwidth follows the bytes in flight, so several CTAs an SM keep
-// their loads going while others write. 5 an SM (160 KB of tiles, registers capped at 48); 4 was
-// slower over gathered 128 x 128 blocks. Figures: docs/experiments.md#fp8-weight-gradients.
-constexpr int kMinBlocksPerSm = 5;
+// their loads going while others write. Gathered rows wait on their row_slot lookups first: 6 an
+// SM (192 KB of tiles, 40 registers) hid that best; rows in pool order took 5 (160 KB, 48), where
+// 6 was slower over 128 x 128 blocks. Figures: docs/experiments.md#fp8-weight-gradients.
+template <bool kGathered>
+constexpr int kMinBlocksPerSm = kGathered ? 6 : 5;
 
 template <bool kGathered, bool kBlock128x128>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_token_blocked_kernel(
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<kGathered>) quantize_token_blocked_kernel(
     const __nv_bfloat16* __restrict__ src, int64_t ld, int32_t cols, const int32_t* __restrict__ row_slot,
     int32_t top_k, const int32_t* __restrict__ offsets, const int32_t* __restrict__ pad,
     const int32_t* __restrict__ block_expert, uint8_t* __restrict__ q, float* __restrict__ scales) {
