@@ -1255,3 +1255,29 @@ def test_header_is_c_and_a_c_compiler_lays_the_structs_out_as_the_library():
             c_layout[struct_name][1].append((field, int(numbers[0]), int(numbers[1])))
     for struct_name in _capi.STRUCTS:
         assert tuple(c_layout[struct_name]) == _capi.library_struct_layout(struct_name), struct_name
+
+
+def test_fp8_emulation_quantizes_as_the_host_recipe():
+    """fp8_reference.py (the GPU tests' FP8 emulation) quantizes exactly as reference/fp8_host.h
+    and the kernels: scale = amax / 448 and inv = 448 / amax, each one IEEE fp32 division, then
+    the E4M3 rounding of v * inv. Checked bitwise on bf16 values against that recipe in numpy,
+    1 x 128 rows and the token-blocked 128-row blocks of FP8 weight gradients (a PyTorch scalar
+    division, amax.reciprocal() * 448, breaks ~1 in 4 rounding ties otherwise)."""
+    import numpy as np
+    import fp8_reference
+    gen = torch.Generator().manual_seed(7)
+    v = (torch.randn(300, 256, generator=gen) * 3).to(torch.bfloat16).float()
+
+    def host(blocks_NBC):  # amax over the last axis of [.., .., 128]
+        amax = np.maximum(np.abs(blocks_NBC).max(axis=-1, keepdims=True), np.float32(1e-30))
+        inv, scale = np.float32(448) / amax, amax / np.float32(448)
+        q = torch.from_numpy(blocks_NBC * inv).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        return q.numpy() * scale
+
+    rows = host(v.numpy().reshape(300, 2, 128)).reshape(300, 256)
+    assert torch.equal(fp8_reference.quantize_rows(v), torch.from_numpy(rows))
+    padded = np.zeros((384, 256), dtype=np.float32)
+    padded[:300] = v.numpy()
+    by_feature = host(padded.reshape(3, 128, 256).transpose(0, 2, 1)).transpose(0, 2, 1)
+    assert torch.equal(fp8_reference.quantize_token_blocks(v, False),
+                       torch.from_numpy(np.ascontiguousarray(by_feature.reshape(384, 256)[:300])))
