@@ -5,11 +5,11 @@ The GEMMs run on E4M3 operands (x, h, dy, dz scaled per 1 x 128 block, the weigh
 accumulate in fp32 and return what the bf16 op returns, in the same dtypes; the weight gradients
 are computed from bf16 operands, or with fp8_weight_grads=True from FP8 ones too (the activations
 x and w*h in 128 x 128 blocks, the gradients dy and dz in 1 x 128 blocks along the tokens; the
-C++ LayerConfig::fp8_weight_grads, docs/numerics.md). The master weights stay the caller's bf16 (or fp32) parameters:
-their FP8 copy (both weights, their per-expert transposes and the block scales, one uint8 buffer)
-comes from fusemoe::quantize_weights_fp8 and is kept by Fp8WeightCache until a weight changes
-(tensor._version: an optimizer step, load_state_dict, any in-place update), so it is built once per
-optimizer step, not once per micro-batch. Wrappers that rewrite the weights in place while keeping
+C++ LayerConfig::fp8_weight_grads, docs/numerics.md). The master weights stay the caller's bf16
+(or fp32) parameters: their FP8 copy (both weights, their per-expert transposes and the block
+scales, one uint8 buffer) comes from fusemoe::quantize_weights_fp8 and is kept by Fp8WeightCache
+until a weight changes (tensor._version: an optimizer step, load_state_dict, any in-place
+update), so it is built once per optimizer step, not once per micro-batch. Wrappers that rewrite the weights in place while keeping
 their version (FSDP2 all-gathers into the same unsharded Parameter with its version counter
 preserved, often at the same address) are covered by a process-wide generation that every
 optimizer step (a global torch.optim step hook), MoEExperts.load_state_dict and
