@@ -17,7 +17,8 @@
 # benchmark steps not started by then are recorded as skipped, a failure), ROUND_PARTS (a comma
 # list of tests,sanitizers,bench,pytest,train; default all: a round split over several device calls,
 # each under the tool's 600 s, runs some parts per call, and summary.md names those left out), LIGER_WHEEL and
-# LIGER_TIMEOUT_S (the Liger step in 4), TRAIN_STEPS (200), TRAIN_IMPL (fused), TRAIN_PRECISION (bf16).
+# LIGER_TIMEOUT_S (the Liger step in 4), TRAIN_STEPS (200), TRAIN_IMPL (fused), TRAIN_PRECISION (bf16),
+# TRAIN_FP8_WEIGHT_GRADS (unset; 1 with TRAIN_PRECISION=fp8: the example's --fp8-weight-grads).
 # PYTEST_TIMEOUT_S (420), BENCH_TIMING (unset: fusemoe_bench's default, per-impl, each
 # implementation timed alone at the clock it holds under the power cap; interleaved: the method
 # before 2026-12-03; builds before --timing existed take neither and refuse the flag),
@@ -299,7 +300,7 @@ wants pytest && bench_step pytest timeout -s INT --kill-after=20 "${PYTEST_TIMEO
 # TRAIN_PRECISION fp8: fusemoe's run in blockwise FP8 beside the bf16 Hugging Face runs (issue 16).
 wants train && bench_step train_qwen3_moe timeout --kill-after=15 420 python3 examples/train_qwen3_moe.py \
   --steps "${TRAIN_STEPS:-200}" --impl "${TRAIN_IMPL:-fused}" --precision "${TRAIN_PRECISION:-bf16}" \
-  --runs hf,fusemoe,hf_reordered --profile-steps 2 --out "$OUTDIR"
+  ${TRAIN_FP8_WEIGHT_GRADS:+--fp8-weight-grads} --runs hf,fusemoe,hf_reordered --profile-steps 2 --out "$OUTDIR"
 
 # ---- 5. Summary ----
 log "final summary"

@@ -51,3 +51,14 @@ def test_no_noise_figures_without_the_reordered_run(example):
     assert c["final_window_steps"] == 1
     assert c["final_window_rel_diff"] == pytest.approx(0.1)
     assert not any(key.startswith("noise_") for key in c)
+
+
+def test_fp8_weight_grads_flag_needs_fp8(example, capsys):
+    """--fp8-weight-grads is FP8's option (fusemoe.MoEExperts fp8_weight_grads): accepted with
+    --precision fp8, refused with a usage error naming it otherwise."""
+    args = example.parse_args(["--precision", "fp8", "--fp8-weight-grads"])
+    assert args.fp8_weight_grads and args.precision == "fp8"
+    assert not example.parse_args([]).fp8_weight_grads
+    with pytest.raises(SystemExit):
+        example.parse_args(["--fp8-weight-grads"])
+    assert "--fp8-weight-grads needs --precision fp8" in capsys.readouterr().err
