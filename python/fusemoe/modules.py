@@ -56,6 +56,10 @@ def _invalidate_fp8_caches(module, incompatible_keys):
 class MoEExperts(nn.Module):
     """The experts block of an MoE layer, computed by fusemoe (impl: "unfused", ...)."""
 
+    # Class default: a module pickled before the option existed (torch.save of the whole module)
+    # unpickles without the attribute and keeps its old behaviour.
+    fp8_weight_grads = False
+
     def __init__(self, num_experts, hidden_dim, intermediate_dim, impl=DEFAULT_IMPL, device=None,
                  dtype=torch.bfloat16, init_std=0.02, grad_in_place=False, recompute_z=False,
                  swiglu_clamp=None, precision="bf16", fp8_weight_grads=False):

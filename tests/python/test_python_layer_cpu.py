@@ -278,6 +278,24 @@ def test_fp8_modules_and_weights_pickle_and_copy_after_a_call():
     assert not torch.equal(copied(*args), y) and torch.equal(module(*args), y)
 
 
+def test_module_pickled_before_fp8_weight_grads_loads():
+    """A MoEExperts pickled whole by a version without fp8_weight_grads (its instance dict lacks
+    the attribute) loads, runs with the option off (the stand-in FP8 ops record it) and prints."""
+    import io
+    import moe_reference
+    p = make_problem(37, 128, 128, 6, 2, device="cpu")
+    module = fusemoe.MoEExperts(6, 128, 128, impl="fused", device="cpu", precision="fp8")
+    del module.__dict__["fp8_weight_grads"]
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert "fp8_weight_grads" not in loaded.__dict__ and "fp8_weight_grads" not in repr(loaded)
+    before = len(moe_reference.fp8_weight_grads_calls)
+    loaded(p["x_TH"], p["topk_idx_TK"], p["topk_weights_TK"]).sum().backward()
+    assert moe_reference.fp8_weight_grads_calls[before:] == [("forward", False), ("backward", False)]
+
+
 def test_fp8_cache_follows_steps_of_weights_rewritten_in_place():
     """The FP8 weight cache (CPU stand-ins of the FP8 ops) when a wrapper rewrites the working
     weights in place with their version counter preserved and at the same address, as FSDP2's
