@@ -186,25 +186,38 @@ struct Fp8TokenBlockedA {
 
 // ------------------------------------------------------------------------------------- B
 
-// [kBlockN rows][128 k] of one expert's weight; one scale per 128-row half (kNumBScales). Rows past
-// the expert's N (a 256-wide tile over N % 256 == 128) are read but their columns never stored.
+// What the B policies that read kBlockN K-major rows as one TMA box share: the tile's shape, its
+// bytes, and the 128-row block of each half's scale (one per half: the promotion's). A half past the
+// last block (a 256-wide tile over N % 256 == 128) takes the last block's scale: in bounds, and its
+// columns are never stored.
 template <int kBlockN_>
-struct Fp8WeightsB {
+struct Fp8KMajorRowsB {
   static constexpr int kBlockN = kBlockN_, kTileCols = kBlockN_, kNumBScales = kBlockN_ / 128;
   static constexpr bool kMnMajor = false;
-  static_assert(kBlockN == 128 || kBlockN == 256, "one or two 128-row weight blocks per tile");
+  static_assert(kBlockN == 128 || kBlockN == 256, "one or two 128-row blocks per tile");
   static constexpr uint32_t kBoxRows = kBlockN;
   __device__ static uint32_t bytes(const Tile&, const BShape&) { return kBlockN * kSwizzleRowBytes; }
+  __device__ static int32_t half_block(const Tile& tile, int b, int32_t n_blocks) {
+    return min(tile.n_tile * kNumBScales + b, n_blocks - 1);
+  }
+};
+
+// [kBlockN rows][128 k] of one expert's weight. Rows past the expert's N (a 256-wide tile over
+// N % 256 == 128) are read but their columns never stored.
+template <int kBlockN_>
+struct Fp8WeightsB : Fp8KMajorRowsB<kBlockN_> {
+  using Base = Fp8KMajorRowsB<kBlockN_>;
+  using Base::kNumBScales;
+  using Base::kTileCols;
   __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb,
                               const BShape& s) {
     tma_load_2d(map, full, dst, kb * kFp8BlockK, tile.expert * s.b_rows_per_expert + tile.n_tile * kTileCols);
   }
-  // The 128 x 128 block of each half; a half past the last block takes the last block's scale (in
-  // bounds; its columns are not stored).
+  // The 128 x 128 block of each half.
   __device__ static void load_scales(const WeightScales& w, uint32_t dst, const Tile& tile, int32_t kb) {
 #pragma unroll
     for (int b = 0; b < kNumBScales; ++b) {
-      const int32_t n_block = min(tile.n_tile * kNumBScales + b, w.n_blocks - 1);
+      const int32_t n_block = Base::half_block(tile, b, w.n_blocks);
       cp_async_4(dst + b * sizeof(float),
                  w.ptr + tile.expert * w.expert_stride + n_block * w.n_stride + kb * w.k_stride);
     }
@@ -238,12 +251,10 @@ struct Fp8GateUpWeightsB {
 // [kBlockN rows][128 positions] of a token-blocked pool's position block at feature row n_tile *
 // kBlockN; rows past N (the next block's first rows, or zeros past the pool) are never stored.
 template <int kBlockN_>
-struct Fp8TokenBlockedB {
-  static constexpr int kBlockN = kBlockN_, kTileCols = kBlockN_, kNumBScales = kBlockN_ / 128;
-  static constexpr bool kMnMajor = false;
-  static_assert(kBlockN == 128 || kBlockN == 256, "one or two 128-row blocks per tile");
-  static constexpr uint32_t kBoxRows = kBlockN;
-  __device__ static uint32_t bytes(const Tile&, const BShape&) { return kBlockN * kSwizzleRowBytes; }
+struct Fp8TokenBlockedB : Fp8KMajorRowsB<kBlockN_> {
+  using Base = Fp8KMajorRowsB<kBlockN_>;
+  using Base::kNumBScales;
+  using Base::kTileCols;
   __device__ static void load(const CUtensorMap* map, uint64_t* full, uint8_t* dst, const Tile& tile, int32_t kb,
                               const BShape& s) {
     const int32_t block = tile.row_begin / kFp8BlockK + kb;
@@ -253,8 +264,7 @@ struct Fp8TokenBlockedB {
     const int64_t block = tile.row_begin / kFp8BlockK + kb;
 #pragma unroll
     for (int b = 0; b < kNumBScales; ++b) {
-      const int32_t n_block = min(tile.n_tile * kNumBScales + b, w.n_blocks - 1);
-      cp_async_4(dst + b * sizeof(float), w.ptr + block * w.n_blocks + n_block);
+      cp_async_4(dst + b * sizeof(float), w.ptr + block * w.n_blocks + Base::half_block(tile, b, w.n_blocks));
     }
   }
 };
