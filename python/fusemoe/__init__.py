@@ -21,7 +21,8 @@ from ._capi import FusemoeError, is_available, library_path
 from .expert_parallel import ExpertParallelMoEExperts
 from .hf import PatchReport, patch_hf_experts, plan_hf_experts, replace_qwen3_moe_experts
 from .modules import MoEExperts
-from .ops import DEFAULT_IMPL, check_expert_ids, moe_experts
+from .experts import moe_experts
+from .ops import DEFAULT_IMPL, check_expert_ids
 from .separate import moe_experts_w1w3
 from ._native import status as native_binding_status
 

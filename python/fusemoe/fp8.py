@@ -30,64 +30,11 @@ import torch
 from torch import Tensor
 
 from . import _capi
-from .ops import (API, _backward_fake, _call, _check_cuda, _check_tensor, _check_w2_matches_w13,
+from ._checks import _check_fp8_shapes, fp8_weights_bytes
+from .ops import (_backward_fake, _call, _check_cuda, _check_tensor, _check_w2_matches_w13,
                   _fail, _forward_fake, _fresh_weight_grads, _gradients, _launch_backward,
                   _launch_forward, _op, _register_autograd, _returned_weight_grads,
                   _save_for_backward, _wants_saved_z)
-
-_BLOCK = 128       # E4M3 scale block: 1 x 128 for activations, 128 x 128 for weights
-_ALIGNMENT = 256   # each array of the weight buffer starts 256-byte aligned
-
-
-def _align(num_bytes):
-    return (num_bytes + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
-
-
-def fp8_weights_bytes(num_experts, hidden, intermediate):
-    """Bytes of the FP8 weight buffer (fusemoe::fp8_weights_bytes): w13, w13^T, their scales, w2,
-    w2^T, their scales. The library's formula redone in Python for where there is no layer (the
-    fake kernels, which need no library); calls with a layer ask the library
-    (_capi.fp8_weights_bytes). A CPU test checks that the two agree."""
-    w13 = num_experts * 2 * intermediate * hidden
-    w2 = num_experts * hidden * intermediate
-    s13 = num_experts * (2 * intermediate // _BLOCK) * (hidden // _BLOCK) * 4
-    s2 = num_experts * (hidden // _BLOCK) * (intermediate // _BLOCK) * 4
-    return 2 * _align(w13) + _align(s13) + 2 * _align(w2) + _align(s2)
-
-
-def _check_fp8_shapes(w13_EFH, w2_EHI):
-    num_experts, two_intermediate, hidden = w13_EFH.shape
-    return _check_fp8_dims(num_experts, hidden, two_intermediate // 2)
-
-
-def _check_fp8_dims(num_experts, hidden, intermediate, api=API):
-    """(E, H, I) with H and I multiples of the scale block; api: the entry point named."""
-    if hidden % _BLOCK or intermediate % _BLOCK:
-        _fail(f"precision=\"fp8\" needs hidden and intermediate to be multiples of {_BLOCK}, got "
-              f"H={hidden}, I={intermediate}", api)
-    return num_experts, hidden, intermediate
-
-
-def _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI, layer=None):
-    """layer: the call's _capi.Layer (precision "fp8"), whose buffer size the library gives; None
-    in the fake kernels (the Python formula)."""
-    _check_fp8_buffer_bytes(fp8_weights, _check_fp8_shapes(w13_EFH, w2_EHI), w13_EFH.device,
-                            layer, "fusemoe.fp8.quantize_weights_fp8(w13, w2)")
-
-
-def _check_fp8_buffer_bytes(fp8_weights, dims, device, layer, made_by, api=API):
-    """The buffer check of _check_fp8_weights for a layer of dims (E, H, I) on device; made_by:
-    the call that makes the buffer, which the message names."""
-    expected = (_capi.fp8_weights_bytes(layer) if layer is not None
-                else fp8_weights_bytes(*dims))
-    if (not isinstance(fp8_weights, Tensor) or fp8_weights.dtype != torch.uint8
-            or fp8_weights.dim() != 1 or fp8_weights.numel() != expected
-            or not fp8_weights.is_contiguous() or fp8_weights.device != device):
-        _fail(f"fp8_weights must be the buffer {made_by} returned: "
-              f"contiguous uint8 [{expected}] on {device}, got "
-              f"{getattr(fp8_weights, 'dtype', type(fp8_weights).__name__)} "
-              f"{tuple(getattr(fp8_weights, 'shape', ()))}", api)
-
 
 # ------------------------------------------------------------------------------ weight buffer
 

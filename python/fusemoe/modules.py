@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from . import _capi
-from .ops import DEFAULT_IMPL, _check_fp8_weight_grads, moe_experts
+from .experts import moe_experts
+from .ops import DEFAULT_IMPL, _check_fp8_weight_grads
 
 
 def _check_impl_name(impl):

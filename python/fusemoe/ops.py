@@ -19,7 +19,7 @@ The forward saves its inputs and, for impl "fused" with gradients required, the 
 z (2I bf16 per routed row; recompute_z=True recomputes them in the backward instead). The
 backward returns fresh gradients (weights in their own dtype, d_topk_weights fp32) and autograd
 accumulates them, so gradient accumulation and activation checkpointing need nothing special
-(grad_in_place is the opt-in exception, see moe_experts). Calls run on
+(grad_in_place is the opt-in exception, see fusemoe.moe_experts). Calls run on
 torch.cuda.current_stream(); each call's workspace comes from torch's caching allocator (when it
 cannot be had, FusemoeOutOfMemoryError, a FusemoeError and torch.OutOfMemoryError, names the bytes
 and nothing has been launched).
@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from . import _capi, _native
+from ._checks import API, _check_fp8_weights, _check_tensor, _fail
 
 DEFAULT_IMPL = "fused"  # sm_90a kernels; "unfused" (cuBLAS grouped GEMMs) is the baseline
 
@@ -91,26 +92,6 @@ def check_expert_ids(synchronize=True):
         message = _native.take_reported_error()
         if message is not None:
             raise _capi.FusemoeError(message)
-
-
-API = "fusemoe.moe_experts"  # what the ops' argument errors start with
-
-
-def _fail(message, api=API):
-    """api: the function the user called, which the message names (fusemoe.expert_parallel passes
-    its own)."""
-    raise ValueError(f"{api}: {message}")
-
-
-def _check_tensor(t, name, ndim, dtype, api=API):
-    if not isinstance(t, Tensor):
-        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}", api)
-    if t.dim() != ndim:
-        _fail(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}", api)
-    if t.dtype != dtype:
-        _fail(f"{name} must be {dtype}, got {t.dtype}", api)
-    if not t.is_contiguous():
-        _fail(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}", api)
 
 
 def _check_inputs(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH=None, api=API):
@@ -266,16 +247,9 @@ def moe_experts_forward(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tens
                         grad_in_place: bool = False, save_z: bool = False,
                         swiglu_clamp: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """Returns (y, z): z is the saved pre-activations when save_z ("fused" only), else empty.
-    grad_in_place, save_z and swiglu_clamp: see moe_experts()."""
+    grad_in_place, save_z and swiglu_clamp: see fusemoe.moe_experts."""
     return _launch_forward(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, save_z,
                            swiglu_clamp)
-
-
-def _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI, layer=None):
-    """layer: the call's _capi.Layer (the library gives the buffer's size), None in the fake
-    kernels (fusemoe.fp8's formula)."""
-    from .fp8 import _check_fp8_weights  # imported here: fusemoe.fp8 imports this module
-    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI, layer)
 
 
 def _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights,
@@ -287,7 +261,7 @@ def _layer_and_weights(dims, impl, swiglu_clamp, w13_EFH, w2_EHI, fp8_weights,
                         fp8_weight_grads)
     if fp8_weights is None:
         return layer, dict(w13=w13_EFH.data_ptr(), w2=w2_EHI.data_ptr(), fp8_weights=None)
-    _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI, layer)
+    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI, layer)
     return layer, dict(w13=None, w2=None, fp8_weights=fp8_weights.data_ptr())
 
 
@@ -354,7 +328,7 @@ def _forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl, sav
     _check_save_z(save_z, impl)
     _check_swiglu_clamp(swiglu_clamp)
     if fp8_weights is not None:
-        _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI)
+        _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
     return torch.empty_like(x_TH), _empty_saved_z(x_TH, dims, save_z)
 
 
@@ -464,7 +438,7 @@ def _backward_fake(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, i
         _check_weight_grads(*weight_grads, w13_EFH, w2_EHI)
     _check_impl(impl)
     if fp8_weights is not None:
-        _check_fp8_buffer(fp8_weights, w13_EFH, w2_EHI)
+        _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
     _check_saved_z(saved_z_SF, dims, x_TH, impl)
     _check_swiglu_clamp(swiglu_clamp)
     grads = (torch.empty_like(x_TH), torch.empty_like(topk_weights_TK))
@@ -771,47 +745,3 @@ def _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, *weights):
         if isinstance(t, Tensor) and t.requires_grad:
             return True
     return False
-
-
-def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAULT_IMPL,
-                grad_in_place=False, recompute_z=False, swiglu_clamp=None, precision="bf16",
-                fp8_weights=None, fp8_weight_grads=False):
-    """The experts block as a differentiable function (strict inputs: see the module docstring;
-    fusemoe.MoEExperts converts dtypes and layouts for you).
-
-    grad_in_place=True (eager mode, leaf w13/w2 such as Parameters): the backward kernels add the
-    weight gradients straight into w13.grad / w2.grad (gradient accumulation over micro-batches
-    without a separate elementwise add; .grad in the Parameters' dtype), and autograd sees no
-    gradient for w13/w2, so their hooks (register_post_accumulate_grad_hook, DDP's reducer) do
-    not fire; FSDP2 reduces the .grad it finds and works (docs/design.md). Like Megatron's
-    gradient_accumulation_fusion. Not traceable by torch.compile. Only a backward pass that
-    accumulates every weight's gradient (loss.backward()) writes .grad: torch.autograd.grad and
-    backward(inputs=...) without all the weights leave .grad alone and return what they asked for.
-    Under compiled autograd (eager forward, compiled backward) the weight gradients are returned
-    to autograd as without it, with a warning: the compiled graph owns .grad.
-
-    recompute_z: with impl="fused" and gradients required, the forward by default also saves the
-    pre-activations z (2·I·K bf16 per token: 24 KiB for Qwen3-30B-A3B) and the backward skips
-    recomputing them (one grouped GEMM of 4·H·I FLOPs per routed row); recompute_z=True trades
-    that time for the memory.
-
-    swiglu_clamp: None, or c > 0 (DeepSeek-V4 / gpt-oss style): g <- min(g, c) and
-    u <- clamp(u, -c, c) before silu(g) * u; gradients pass where the bounds are not active
-    (inclusive), as torch.clamp's do.
-
-    precision="fp8": blockwise FP8 GEMMs (impl "fused"; fusemoe.fp8). fp8_weights: the buffer of
-    fusemoe.fp8.quantize_weights_fp8(w13, w2), or None for one cached on w13 per weight version.
-    fp8_weight_grads=True (precision "fp8" only): the weight gradients' GEMMs in FP8 too (faster
-    at many tokens per expert, less accurate; docs/numerics.md), else from bf16 operands."""
-    _check_swiglu_clamp(swiglu_clamp)
-    _check_fp8_weight_grads(fp8_weight_grads, precision)
-    if precision != "bf16":
-        if precision != "fp8":
-            _fail(f"precision must be \"bf16\" or \"fp8\", got {precision!r}")
-        from .fp8 import moe_experts_fp8
-        return moe_experts_fp8(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                               grad_in_place, recompute_z, fp8_weights, swiglu_clamp,
-                               fp8_weight_grads)
-    save_z = _wants_saved_z(impl, recompute_z, x_TH, topk_weights_TK, w13_EFH, w2_EHI)
-    return _call(_forward_call, x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl,
-                 grad_in_place, save_z, swiglu_clamp)[0]

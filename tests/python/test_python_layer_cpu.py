@@ -68,15 +68,15 @@ def test_validation_under_fake_tensors(problem):
 def test_z_is_saved_only_when_it_can_be_used(problem, monkeypatch):
     """moe_experts asks the forward to save z for impl "fused" with a gradient required, unless
     recompute_z; never for "unfused" (the library refuses it) or without gradients."""
-    from fusemoe import ops
+    from fusemoe import experts
     asked = []
-    real_forward = ops._forward_call  # what moe_experts calls the forward op by
+    real_forward = experts._forward_call  # what moe_experts calls the forward op by
 
     def spy(*args):
         asked.append(args[7])  # save_z
         return real_forward(*args)
 
-    monkeypatch.setattr(ops, "_forward_call", spy)
+    monkeypatch.setattr(experts, "_forward_call", spy)
     x, idx, w, w13, w2 = op_args(problem)
     w13_leaf = w13.clone().requires_grad_()
     fusemoe.moe_experts(x, idx, w, w13_leaf, w2, impl="fused")
@@ -805,10 +805,10 @@ def test_fp8_weight_buffer_size_agrees_with_the_package():
         for size in (num_bytes, num_bytes + 256):
             buffer = torch.empty(size, dtype=torch.uint8, device="meta")
             if size == num_bytes:
-                fusemoe.fp8._check_fp8_weights(buffer, w13, w2, layer)
+                fusemoe._checks._check_fp8_weights(buffer, w13, w2, layer)
             else:
                 with pytest.raises(ValueError, match=f"uint8 \\[{num_bytes}\\]"):
-                    fusemoe.fp8._check_fp8_weights(buffer, w13, w2, layer)
+                    fusemoe._checks._check_fp8_weights(buffer, w13, w2, layer)
 
 
 # ---- the reference itself: closed-form backward against autograd ----
