@@ -2,7 +2,7 @@
 # Where one kernel's warps stall, instruction by instruction: Nsight Compute's PC sampling
 # (SourceCounters) and warp-state sections over ONE launch of the kernel whose name matches
 # KERNEL_REGEX inside a fusemoe_bench run, on the H200 machine; clocks left as found. Made for
-# the FP8 GEMMs, whose tensor pipe idles two thirds of the time (docs/perf.md#blockwise-fp8).
+# the FP8 GEMMs, whose tensor pipe idles two thirds of the time (docs/perf_log.md#fp8-from-its-first-figures-to-the-sixth-session-2026-12-01).
 #   usage: scripts/profile_stalls.sh OUTDIR [KERNEL_REGEX] [IMPL] [PRESET] [TOKENS]
 #   defaults: GateUp, fused_fp8_saved_z, qwen3-30b-a3b, 16384
 # Writes OUTDIR/stalls_<IMPL>.ncu-rep (open it in Nsight Compute), stalls_<IMPL>_details.csv (the
