@@ -26,6 +26,20 @@ def _check_tensor(t, name, ndim, dtype, api=API):
         _fail(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}", api)
 
 
+def library_refusal(hidden, intermediate, num_experts, top_k, impl, precision):
+    """Why the library refuses a layer of this shape, implementation and precision (its own
+    validation: the workspace query checks the LayerConfig with both), or None when it takes it
+    or is not loaded (its first call checks then)."""
+    if not _capi.is_available():
+        return None
+    try:
+        _capi.layer(hidden, intermediate, num_experts, top_k, 0, impl, None,
+                    precision).workspace_bytes()
+    except _capi.FusemoeError as e:
+        return str(e).split(": ", 1)[-1].rsplit(" [", 1)[0]  # drop file:line and [status]
+    return None
+
+
 # ------------------------------------------------------------------------------ FP8 weight buffer
 
 _BLOCK = 128       # E4M3 scale block: 1 x 128 for activations, 128 x 128 for weights

@@ -18,7 +18,7 @@ import dataclasses
 
 from torch import nn
 
-from . import _capi
+from ._checks import library_refusal
 from .modules import MoEExperts
 from .ops import DEFAULT_IMPL, _check_fp8_weight_grads
 
@@ -121,17 +121,11 @@ def _shape_reasons(module, impl, precision):
     if two_intermediate % 2 or tuple(w2.shape) != expected_w2:
         return [f"gate_up_proj {tuple(w13.shape)} and down_proj {tuple(w2.shape)} do not form "
                 "one experts layer"]
-    if not _capi.is_available():
-        return []  # the library's limits are checked by its first call instead
     top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", 1)
-    try:  # the library's own validation of the layer (LayerConfig with impl and precision: the
-        # workspace query checks both), nothing copied here
-        _capi.layer(hidden, intermediate, num_experts, top_k, 0, impl, None,
-                    precision).workspace_bytes()
-    except _capi.FusemoeError as e:
-        message = str(e).split(": ", 1)[-1].rsplit(" [", 1)[0]  # drop file:line and [status]
+    refusal = library_refusal(hidden, intermediate, num_experts, top_k, impl, precision)
+    if refusal is not None:
         return [f"the library refuses H={hidden}, I={intermediate}, E={num_experts}, "
-                f"K={top_k}: {message}"]
+                f"K={top_k}: {refusal}"]
     return []
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from . import _capi
+from ._checks import library_refusal
 from .experts import moe_experts
 from .ops import DEFAULT_IMPL, _check_fp8_weight_grads
 
@@ -72,12 +73,20 @@ class MoEExperts(nn.Module):
         precision: "bf16", or "fp8" (blockwise FP8 GEMMs, impl "fused", intermediate_dim a multiple
         of 128; the FP8 copy of the weights is rebuilt once per weight update: fusemoe.fp8).
         fp8_weight_grads (precision "fp8" only): the weight gradients' GEMMs in FP8 too (faster at
-        many tokens per expert, less accurate: see fusemoe.moe_experts)."""
+        many tokens per expert, less accurate: see fusemoe.moe_experts).
+        A shape the library refuses at this impl and precision (docs/design.md, "Limits") raises
+        ValueError here, with the library's reason, when the library is loaded."""
         super().__init__()
         _check_impl_name(impl)
         if precision not in ("bf16", "fp8"):
             raise ValueError(f"fusemoe: precision must be \"bf16\" or \"fp8\", got {precision!r}")
         _check_fp8_weight_grads(fp8_weight_grads, precision, "fusemoe.MoEExperts")
+        # The library's limits now rather than at the first forward (top_k is the forward's).
+        refusal = library_refusal(hidden_dim, intermediate_dim, num_experts, 1, impl, precision)
+        if refusal is not None:
+            raise ValueError(f"fusemoe.MoEExperts: the library refuses num_experts={num_experts}, "
+                             f"hidden_dim={hidden_dim}, intermediate_dim={intermediate_dim} at "
+                             f"impl={impl!r}, precision={precision!r}: {refusal}")
         self.precision = precision
         self.fp8_weight_grads = fp8_weight_grads
         from .fp8 import Fp8WeightCache

@@ -377,6 +377,26 @@ def test_c_abi_errors_carry_the_library_message():
     assert _capi.layer(128, 64, 6, 2, 37, "unfused").workspace_bytes() > 0
 
 
+def test_module_refuses_at_construction_a_layer_the_library_refuses():
+    """MoEExperts asks the library about its shape when it is built, not at the first forward
+    (which may come after a long data load): the message names the module and the library's
+    reason; from_experts goes through the same check."""
+    require_library()
+    cases = [(dict(num_experts=8, hidden_dim=100, intermediate_dim=128),
+              r"hidden_dim=100.*hidden \(H\) must be a positive multiple of 128, got 100"),
+             (dict(num_experts=2000, hidden_dim=256, intermediate_dim=128),
+              r"num_experts=2000.*num_experts \(E\) must be in \[1, 1024\]"),
+             (dict(num_experts=8, hidden_dim=256, intermediate_dim=192, precision="fp8"),
+              r"precision='fp8'.*needs intermediate \(I\) to be a multiple of 128, got 192")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match="fusemoe.MoEExperts: the library refuses .*" + message):
+            fusemoe.MoEExperts(**kwargs, device="meta")
+    bf16_ok = fusemoe.MoEExperts(num_experts=8, hidden_dim=256, intermediate_dim=192, device="meta")
+    assert bf16_ok.intermediate_dim == 192  # I % 64 == 0 is enough at bf16
+    with pytest.raises(ValueError, match="the library refuses.*intermediate \\(I\\) to be a multiple of 128"):
+        fusemoe.MoEExperts.from_experts(bf16_ok, precision="fp8")
+
+
 def test_workspace_per_call():
     """Each kind of call has its own size; the fused backward given saved z needs the room for
     z less; no use is the size every call accepts."""
