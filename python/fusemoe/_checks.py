@@ -1,6 +1,7 @@
 """Argument checks shared by fusemoe's ops (fusemoe.ops, fusemoe.fp8, fusemoe.separate,
-fusemoe.expert_parallel), and the size of the FP8 weight buffer they check: the bottom of the
-package, importing only the C library's wrapper, so the bf16 and FP8 op modules can both use it."""
+fusemoe.expert_parallel) and modules (the library's verdict on a layer shape), and the size of the
+FP8 weight buffer the ops check: the bottom of the package, importing only the C library's
+wrapper, so the bf16 and FP8 op modules can both use it."""
 import torch
 from torch import Tensor
 
