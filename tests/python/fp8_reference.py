@@ -29,14 +29,17 @@ def _quantize_blocks(blocks, dims):
     # Tensor by tensor, as the kernels divide (IEEE fp32): `E4M3_MAX / amax` is amax.reciprocal()
     # * 448 in PyTorch, which differs in the last bit for ~1 in 4 values and so breaks the ties of
     # the E4M3 rounding otherwise than the kernels (the emulation then sat ~2e-2 from them).
+    # In fp32 whatever the working dtype: the recipe is the kernels' (the values are bf16, so
+    # amax is exact in fp32, and v * inv is rounded to fp32 before the E4M3 rounding, as there).
+    blocks32, amax = blocks.float(), amax.float()
     max_value = torch.full_like(amax, E4M3_MAX)
     scale, inv = amax / max_value, max_value / amax
-    q = (blocks * inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
-    return q * scale
+    q = (blocks32 * inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.to(blocks.dtype) * scale.to(blocks.dtype)
 
 
 def quantize_rows(v_NC):
-    """1 x 128 blocks along the last dimension of an fp32 [N, C] tensor."""
+    """1 x 128 blocks along the last dimension of an fp32 (or fp64) [N, C] tensor."""
     n, c = v_NC.shape
     return _quantize_blocks(v_NC.reshape(n, c // BLOCK, BLOCK), (-1,)).reshape(n, c)
 
@@ -60,7 +63,7 @@ def quantize_token_blocks(v_NC, blocks_128x128):
 
 
 def _bf16(t):
-    return t.to(torch.bfloat16).float()
+    return t.to(torch.bfloat16).to(t.dtype)
 
 
 def _clamped(z_NF, intermediate, swiglu_clamp):
@@ -69,32 +72,34 @@ def _clamped(z_NF, intermediate, swiglu_clamp):
     if swiglu_clamp is None:
         ones_NI = torch.ones_like(g_NI)
         return g_NI, u_NI, ones_NI, ones_NI
-    g_pass_NI = (g_NI <= swiglu_clamp).float()
-    u_pass_NI = ((u_NI >= -swiglu_clamp) & (u_NI <= swiglu_clamp)).float()
+    g_pass_NI = (g_NI <= swiglu_clamp).to(z_NF.dtype)
+    u_pass_NI = ((u_NI >= -swiglu_clamp) & (u_NI <= swiglu_clamp)).to(z_NF.dtype)
     return (g_NI.clamp(max=swiglu_clamp), u_NI.clamp(min=-swiglu_clamp, max=swiglu_clamp),
             g_pass_NI, u_pass_NI)
 
 
 def moe_experts_fp8_emulated(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, dy_TH,
-                             swiglu_clamp=None, fp8_weight_grads=False):
-    """y and every gradient (dict: y, dx, d_topk_weights, dw13, dw2) of the FP8 recipe, fp32."""
-    x_TH, dy_TH = x_TH.float(), dy_TH.float()
+                             swiglu_clamp=None, fp8_weight_grads=False, dtype=torch.float32):
+    """y and every gradient (dict: y, dx, d_topk_weights, dw13, dw2) of the FP8 recipe, its math
+    in dtype: fp32 for the GPU tests, fp64 for the twin that bounds fp32's own rounding (the
+    quantization is the same fp32 recipe in both)."""
+    x_TH, dy_TH = x_TH.to(dtype), dy_TH.to(dtype)
     num_tokens, hidden = x_TH.shape
     num_experts, two_intermediate, _ = w13_EFH.shape
     intermediate = two_intermediate // 2
     xq_TH, dyq_TH = quantize_rows(x_TH), quantize_rows(dy_TH)
     y_TH = torch.zeros_like(x_TH)
     dx_TH = torch.zeros_like(x_TH)
-    d_topk_weights_TK = torch.zeros(topk_idx_TK.shape, dtype=torch.float32, device=x_TH.device)
-    dw13_EFH = torch.zeros(w13_EFH.shape, dtype=torch.float32, device=x_TH.device)
-    dw2_EHI = torch.zeros(w2_EHI.shape, dtype=torch.float32, device=x_TH.device)
+    d_topk_weights_TK = torch.zeros(topk_idx_TK.shape, dtype=dtype, device=x_TH.device)
+    dw13_EFH = torch.zeros(w13_EFH.shape, dtype=dtype, device=x_TH.device)
+    dw2_EHI = torch.zeros(w2_EHI.shape, dtype=dtype, device=x_TH.device)
     for e in range(num_experts):
         token_N, slot_N = (topk_idx_TK == e).nonzero(as_tuple=True)
         if token_N.numel() == 0:
             continue
-        w13q_FH = quantize_matrix(w13_EFH[e].float())
-        w2q_HI = quantize_matrix(w2_EHI[e].float())
-        w_N = topk_weights_TK[token_N, slot_N].float()[:, None]
+        w13q_FH = quantize_matrix(w13_EFH[e].to(dtype))
+        w2q_HI = quantize_matrix(w2_EHI[e].to(dtype))
+        w_N = topk_weights_TK[token_N, slot_N].to(dtype)[:, None]
         # forward
         z_NF = xq_TH[token_N] @ w13q_FH.t()
         g_NI, u_NI, _, _ = _clamped(z_NF, intermediate, swiglu_clamp)
