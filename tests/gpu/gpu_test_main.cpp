@@ -41,6 +41,9 @@ int main(int argc, char** argv) {
   std::printf("GPU: %s, %d SMs, driver CUDA %s, runtime %s\n", gpu.name.c_str(), gpu.sm_count,
               fusemoe::harness::cuda_version_string(gpu.driver_version).c_str(),
               fusemoe::harness::cuda_version_string(gpu.runtime_version).c_str());
+  // As the driver read them (setenv above keeps a value the caller's environment already had).
+  std::printf("CUDA_DEVICE_MAX_CONNECTIONS=%s CUDA_MODULE_LOADING=%s\n", std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"),
+              std::getenv("CUDA_MODULE_LOADING"));
   ::testing::InitGoogleTest(&argc, argv);
   const int status = RUN_ALL_TESTS();
   const int skipped = ::testing::UnitTest::GetInstance()->skipped_test_count();

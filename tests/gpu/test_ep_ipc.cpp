@@ -58,6 +58,9 @@ int run_child(int rank, int world_size, const std::string& dir) {
   // The symmetric workspace, zeroed once, and its handle for the others.
   DeviceBuffer symmetric(ep_symmetric_bytes(config));
   TEST_CUDA(cudaMemset(symmetric.get(), 0, symmetric.bytes()));
+  // Done before the handle is published: a peer may write its message and flags into this buffer
+  // as soon as it has opened it, and a zeroing that lands after them wipes them.
+  TEST_CUDA(cudaDeviceSynchronize());
   cudaIpcMemHandle_t handle;
   TEST_CUDA(cudaIpcGetMemHandle(&handle, symmetric.get()));
   write_file_atomically(dir + "/handle_" + std::to_string(rank), &handle, sizeof(handle));

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -48,6 +49,10 @@ struct EpCase {
   // The backward gets null dw13 and dw2 (frozen experts): their buffers must keep their poison
   // and every other output is the single-GPU layer's.
   bool frozen_experts = false;
+  // Holds the legacy default stream this long (a host function) just before the last rank's
+  // symmetric workspace is zeroed there: the zeroing then runs while the ranks are mid-protocol
+  // unless the set-up waits for it before any rank starts.
+  int delay_zeroing_ms = 0;
 };
 
 // Bytes of the whole layer's initial dw13 or dw2 for an accumulating backward: element i holds
@@ -149,12 +154,23 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
     k.ws = DeviceBuffer(ep_workspace_bytes(config));
     k.saved = DeviceBuffer(c.save_z ? ep_saved_state_bytes(config) : 0);
     k.symmetric = DeviceBuffer(ep_symmetric_bytes(config));
+    if (c.delay_zeroing_ms > 0 && r == R - 1) {
+      TEST_CUDA(cudaLaunchHostFunc(
+          nullptr, [](void* ms) { std::this_thread::sleep_for(std::chrono::milliseconds(*static_cast<int*>(ms))); },
+          const_cast<int*>(&c.delay_zeroing_ms)));
+    }
     // Zeroed once, as the API asks; or all 0xFF: the slot rows NaN, the flags and the call
     // counter -1, which the protocol must also start from.
     TEST_CUDA(cudaMemset(k.symmetric.get(), c.poison_symmetric ? 0xFF : 0, k.symmetric.bytes()));
     TEST_CUDA(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking));
     peers[r] = k.symmetric.get();
   }
+  // The zeroing ran on the legacy default stream, which the ranks' non-blocking streams do not
+  // wait for (the next rank's DeviceBuffer::from synchronised every rank's but the last). Done
+  // before any rank starts: a late memset wipes a peer's "message ready" flag (or the rank's call
+  // counter) that no one writes again, and the exchange then waits out its bound for a routing
+  // message of call 1.
+  TEST_CUDA(cudaDeviceSynchronize());
   std::vector<std::vector<RawOutputs>> out(R);
   std::vector<std::thread> threads;
   std::vector<std::string> errors(R);
@@ -346,6 +362,15 @@ TEST(ExpertParallel, TokensStayOnTheirRank) {
 TEST(ExpertParallel, PoisonedSymmetricWorkspaceNeverReachesOutputs) {
   EpCase c{2, {180, 220}, Routing::kMasked};
   c.poison_symmetric = true;
+  run_case(c);
+}
+// The set-up's zeroing is complete before the ranks start, however late the legacy stream runs
+// it (here 5 ms into a run of 8 ranks over 20 calls; without the wait every later call of rank 7
+// starts from a reset call counter and its peers time out on its messages).
+TEST(ExpertParallel, SymmetricZeroingDoneBeforeTheRanksStart) {
+  EpCase c{8, {40, 33, 0, 64, 17, 1, 50, 64}, Routing::kUniform};
+  c.calls = 20;
+  c.delay_zeroing_ms = 5;
   run_case(c);
 }
 TEST(ExpertParallel, HundredCallsBitwiseEqual) {
