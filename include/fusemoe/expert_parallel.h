@@ -12,7 +12,9 @@
 //
 // Communication goes through a symmetric workspace: every rank allocates ep_symmetric_bytes()
 // bytes, zeroes them ONCE after allocation (cudaMemset; later calls clean up after themselves),
-// and makes them reachable from every other rank. Each call gets the table of the R ranks'
+// waits for the zeroing to finish (cudaDeviceSynchronize: a peer's first call may write into the
+// buffer, and a memset that lands after its flags wipes them for good), and makes them reachable
+// from every other rank. Each call gets the table of the R ranks'
 // symmetric workspaces as mapped in the calling process (peer_symmetric[rank] is its own):
 // CUDA IPC handles (cudaIpcGetMemHandle / cudaIpcOpenMemHandle), PyTorch symmetric memory, or
 // NCCL window registration give such pointers (docs/expert_parallel.md shows each route and
