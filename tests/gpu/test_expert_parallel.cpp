@@ -169,8 +169,9 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
   // wait for (the next rank's DeviceBuffer::from synchronised every rank's but the last). Done
   // before any rank starts: a late memset wipes a peer's "message ready" flag (or the rank's call
   // counter) that no one writes again, and the exchange then waits out its bound for a routing
-  // message of call 1.
-  TEST_CUDA(cudaDeviceSynchronize());
+  // message of call 1. FUSEMOE_TEST_SKIP_ZEROING_SYNC=1 leaves the wait out, to show what it prevents
+  // (SymmetricZeroingDoneBeforeTheRanksStart then times out; FUSEMOE_WAIT_TIMEOUT_S shortens that).
+  if (std::getenv("FUSEMOE_TEST_SKIP_ZEROING_SYNC") == nullptr) TEST_CUDA(cudaDeviceSynchronize());
   std::vector<std::vector<RawOutputs>> out(R);
   std::vector<std::thread> threads;
   std::vector<std::string> errors(R);
