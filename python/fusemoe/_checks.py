@@ -27,6 +27,15 @@ def _check_tensor(t, name, ndim, dtype, api=API):
         _fail(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}", api)
 
 
+def _check_fp8_weight_grads(fp8_weight_grads, precision, api=API):
+    """The fp8_weight_grads option of the public functions: a bool, set only with precision
+    "fp8" (the library refuses it otherwise too, later and in C's words)."""
+    if not isinstance(fp8_weight_grads, bool):
+        _fail(f"fp8_weight_grads must be a bool, got {fp8_weight_grads!r}", api)
+    if fp8_weight_grads and precision != "fp8":
+        _fail(f"fp8_weight_grads=True needs precision=\"fp8\" (got {precision!r})", api)
+
+
 def library_refusal(hidden, intermediate, num_experts, top_k, impl, precision):
     """Why the library refuses a layer of this shape, implementation and precision (its own
     validation: the workspace query checks the LayerConfig with both), or None when it takes it

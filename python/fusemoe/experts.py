@@ -1,9 +1,9 @@
 """fusemoe.moe_experts: the experts block as one differentiable function over the bf16 ops
 (fusemoe.ops) or, with precision="fp8", the blockwise FP8 ones (fusemoe.fp8, built on fusemoe.ops).
 It sits above both so that fusemoe.ops never imports fusemoe.fp8."""
+from ._checks import _check_fp8_weight_grads, _fail
 from .fp8 import moe_experts_fp8
-from .ops import (DEFAULT_IMPL, _call, _check_fp8_weight_grads, _check_swiglu_clamp, _fail,
-                  _forward_call, _wants_saved_z)
+from .ops import DEFAULT_IMPL, _call, _check_swiglu_clamp, _forward_call, _wants_saved_z
 
 
 def moe_experts(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EHI, impl=DEFAULT_IMPL,

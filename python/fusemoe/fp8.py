@@ -9,12 +9,13 @@ C++ LayerConfig::fp8_weight_grads, docs/numerics.md). The master weights stay th
 (or fp32) parameters: their FP8 copy (both weights, their per-expert transposes and the block
 scales, one uint8 buffer) comes from fusemoe::quantize_weights_fp8 and is kept by Fp8WeightCache
 until a weight changes (tensor._version: an optimizer step, load_state_dict, any in-place
-update), so it is built once per optimizer step, not once per micro-batch. Wrappers that rewrite the weights in place while keeping
-their version (FSDP2 all-gathers into the same unsharded Parameter with its version counter
-preserved, often at the same address) are covered by a process-wide generation that every
-optimizer step (a global torch.optim step hook), MoEExperts.load_state_dict and
-MoEExperts.reset_parameters bump; any other rewrite of that kind (e.g. an in-place load into
-FSDP2's sharded weights that bypasses load_state_dict) must call invalidate_fp8_caches().
+update), so it is built once per optimizer step, not once per micro-batch. Wrappers that
+rewrite the weights in place while keeping their version (FSDP2 all-gathers into the same
+unsharded Parameter with its version counter preserved, often at the same address) are covered
+by a process-wide generation that every optimizer step (a global torch.optim step hook),
+MoEExperts.load_state_dict and MoEExperts.reset_parameters bump; any other rewrite of that kind
+(e.g. an in-place load into FSDP2's sharded weights that bypasses load_state_dict) must call
+invalidate_fp8_caches().
 
 Ops: fusemoe::quantize_weights_fp8, fusemoe::moe_experts_fp8_forward / _backward /
 _backward_into (the bf16 ops' signatures plus the FP8 weight buffer, which gets no gradient, and
@@ -30,11 +31,10 @@ import torch
 from torch import Tensor
 
 from . import _capi
-from ._checks import _check_fp8_shapes, fp8_weights_bytes
-from .ops import (_backward_fake, _call, _check_cuda, _check_tensor, _check_w2_matches_w13,
-                  _fail, _forward_fake, _fresh_weight_grads, _gradients, _launch_backward,
-                  _launch_forward, _op, _register_autograd, _returned_weight_grads,
-                  _save_for_backward, _wants_saved_z)
+from ._checks import _check_fp8_shapes, _check_tensor, _fail, fp8_weights_bytes
+from .ops import (_backward_fake, _call, _check_cuda, _check_w2_matches_w13, _forward_fake,
+                  _fresh_weight_grads, _gradients, _launch_backward, _launch_forward, _op,
+                  _register_autograd, _returned_weight_grads, _save_for_backward, _wants_saved_z)
 
 # ------------------------------------------------------------------------------ weight buffer
 

@@ -20,7 +20,8 @@ from torch import nn
 
 from ._checks import library_refusal
 from .modules import MoEExperts
-from .ops import DEFAULT_IMPL, _check_fp8_weight_grads
+from ._checks import _check_fp8_weight_grads
+from .ops import DEFAULT_IMPL
 
 _SILU_ACTIVATIONS = ("silu", "swish")
 _SILU_CLASSES = ("SiLU", "SiLUActivation")

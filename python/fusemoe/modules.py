@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from . import _capi
-from ._checks import library_refusal
+from ._checks import _check_fp8_weight_grads, library_refusal
 from .experts import moe_experts
-from .ops import DEFAULT_IMPL, _check_fp8_weight_grads
+from .ops import DEFAULT_IMPL
 
 
 def _check_impl_name(impl):

@@ -339,15 +339,6 @@ def _moe_experts_forward_fake(x_TH, topk_idx_TK, topk_weights_TK, w13_EFH, w2_EH
                          swiglu_clamp)
 
 
-def _check_fp8_weight_grads(fp8_weight_grads, precision, api=API):
-    """The fp8_weight_grads option of the public functions: a bool, set only with precision
-    "fp8" (the library refuses it otherwise too, later and in C's words)."""
-    if not isinstance(fp8_weight_grads, bool):
-        _fail(f"fp8_weight_grads must be a bool, got {fp8_weight_grads!r}", api)
-    if fp8_weight_grads and precision != "fp8":
-        _fail(f"fp8_weight_grads=True needs precision=\"fp8\" (got {precision!r})", api)
-
-
 def _check_save_z(save_z, impl):
     if save_z and impl != "fused":
         _fail(f"save_z needs impl=\"fused\" (got {impl!r})")

@@ -29,12 +29,13 @@ import torch
 from torch import Tensor
 
 from . import _capi
-from ._checks import _check_fp8_buffer_bytes, _check_fp8_dims, _check_tensor, _fail, fp8_weights_bytes
+from ._checks import (_check_fp8_buffer_bytes, _check_fp8_dims, _check_fp8_weight_grads,
+                      _check_tensor, _fail, fp8_weights_bytes)
 from .fp8 import cached_buffer
 from .ops import (DEFAULT_IMPL, _call, _call_backward, _call_forward, _check_cuda, _check_dtypes,
-                  _check_fp8_weight_grads, _check_impl, _check_routing, _check_save_z,
-                  _check_saved_z, _check_swiglu_clamp, _empty_saved_z, _fresh_weight_grads,
-                  _gradients, _op, _pointer, _register_autograd, _returned_weight_grads, _save_for_backward,
+                  _check_impl, _check_routing, _check_save_z, _check_saved_z,
+                  _check_swiglu_clamp, _empty_saved_z, _fresh_weight_grads, _gradients, _op,
+                  _pointer, _register_autograd, _returned_weight_grads, _save_for_backward,
                   _wants_saved_z, _weight_grad_dtype)
 
 API = "fusemoe.moe_experts_w1w3"

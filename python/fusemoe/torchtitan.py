@@ -28,7 +28,8 @@ import torch
 
 from .fp8 import Fp8WeightCache
 from .hf import ExpertsDecision, PatchReport
-from .ops import DEFAULT_IMPL, _check_fp8_weight_grads
+from ._checks import _check_fp8_weight_grads
+from .ops import DEFAULT_IMPL
 from .separate import cached_fp8_weights_w1w3, moe_experts_w1w3
 
 
