@@ -225,7 +225,8 @@ def register_cpu_fp8_kernels():
     buffer (it has room: fp8_weights_bytes >= 2 bytes per weight), and the forward and backward
     read the weights back from that buffer, never from w13/w2 (as the library's FP8 ops do not),
     so a stale buffer gives wrong outputs. The math is the bf16 stand-ins', not FP8's."""
-    from fusemoe._checks import _check_fp8_shapes, _check_fp8_weights, _check_tensor, fp8_weights_bytes
+    from fusemoe._checks import (_check_fp8_shapes, _check_fp8_weights, _check_tensor,
+                                 fp8_weights_bytes)
     from fusemoe.ops import _check_inputs, _empty_saved_z
 
     def weights_of(fp8_weights, w13_EFH, w2_EHI):
