@@ -14,7 +14,6 @@ GPU (nccl, the fusemoe kernels) on an sm_90 GPU. Shape legend: T tokens, H hidde
 intermediate, F = 2I, E experts, K top-k.
 """
 import copy
-import os
 
 import pytest
 

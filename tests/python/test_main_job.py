@@ -1,7 +1,6 @@
 """The main job's plumbing without a GPU: benchmarks/compare_torch.py (which options reach
 torch_baseline, the "vs PyTorch" table, fusemoe_bench's failures passed through) and
 scripts/project_commit.sh (this checkout's commit, never a parent folder's repository)."""
-import json
 import os
 import shutil
 import stat
