@@ -87,8 +87,8 @@ TEST(FusedBackward, Bf16AndAccumulatedWeightGrads) {
 
 // Frozen weights (a null gate/up or down gradient output): the other outputs are bitwise those of
 // the call with every gradient, and the frozen gradient's buffer is never written (it stays NaN).
-// Every single-GPU path: fused BF16 and FP8 with z saved or recomputed, separate gate and up
-// gradients, and the unfused pipeline.
+// Every single-GPU path: fused BF16 and FP8 with z saved or recomputed, FP8 with FP8 weight
+// gradients, separate gate and up gradients, and the unfused pipeline.
 TEST(FusedBackward, FrozenWeightsSkipTheirGradientsOnly) {
   const Dims d = medium_dims(300);
   const HostProblem p = make_problem(d, Routing::kFewExperts, 9150);  // empty experts too
@@ -112,6 +112,11 @@ TEST(FusedBackward, FrozenWeightsSkipTheirGradientsOnly) {
       paths.push_back({precision == Precision::kBf16 ? "fused bf16" : "fused fp8", Impl::kFused, opt});
     }
   }
+  // FP8 weight gradients: a frozen weight's token-blocked pools and GEMMs are skipped (fused_fp8.cu).
+  RunOptions fp8_wgrad;
+  fp8_wgrad.precision = Precision::kFp8Blockwise;
+  fp8_wgrad.fp8_weight_grads = true;
+  paths.push_back({"fused fp8, fp8 weight grads", Impl::kFused, fp8_wgrad});
   RunOptions separate;
   separate.separate_grads = true;
   separate.save_z = true;
