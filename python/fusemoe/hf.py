@@ -18,9 +18,8 @@ import dataclasses
 
 from torch import nn
 
-from ._checks import library_refusal
+from ._checks import _check_fp8_weight_grads, library_refusal
 from .modules import MoEExperts
-from ._checks import _check_fp8_weight_grads
 from .ops import DEFAULT_IMPL
 
 _SILU_ACTIVATIONS = ("silu", "swish")
