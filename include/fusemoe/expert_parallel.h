@@ -10,6 +10,13 @@
 // run on the concatenation of every rank's tokens (rank 0's first) with all experts local: y,
 // dx and d_topk_weights of this rank's tokens, dw13/dw2 of its experts.
 //
+// Precision::kFp8Blockwise (the layer's precision; the EP layer is always the fused pipeline):
+// tokens travel in bf16 as at BF16 and the owner quantizes the rows it receives, so the result is
+// bitwise the single-GPU FP8 fused layer's on the concatenated batch. Each call takes the FP8
+// weights of this rank's experts (EpCall::fp8_weights). Limits: the single-GPU FP8 ones
+// (intermediate % 128 == 0), and LayerConfig::fp8_weight_grads is not supported yet (the weight
+// gradients come from bf16 operands).
+//
 // Communication goes through a symmetric workspace: every rank allocates ep_symmetric_bytes()
 // bytes, zeroes them ONCE after allocation (cudaMemset; later calls clean up after themselves),
 // waits for the zeroing to finish (cudaDeviceSynchronize: a peer's first call may write into the
@@ -73,6 +80,10 @@ struct EpCall {
   const float* topk_weights = nullptr;  // [T, K]
   const void* w13 = nullptr;            // [E/R, 2I, H] bf16: this rank's experts
   const void* w2 = nullptr;             // [E/R, H, I] bf16
+  // Precision::kFp8Blockwise (required then, null at bf16): the quantize_weights_fp8 buffer of this
+  // rank's w13 and w2, made for the layer with num_experts = E/R (fp8_weights_bytes of that layer).
+  // An FP8 call does not read w13 and w2 (null both, or pass them: they are checked as at bf16).
+  const void* fp8_weights = nullptr;
   int64_t num_tokens = 0;               // T of this rank, 0 <= T <= max_tokens (may differ by rank)
   void* const* peer_symmetric = nullptr;  // [R] host array: each rank's symmetric workspace
   void* workspace = nullptr;            // ep_workspace_bytes(config, use), 256-byte aligned
