@@ -4,7 +4,9 @@
 // signals. Every output must be bitwise the single-GPU fused layer's on the concatenated batch
 // (rank 0's tokens first) with all experts local: y, dx and d_topk_weights of each rank's tokens,
 // dw13/dw2 of each rank's experts. Outputs, private workspaces and (in one case) the symmetric
-// workspaces are NaN-poisoned first.
+// workspaces are NaN-poisoned first. The FP8 cases (ExpertParallelFp8) compare with the single-GPU
+// FP8 fused layer the same way: each rank gets the FP8 buffer of its own experts (quantized for a
+// layer of E / R experts) and null bf16 weights, which an FP8 call must not read.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -53,6 +55,7 @@ struct EpCase {
   // symmetric workspace is zeroed there: the zeroing then runs while the ranks are mid-protocol
   // unless the set-up waits for it before any rank starts.
   int delay_zeroing_ms = 0;
+  Precision precision = Precision::kBf16;  // of both layers
 };
 
 // Bytes of the whole layer's initial dw13 or dw2 for an accumulating backward: element i holds
@@ -81,7 +84,10 @@ constexpr Dims kEpDims{0, 256, 128, 8, 4};
 RawOutputs run_single_gpu(const HostProblem& p, const EpCase& c) {
   const Dims& d = p.d;
   LayerConfig config = config_of(d, std::max<int64_t>(d.T, 1));
+  config.precision = c.precision;
+  const bool fp8 = c.precision == Precision::kFp8Blockwise;
   const DeviceInputs in(p);
+  const DeviceBuffer fp8_weights = fp8 ? quantized_weights(config, in.w13, in.w2) : DeviceBuffer();
   const size_t g = c.grad_dtype == WeightGradDtype::kBFloat16 ? 2 : 4;
   DeviceBuffer y(d.T * d.H * 2), dx(d.T * d.H * 2), dtw(d.T * d.K * 4), dw13(d.E * 2 * d.I * d.H * g),
       dw2(d.E * d.H * d.I * g), ws(workspace_bytes(config, Impl::kFused)),
@@ -91,12 +97,20 @@ RawOutputs run_single_gpu(const HostProblem& p, const EpCase& c) {
     dw13.copy_from(DeviceBuffer::from(initial_grads(d.E * 2 * d.I * d.H, c.grad_dtype)));
     dw2.copy_from(DeviceBuffer::from(initial_grads(d.E * d.H * d.I, c.grad_dtype)));
   }
+  // An FP8 call reads the FP8 buffer only.
+  auto set_weights = [&](auto& a) {
+    if (!fp8) return;
+    a.w13 = a.w2 = nullptr;
+    a.fp8_weights = fp8_weights.get();
+  };
   ForwardArgs fa = in.args<ForwardArgs>(d.T, ws);
   fa.y = y.get();
   fa.saved_z = c.save_z ? saved_z.get() : nullptr;
   fa.sync_check_expert_ids = false;
+  set_weights(fa);
   forward(config, Impl::kFused, fa);
   BackwardArgs ba = in.args<BackwardArgs>(d.T, ws);  // dy too
+  set_weights(ba);
   ba.dx = dx.get();
   ba.d_topk_weights = dtw.as<float>();
   ba.dw13 = dw13.get();
@@ -115,6 +129,7 @@ RawOutputs run_single_gpu(const HostProblem& p, const EpCase& c) {
 struct Rank {
   RankInputs in;
   DeviceBuffer y, dx, dtw, dw13, dw2, ws, saved, symmetric;
+  DeviceBuffer fp8_weights;  // FP8: the buffer of this rank's experts
   cudaStream_t stream = nullptr;
 };
 
@@ -129,7 +144,12 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
   for (int64_t t : c.tokens) max_tokens = std::max(max_tokens, t);
   EpConfig config;
   config.layer = config_of(d, max_tokens);
+  config.layer.precision = c.precision;
   config.world_size = R;
+  const bool fp8 = c.precision == Precision::kFp8Blockwise;
+  // The single-GPU quantization of a layer with this rank's E / R experts.
+  LayerConfig local_layer = config.layer;
+  local_layer.num_experts = El;
   int num_sms = 0;
   TEST_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
   std::vector<Rank> ranks(R);
@@ -142,6 +162,7 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
     Rank& k = ranks[r];
     const int64_t T = c.tokens[r], t0 = first_token[r];
     k.in = RankInputs(p, t0, T, r * El, El);
+    if (fp8) k.fp8_weights = quantized_weights(local_layer, k.in.w13, k.in.w2);
     k.y = DeviceBuffer(T * d.H * 2);
     k.dx = DeviceBuffer(T * d.H * 2);
     k.dtw = DeviceBuffer(T * d.K * 4);
@@ -205,6 +226,10 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
           call_args = k.in.call(c.tokens[r], peers.data(), k.ws);
           call_args.num_sms = num_sms / R;
           call_args.stream = k.stream;
+          if (fp8) {
+            call_args.w13 = call_args.w2 = nullptr;
+            call_args.fp8_weights = k.fp8_weights.get();
+          }
           fa.y = k.y.get();
           fa.saved_state = c.save_z ? k.saved.get() : nullptr;
           ep_forward(rc, fa);
@@ -377,6 +402,47 @@ TEST(ExpertParallel, SymmetricZeroingDoneBeforeTheRanksStart) {
 TEST(ExpertParallel, HundredCallsBitwiseEqual) {
   EpCase c{2, {64, 96}, Routing::kUniform};
   c.calls = 100;
+  run_case(c);
+}
+
+// Blockwise FP8 (Precision::kFp8Blockwise): the owner quantizes its pulled bf16 rows per row, so
+// every output is bitwise the single-GPU FP8 fused layer's on the concatenated batch.
+EpCase fp8_case(EpCase c) {
+  c.precision = Precision::kFp8Blockwise;
+  return c;
+}
+TEST(ExpertParallelFp8, TwoRanksUniformMatchesSingleGpu) { run_case(fp8_case({2, {300, 257}, Routing::kUniform})); }
+TEST(ExpertParallelFp8, FourRanksUnevenAndEmptyRanks) {
+  run_case(fp8_case({4, {400, 0, 129, 1}, Routing::kUniform}));
+}
+TEST(ExpertParallelFp8, EightRanksSkewedFp32GradsRecomputedZ) {
+  EpCase c = fp8_case({8, {100, 70, 0, 3, 128, 64, 1, 200}, Routing::kSkewed});
+  c.save_z = false;
+  c.grad_dtype = WeightGradDtype::kFloat32;
+  run_case(c);
+}
+TEST(ExpertParallelFp8, MaskedSlotsAndEmptyExperts) {
+  run_case(fp8_case({2, {200, 150}, Routing::kMasked}));
+  run_case(fp8_case({4, {100, 100, 100, 100}, Routing::kFewExperts}));
+}
+TEST(ExpertParallelFp8, EveryTokenToOneExpert) {
+  EpCase c = fp8_case({2, {120, 80}, Routing::kUniform});
+  c.reroute = reroute_with([](int64_t, int64_t, int) { return 5; });  // repeated ids: all slots to expert 5
+  run_case(c);
+}
+// The FP8 backward gathers no bf16 x rows when dW13 is not asked for, even recomputing z (its
+// recompute reads the quantized x pool); two calls, accumulating, so the second starts over.
+TEST(ExpertParallelFp8, FrozenExpertsAndAccumulatedGradsRecomputedZ) {
+  for (bool save_z : {true, false}) {
+    EpCase c = fp8_case({2, {211, 96}, Routing::kUniform});
+    c.frozen_experts = true;
+    c.save_z = save_z;
+    run_case(c);
+  }
+  EpCase c = fp8_case({4, {64, 0, 150, 33}, Routing::kSkewed});
+  c.accumulate = true;
+  c.save_z = false;
+  c.calls = 2;
   run_case(c);
 }
 
