@@ -110,6 +110,12 @@ fusemoe::EpConfig ep_config_of(const FusemoeCEpConfig& c) {
   config.layer = config_of(checked_struct(&c.layer, "config.layer", "FusemoeCLayer"));
   config.world_size = c.world_size;
   config.rank = c.rank;
+  // The C++ EP layer takes FP8 (EpCall::fp8_weights); the C ABI's EP args have no field for the
+  // FP8 weight buffer yet, so an FP8 layer is refused here, naming why.
+  FUSEMOE_CHECK(config.layer.precision != fusemoe::Precision::kFp8Blockwise,
+                "layer.precision must be bf16 for expert parallelism through the C ABI (FusemoeCEpForwardArgs "
+                "and FusemoeCEpBackwardArgs carry no FP8 weights yet; the C++ API ep_forward/ep_backward takes "
+                "them), got fp8_blockwise");
   return config;
 }
 
