@@ -81,7 +81,9 @@ struct EpCall {
   const void* w13 = nullptr;            // [E/R, 2I, H] bf16: this rank's experts
   const void* w2 = nullptr;             // [E/R, H, I] bf16
   // Precision::kFp8Blockwise (required then, null at bf16): the quantize_weights_fp8 buffer of this
-  // rank's w13 and w2, made for the layer with num_experts = E/R (fp8_weights_bytes of that layer).
+  // rank's w13 and w2, made for the layer with num_experts = E/R and top_k <= E/R, e.g. 1
+  // (fp8_weights_bytes of that layer; the buffer depends on H, I and the expert count only: with
+  // the layer's own top_k > E/R that config is invalid and fp8_weights_bytes throws).
   // An FP8 call does not read w13 and w2 (null both, or pass them: they are checked as at bf16).
   const void* fp8_weights = nullptr;
   int64_t num_tokens = 0;               // T of this rank, 0 <= T <= max_tokens (may differ by rank)

@@ -65,6 +65,23 @@ TEST(Fp8ExpertParallelApi, ConfigLimits) {
   expect_error_mentioning([&] { (void)ep_workspace_bytes(ep); }, "layer.fp8_weight_grads must be false");
 }
 
+// The recipe of EpCall::fp8_weights works when top_k > E / R (fp8_config's K against R = 8),
+// with top_k 1 in the local layer, and its size does not depend on top_k.
+TEST(Fp8ExpertParallelApi, LocalWeightsBufferForFewLocalExperts) {
+  LayerConfig local = fp8_config();
+  const int64_t R = 8;
+  ASSERT_EQ(local.num_experts % R, 0);
+  local.num_experts /= R;
+  LayerConfig top1 = local;
+  top1.top_k = 1;
+  EXPECT_GT(fp8_weights_bytes(top1), 0u);
+  if (local.top_k > local.num_experts) {
+    expect_error_mentioning([&] { (void)fp8_weights_bytes(local); }, "top_k");
+  } else {
+    EXPECT_EQ(fp8_weights_bytes(top1), fp8_weights_bytes(local));
+  }
+}
+
 // The FP8 regions of an EP rank's private workspace, against the BF16 one of the same shape:
 // P = R T pool rows, Q = R T K owner rows (src/pipelines/ep_workspace.h); the symmetric workspace and
 // the saved state (bf16 z) are the same at both precisions.

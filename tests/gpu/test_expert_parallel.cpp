@@ -56,6 +56,7 @@ struct EpCase {
   // unless the set-up waits for it before any rank starts.
   int delay_zeroing_ms = 0;
   Precision precision = Precision::kBf16;  // of both layers
+  int64_t intermediate = 0;                // I of the layer; 0: kEpDims' (128)
 };
 
 // Bytes of the whole layer's initial dw13 or dw2 for an accumulating backward: element i holds
@@ -147,9 +148,12 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
   config.layer.precision = c.precision;
   config.world_size = R;
   const bool fp8 = c.precision == Precision::kFp8Blockwise;
-  // The single-GPU quantization of a layer with this rank's E / R experts.
+  // The single-GPU quantization of a layer with this rank's E / R experts. top_k 1: the buffer
+  // depends on H, I and the expert count only, and a layer with top_k > E / R (K 4 with R 4 or 8
+  // here) fails validate_config, so fp8_weights_bytes would throw before any rank starts.
   LayerConfig local_layer = config.layer;
   local_layer.num_experts = El;
+  local_layer.top_k = 1;
   int num_sms = 0;
   TEST_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
   std::vector<Rank> ranks(R);
@@ -284,6 +288,7 @@ size_t first_difference(const std::vector<T>& a, const std::vector<T>& b) {
 
 void run_case(const EpCase& c) {
   Dims d = kEpDims;
+  if (c.intermediate > 0) d.I = c.intermediate;
   std::vector<int64_t> first(c.tokens.size(), 0);
   d.T = 0;
   for (size_t r = 0; r < c.tokens.size(); ++r) {
@@ -293,6 +298,14 @@ void run_case(const EpCase& c) {
   HostProblem p = make_problem(d, c.routing, 1000 + c.world_size);
   if (c.reroute) c.reroute(p, first);
   const RawOutputs single = run_single_gpu(p, c);
+  // Both sides poison with 0xFF, so an output neither side writes would compare equal: the
+  // reference must have written every element (an all-ones bf16/fp32 is a NaN, never a result).
+  const auto unwritten = [](const auto& v) {
+    using T = typename std::decay_t<decltype(v)>::value_type;
+    return std::count_if(v.begin(), v.end(), [](T e) { return e == static_cast<T>(~T{0}); });
+  };
+  EXPECT_EQ(unwritten(single.y), 0) << "single-GPU y";
+  EXPECT_EQ(unwritten(single.dx), 0) << "single-GPU dx";
   const auto ep = run_ep(p, c, first);
   const int64_t El = d.E / c.world_size;
   const size_t g = c.grad_dtype == WeightGradDtype::kBFloat16 ? 2 : 4;
@@ -424,6 +437,16 @@ TEST(ExpertParallelFp8, EightRanksSkewedFp32GradsRecomputedZ) {
 TEST(ExpertParallelFp8, MaskedSlotsAndEmptyExperts) {
   run_case(fp8_case({2, {200, 150}, Routing::kMasked}));
   run_case(fp8_case({4, {100, 100, 100, 100}, Routing::kFewExperts}));
+}
+// I = 512: the FP8 dgrad writes ceil(I / 256) = 2 router partials per row (the buffer has room
+// for ceil(I / 128) = 4), so a stride mismatch between the dgrad and the push shows in
+// d_topk_weights (at I = 128 every row has one partial and no stride is exercised).
+TEST(ExpertParallelFp8, SeveralRouterPartialsPerRow) {
+  EpCase c = fp8_case({4, {150, 0, 64, 97}, Routing::kUniform});
+  c.intermediate = 512;
+  run_case(c);
+  c.save_z = false;
+  run_case(c);
 }
 TEST(ExpertParallelFp8, EveryTokenToOneExpert) {
   EpCase c = fp8_case({2, {120, 80}, Routing::kUniform});
