@@ -72,6 +72,13 @@ size_t ep_workspace_bytes(const EpConfig& config);
 // inputs (the pre-activations z of this rank's owner rows, so the backward skips recomputing
 // them). Per rank.
 size_t ep_saved_state_bytes(const EpConfig& config);
+// Precision::kFp8Blockwise: bytes of this rank's FP8 weight buffer (EpCall::fp8_weights), and its
+// quantization from the rank's bf16 w13 [E/R, 2I, H] and w2 [E/R, H, I] (device) on `stream`,
+// without synchronising: quantize_weights_fp8's buffer for the E/R local experts, byte for byte,
+// made once per weight update. (Direct use of quantize_weights_fp8 needs a layer with top_k <= E/R.)
+size_t ep_fp8_weights_bytes(const EpConfig& config);
+void ep_quantize_weights_fp8(const EpConfig& config, const void* w13, const void* w2, void* buffer,
+                             size_t buffer_bytes, cudaStream_t stream);
 
 // What every call of a rank passes, forward and backward alike.
 struct EpCall {
@@ -80,10 +87,8 @@ struct EpCall {
   const float* topk_weights = nullptr;  // [T, K]
   const void* w13 = nullptr;            // [E/R, 2I, H] bf16: this rank's experts
   const void* w2 = nullptr;             // [E/R, H, I] bf16
-  // Precision::kFp8Blockwise (required then, null at bf16): the quantize_weights_fp8 buffer of this
-  // rank's w13 and w2, made for the layer with num_experts = E/R and top_k <= E/R, e.g. 1
-  // (fp8_weights_bytes of that layer; the buffer depends on H, I and the expert count only: with
-  // the layer's own top_k > E/R that config is invalid and fp8_weights_bytes throws).
+  // Precision::kFp8Blockwise (required then, null at bf16): this rank's FP8 weights, the buffer of
+  // ep_fp8_weights_bytes(config) bytes that ep_quantize_weights_fp8 writes from w13 and w2.
   // An FP8 call does not read w13 and w2 (null both, or pass them: they are checked as at bf16).
   const void* fp8_weights = nullptr;
   int64_t num_tokens = 0;               // T of this rank, 0 <= T <= max_tokens (may differ by rank)

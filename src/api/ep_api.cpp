@@ -145,6 +145,17 @@ size_t ep_saved_state_bytes(const EpConfig& config) {
   return saved_z_bytes(owner_layer(config));  // z of the owner's R * T * K rows
 }
 
+size_t ep_fp8_weights_bytes(const EpConfig& config) {
+  validate_ep_config(config);
+  return fp8_weights_bytes(owner_layer(config));  // the single-GPU buffer of this rank's E/R experts
+}
+
+void ep_quantize_weights_fp8(const EpConfig& config, const void* w13, const void* w2, void* buffer,
+                             size_t buffer_bytes, cudaStream_t stream) {
+  validate_ep_config(config);
+  quantize_weights_fp8(owner_layer(config), w13, w2, buffer, buffer_bytes, stream);
+}
+
 void ep_forward(const EpConfig& c, const EpForwardArgs& a) {
   run_checked(c, a.call, a.saved_state, WorkspaceUse::kForward, nullptr, 0, {{a.y, "y", kTmaAlignment}},
               [&] { ep_layer_forward(c, a); });

@@ -65,21 +65,22 @@ TEST(Fp8ExpertParallelApi, ConfigLimits) {
   expect_error_mentioning([&] { (void)ep_workspace_bytes(ep); }, "layer.fp8_weight_grads must be false");
 }
 
-// The recipe of EpCall::fp8_weights works when top_k > E / R (fp8_config's K against R = 8),
-// with top_k 1 in the local layer, and its size does not depend on top_k.
+// EpCall::fp8_weights' size through the EP API: the single-GPU buffer of the E / R local experts,
+// also when top_k > E / R (fp8_config's K against R = 8), where a local LayerConfig with the
+// layer's own top_k is invalid.
 TEST(Fp8ExpertParallelApi, LocalWeightsBufferForFewLocalExperts) {
-  LayerConfig local = fp8_config();
-  const int64_t R = 8;
-  ASSERT_EQ(local.num_experts % R, 0);
-  local.num_experts /= R;
-  LayerConfig top1 = local;
-  top1.top_k = 1;
-  EXPECT_GT(fp8_weights_bytes(top1), 0u);
-  if (local.top_k > local.num_experts) {
-    expect_error_mentioning([&] { (void)fp8_weights_bytes(local); }, "top_k");
-  } else {
-    EXPECT_EQ(fp8_weights_bytes(top1), fp8_weights_bytes(local));
-  }
+  EpConfig ep;
+  ep.layer = fp8_config();
+  ep.world_size = 8;
+  ASSERT_EQ(ep.layer.num_experts % ep.world_size, 0);
+  LayerConfig local = ep.layer;
+  local.num_experts /= ep.world_size;
+  ASSERT_GT(local.top_k, local.num_experts) << "the case this test is for";
+  expect_error_mentioning([&] { (void)fp8_weights_bytes(local); }, "top_k");
+  local.top_k = 1;
+  EXPECT_EQ(ep_fp8_weights_bytes(ep), fp8_weights_bytes(local));
+  ep.layer.fp8_weight_grads = true;
+  expect_error_mentioning([&] { (void)ep_fp8_weights_bytes(ep); }, "layer.fp8_weight_grads must be false");
 }
 
 // The FP8 regions of an EP rank's private workspace, against the BF16 one of the same shape:

@@ -148,12 +148,6 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
   config.layer.precision = c.precision;
   config.world_size = R;
   const bool fp8 = c.precision == Precision::kFp8Blockwise;
-  // The single-GPU quantization of a layer with this rank's E / R experts. top_k 1: the buffer
-  // depends on H, I and the expert count only, and a layer with top_k > E / R (K 4 with R 4 or 8
-  // here) fails validate_config, so fp8_weights_bytes would throw before any rank starts.
-  LayerConfig local_layer = config.layer;
-  local_layer.num_experts = El;
-  local_layer.top_k = 1;
   int num_sms = 0;
   TEST_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
   std::vector<Rank> ranks(R);
@@ -166,7 +160,12 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
     Rank& k = ranks[r];
     const int64_t T = c.tokens[r], t0 = first_token[r];
     k.in = RankInputs(p, t0, T, r * El, El);
-    if (fp8) k.fp8_weights = quantized_weights(local_layer, k.in.w13, k.in.w2);
+    if (fp8) {  // this rank's E / R experts, through the EP API (K 4 > E / R at R 4 and 8 here)
+      k.fp8_weights = DeviceBuffer(ep_fp8_weights_bytes(config));
+      k.fp8_weights.poison();
+      ep_quantize_weights_fp8(config, k.in.w13.get(), k.in.w2.get(), k.fp8_weights.get(), k.fp8_weights.bytes(),
+                              nullptr);
+    }
     k.y = DeviceBuffer(T * d.H * 2);
     k.dx = DeviceBuffer(T * d.H * 2);
     k.dtw = DeviceBuffer(T * d.K * 4);
