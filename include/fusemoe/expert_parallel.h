@@ -10,6 +10,13 @@
 // run on the concatenation of every rank's tokens (rank 0's first) with all experts local: y,
 // dx and d_topk_weights of this rank's tokens, dw13/dw2 of its experts.
 //
+// Precision::kFp8Blockwise (the layer's precision; the EP layer is always the fused pipeline):
+// tokens travel in bf16 as at BF16 and the owner quantizes the rows it receives, so the result is
+// bitwise the single-GPU FP8 fused layer's on the concatenated batch. Each call takes the FP8
+// weights of this rank's experts (EpCall::fp8_weights). Limits: the single-GPU FP8 ones
+// (intermediate % 128 == 0), and LayerConfig::fp8_weight_grads is not supported yet (the weight
+// gradients come from bf16 operands).
+//
 // Communication goes through a symmetric workspace: every rank allocates ep_symmetric_bytes()
 // bytes, zeroes them ONCE after allocation (cudaMemset; later calls clean up after themselves),
 // waits for the zeroing to finish (cudaDeviceSynchronize: a peer's first call may write into the
@@ -65,6 +72,13 @@ size_t ep_workspace_bytes(const EpConfig& config);
 // inputs (the pre-activations z of this rank's owner rows, so the backward skips recomputing
 // them). Per rank.
 size_t ep_saved_state_bytes(const EpConfig& config);
+// Precision::kFp8Blockwise: bytes of this rank's FP8 weight buffer (EpCall::fp8_weights), and its
+// quantization from the rank's bf16 w13 [E/R, 2I, H] and w2 [E/R, H, I] (device) on `stream`,
+// without synchronising: quantize_weights_fp8's buffer for the E/R local experts, byte for byte,
+// made once per weight update. (Direct use of quantize_weights_fp8 needs a layer with top_k <= E/R.)
+size_t ep_fp8_weights_bytes(const EpConfig& config);
+void ep_quantize_weights_fp8(const EpConfig& config, const void* w13, const void* w2, void* buffer,
+                             size_t buffer_bytes, cudaStream_t stream);
 
 // What every call of a rank passes, forward and backward alike.
 struct EpCall {
@@ -73,6 +87,10 @@ struct EpCall {
   const float* topk_weights = nullptr;  // [T, K]
   const void* w13 = nullptr;            // [E/R, 2I, H] bf16: this rank's experts
   const void* w2 = nullptr;             // [E/R, H, I] bf16
+  // Precision::kFp8Blockwise (required then, null at bf16): this rank's FP8 weights, the buffer of
+  // ep_fp8_weights_bytes(config) bytes that ep_quantize_weights_fp8 writes from w13 and w2.
+  // An FP8 call does not read w13 and w2 (null both, or pass them: they are checked as at bf16).
+  const void* fp8_weights = nullptr;
   int64_t num_tokens = 0;               // T of this rank, 0 <= T <= max_tokens (may differ by rank)
   void* const* peer_symmetric = nullptr;  // [R] host array: each rank's symmetric workspace
   void* workspace = nullptr;            // ep_workspace_bytes(config, use), 256-byte aligned

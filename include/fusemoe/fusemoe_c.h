@@ -27,8 +27,10 @@ extern "C" {
  * 8: separate gate and up weights and gradients (the single-GPU args' and FusemoeCFp8QuantizeArgs'
  * w1, w3; FusemoeCBackwardArgs' dw1, dw3).
  * 9: FusemoeCLayer.fp8_weight_grads (it fills what was the struct's tail padding, so sizeof stays
- * 64: the library refuses any value but 0 and 1 there, which catches a caller built for 8). */
-#define FUSEMOE_C_ABI_VERSION 9
+ * 64: the library refuses any value but 0 and 1 there, which catches a caller built for 8).
+ * 10: blockwise FP8 in expert parallelism (FusemoeCEpForwardArgs' and FusemoeCEpBackwardArgs'
+ * fp8_weights, after w2; fusemoe_c_ep_fp8_weights_bytes, fusemoe_c_ep_quantize_weights_fp8). */
+#define FUSEMOE_C_ABI_VERSION 10
 
 typedef enum {
   FUSEMOE_C_OK = 0,
@@ -160,7 +162,9 @@ typedef struct FusemoeCEpConfig {
   int32_t world_size;    /* R in {1, 2, 4, 8}; layer.num_experts % R == 0 */
   int32_t rank;          /* 0 <= rank < R */
   /* The layer with GLOBAL num_experts; max_tokens bounds every rank's T. impl_code is not used
-   * (the fused kernels run); precision must be FUSEMOE_C_PRECISION_BF16. */
+   * (the fused kernels run). precision FUSEMOE_C_PRECISION_FP8_BLOCKWISE: every call reads the
+   * rank's FP8 weight buffer (fusemoe_c_ep_quantize_weights_fp8) at fp8_weights; fp8_weight_grads
+   * must be 0 (not supported in expert parallelism yet). */
   FusemoeCLayer layer;
 } FusemoeCEpConfig;
 
@@ -171,8 +175,11 @@ typedef struct FusemoeCEpForwardArgs {
   const void* x;                 /* [T, H] bf16, this rank's tokens */
   const int32_t* topk_idx;       /* [T, K] GLOBAL expert ids, -1 masks a slot */
   const float* topk_weights;     /* [T, K] */
-  const void* w13;               /* [E/R, 2I, H] bf16: this rank's experts */
-  const void* w2;                /* [E/R, H, I] bf16 */
+  const void* w13;               /* [E/R, 2I, H] bf16: this rank's experts (NULL allowed at FP8) */
+  const void* w2;                /* [E/R, H, I] bf16 (NULL allowed at FP8) */
+  /* FP8: this rank's FP8 weight buffer (fusemoe_c_ep_quantize_weights_fp8), required; else NULL.
+   * An FP8 call does not read w13 and w2: NULL both, or both are checked as at bf16. */
+  const void* fp8_weights;
   void* y;                       /* [T, H] bf16 (output) */
   int64_t num_tokens;            /* T of this rank, 0 <= T <= layer.max_tokens (may differ by rank) */
   void* const* peer_symmetric;   /* [R] host array: every rank's symmetric workspace, as mapped here */
@@ -196,6 +203,7 @@ typedef struct FusemoeCEpBackwardArgs {
   const float* topk_weights;
   const void* w13;
   const void* w2;
+  const void* fp8_weights;           /* as in FusemoeCEpForwardArgs */
   const void* dy;                    /* [T, H] bf16 */
   void* dx;                          /* [T, H] bf16 (output) */
   float* d_topk_weights;             /* [T, K] fp32 (output) */
@@ -257,6 +265,14 @@ FUSEMOE_C_API int32_t fusemoe_c_ep_workspace_bytes_for(const FusemoeCEpConfig* c
 /* Bytes of FusemoeCEpForwardArgs.saved_state (per rank, sized for the worst case: every slot of
  * every rank routed to this rank's experts). */
 FUSEMOE_C_API int32_t fusemoe_c_ep_saved_state_bytes(const FusemoeCEpConfig* config, uint64_t* bytes);
+
+/* Bytes of the rank's FP8 weight buffer (fusemoe::ep_fp8_weights_bytes: the single-GPU buffer of
+ * its E/R experts), and its quantization from the rank's bf16 w13 [E/R, 2I, H] and w2 [E/R, H, I]
+ * (fusemoe::ep_quantize_weights_fp8; args.w1 and args.w3 must be NULL: the expert-parallel layer
+ * takes w13), once per weight update; asynchronous on args.stream. precision is not used. */
+FUSEMOE_C_API int32_t fusemoe_c_ep_fp8_weights_bytes(const FusemoeCEpConfig* config, uint64_t* bytes);
+FUSEMOE_C_API int32_t fusemoe_c_ep_quantize_weights_fp8(const FusemoeCEpConfig* config,
+                                                        const FusemoeCFp8QuantizeArgs* args);
 
 /* See fusemoe::ep_forward and fusemoe::ep_backward. */
 FUSEMOE_C_API int32_t fusemoe_c_ep_forward(const FusemoeCEpConfig* config,

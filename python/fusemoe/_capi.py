@@ -9,14 +9,15 @@ fusemoe_c_last_error(). Calls pass one struct each (FusemoeCLayer, built once pe
 implementation and precision by layer(); FusemoeCForwardArgs / FusemoeCBackwardArgs /
 FusemoeCFp8QuantizeArgs, filled per call), whose struct_size lets the library refuse a binding
 written for another layout. Expert parallelism has its own three (FusemoeCEpConfig, built once
-per rank and layer by ep_config(); FusemoeCEpForwardArgs / FusemoeCEpBackwardArgs).
+per rank, layer and precision by ep_config(); FusemoeCEpForwardArgs / FusemoeCEpBackwardArgs,
+whose fp8_weights carries the rank's FP8 weight buffer at precision "fp8", C ABI 10).
 """
 import ctypes
 import functools
 import os
 import threading
 
-ABI_VERSION = 9  # FUSEMOE_C_ABI_VERSION this binding is written for
+ABI_VERSION = 10  # FUSEMOE_C_ABI_VERSION this binding is written for
 WEIGHT_GRAD_FLOAT32 = 0
 WEIGHT_GRAD_BFLOAT16 = 1
 EXPERT_ID_REPORT_INTS = 3  # fusemoe::kExpertIdReportInts
@@ -105,7 +106,8 @@ class EpForwardArgs(ctypes.Structure):
     """FusemoeCEpForwardArgs: pointers are ints (data_ptr()) or None; peer_symmetric is the
     address of a host array of R pointers."""
     _fields_ = [("struct_size", _u32), ("num_sms", _i32), ("x", _ptr), ("topk_idx", _ptr),
-                ("topk_weights", _ptr), ("w13", _ptr), ("w2", _ptr), ("y", _ptr),
+                ("topk_weights", _ptr), ("w13", _ptr), ("w2", _ptr), ("fp8_weights", _ptr),
+                ("y", _ptr),
                 ("num_tokens", _i64), ("peer_symmetric", _ptr), ("workspace", _ptr),
                 ("workspace_bytes", _u64), ("expert_id_report", _ptr), ("saved_state", _ptr),
                 ("stream", _ptr)]
@@ -115,7 +117,8 @@ class EpBackwardArgs(ctypes.Structure):
     """FusemoeCEpBackwardArgs: as EpForwardArgs."""
     _fields_ = [("struct_size", _u32), ("weight_grad_dtype", _i32), ("x", _ptr),
                 ("topk_idx", _ptr), ("topk_weights", _ptr), ("w13", _ptr), ("w2", _ptr),
-                ("dy", _ptr), ("dx", _ptr), ("d_topk_weights", _ptr), ("dw13", _ptr),
+                ("fp8_weights", _ptr), ("dy", _ptr), ("dx", _ptr), ("d_topk_weights", _ptr),
+                ("dw13", _ptr),
                 ("dw2", _ptr), ("accumulate_weight_grads", _i32), ("num_sms", _i32),
                 ("num_tokens", _i64), ("peer_symmetric", _ptr), ("workspace", _ptr),
                 ("workspace_bytes", _u64), ("expert_id_report", _ptr), ("saved_state", _ptr),
@@ -149,6 +152,8 @@ _SIGNATURES = {
     "fusemoe_c_ep_workspace_bytes": ([_EP_CONFIG_P, _OUT_U64], _i32),
     "fusemoe_c_ep_workspace_bytes_for": ([_EP_CONFIG_P, _i32, _OUT_U64], _i32),
     "fusemoe_c_ep_saved_state_bytes": ([_EP_CONFIG_P, _OUT_U64], _i32),
+    "fusemoe_c_ep_fp8_weights_bytes": ([_EP_CONFIG_P, _OUT_U64], _i32),
+    "fusemoe_c_ep_quantize_weights_fp8": ([_EP_CONFIG_P, ctypes.POINTER(Fp8QuantizeArgs)], _i32),
     "fusemoe_c_ep_forward": ([_EP_CONFIG_P, ctypes.POINTER(EpForwardArgs)], _i32),
     "fusemoe_c_ep_backward": ([_EP_CONFIG_P, ctypes.POINTER(EpBackwardArgs)], _i32),
     # report (host-readable), num_experts, top_k
@@ -337,39 +342,68 @@ def quantize_weights_fp8(layer_, w13, w2, buffer, buffer_bytes, stream, w1=None,
 
 @functools.lru_cache(maxsize=64)
 def ep_config(hidden, intermediate, num_experts, top_k, max_tokens, world_size, rank,
-              swiglu_clamp=None):
+              swiglu_clamp=None, precision="bf16"):
     """The FusemoeCEpConfig of one rank of an expert-parallel layer (GLOBAL num_experts;
-    max_tokens bounds every rank's T), built once and cached. The library checks the values when
-    a call uses it; symmetric_bytes and saved_state_bytes are queried here, so a bad config fails
+    max_tokens bounds every rank's T; precision a key of PRECISIONS), built once and cached. The
+    library checks the values when a call uses it; symmetric_bytes and saved_state_bytes (and at
+    "fp8" fp8_weights_bytes, the rank's FP8 weight buffer) are queried here, so a bad config fails
     now with the library's message."""
+    if precision not in PRECISIONS:
+        raise FusemoeError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     clamp_on = swiglu_clamp is not None
     built = EpConfig(ctypes.sizeof(EpConfig), world_size, rank,
                      Layer(ctypes.sizeof(Layer), 0, hidden, intermediate, num_experts, top_k,
                            max_tokens, int(clamp_on), float(swiglu_clamp) if clamp_on else 0.0,
-                           PRECISIONS["bf16"]))
+                           PRECISIONS[precision]))
+    built.precision = precision
     lib = load()
-    for name in ("symmetric_bytes", "saved_state_bytes"):
+    sizes = ("symmetric_bytes", "saved_state_bytes") + (("fp8_weights_bytes",)
+                                                        if precision == "fp8" else ())
+    for name in sizes:
         out = _u64()
         _check(getattr(lib, f"fusemoe_c_ep_{name}")(ctypes.byref(built), ctypes.byref(out)))
         setattr(built, name, out.value)
     return built
 
 
+def ep_fp8_weights_bytes(config):
+    """Bytes of the rank's FP8 weight buffer of an EpConfig (of any precision)."""
+    lib = load()
+    out = _u64()
+    _check(lib.fusemoe_c_ep_fp8_weights_bytes(ctypes.byref(config), ctypes.byref(out)))
+    return out.value
+
+
+def ep_quantize_weights_fp8(config, w13, w2, buffer, buffer_bytes, stream):
+    """Quantizes the rank's bf16 w13 [L, 2I, H] and w2 [L, H, I] into its FP8 weight buffer
+    (pointers as ints), on stream: the buffer quantize_weights_fp8 makes for the L local experts."""
+    lib = load()
+    args = Fp8QuantizeArgs(struct_size=_FP8_QUANTIZE_SIZE, w13=w13, w2=w2, w1=None, w3=None,
+                           buffer=buffer, buffer_bytes=buffer_bytes, stream=stream)
+    _check(lib.fusemoe_c_ep_quantize_weights_fp8(ctypes.byref(config), args))
+
+
 def ep_forward(config, x, topk_idx, topk_weights, w13, w2, y, num_tokens, peer_symmetric,
-               workspace, workspace_bytes_, expert_id_report, saved_state, stream, num_sms=0):
+               workspace, workspace_bytes_, expert_id_report, saved_state, stream, num_sms=0,
+               fp8_weights=None):
     """Pointers are ints (data_ptr(); expert_id_report and saved_state may be None);
-    peer_symmetric is the address of the host array of the R ranks' symmetric workspaces."""
-    args = EpForwardArgs(_EP_FORWARD_SIZE, num_sms, x, topk_idx, topk_weights, w13, w2, y,
-                         num_tokens, peer_symmetric, workspace, workspace_bytes_,
+    peer_symmetric is the address of the host array of the R ranks' symmetric workspaces. A config
+    of precision "fp8" takes fp8_weights (the buffer of ep_quantize_weights_fp8) and w13 = w2 =
+    None."""
+    args = EpForwardArgs(_EP_FORWARD_SIZE, num_sms, x, topk_idx, topk_weights, w13, w2,
+                         fp8_weights, y, num_tokens, peer_symmetric, workspace, workspace_bytes_,
                          expert_id_report, saved_state, stream)
     _check(load().fusemoe_c_ep_forward(config, args))
 
 
 def ep_backward(config, x, topk_idx, topk_weights, w13, w2, dy, dx, d_topk_weights, dw13, dw2,
                 weight_grad_dtype, accumulate, num_tokens, peer_symmetric, workspace,
-                workspace_bytes_, expert_id_report, saved_state, stream, num_sms=0):
+                workspace_bytes_, expert_id_report, saved_state, stream, num_sms=0,
+                fp8_weights=None):
+    """As ep_forward()."""
     args = EpBackwardArgs(_EP_BACKWARD_SIZE, weight_grad_dtype, x, topk_idx, topk_weights, w13,
-                          w2, dy, dx, d_topk_weights, dw13, dw2, 1 if accumulate else 0, num_sms,
+                          w2, fp8_weights, dy, dx, d_topk_weights, dw13, dw2,
+                          1 if accumulate else 0, num_sms,
                           num_tokens, peer_symmetric, workspace, workspace_bytes_,
                           expert_id_report, saved_state, stream)
     _check(load().fusemoe_c_ep_backward(config, args))

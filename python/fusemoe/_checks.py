@@ -93,10 +93,16 @@ def _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI, layer=None):
 
 
 def _check_fp8_buffer_bytes(fp8_weights, dims, device, layer, made_by, api=API):
-    """The buffer check of _check_fp8_weights for a layer of dims (E, H, I) on device; made_by:
-    the call that makes the buffer, which the message names."""
-    expected = (_capi.fp8_weights_bytes(layer) if layer is not None
-                else fp8_weights_bytes(*dims))
+    """The buffer check of _check_fp8_weights for a layer of dims (E, H, I) on device; layer: a
+    _capi.Layer, or an expert-parallel _capi.EpConfig of precision "fp8" (dims: its local
+    experts'), whose buffer size the library gives, or None (the Python formula); made_by: the
+    call that makes the buffer, which the message names."""
+    if layer is None:
+        expected = fp8_weights_bytes(*dims)
+    elif isinstance(layer, _capi.EpConfig):
+        expected = layer.fp8_weights_bytes  # queried when the config was built
+    else:
+        expected = _capi.fp8_weights_bytes(layer)
     if (not isinstance(fp8_weights, Tensor) or fp8_weights.dtype != torch.uint8
             or fp8_weights.dim() != 1 or fp8_weights.numel() != expected
             or not fp8_weights.is_contiguous() or fp8_weights.device != device):

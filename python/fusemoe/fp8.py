@@ -22,7 +22,8 @@ _backward_into (the bf16 ops' signatures plus the FP8 weight buffer, which gets 
 the option fp8_weight_grads last, which the forward hands to the backward ops). The C calls take
 a FusemoeCLayer of precision "fp8" (and its fp8_weight_grads, C ABI 9) and the buffer in the args'
 fp8_weights (C ABI 6).
-Expert parallelism (fusemoe::ep_*) is bf16 only.
+Expert parallelism (fusemoe.ExpertParallelMoEExperts, precision="fp8") uses the same buffer of
+each rank's local experts and the same cache; fp8_weight_grads is refused there.
 Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, K top-k.
 """
 from typing import Optional

@@ -257,16 +257,6 @@ void throw_if_expert_id_report(const int32_t report[kExpertIdReportInts], int64_
 
 namespace {
 
-// The fp8_weights buffer of an FP8 call (host checks), or null for bf16 (which never reads it).
-void check_fp8_weights_arg(const LayerConfig& config, const void* fp8_weights) {
-  if (config.precision == Precision::kBf16) return;
-  FUSEMOE_CHECK(fp8_weights != nullptr, "fp8_weights must not be null at precision "
-                                            << precision_name(config.precision)
-                                            << " (the buffer that quantize_weights_fp8 wrote)");
-  FUSEMOE_CHECK(aligned(fp8_weights, kWorkspaceAlignment),
-                "fp8_weights must be " << kWorkspaceAlignment << "-byte aligned, got " << fp8_weights);
-}
-
 // The gate and up weights (or their gradients) in one of two forms: `both` [E, 2I, H], or `gate`
 // and `up` [E, I, H] each. Exactly one form; names say which argument is missing or extra.
 // Returns true for the separate form.

@@ -7,6 +7,15 @@
 
 namespace fusemoe {
 
+void check_fp8_weights_arg(const LayerConfig& config, const void* fp8_weights) {
+  if (config.precision == Precision::kBf16) return;
+  FUSEMOE_CHECK(fp8_weights != nullptr, "fp8_weights must not be null at precision "
+                                            << precision_name(config.precision)
+                                            << " (the buffer that quantize_weights_fp8 wrote)");
+  FUSEMOE_CHECK(aligned(fp8_weights, kWorkspaceAlignment),
+                "fp8_weights must be " << kWorkspaceAlignment << "-byte aligned, got " << fp8_weights);
+}
+
 void check_tensor(const void* p, const char* name, uintptr_t alignment) {
   FUSEMOE_CHECK(p != nullptr, name << " must not be null");
   FUSEMOE_CHECK(aligned(p, alignment), name << " must be " << alignment

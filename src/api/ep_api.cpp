@@ -56,10 +56,18 @@ void run_checked(const EpConfig& c, const EpCall& a, const void* saved_state, Wo
                  const NamedTensor* outputs, int num_outputs, std::initializer_list<NamedTensor> with_tokens,
                  Run run) {
   check_common(c, a.peer_symmetric, a.workspace, a.workspace_bytes, use, a.num_tokens, a.num_sms);
+  const bool fp8 = c.layer.precision == Precision::kFp8Blockwise;
   const NamedTensor weights[] = {{a.w13, "w13", kTmaAlignment}, {a.w2, "w2", kTmaAlignment}};
   const NamedTensor tokens[] = {
       {a.x, "x", kTmaAlignment}, {a.topk_idx, "topk_idx", 4}, {a.topk_weights, "topk_weights", 4}};
-  check_tensors(std::begin(weights), std::end(weights));
+  // The bf16 weights: required at bf16; an FP8 call does not read them (null both, or both checked).
+  const bool bf16_weights = !fp8 || a.w13 != nullptr || a.w2 != nullptr;
+  if (bf16_weights) check_tensors(std::begin(weights), std::end(weights));
+  check_fp8_weights_arg(c.layer, a.fp8_weights);
+  FUSEMOE_CHECK(fp8 || a.fp8_weights == nullptr,
+                "fp8_weights must be null at precision " << precision_name(c.layer.precision)
+                                                         << " (only an fp8_blockwise layer reads FP8 weights), got "
+                                                         << a.fp8_weights);
   check_tensors(outputs, outputs + num_outputs);
   if (a.num_tokens > 0) {
     check_tensors(std::begin(tokens), std::end(tokens));
@@ -68,7 +76,8 @@ void run_checked(const EpConfig& c, const EpCall& a, const void* saved_state, Wo
   if (saved_state != nullptr) check_tensor(saved_state, "saved_state", kTmaAlignment);
   if (a.expert_id_report != nullptr) check_tensor(a.expert_id_report, "expert_id_report", 4);
   check_device();
-  check_device_pointers(std::begin(weights), std::end(weights));
+  if (bf16_weights) check_device_pointers(std::begin(weights), std::end(weights));
+  if (fp8) check_device_pointer(a.fp8_weights, "fp8_weights");
   check_device_pointers(outputs, outputs + num_outputs);
   check_device_pointer(a.workspace, "workspace");
   if (a.num_tokens > 0) {
@@ -86,11 +95,12 @@ void run_checked(const EpConfig& c, const EpCall& a, const void* saved_state, Wo
 }  // namespace
 
 void validate_ep_config(const EpConfig& c) {
-  validate_config(c.layer);
-  // The expert-parallel pipeline runs the BF16 GEMM instances only (docs/design.md, Blockwise FP8).
-  FUSEMOE_CHECK(c.layer.precision == Precision::kBf16,
-                "layer.precision must be bf16 for expert parallelism (FP8 is single-GPU only), got "
-                    << precision_name(c.layer.precision));
+  validate_config(c.layer);  // the FP8 shape limits too (I % 128 == 0)
+  // The EP backward's weight gradients come from its bf16 pools; the FP8 ones (token-blocked
+  // pools of the owner's rows) are not built for it yet.
+  FUSEMOE_CHECK(!c.layer.fp8_weight_grads,
+                "layer.fp8_weight_grads must be false for expert parallelism (not supported yet: the weight "
+                "gradients come from bf16 operands), got true");
   FUSEMOE_CHECK(c.world_size == 1 || c.world_size == 2 || c.world_size == 4 || c.world_size == 8,
                 "world_size must be 1, 2, 4 or 8, got " << c.world_size);
   FUSEMOE_CHECK(c.rank >= 0 && c.rank < c.world_size,
@@ -133,6 +143,17 @@ size_t ep_workspace_bytes(const EpConfig& config) {
 size_t ep_saved_state_bytes(const EpConfig& config) {
   validate_ep_config(config);
   return saved_z_bytes(owner_layer(config));  // z of the owner's R * T * K rows
+}
+
+size_t ep_fp8_weights_bytes(const EpConfig& config) {
+  validate_ep_config(config);
+  return fp8_weights_bytes(owner_layer(config));  // the single-GPU buffer of this rank's E/R experts
+}
+
+void ep_quantize_weights_fp8(const EpConfig& config, const void* w13, const void* w2, void* buffer,
+                             size_t buffer_bytes, cudaStream_t stream) {
+  validate_ep_config(config);
+  quantize_weights_fp8(owner_layer(config), w13, w2, buffer, buffer_bytes, stream);
 }
 
 void ep_forward(const EpConfig& c, const EpForwardArgs& a) {

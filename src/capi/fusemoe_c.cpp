@@ -172,6 +172,7 @@ template <typename CArgs>
 fusemoe::EpCall ep_call_of(const CArgs& a) {
   fusemoe::EpCall call;
   copy_call_fields(call, a);
+  call.fp8_weights = a.fp8_weights;
   call.peer_symmetric = a.peer_symmetric;
   call.sync_check_expert_ids = a.expert_id_report == nullptr;
   call.num_sms = a.num_sms;
@@ -313,6 +314,7 @@ constexpr FieldLayout kEpForwardFields[] = {
     FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, topk_weights),
     FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, w13),
     FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, w2),
+    FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, fp8_weights),
     FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, y),
     FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, num_tokens),
     FUSEMOE_C_FIELD(FusemoeCEpForwardArgs, peer_symmetric),
@@ -330,6 +332,7 @@ constexpr FieldLayout kEpBackwardFields[] = {
     FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, topk_weights),
     FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, w13),
     FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, w2),
+    FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, fp8_weights),
     FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, dy),
     FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, dx),
     FUSEMOE_C_FIELD(FusemoeCEpBackwardArgs, d_topk_weights),
@@ -483,6 +486,20 @@ int32_t fusemoe_c_ep_workspace_bytes_for(const FusemoeCEpConfig* config, int32_t
 
 int32_t fusemoe_c_ep_saved_state_bytes(const FusemoeCEpConfig* config, uint64_t* bytes) {
   return ep_bytes(config, bytes, [](const fusemoe::EpConfig& c) { return fusemoe::ep_saved_state_bytes(c); });
+}
+
+int32_t fusemoe_c_ep_fp8_weights_bytes(const FusemoeCEpConfig* config, uint64_t* bytes) {
+  return ep_bytes(config, bytes, [](const fusemoe::EpConfig& c) { return fusemoe::ep_fp8_weights_bytes(c); });
+}
+
+int32_t fusemoe_c_ep_quantize_weights_fp8(const FusemoeCEpConfig* config, const FusemoeCFp8QuantizeArgs* args) {
+  return guarded([&] {
+    const fusemoe::EpConfig c = ep_config_of(checked_struct(config, "config", "FusemoeCEpConfig"));
+    const FusemoeCFp8QuantizeArgs& a = checked_struct(args, "args", "FusemoeCFp8QuantizeArgs");
+    FUSEMOE_CHECK(a.w1 == nullptr && a.w3 == nullptr,
+                  "FusemoeCFp8QuantizeArgs.w1 and w3 must be null for expert parallelism (its layer takes w13)");
+    fusemoe::ep_quantize_weights_fp8(c, a.w13, a.w2, a.buffer, a.buffer_bytes, static_cast<cudaStream_t>(a.stream));
+  });
 }
 
 int32_t fusemoe_c_ep_forward(const FusemoeCEpConfig* config, const FusemoeCEpForwardArgs* args) {

@@ -37,10 +37,12 @@ __device__ __forceinline__ float row_block_max(float amax) {
 // and no row or column arithmetic (a 64-bit division per 16 bytes bound the per-row version; more
 // chunks a thread gained nothing: docs/experiments.md#fp8-x-quantization). H is a multiple of 128,
 // so a half-warp's 16 chunks are one whole block, all in range or none.
-__global__ void __launch_bounds__(kThreads) quantize_token_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src,
-                                                                           int64_t chunks, uint8_t* __restrict__ dst,
-                                                                           float* __restrict__ scales) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+// Chunk c of the flat array: both token-row kernels below run this, so their bytes are the same.
+// Every lane of the warp must call it (the block max is a shuffle); a chunk at or past `chunks`
+// computes on zeros and stores nothing.
+__device__ __forceinline__ void quantize_token_chunk(const __nv_bfloat16* __restrict__ src, int64_t chunks,
+                                                     uint8_t* __restrict__ dst, float* __restrict__ scales,
+                                                     int64_t c) {
   const uint4 raw = c < chunks ? __ldcs(reinterpret_cast<const uint4*>(src) + c) : make_uint4(0u, 0u, 0u, 0u);
   float v[8];
   sm90::unpack_bf16x8(raw, v);
@@ -49,6 +51,25 @@ __global__ void __launch_bounds__(kThreads) quantize_token_rows_fp8_kernel(const
   const sm90::Fp8Scale s = sm90::fp8_block_scale(amax);
   reinterpret_cast<uint2*>(dst)[c] = sm90::quantize_e4m3x8(v, s.inv);
   if (threadIdx.x % kLanesPerRowBlock == 0) scales[c / kLanesPerRowBlock] = s.scale;
+}
+
+__global__ void __launch_bounds__(kThreads) quantize_token_rows_fp8_kernel(const __nv_bfloat16* __restrict__ src,
+                                                                           int64_t chunks, uint8_t* __restrict__ dst,
+                                                                           float* __restrict__ scales) {
+  quantize_token_chunk(src, chunks, dst, scales, static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x);
+}
+
+// The same with the row count on the device (*num_rows; the grid is sized for the capacity): the
+// CTA strides over the chunks, its first chunk uniform over the CTA, so a warp's lanes run the
+// same iterations and the shuffles see all 32.
+__global__ void __launch_bounds__(kThreads) quantize_token_rows_fp8_device_count_kernel(
+    const __nv_bfloat16* __restrict__ src, const int32_t* __restrict__ num_rows, int64_t chunks_per_row,
+    uint8_t* __restrict__ dst, float* __restrict__ scales) {
+  const int64_t chunks = static_cast<int64_t>(__ldg(num_rows)) * chunks_per_row;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads; first < chunks;
+       first += static_cast<int64_t>(gridDim.x) * kThreads) {
+    quantize_token_chunk(src, chunks, dst, scales, first + threadIdx.x);
+  }
 }
 
 // The backward's dy (with x's plain pool beside it): one warp handles two (source row, block)
@@ -208,6 +229,19 @@ void launch_quantize_token_rows_fp8(const void* x_bf16, int64_t num_tokens, int6
   FUSEMOE_CHECK(grid < (int64_t{1} << 31), "internal error: too many token rows for one FP8 quantization grid");
   quantize_token_rows_fp8_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x_bf16), chunks, static_cast<uint8_t*>(fp8_TH), scales);
+  FUSEMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_quantize_token_rows_fp8_device_count(const void* x_bf16, const int32_t* num_rows_device, int64_t max_rows,
+                                                 int64_t hidden, void* fp8_TH, float* scales, cudaStream_t stream) {
+  FUSEMOE_CHECK(hidden > 0 && hidden % kFp8Block == 0, "internal error: FP8 rows need hidden % 128 == 0");
+  FUSEMOE_CHECK(num_rows_device != nullptr, "internal error: a device-count quantization needs the count");
+  if (max_rows == 0) return;
+  const int64_t chunks_per_row = hidden / 8;
+  const int64_t grid = std::min(kMaxGrid, (max_rows * chunks_per_row + kThreads - 1) / kThreads);
+  quantize_token_rows_fp8_device_count_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x_bf16), num_rows_device, chunks_per_row, static_cast<uint8_t*>(fp8_TH),
+      scales);
   FUSEMOE_CUDA_CHECK(cudaGetLastError());
 }
 

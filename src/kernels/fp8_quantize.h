@@ -29,6 +29,12 @@ struct Fp8RowsPlainCopy {
 void launch_quantize_token_rows_fp8(const void* x_bf16, int64_t num_tokens, int64_t hidden, void* fp8_TH,
                                     float* scales, cudaStream_t stream);
 
+// The same for rows whose count only the device knows (the expert-parallel owner's pulled token
+// rows): rows [0, *num_rows_device) of x [max_rows, H], the grid sized for max_rows, no host
+// synchronisation; each row's bytes are those launch_quantize_token_rows_fp8 writes for it.
+void launch_quantize_token_rows_fp8_device_count(const void* x_bf16, const int32_t* num_rows_device, int64_t max_rows,
+                                                 int64_t hidden, void* fp8_TH, float* scales, cudaStream_t stream);
+
 // The FP8 backward's dy: quantizes the num_src_rows rows of a bf16 [*, H] matrix in 1 x 128
 // blocks, each once, as launch_quantize_token_rows_fp8 does (fp8_TH [rows, H] E4M3, scales
 // row-major [rows, H/128]; the GEMM that reads them gathers token rows), and in the same pass

@@ -22,9 +22,12 @@ constexpr int kDgradZAhead = 2;
 template <bool kClamp, bool kStoreZ>
 using GateUpGemm = GroupedGemm<sm90::Fp8GatheredTokenRowsA, sm90::Fp8GateUpWeightsB, sm90::RowTileScheduler,
                                sm90::SwiGLUFp8Epilogue<kClamp, kStoreZ>>;
-// The row-store GEMMs at N = 256 (as their BF16 twins): each A tile serves twice the columns.
+// The row-store GEMMs at N = 256 (as their BF16 twins): each A tile serves twice the columns. The
+// slot-row ones write this rank's slots (kSlotRow) or, in the expert-parallel layer, the source
+// ranks' (kPeerSlot); block-scaled instances take the static tile order, as the EP layer needs.
+template <RowDestination kDest>
 using DownGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB<256>, sm90::RowTileScheduler,
-                             sm90::RowStoreEpilogue<256, true, RowDestination::kSlotRow>>;
+                             sm90::RowStoreEpilogue<256, true, kDest>>;
 // The z recompute and dgrad + SwiGLU gather their token rows (x, dy) as the gate/up does: each
 // token's row is quantized once, not stored to each of its K pool rows.
 using RecomputeZGemm = GroupedGemm<sm90::Fp8GatheredTokenRowsA, sm90::Fp8WeightsB<256>, sm90::RowTileScheduler,
@@ -34,8 +37,9 @@ template <bool kClamp>
 using DgradSwigluGemm =
     GroupedGemm<sm90::Fp8GatheredTokenRowsA, sm90::Fp8WeightsB<kSm90Fp8DgradBlockN>, sm90::RowTileScheduler,
                 sm90::DgradSwiGLUFp8Epilogue<kClamp, kDgradZAhead, kSm90Fp8DgradBlockN>>;
+template <RowDestination kDest>
 using DgradScatterGemm = GroupedGemm<sm90::Fp8PoolRowsA, sm90::Fp8WeightsB<256>, sm90::RowTileScheduler,
-                                     sm90::RowStoreEpilogue<256, false, RowDestination::kSlotRow>>;
+                                     sm90::RowStoreEpilogue<256, false, kDest>>;
 
 // Expert-output tiles over token-blocked pools; one staging box per consumer leaves room for the
 // scale records beside 4 stages.
@@ -45,8 +49,12 @@ using WeightGradGemm = GroupedGemm<sm90::Fp8TokenBlockedA, sm90::Fp8TokenBlocked
 
 static_assert(WeightGradGemm<false, false>::kStages == 4 && WeightGradGemm<true, true>::kStages == 4,
               "FP8 weight-gradient ring depth");
-static_assert(GateUpGemm<false, false>::kStages == 4 && DownGemm::kStages == 4 && DgradSwigluGemm<false>::kStages == 4,
+static_assert(GateUpGemm<false, false>::kStages == 4 && DownGemm<RowDestination::kSlotRow>::kStages == 4 &&
+                  DgradSwigluGemm<false>::kStages == 4,
               "FP8 ring depth");
+static_assert(!DownGemm<RowDestination::kPeerSlot>::kDynamicTiles &&
+                  !DgradScatterGemm<RowDestination::kPeerSlot>::kDynamicTiles,
+              "the expert-parallel layer's GEMMs take the static tile order (nothing zeroes a tile counter)");
 
 // A row-tile GEMM over K (a multiple of 128) with N output columns.
 sm90::GemmShape fp8_rows_shape(const Sm90Rows& rows, int64_t k, int64_t n, int64_t b_rows_per_expert) {
@@ -127,13 +135,25 @@ void launch_row_store(WaitKernel kernel_name, const Sm90Rows& rows, const typena
   sm90::launch_grouped_gemm(params, rows, kernel_name);
 }
 
+// A slot-row instance (DownGemm, DgradScatterGemm) at the destination the call asks for:
+// launch(Gemm) with this rank's slots (kSlotRow) or, with to_peers, the source ranks' (kPeerSlot).
+template <template <RowDestination> class SlotGemm, class Launch>
+void with_slot_destination(const Sm90PeerRows* to_peers, Launch&& launch) {
+  if (to_peers != nullptr) {
+    FUSEMOE_ASSERT(to_peers->row_src && to_peers->row_slot);
+    launch(SlotGemm<RowDestination::kPeerSlot>{});
+  } else {
+    launch(SlotGemm<RowDestination::kSlotRow>{});
+  }
+}
+
 template <bool kClamp>
 void launch_dgrad_swiglu(const Sm90Fp8DgradSwigluParams& p) {
   using Gemm = DgradSwigluGemm<kClamp>;
   const Sm90Rows& rows = p.rows;
   const int64_t H = rows.hidden, I = rows.intermediate;
   typename Gemm::Epilogue::Args epilogue{};
-  epilogue.row_slot = p.row_slot;
+  epilogue.row_slot = p.weight_index != nullptr ? p.weight_index : p.row_slot;  // the weight's index only
   epilogue.topk_weights = p.topk_weights;
   epilogue.z = static_cast<const __nv_bfloat16*>(p.z);
   epilogue.dz = static_cast<__nv_bfloat16*>(p.dz);
@@ -199,14 +219,18 @@ void launch_sm90_fp8_down_weighted(const Sm90Fp8DownParams& p) {
   const Sm90Rows& rows = p.rows;
   assert_fp8_rows(rows);
   if (rows.max_rows == 0) return;
-  FUSEMOE_ASSERT(p.h_fp8 && p.h_scales && p.weights.w2 && p.weights.w2_scales && p.row_slot && p.topk_weights &&
-                 p.ys);
+  FUSEMOE_ASSERT(p.h_fp8 && p.h_scales && p.weights.w2 && p.weights.w2_scales);
+  FUSEMOE_ASSERT(p.to_peers != nullptr ? p.to_peers->row_weight != nullptr
+                                       : (p.row_slot && p.topk_weights && p.ys));
   const int64_t H = rows.hidden, I = rows.intermediate;
-  launch_row_store<DownGemm>(WaitKernel::kFp8Down, rows,
-                             pool_a(rows, p.h_fp8, p.h_scales, I, weight_scales(p.weights.w2_scales, H, I, false),
-                                    "h_fp8"),
-                             I, p.weights.w2, H, H, {static_cast<__nv_bfloat16*>(p.ys), p.row_slot, p.topk_weights},
-                             "w2_fp8");
+  const sm90::Fp8PoolRowsA::Args a =
+      pool_a(rows, p.h_fp8, p.h_scales, I, weight_scales(p.weights.w2_scales, H, I, false), "h_fp8");
+  with_slot_destination<DownGemm>(p.to_peers, [&](auto gemm) {
+    using Gemm = decltype(gemm);
+    launch_row_store<Gemm>(WaitKernel::kFp8Down, rows, a, I, p.weights.w2, H, H,
+                           sm90::slot_store_args<typename Gemm::Epilogue>(p.ys, p.row_slot, p.topk_weights, p.to_peers),
+                           "w2_fp8");
+  });
 }
 
 void launch_sm90_fp8_recompute_z(const Sm90Fp8RecomputeZParams& p) {
@@ -236,14 +260,18 @@ void launch_sm90_fp8_dgrad_scatter(const Sm90Fp8DgradScatterParams& p) {
   const Sm90Rows& rows = p.rows;
   assert_fp8_rows(rows);
   if (rows.max_rows == 0) return;
-  FUSEMOE_ASSERT(p.dz_fp8 && p.dz_scales && p.weights.w13_t && p.weights.w13_scales && p.row_slot && p.dx_slots);
+  FUSEMOE_ASSERT(p.dz_fp8 && p.dz_scales && p.weights.w13_t && p.weights.w13_scales);
+  FUSEMOE_ASSERT(p.to_peers != nullptr || (p.row_slot && p.dx_slots));
   const int64_t H = rows.hidden, I = rows.intermediate;
   // dxs = dz W13_e: B = W13_e^T [H, 2I] (K = 2I), i.e. w13_t; its (n = h, kb = f) block is w13's (f, h).
-  launch_row_store<DgradScatterGemm>(WaitKernel::kFp8DgradScatter, rows,
-                                     pool_a(rows, p.dz_fp8, p.dz_scales, 2 * I,
-                                            weight_scales(p.weights.w13_scales, 2 * I, H, true), "dz_fp8"),
-                                     2 * I, p.weights.w13_t, H, H,
-                                     {static_cast<__nv_bfloat16*>(p.dx_slots), p.row_slot, nullptr}, "w13_t_fp8");
+  const sm90::Fp8PoolRowsA::Args a =
+      pool_a(rows, p.dz_fp8, p.dz_scales, 2 * I, weight_scales(p.weights.w13_scales, 2 * I, H, true), "dz_fp8");
+  with_slot_destination<DgradScatterGemm>(p.to_peers, [&](auto gemm) {
+    using Gemm = decltype(gemm);
+    launch_row_store<Gemm>(WaitKernel::kFp8DgradScatter, rows, a, 2 * I, p.weights.w13_t, H, H,
+                           sm90::slot_store_args<typename Gemm::Epilogue>(p.dx_slots, p.row_slot, nullptr, p.to_peers),
+                           "w13_t_fp8");
+  });
 }
 
 }  // namespace fusemoe

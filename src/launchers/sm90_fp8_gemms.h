@@ -50,6 +50,8 @@ struct Sm90Fp8DownParams {
   const int32_t* row_slot = nullptr;
   const float* topk_weights = nullptr;  // [S]
   void* ys = nullptr;                   // [S, H] bf16 (output)
+  // Set: rows go to other ranks instead (row_slot, topk_weights and ys unused), as Sm90DownParams.
+  const Sm90PeerRows* to_peers = nullptr;
 };
 
 struct Sm90Fp8RecomputeZParams {
@@ -74,6 +76,9 @@ struct Sm90Fp8DgradSwigluParams {
   const int32_t* row_slot = nullptr;    // [R_max]: the gathered token and the routing weight's slot
   int64_t top_k = 0;
   const float* topk_weights = nullptr;
+  // Set: row r's routing weight is topk_weights[weight_index[r]] instead of topk_weights[row_slot[r]]
+  // (the expert-parallel owner gathers pool rows with top_k 1 and keeps its weights by row).
+  const int32_t* weight_index = nullptr;
   void* dz = nullptr;                   // [R_max, 2I] bf16 (output)
   void* wh = nullptr;                   // [R_max, I] bf16 (output)
   float* router_partials = nullptr;     // [R_max, ceil(I / kSm90Fp8DgradBlockN)] fp32 (output)
@@ -90,6 +95,8 @@ struct Sm90Fp8DgradScatterParams {
   Fp8Weights weights;                 // w13_t, w13_scales
   const int32_t* row_slot = nullptr;
   void* dx_slots = nullptr;           // [S, H] bf16 (output)
+  // Set: rows go to other ranks instead (row_slot and dx_slots unused), as Sm90DgradScatterParams.
+  const Sm90PeerRows* to_peers = nullptr;
 };
 
 // A weight gradient from token-blocked pools (launch_quantize_token_blocked_fp8):

@@ -130,6 +130,26 @@ void launch_pool_rows_gemm(WaitKernel kernel_name, const Sm90Rows& rows, const v
   launch_grouped_gemm(params, rows, kernel_name);
 }
 
+// The arguments of a row-store epilogue that writes slot rows (RowStoreEpilogue at kSlotRow or
+// kPeerSlot): row r to row row_slot[r] of `slots`, or (kToPeers) to row to_peers->row_slot[r] of
+// rank to_peers->row_src[r]'s slot buffer, weighted by to_peers->row_weight[r].
+template <class Epilogue>
+typename Epilogue::Args slot_store_args(void* slots, const int32_t* row_slot, const float* topk_weights,
+                                        const Sm90PeerRows* to_peers) {
+  typename Epilogue::Args epilogue{};
+  if constexpr (Epilogue::kToPeers) {
+    epilogue.row_slot = to_peers->row_slot;
+    epilogue.topk_weights = to_peers->row_weight;
+    epilogue.row_src = to_peers->row_src;
+    for (int d = 0; d < kMaxPeers; ++d) epilogue.peer_out[d] = static_cast<__nv_bfloat16*>(to_peers->slot_buffers[d]);
+  } else {
+    epilogue.out = static_cast<__nv_bfloat16*>(slots);
+    epilogue.row_slot = row_slot;
+    epilogue.topk_weights = topk_weights;
+  }
+  return epilogue;
+}
+
 // The pool-row instances that write slot rows (down, dgrad of x): row r to row row_slot[r] of
 // `slots`, or, with to_peers, to its source rank's slot buffer. SlotGemm<kDest> is the instance;
 // topk_weights is read only by weighted ones.
@@ -140,19 +160,9 @@ void launch_to_slots(WaitKernel kernel_name, const Sm90Rows& rows, const void* a
                      const void* b_up = nullptr, const char* b_up_name = nullptr) {
   auto launch = [&](auto gemm) {
     using Gemm = decltype(gemm);
-    typename Gemm::Epilogue::Args epilogue{};
-    if constexpr (Gemm::Epilogue::kToPeers) {
-      epilogue.row_slot = to_peers->row_slot;
-      epilogue.topk_weights = to_peers->row_weight;
-      epilogue.row_src = to_peers->row_src;
-      for (int d = 0; d < kMaxPeers; ++d) epilogue.peer_out[d] = static_cast<__nv_bfloat16*>(to_peers->slot_buffers[d]);
-    } else {
-      epilogue.out = static_cast<__nv_bfloat16*>(slots);
-      epilogue.row_slot = row_slot;
-      epilogue.topk_weights = topk_weights;
-    }
-    launch_pool_rows_gemm<Gemm>(kernel_name, rows, a_pool, k, b, b_rows_per_expert, n, epilogue, a_name, b_name, b_up,
-                                b_up_name);
+    launch_pool_rows_gemm<Gemm>(kernel_name, rows, a_pool, k, b, b_rows_per_expert, n,
+                                slot_store_args<typename Gemm::Epilogue>(slots, row_slot, topk_weights, to_peers),
+                                a_name, b_name, b_up, b_up_name);
   };
   if (to_peers != nullptr) {
     FUSEMOE_ASSERT(to_peers->row_src && to_peers->row_slot);

@@ -12,6 +12,7 @@
 #include "common/workspace_carver.h"
 #include "fusemoe/expert_parallel.h"
 #include "kernels/routing.h"
+#include "launchers/sm90_fp8_gemms.h"
 #include "launchers/sm90_grouped_gemm.h"
 
 namespace fusemoe {
@@ -84,6 +85,11 @@ struct EpOwnerPlan {
 
 // A rank's private workspace. Forward: routing, owner plan, pool, h. Backward adds the dy pool,
 // the expert-sorted x and dy rows, dz, wh, router partials and (unless saved) z.
+// Precision::kFp8Blockwise: the forward keeps h in E4M3 (no bf16 h) with the x pool quantized per
+// row; the backward adds the dy pool quantized per row, dz in E4M3 and (when z is recomputed) the
+// x pool quantized per row. Every FP8 region follows the BF16 ones, so BF16 sizes are unchanged.
+// Row scales: token-major [pool rows, H/128] for the pools (the GEMMs gather their rows), block-
+// major [K/128, rows_pad] for h and dz (rows_pad = sm90_fp8_rows_pad(Q)), as on one GPU.
 struct EpPrivate {
   RoutingPlan plan;         // source side: this rank's slots by global expert
   int32_t* dest_TR;         // [T, R]: d if token t has a slot on rank d, else -1
@@ -98,6 +104,14 @@ struct EpPrivate {
   void* wh = nullptr;       // [Q, I] bf16
   float* partials = nullptr;  // [Q, router partials per row]
   void* z = nullptr;        // [Q, 2I] bf16 (backward without saved z)
+  void* x_pool_fp8 = nullptr;      // [P, H] E4M3 (FP8: forward, backward without saved z)
+  float* x_pool_scales = nullptr;  // [P, H/128]
+  void* h_fp8 = nullptr;           // [Q, I] E4M3 (FP8 forward)
+  float* h_scales = nullptr;       // [I/128, rows_pad]
+  void* dy_pool_fp8 = nullptr;     // [P, H] E4M3 (FP8 backward)
+  float* dy_pool_scales = nullptr; // [P, H/128]
+  void* dz_fp8 = nullptr;          // [Q, 2I] E4M3 (FP8 backward)
+  float* dz_scales = nullptr;      // [2I/128, rows_pad]
   size_t total_bytes = 0;
 
   EpPrivate(const EpConfig& c, void* base, WorkspaceUse use) {
@@ -120,8 +134,9 @@ struct EpPrivate {
     owner.row_weight = carver.take<float>(Q * 4);
     owner.row_identity = carver.take<int32_t>(Q * 4);
     x_pool = carver.take(P * H * 2);
+    const bool fp8 = l.precision == Precision::kFp8Blockwise;
     if (use == WorkspaceUse::kForward) {
-      h = carver.take(Q * I * 2);
+      h = fp8 ? nullptr : carver.take(Q * I * 2);
     } else {
       h = nullptr;
       dy_pool = carver.take(P * H * 2);
@@ -129,8 +144,27 @@ struct EpPrivate {
       dys = carver.take(Q * H * 2);
       dz = carver.take(Q * 2 * I * 2);
       wh = carver.take(Q * I * 2);
+      // ceil(I / 128) per row: the BF16 dgrad's narrowest tiles, so also enough for FP8's 256-wide ones.
       partials = carver.take<float>(Q * sm90_router_partials_per_row(I) * 4);
       if (use == WorkspaceUse::kBackward) z = carver.take(Q * 2 * I * 2);
+    }
+    if (fp8) {
+      const int64_t rows_pad = sm90_fp8_rows_pad(Q);
+      auto take_x_pool_fp8 = [&] {
+        x_pool_fp8 = carver.take(P * H);
+        x_pool_scales = carver.take<float>(P * (H / 128) * 4);
+      };
+      if (use == WorkspaceUse::kForward) {
+        take_x_pool_fp8();
+        h_fp8 = carver.take(Q * I);
+        h_scales = carver.take<float>((I / 128) * rows_pad * 4);
+      } else {
+        dy_pool_fp8 = carver.take(P * H);
+        dy_pool_scales = carver.take<float>(P * (H / 128) * 4);
+        dz_fp8 = carver.take(Q * 2 * I);
+        dz_scales = carver.take<float>((2 * I / 128) * rows_pad * 4);
+        if (use == WorkspaceUse::kBackward) take_x_pool_fp8();  // the z recompute gathers its rows
+      }
     }
     total_bytes = carver.bytes();
   }

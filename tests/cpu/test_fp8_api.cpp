@@ -49,15 +49,149 @@ TEST(Fp8Api, ConfigLimits) {
   }
 }
 
-// Expert parallelism runs the BF16 instances only: an FP8 layer is rejected, naming the field.
-TEST(Fp8Api, ExpertParallelRejectsFp8) {
+// Expert parallelism at FP8: the single-GPU FP8 shape limits, and FP8 weight gradients refused by
+// name (the EP backward's weight gradients come from bf16 operands).
+TEST(Fp8ExpertParallelApi, ConfigLimits) {
   EpConfig ep;
   ep.layer = fp8_config();
   ep.world_size = 2;
-  expect_error_mentioning([&] { validate_ep_config(ep); }, "layer.precision must be bf16");
-  expect_error_mentioning([&] { (void)ep_symmetric_bytes(ep); }, "layer.precision must be bf16");
-  ep.layer.precision = Precision::kBf16;
   EXPECT_NO_THROW(validate_ep_config(ep));
+  EXPECT_GT(ep_symmetric_bytes(ep), 0u);
+  ep.layer.intermediate = 192;  // fine for bf16, not for FP8's 1 x 128 blocks of h
+  expect_error_mentioning([&] { validate_ep_config(ep); }, "multiple of 128");
+  ep.layer = fp8_config();
+  ep.layer.fp8_weight_grads = true;
+  expect_error_mentioning([&] { validate_ep_config(ep); }, "layer.fp8_weight_grads must be false");
+  expect_error_mentioning([&] { (void)ep_workspace_bytes(ep); }, "layer.fp8_weight_grads must be false");
+}
+
+// EpCall::fp8_weights' size through the EP API: the single-GPU buffer of the E / R local experts,
+// also when top_k > E / R (fp8_config's K against R = 8), where a local LayerConfig with the
+// layer's own top_k is invalid.
+TEST(Fp8ExpertParallelApi, LocalWeightsBufferForFewLocalExperts) {
+  EpConfig ep;
+  ep.layer = fp8_config();
+  ep.world_size = 8;
+  ASSERT_EQ(ep.layer.num_experts % ep.world_size, 0);
+  LayerConfig local = ep.layer;
+  local.num_experts /= ep.world_size;
+  ASSERT_GT(local.top_k, local.num_experts) << "the case this test is for";
+  expect_error_mentioning([&] { (void)fp8_weights_bytes(local); }, "top_k");
+  local.top_k = 1;
+  EXPECT_EQ(ep_fp8_weights_bytes(ep), fp8_weights_bytes(local));
+  ep.layer.fp8_weight_grads = true;
+  expect_error_mentioning([&] { (void)ep_fp8_weights_bytes(ep); }, "layer.fp8_weight_grads must be false");
+}
+
+// The FP8 regions of an EP rank's private workspace, against the BF16 one of the same shape:
+// P = R T pool rows, Q = R T K owner rows (src/pipelines/ep_workspace.h); the symmetric workspace and
+// the saved state (bf16 z) are the same at both precisions.
+TEST(Fp8ExpertParallelApi, WorkspacePerCall) {
+  EpConfig fp8;
+  fp8.layer = fp8_config();
+  fp8.layer.max_tokens = 1000;
+  fp8.world_size = 4;
+  EpConfig bf16 = fp8;
+  bf16.layer.precision = Precision::kBf16;
+  auto a = [](int64_t bytes) { return static_cast<size_t>((bytes + 255) / 256 * 256); };
+  const int64_t R = fp8.world_size, T = fp8.layer.max_tokens, K = fp8.layer.top_k, H = fp8.layer.hidden,
+                I = fp8.layer.intermediate;
+  const int64_t P = R * T, Q = R * T * K, rows_pad = (Q + 3) / 4 * 4;
+  auto bytes = [](const EpConfig& c, WorkspaceUse use) { return ep_workspace_bytes(c, use); };
+  // Forward: the x pool quantized per row (token-major scales), h in E4M3 with block-major scales
+  // instead of bf16.
+  EXPECT_EQ(bytes(fp8, WorkspaceUse::kForward) + a(Q * I * 2),
+            bytes(bf16, WorkspaceUse::kForward) + a(P * H) + a(P * (H / 128) * 4) + a(Q * I) +
+                a((I / 128) * rows_pad * 4));
+  // Backward with saved z: the dy pool quantized per row, dz in E4M3 with block-major scales.
+  EXPECT_EQ(bytes(fp8, WorkspaceUse::kBackwardSavedZ), bytes(bf16, WorkspaceUse::kBackwardSavedZ) + a(P * H) +
+                                                           a(P * (H / 128) * 4) + a(Q * 2 * I) +
+                                                           a((2 * I / 128) * rows_pad * 4));
+  // Recomputing z also needs z (as at bf16) and the x pool quantized per row.
+  EXPECT_EQ(bytes(fp8, WorkspaceUse::kBackward) - bytes(fp8, WorkspaceUse::kBackwardSavedZ),
+            a(Q * 2 * I * 2) + a(P * H) + a(P * (H / 128) * 4));
+  EXPECT_EQ(ep_workspace_bytes(fp8), bytes(fp8, WorkspaceUse::kBackward));
+  EXPECT_EQ(ep_symmetric_bytes(fp8), ep_symmetric_bytes(bf16));
+  EXPECT_EQ(ep_saved_state_bytes(fp8), ep_saved_state_bytes(bf16));
+}
+
+// BF16 expert-parallel sizes as main computed them before FP8 came to the EP layer (values from
+// main's library at 4f9a5ac): the FP8 regions must not move or grow a BF16 workspace.
+TEST(Fp8ExpertParallelApi, Bf16SizesUnchanged) {
+  struct Sizes {
+    int64_t H, I, E, K, T;
+    int R;
+    size_t forward, backward, backward_saved_z, symmetric, saved_state;
+  };
+  const Sizes golden[] = {
+      {256, 128, 8, 4, 400, 4, 2621696, 16573696, 13296896, 1321984, 3276800},
+      {7168, 2048, 256, 8, 4096, 8, 1549443072, 13847142400, 11699658752, 590615296, 2147483648},
+      {2048, 768, 128, 8, 1000, 2, 33186304, 271138304, 221986304, 41193984, 49152000},
+      {512, 192, 16, 2, 1, 1, 8448, 16896, 15360, 6656, 1536},
+  };
+  for (const Sizes& g : golden) {
+    EpConfig c;
+    c.layer = harness::layer_config(g.H, g.I, g.E, g.K, g.T);
+    c.world_size = g.R;
+    SCOPED_TRACE("H " + std::to_string(g.H) + " I " + std::to_string(g.I) + " E " + std::to_string(g.E) + " K " +
+                 std::to_string(g.K) + " T " + std::to_string(g.T) + " R " + std::to_string(g.R));
+    EXPECT_EQ(ep_workspace_bytes(c, WorkspaceUse::kForward), g.forward);
+    EXPECT_EQ(ep_workspace_bytes(c, WorkspaceUse::kBackward), g.backward);
+    EXPECT_EQ(ep_workspace_bytes(c, WorkspaceUse::kBackwardSavedZ), g.backward_saved_z);
+    EXPECT_EQ(ep_symmetric_bytes(c), g.symmetric);
+    EXPECT_EQ(ep_saved_state_bytes(c), g.saved_state);
+  }
+}
+
+// An EP call of 8 tokens on rank 0 of 2 at fake aligned addresses: the host checks reject it
+// before any pointer is used.
+EpForwardArgs plausible_ep_forward_args(const EpConfig& c, void* const* peers) {
+  EpForwardArgs a;
+  a.call.x = reinterpret_cast<const void*>(0x10000);
+  a.call.topk_idx = reinterpret_cast<const int32_t*>(0x20000);
+  a.call.topk_weights = reinterpret_cast<const float*>(0x30000);
+  a.call.w13 = reinterpret_cast<const void*>(0x40000);
+  a.call.w2 = reinterpret_cast<const void*>(0x50000);
+  a.call.num_tokens = 8;
+  a.call.peer_symmetric = peers;
+  a.call.workspace = reinterpret_cast<void*>(0x70000);
+  a.call.workspace_bytes = ep_workspace_bytes(c);
+  a.y = reinterpret_cast<void*>(0x60000);
+  return a;
+}
+
+// EpCall::fp8_weights: required at FP8, refused at bf16, each error naming the field; an FP8 call
+// may leave out both bf16 weights, not one of them.
+TEST(Fp8ExpertParallelApi, Fp8WeightsArgument) {
+  EpConfig c;
+  c.layer = fp8_config();
+  c.world_size = 2;
+  void* const peers[2] = {reinterpret_cast<void*>(0x200000), reinterpret_cast<void*>(0x300000)};
+  EpForwardArgs fa = plausible_ep_forward_args(c, peers);
+  expect_error_mentioning([&] { ep_forward(c, fa); }, "fp8_weights must not be null at precision fp8_blockwise");
+  fa.call.fp8_weights = reinterpret_cast<const void*>(kPlausibleFp8Weights + 16);
+  expect_error_mentioning([&] { ep_forward(c, fa); }, "fp8_weights must be 256-byte aligned");
+  fa.call.fp8_weights = reinterpret_cast<const void*>(kPlausibleFp8Weights);
+  fa.call.w2 = nullptr;  // one bf16 weight without the other
+  expect_error_mentioning([&] { ep_forward(c, fa); }, "w2");
+  EpBackwardArgs ba;
+  ba.call = plausible_ep_forward_args(c, peers).call;
+  ba.dy = reinterpret_cast<const void*>(0x80000);
+  ba.dx = reinterpret_cast<void*>(0x90000);
+  ba.d_topk_weights = reinterpret_cast<float*>(0xa0000);
+  expect_error_mentioning([&] { ep_backward(c, ba); }, "fp8_weights must not be null at precision fp8_blockwise");
+  EpConfig bf16 = c;
+  bf16.layer.precision = Precision::kBf16;
+  ba.call.workspace_bytes = ep_workspace_bytes(bf16);
+  ba.call.fp8_weights = reinterpret_cast<const void*>(kPlausibleFp8Weights);
+  expect_error_mentioning([&] { ep_backward(bf16, ba); }, "fp8_weights must be null at precision bf16");
+  fa = plausible_ep_forward_args(bf16, peers);
+  fa.call.fp8_weights = reinterpret_cast<const void*>(kPlausibleFp8Weights);
+  expect_error_mentioning([&] { ep_forward(bf16, fa); }, "fp8_weights must be null at precision bf16");
+  // FP8 weight gradients in EP: refused by name at the call too.
+  EpConfig wg = c;
+  wg.layer.fp8_weight_grads = true;
+  expect_error_mentioning([&] { ep_backward(wg, ba); }, "layer.fp8_weight_grads must be false");
 }
 
 TEST(Fp8Api, WorkspacePerCall) {

@@ -4,7 +4,9 @@
 // signals. Every output must be bitwise the single-GPU fused layer's on the concatenated batch
 // (rank 0's tokens first) with all experts local: y, dx and d_topk_weights of each rank's tokens,
 // dw13/dw2 of each rank's experts. Outputs, private workspaces and (in one case) the symmetric
-// workspaces are NaN-poisoned first.
+// workspaces are NaN-poisoned first. The FP8 cases (ExpertParallelFp8) compare with the single-GPU
+// FP8 fused layer the same way: each rank gets the FP8 buffer of its own experts (quantized for a
+// layer of E / R experts) and null bf16 weights, which an FP8 call must not read.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -53,6 +55,8 @@ struct EpCase {
   // symmetric workspace is zeroed there: the zeroing then runs while the ranks are mid-protocol
   // unless the set-up waits for it before any rank starts.
   int delay_zeroing_ms = 0;
+  Precision precision = Precision::kBf16;  // of both layers
+  int64_t intermediate = 0;                // I of the layer; 0: kEpDims' (128)
 };
 
 // Bytes of the whole layer's initial dw13 or dw2 for an accumulating backward: element i holds
@@ -81,7 +85,10 @@ constexpr Dims kEpDims{0, 256, 128, 8, 4};
 RawOutputs run_single_gpu(const HostProblem& p, const EpCase& c) {
   const Dims& d = p.d;
   LayerConfig config = config_of(d, std::max<int64_t>(d.T, 1));
+  config.precision = c.precision;
+  const bool fp8 = c.precision == Precision::kFp8Blockwise;
   const DeviceInputs in(p);
+  const DeviceBuffer fp8_weights = fp8 ? quantized_weights(config, in.w13, in.w2) : DeviceBuffer();
   const size_t g = c.grad_dtype == WeightGradDtype::kBFloat16 ? 2 : 4;
   DeviceBuffer y(d.T * d.H * 2), dx(d.T * d.H * 2), dtw(d.T * d.K * 4), dw13(d.E * 2 * d.I * d.H * g),
       dw2(d.E * d.H * d.I * g), ws(workspace_bytes(config, Impl::kFused)),
@@ -91,12 +98,20 @@ RawOutputs run_single_gpu(const HostProblem& p, const EpCase& c) {
     dw13.copy_from(DeviceBuffer::from(initial_grads(d.E * 2 * d.I * d.H, c.grad_dtype)));
     dw2.copy_from(DeviceBuffer::from(initial_grads(d.E * d.H * d.I, c.grad_dtype)));
   }
+  // An FP8 call reads the FP8 buffer only.
+  auto set_weights = [&](auto& a) {
+    if (!fp8) return;
+    a.w13 = a.w2 = nullptr;
+    a.fp8_weights = fp8_weights.get();
+  };
   ForwardArgs fa = in.args<ForwardArgs>(d.T, ws);
   fa.y = y.get();
   fa.saved_z = c.save_z ? saved_z.get() : nullptr;
   fa.sync_check_expert_ids = false;
+  set_weights(fa);
   forward(config, Impl::kFused, fa);
   BackwardArgs ba = in.args<BackwardArgs>(d.T, ws);  // dy too
+  set_weights(ba);
   ba.dx = dx.get();
   ba.d_topk_weights = dtw.as<float>();
   ba.dw13 = dw13.get();
@@ -115,6 +130,7 @@ RawOutputs run_single_gpu(const HostProblem& p, const EpCase& c) {
 struct Rank {
   RankInputs in;
   DeviceBuffer y, dx, dtw, dw13, dw2, ws, saved, symmetric;
+  DeviceBuffer fp8_weights;  // FP8: the buffer of this rank's experts
   cudaStream_t stream = nullptr;
 };
 
@@ -129,7 +145,9 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
   for (int64_t t : c.tokens) max_tokens = std::max(max_tokens, t);
   EpConfig config;
   config.layer = config_of(d, max_tokens);
+  config.layer.precision = c.precision;
   config.world_size = R;
+  const bool fp8 = c.precision == Precision::kFp8Blockwise;
   int num_sms = 0;
   TEST_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
   std::vector<Rank> ranks(R);
@@ -142,6 +160,12 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
     Rank& k = ranks[r];
     const int64_t T = c.tokens[r], t0 = first_token[r];
     k.in = RankInputs(p, t0, T, r * El, El);
+    if (fp8) {  // this rank's E / R experts, through the EP API (K 4 > E / R at R 4 and 8 here)
+      k.fp8_weights = DeviceBuffer(ep_fp8_weights_bytes(config));
+      k.fp8_weights.poison();
+      ep_quantize_weights_fp8(config, k.in.w13.get(), k.in.w2.get(), k.fp8_weights.get(), k.fp8_weights.bytes(),
+                              nullptr);
+    }
     k.y = DeviceBuffer(T * d.H * 2);
     k.dx = DeviceBuffer(T * d.H * 2);
     k.dtw = DeviceBuffer(T * d.K * 4);
@@ -205,6 +229,10 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
           call_args = k.in.call(c.tokens[r], peers.data(), k.ws);
           call_args.num_sms = num_sms / R;
           call_args.stream = k.stream;
+          if (fp8) {
+            call_args.w13 = call_args.w2 = nullptr;
+            call_args.fp8_weights = k.fp8_weights.get();
+          }
           fa.y = k.y.get();
           fa.saved_state = c.save_z ? k.saved.get() : nullptr;
           ep_forward(rc, fa);
@@ -259,6 +287,7 @@ size_t first_difference(const std::vector<T>& a, const std::vector<T>& b) {
 
 void run_case(const EpCase& c) {
   Dims d = kEpDims;
+  if (c.intermediate > 0) d.I = c.intermediate;
   std::vector<int64_t> first(c.tokens.size(), 0);
   d.T = 0;
   for (size_t r = 0; r < c.tokens.size(); ++r) {
@@ -268,6 +297,14 @@ void run_case(const EpCase& c) {
   HostProblem p = make_problem(d, c.routing, 1000 + c.world_size);
   if (c.reroute) c.reroute(p, first);
   const RawOutputs single = run_single_gpu(p, c);
+  // Both sides poison with 0xFF, so an output neither side writes would compare equal: the
+  // reference must have written every element (an all-ones bf16/fp32 is a NaN, never a result).
+  const auto unwritten = [](const auto& v) {
+    using T = typename std::decay_t<decltype(v)>::value_type;
+    return std::count_if(v.begin(), v.end(), [](T e) { return e == static_cast<T>(~T{0}); });
+  };
+  EXPECT_EQ(unwritten(single.y), 0) << "single-GPU y";
+  EXPECT_EQ(unwritten(single.dx), 0) << "single-GPU dx";
   const auto ep = run_ep(p, c, first);
   const int64_t El = d.E / c.world_size;
   const size_t g = c.grad_dtype == WeightGradDtype::kBFloat16 ? 2 : 4;
@@ -377,6 +414,57 @@ TEST(ExpertParallel, SymmetricZeroingDoneBeforeTheRanksStart) {
 TEST(ExpertParallel, HundredCallsBitwiseEqual) {
   EpCase c{2, {64, 96}, Routing::kUniform};
   c.calls = 100;
+  run_case(c);
+}
+
+// Blockwise FP8 (Precision::kFp8Blockwise): the owner quantizes its pulled bf16 rows per row, so
+// every output is bitwise the single-GPU FP8 fused layer's on the concatenated batch.
+EpCase fp8_case(EpCase c) {
+  c.precision = Precision::kFp8Blockwise;
+  return c;
+}
+TEST(ExpertParallelFp8, TwoRanksUniformMatchesSingleGpu) { run_case(fp8_case({2, {300, 257}, Routing::kUniform})); }
+TEST(ExpertParallelFp8, FourRanksUnevenAndEmptyRanks) {
+  run_case(fp8_case({4, {400, 0, 129, 1}, Routing::kUniform}));
+}
+TEST(ExpertParallelFp8, EightRanksSkewedFp32GradsRecomputedZ) {
+  EpCase c = fp8_case({8, {100, 70, 0, 3, 128, 64, 1, 200}, Routing::kSkewed});
+  c.save_z = false;
+  c.grad_dtype = WeightGradDtype::kFloat32;
+  run_case(c);
+}
+TEST(ExpertParallelFp8, MaskedSlotsAndEmptyExperts) {
+  run_case(fp8_case({2, {200, 150}, Routing::kMasked}));
+  run_case(fp8_case({4, {100, 100, 100, 100}, Routing::kFewExperts}));
+}
+// I = 512: the FP8 dgrad writes ceil(I / 256) = 2 router partials per row (the buffer has room
+// for ceil(I / 128) = 4), so a stride mismatch between the dgrad and the push shows in
+// d_topk_weights (at I = 128 every row has one partial and no stride is exercised).
+TEST(ExpertParallelFp8, SeveralRouterPartialsPerRow) {
+  EpCase c = fp8_case({4, {150, 0, 64, 97}, Routing::kUniform});
+  c.intermediate = 512;
+  run_case(c);
+  c.save_z = false;
+  run_case(c);
+}
+TEST(ExpertParallelFp8, EveryTokenToOneExpert) {
+  EpCase c = fp8_case({2, {120, 80}, Routing::kUniform});
+  c.reroute = reroute_with([](int64_t, int64_t, int) { return 5; });  // repeated ids: all slots to expert 5
+  run_case(c);
+}
+// The FP8 backward gathers no bf16 x rows when dW13 is not asked for, even recomputing z (its
+// recompute reads the quantized x pool); two calls, accumulating, so the second starts over.
+TEST(ExpertParallelFp8, FrozenExpertsAndAccumulatedGradsRecomputedZ) {
+  for (bool save_z : {true, false}) {
+    EpCase c = fp8_case({2, {211, 96}, Routing::kUniform});
+    c.frozen_experts = true;
+    c.save_z = save_z;
+    run_case(c);
+  }
+  EpCase c = fp8_case({4, {64, 0, 150, 33}, Routing::kSkewed});
+  c.accumulate = true;
+  c.save_z = false;
+  c.calls = 2;
   run_case(c);
 }
 

@@ -71,6 +71,27 @@ TEST(Fp8Quantize, TokenRowsMatchHostRecipe) {
   for (float s : s_got) EXPECT_TRUE(std::isfinite(s) && s > 0.0f) << "scale " << s;
 }
 
+// The device-count variant (the expert-parallel owner's pulled rows): rows below the count read on
+// the device get the bytes of the host-count kernel above; rows past it keep their poison.
+TEST(Fp8Quantize, TokenRowsWithDeviceCountMatchHostCount) {
+  const int64_t max_rows = 77, H = 384, blocks = H / 128;
+  const std::vector<uint16_t> x = rows_with_edge_blocks(max_rows, H, 12);
+  const DeviceBuffer x_dev = DeviceBuffer::from(x);
+  for (int32_t count : {0, 1, 50, 77}) {
+    DeviceBuffer want_q(max_rows * H), want_s(max_rows * blocks * 4), got_q(max_rows * H),
+        got_s(max_rows * blocks * 4);
+    for (DeviceBuffer* b : {&want_q, &want_s, &got_q, &got_s}) b->poison();
+    const DeviceBuffer count_dev = DeviceBuffer::from(std::vector<int32_t>{count});
+    launch_quantize_token_rows_fp8(x_dev.get(), count, H, want_q.get(), static_cast<float*>(want_s.get()), nullptr);
+    launch_quantize_token_rows_fp8_device_count(x_dev.get(), count_dev.as<int32_t>(), max_rows, H, got_q.get(),
+                                                static_cast<float*>(got_s.get()), nullptr);
+    TEST_CUDA(cudaDeviceSynchronize());
+    const std::string where = "count " + std::to_string(count);
+    EXPECT_TRUE(got_q.to_host<uint8_t>() == want_q.to_host<uint8_t>()) << where << ": E4M3 rows differ";
+    EXPECT_TRUE(got_s.to_host<uint8_t>() == want_s.to_host<uint8_t>()) << where << ": scales differ";
+  }
+}
+
 // The backward's dy: each token's row quantized once to [T, H] with row-major scales [T, H/128]
 // (as the token kernel above), its bf16 copy stored to its slots' pool rows slot_row[t * K + j],
 // masked slots (-1) skipped, and a second source's plain copy to the same rows (x beside dy);

@@ -218,6 +218,16 @@ def add_into(out, grad_fp32, accumulate):
         out.copy_(grad_fp32)
 
 
+def fp8_stand_in_weights(fp8_weights, w13_EFH, w2_EHI):
+    """The bf16 weights the CPU stand-in of fusemoe::quantize_weights_fp8 stored in an FP8 weight
+    buffer (views of it; the buffer checked against w13/w2's shapes first)."""
+    from fusemoe._checks import _check_fp8_weights
+    _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
+    n13, n2 = 2 * w13_EFH.numel(), 2 * w2_EHI.numel()
+    return (fp8_weights[:n13].view(torch.bfloat16).view(w13_EFH.shape),
+            fp8_weights[n13:n13 + n2].view(torch.bfloat16).view(w2_EHI.shape))
+
+
 @_once
 def register_cpu_fp8_kernels():
     """CPU stand-ins for the FP8 ops (precision="fp8"), for the CPU tests of the Python layer's
@@ -225,15 +235,9 @@ def register_cpu_fp8_kernels():
     buffer (it has room: fp8_weights_bytes >= 2 bytes per weight), and the forward and backward
     read the weights back from that buffer, never from w13/w2 (as the library's FP8 ops do not),
     so a stale buffer gives wrong outputs. The math is the bf16 stand-ins', not FP8's."""
-    from fusemoe._checks import (_check_fp8_shapes, _check_fp8_weights, _check_tensor,
-                                 fp8_weights_bytes)
+    from fusemoe._checks import _check_fp8_shapes, _check_tensor, fp8_weights_bytes
     from fusemoe.ops import _check_inputs, _empty_saved_z
-
-    def weights_of(fp8_weights, w13_EFH, w2_EHI):
-        _check_fp8_weights(fp8_weights, w13_EFH, w2_EHI)
-        n13, n2 = 2 * w13_EFH.numel(), 2 * w2_EHI.numel()
-        return (fp8_weights[:n13].view(torch.bfloat16).view(w13_EFH.shape),
-                fp8_weights[n13:n13 + n2].view(torch.bfloat16).view(w2_EHI.shape))
+    weights_of = fp8_stand_in_weights
 
     @torch.library.register_kernel("fusemoe::quantize_weights_fp8", "cpu")
     def _quantize_cpu(w13_EFH, w2_EHI):
@@ -469,9 +473,20 @@ def register_cpu_ep_kernels():
     concatenated batch (rank 0's tokens first) in fp32 as the CPU kernels above do, and keeps its
     own tokens' rows and its own experts' weight gradients: the contract of the CUDA layer, so
     the module, autograd, the fake kernels and the training example can be tested without a GPU.
-    They validate their arguments with the ops' own checks first."""
+    They validate their arguments with the ops' own checks first. At precision "fp8" they read
+    each rank's weights back from its FP8 weight buffer (register_cpu_fp8_kernels' stand-in
+    stores the bf16 weights there), never from w13/w2, as the library does not: a stale buffer
+    gives wrong outputs. The math stays fp32, not FP8's."""
     import torch.distributed as dist
     from fusemoe import expert_parallel as ep
+
+    register_cpu_fp8_kernels()  # the FP8 weight buffer's stand-in
+
+    def local_weights(w13_LFH, w2_LHI, fp8_weights):
+        """This rank's weights as the layer reads them: from the FP8 buffer when given."""
+        if fp8_weights is None:
+            return w13_LFH, w2_LHI
+        return fp8_stand_in_weights(fp8_weights, w13_LFH, w2_LHI)
 
     def clamp_of(ctx):
         layer = ctx.config.layer
@@ -487,23 +502,23 @@ def register_cpu_ep_kernels():
 
     @torch.library.register_kernel("fusemoe::ep_moe_experts_forward", "cpu")
     def _forward_cpu(x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context, save_z,
-                     grad_in_place=False):
+                     grad_in_place=False, fp8_weights=None):
         ctx, num_tokens = ep._check_call(context, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH,
-                                         w2_LHI)
+                                         w2_LHI, fp8_weights=fp8_weights)
         (x, idx, w), first = gathered(ctx, x_TH, topk_idx_TK, topk_weights_TK)
-        (w13, w2), _ = gathered(ctx, w13_LFH, w2_LHI)
+        (w13, w2), _ = gathered(ctx, *local_weights(w13_LFH, w2_LHI, fp8_weights))
         y_TH = moe_experts_torch(x.float(), idx, w, w13.float(), w2.float(),
                                  clamp_of(ctx))[first:first + num_tokens]
         return y_TH.to(x_TH.dtype), ep._empty_saved_state(x_TH, ctx, save_z).zero_()
 
     def backward_fp32(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context,
-                      saved_state):
+                      saved_state, fp8_weights):
         """This rank's dx, d_topk_weights and (fp32) weight gradients of its experts."""
         ctx, num_tokens = ep._check_call(context, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH,
-                                         w2_LHI, dy_TH)
+                                         w2_LHI, dy_TH, fp8_weights)
         ep._check_saved_state(ctx, saved_state, x_TH)
         (dy, x, idx, w), first = gathered(ctx, dy_TH, x_TH, topk_idx_TK, topk_weights_TK)
-        (w13, w2), _ = gathered(ctx, w13_LFH, w2_LHI)
+        (w13, w2), _ = gathered(ctx, *local_weights(w13_LFH, w2_LHI, fp8_weights))
         dx, dw, dw13, dw2 = moe_experts_backward_fp32(dy, x, idx, w, w13, w2, clamp_of(ctx))
         local = w13_LFH.shape[0]
         experts = slice(dist.get_rank(ctx.group) * local, (dist.get_rank(ctx.group) + 1) * local)
@@ -512,19 +527,19 @@ def register_cpu_ep_kernels():
 
     @torch.library.register_kernel("fusemoe::ep_moe_experts_backward", "cpu")
     def _backward_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, context,
-                      saved_state=None, gate_up_grad=True, down_grad=True):
+                      saved_state=None, gate_up_grad=True, down_grad=True, fp8_weights=None):
         dx, dw, dw13, dw2 = backward_fp32(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH,
-                                          w2_LHI, context, saved_state)
+                                          w2_LHI, context, saved_state, fp8_weights)
         return (dx, dw, *fresh_weight_grads((dw13, dw2), (w13_LFH, w2_LHI), gate_up_grad,
                                             down_grad))
 
     @torch.library.register_kernel("fusemoe::ep_moe_experts_backward_into", "cpu")
     def _backward_into_cpu(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, dw13_LFH,
-                           dw2_LHI, accumulate, context, saved_state=None):
+                           dw2_LHI, accumulate, context, saved_state=None, fp8_weights=None):
         from fusemoe import ops
         ops._check_weight_grads(dw13_LFH, dw2_LHI, w13_LFH, w2_LHI, ep.API)
         dx, dw, dw13, dw2 = backward_fp32(dy_TH, x_TH, topk_idx_TK, topk_weights_TK, w13_LFH,
-                                          w2_LHI, context, saved_state)
+                                          w2_LHI, context, saved_state, fp8_weights)
         for out, grad in ((dw13_LFH, dw13), (dw2_LHI, dw2)):
             add_into(out, grad, accumulate)
         return dx, dw

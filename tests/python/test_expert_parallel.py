@@ -10,6 +10,10 @@ them; correctness only).
     even, uneven and empty ranks, saved and recomputed z, two calls in a row, the Qwen3-30B-A3B
     shape, torch.compile(fullgraph=True) and activation checkpointing; a bad expert id on one
     rank is raised by fusemoe.check_expert_ids() on that rank only.
+(a') precision="fp8": the same outputs bitwise those of fusemoe.moe_experts(impl="fused",
+    precision="fp8") with the same recompute_z on the concatenated batch (the C++ layer's claim,
+    its ExpertParallelFp8 cases); the FP8 weights quantized once for two calls; the library's
+    ep_quantize_weights_fp8 makes the very bytes of the module's cached buffer.
 (b) examples/train_qwen3_moe_ep.py under torchrun (2 processes) trains within bf16 noise of the
     single-GPU run of examples/train_qwen3_moe.py: per-step loss and gradient norm within twice
     the noise floor that run measures (Hugging Face experts in two micro-batch orders) plus a
@@ -21,6 +25,7 @@ autograd and fake kernels and the example's data-parallel loop without the CUDA 
 Shape legend: T tokens, H hidden, I expert intermediate, F = 2I, E experts, L = E / R local
 experts, K top-k.
 """
+import functools
 import gc
 import json
 import os
@@ -41,6 +46,8 @@ from fusemoe import expert_parallel  # noqa: E402
 from conftest import REPO, require_gpu  # noqa: E402
 from moe_reference import (OUTPUTS, cpu_connect, make_problem,  # noqa: E402
                            register_cpu_ep_kernels, register_cpu_kernels, run_layer)
+from fusemoe import _capi  # noqa: E402
+from fusemoe._checks import fp8_weights_bytes  # noqa: E402
 
 WORLD_SIZE = 2
 RANKS_TIMEOUT_S = 300  # every rank's whole job; a hung collective fails the test, not the round
@@ -125,16 +132,18 @@ OP_CASES = {
 }
 
 
-def ep_outputs(rank, p, tokens, dims, recompute_z, device, call="eager", calls=1):
+def ep_outputs(rank, p, tokens, dims, recompute_z, device, call="eager", calls=1,
+               precision="bf16"):
     """OUTPUTS of this rank's ExpertParallelMoEExperts share (from_experts of the whole layer
-    p) on its tokens of p; call: "eager", "compiled" (torch.compile fullgraph) or
+    p, at precision) on its tokens of p; call: "eager", "compiled" (torch.compile fullgraph) or
     "checkpointed" (non-reentrant activation checkpointing). calls > 1 repeats the forward and
     backward and returns the last outputs."""
     hidden, intermediate, num_experts, top_k = dims
     first, count = sum(tokens[:rank]), tokens[rank]
     whole = types.SimpleNamespace(gate_up_proj=p["w13_EFH"], down_proj=p["w2_EHI"])
     module = fusemoe.ExpertParallelMoEExperts.from_experts(
-        whole, max_tokens_per_rank=max(tokens), top_k=top_k, recompute_z=recompute_z)
+        whole, max_tokens_per_rank=max(tokens), top_k=top_k, recompute_z=recompute_z,
+        precision=precision)
     forward = module
     if call == "compiled":
         forward = torch.compile(module, fullgraph=True)
@@ -152,17 +161,23 @@ def ep_outputs(rank, p, tokens, dims, recompute_z, device, call="eager", calls=1
                               module.gate_up_proj.grad, module.down_proj.grad))), module
 
 
-def check_case(rank, case, device, call="eager", calls=1):
+def check_case(rank, case, device, call="eager", calls=1, precision="bf16"):
+    """precision "fp8": against the single-GPU FP8 op with the same recompute_z (the C++ cases
+    compare like with like too); returns the module."""
     tokens, dims, seed, recompute_z = OP_CASES[case]
     p = make_problem(sum(tokens), *dims, device, seed=seed)
-    single = run_layer(fusemoe.moe_experts, p, torch.bfloat16)
-    got, module = ep_outputs(rank, p, tokens, dims, recompute_z, device, call, calls)
+    single_op = fusemoe.moe_experts if precision == "bf16" else functools.partial(
+        fusemoe.moe_experts, impl="fused", precision=precision, recompute_z=recompute_z)
+    single = run_layer(single_op, p, torch.bfloat16)
+    got, module = ep_outputs(rank, p, tokens, dims, recompute_z, device, call, calls, precision)
     first, count = sum(tokens[:rank]), tokens[rank]
     experts = slice(module.first_expert, module.first_expert + module.num_local_experts)
     rows = slice(first, first + count)
     for name in OUTPUTS:
         want = single[name][experts] if name in ("dw13", "dw2") else single[name][rows]
-        assert_bitwise(rank, f"{case} ({call}, {calls} call(s)) {name}", got[name], want)
+        assert_bitwise(rank, f"{case} ({precision}, {call}, {calls} call(s)) {name}", got[name],
+                       want)
+    return module
 
 
 def use_device(device, rank):
@@ -189,6 +204,36 @@ def op_worker(rank, world_size, device):
     check_frozen_experts(rank, device)
     if device == "cuda":
         check_bad_id_is_reported_on_its_rank(rank)
+
+
+def fp8_op_worker(rank, world_size, device):
+    """precision="fp8" against the single-GPU FP8 op: the OP_CASES (Qwen3-30B-A3B's shape on the
+    GPU only), two calls through one module (its FP8 weights quantized once), and, on the GPU,
+    the library's ep_quantize_weights_fp8 (C ABI) against the module's cached buffer, bytewise."""
+    use_device(device, rank)
+    for case in OP_CASES:
+        if device == "cpu" and case == "qwen3_30b_a3b":
+            continue  # as op_worker
+        check_case(rank, case, device, precision="fp8")
+    module = check_case(rank, "uneven_recompute_z", device, calls=2, precision="fp8")
+    assert module._fp8_cache.quantizations == 1, (
+        f"rank {rank}: {module._fp8_cache.quantizations} quantizations for one weight version")
+    config = expert_parallel._context(module.context).config
+    assert config.precision == "fp8"
+    local = (module.num_local_experts, module.hidden_dim, module.intermediate_dim)
+    assert config.fp8_weights_bytes == _capi.ep_fp8_weights_bytes(config) == \
+        fp8_weights_bytes(*local)
+    cached = module._fp8_cache._buffer
+    assert cached.numel() == config.fp8_weights_bytes
+    if device == "cuda":
+        w13, w2 = module.gate_up_proj.detach(), module.down_proj.detach()
+        buffer = torch.full_like(cached, 0xFF)  # poisoned: every byte must be written
+        _capi.ep_quantize_weights_fp8(config, w13.data_ptr(), w2.data_ptr(), buffer.data_ptr(),
+                                      buffer.numel(), torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        assert torch.equal(buffer, cached), (
+            f"rank {rank}: ep_quantize_weights_fp8 differs from quantize_weights_fp8 in "
+            f"{int((buffer != cached).sum())} of {buffer.numel()} bytes")
 
 
 def grad_in_place_steps(rank, p, tokens, dims, grad_in_place):
@@ -295,6 +340,19 @@ def test_op_matches_single_gpu_op_gpu(tmp_path, monkeypatch):
 
 def test_op_matches_single_op_cpu_stand_ins(tmp_path):
     run_ranks(op_worker, tmp_path, "cpu")
+
+
+def test_fp8_op_matches_single_gpu_fp8_op_gpu(tmp_path, monkeypatch):
+    require_gpu()
+    monkeypatch.setenv(expert_parallel.ALLOW_OVERLAPPING_DEVICES, "1")
+    monkeypatch.setenv("FUSEMOE_WAIT_TIMEOUT_S", WAIT_TIMEOUT_S)
+    run_ranks(fp8_op_worker, tmp_path, "cuda")
+
+
+def test_fp8_op_matches_single_fp8_op_cpu_stand_ins(tmp_path):
+    """The module, its FP8 weight cache and the ops' FP8 arguments over the CPU stand-ins (which
+    read each rank's weights back from its FP8 buffer, so a stale or missing buffer fails)."""
+    run_ranks(fp8_op_worker, tmp_path, "cpu")
 
 
 # ---- (b) the training example against the single-GPU run ----
@@ -422,6 +480,93 @@ def test_example_trains_like_the_single_run_cpu_stand_ins(tmp_path):
 def test_layer_checks_name_the_argument(args, message):
     with pytest.raises(ValueError, match=rf"^fusemoe.ExpertParallelMoEExperts: {message}"):
         expert_parallel.check_layer(*args)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(precision="fp16"), r"precision must be \"bf16\" or \"fp8\", got 'fp16'"),
+    (dict(precision="fp8", fp8_weight_grads=True),
+     r"fp8_weight_grads=True is not supported with expert parallelism yet .*pass "
+     r"fp8_weight_grads=False"),
+    (dict(precision="bf16", fp8_weight_grads=True), r"fp8_weight_grads=True is not supported"),
+    (dict(precision="fp8", fp8_weight_grads=1), r"fp8_weight_grads must be a bool, got 1"),
+    (dict(precision="fp8", intermediate_dim=192),
+     r"precision=\"fp8\" needs hidden and intermediate to be multiples of 128, got H=256, "
+     r"I=192"),
+])
+def test_fp8_layer_checks_name_the_argument(options, message):
+    args = dict(world_size=2, num_experts=8, hidden_dim=256, intermediate_dim=128, top_k=2,
+                max_tokens_per_rank=64)
+    args.update(options)
+    with pytest.raises(ValueError, match=rf"^fusemoe.ExpertParallelMoEExperts: {message}"):
+        expert_parallel.check_layer(**args)
+    expert_parallel.check_layer(**dict(args, fp8_weight_grads=False, intermediate_dim=128,
+                                       precision="fp8"))  # the same layer without the fault
+
+
+@pytest.mark.parametrize("build", ["module", "from_experts"])
+def test_fp8_weight_grads_is_refused_before_the_group(build):
+    """The refusal names the argument and comes before any collective or memory (no group is
+    initialized here)."""
+    match = (r"^fusemoe.ExpertParallelMoEExperts: fp8_weight_grads=True is not supported with "
+             r"expert parallelism yet")
+    with pytest.raises(ValueError, match=match):
+        if build == "module":
+            fusemoe.ExpertParallelMoEExperts(8, 256, 128, 2, 64, device="cpu", precision="fp8",
+                                             fp8_weight_grads=True)
+        else:
+            whole = types.SimpleNamespace(gate_up_proj=torch.zeros(8, 256, 256),
+                                          down_proj=torch.zeros(8, 256, 128))
+            fusemoe.ExpertParallelMoEExperts.from_experts(whole, 64, top_k=2, precision="fp8",
+                                                          fp8_weight_grads=True)
+
+
+FP8_CONTEXT_DIMS = (256, 128, 8, 2, 64)  # H, I, E, K, max tokens per rank
+
+
+def fp8_arguments_worker(rank, world_size):
+    """The ops' fp8_weights against the context's precision (CPU stand-ins): required at "fp8"
+    with the size the library gives, refused at "bf16"; each message names the argument."""
+    use_device("cpu", rank)
+    hidden, intermediate, num_experts, top_k, max_tokens = FP8_CONTEXT_DIMS
+    modules = {precision: fusemoe.ExpertParallelMoEExperts(
+        num_experts, hidden, intermediate, top_k, max_tokens, device="cpu", precision=precision)
+        for precision in ("bf16", "fp8")}
+    assert modules["bf16"].context != modules["fp8"].context
+    assert "precision='fp8'" in repr(modules["fp8"])
+    local = num_experts // world_size
+    x_TH = torch.zeros(4, hidden, dtype=torch.bfloat16)
+    topk_idx_TK = torch.zeros(4, top_k, dtype=torch.int32)
+    topk_weights_TK = torch.zeros(4, top_k)
+    w13_LFH = modules["fp8"].gate_up_proj.detach()
+    w2_LHI = modules["fp8"].down_proj.detach()
+    expected = fp8_weights_bytes(local, hidden, intermediate)
+    assert expert_parallel._context(modules["fp8"].context).config.fp8_weights_bytes == expected
+
+    def forward(precision, fp8_weights):
+        return expert_parallel.ep_moe_experts_forward(
+            x_TH, topk_idx_TK, topk_weights_TK, w13_LFH, w2_LHI, modules[precision].context,
+            False, False, fp8_weights)
+
+    with pytest.raises(ValueError, match=r"precision=\"fp8\" needs fp8_weights, the buffer of "
+                                         r"fusemoe.fp8.quantize_weights_fp8\(w13, w2\) of this "
+                                         r"rank's experts"):
+        forward("fp8", None)
+    with pytest.raises(ValueError, match=rf"fp8_weights must be the buffer .* contiguous uint8 "
+                                         rf"\[{expected}\] on cpu, got torch.uint8 \(100,\)"):
+        forward("fp8", torch.zeros(100, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"fp8_weights must be None at precision='bf16'"):
+        forward("bf16", torch.zeros(expected, dtype=torch.uint8))
+    # Under fake tensors too (torch.compile traces these checks).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(ValueError, match=r"needs fp8_weights"):
+            forward("fp8", None)
+        y_TH, _ = forward("fp8", torch.empty(expected, dtype=torch.uint8))
+        assert tuple(y_TH.shape) == (4, hidden)
+
+
+def test_fp8_op_arguments_are_checked_cpu_stand_ins(tmp_path):
+    run_ranks(fp8_arguments_worker, tmp_path)
 
 
 # (hosts, GPU uuid per rank, ALLOW_OVERLAPPING_DEVICES per rank, peer access, error or None)

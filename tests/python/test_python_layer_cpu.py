@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 import fusemoe  # noqa: E402
 from fusemoe import _capi  # noqa: E402
+from fusemoe._checks import fp8_weights_bytes  # noqa: E402
 from moe_reference import (assert_within_noise, make_problem,  # noqa: E402
                            moe_experts_backward_fp32, moe_experts_torch, register_cpu_fp8_kernels,
                            register_cpu_fp8_w1w3_kernels, register_cpu_kernels, rel_err,
@@ -623,7 +624,7 @@ def c_error(fn, *args):
      r"layer \(FusemoeCLayer\*\) must not be null"),
     (lambda: ("fusemoe_c_workspace_bytes", layer_struct(struct_size=56),
               ctypes.byref(ctypes.c_uint64())),
-     r"FusemoeCLayer.struct_size: 56, but this library \(C ABI 9\) has sizeof\(FusemoeCLayer\) = 64"),
+     r"FusemoeCLayer.struct_size: 56, but this library \(C ABI 10\) has sizeof\(FusemoeCLayer\) = 64"),
     # C ABI 9's field sits in ABI 8's tail padding (same sizeof): only 0 and 1 pass, so a caller
     # built for 8 that leaves garbage there is refused, naming the field.
     (lambda: ("fusemoe_c_workspace_bytes", layer_struct(precision=FP8, fp8_weight_grads=2),
@@ -734,9 +735,48 @@ def c_error(fn, *args):
               ep_config_struct(layer_struct(num_experts=6), world_size=4),
               ctypes.byref(ctypes.c_uint64())),
      r"num_experts \(6\) must be divisible by world_size \(4\)"),
-    (lambda: ("fusemoe_c_ep_symmetric_bytes", ep_config_struct(layer_struct(precision=FP8)),
+    # Blockwise FP8 in expert parallelism (C ABI 10): the args' fp8_weights, the rank's buffer.
+    (lambda: ("fusemoe_c_ep_symmetric_bytes",
+              ep_config_struct(layer_struct(precision=FP8, fp8_weight_grads=1)),
               ctypes.byref(ctypes.c_uint64())),
-     r"layer.precision must be bf16 for expert parallelism"),
+     r"layer.fp8_weight_grads must be false for expert parallelism"),
+    (lambda: ("fusemoe_c_ep_symmetric_bytes",
+              ep_config_struct(layer_struct(precision=FP8, intermediate=192)),
+              ctypes.byref(ctypes.c_uint64())),
+     r"precision fp8_blockwise needs intermediate \(I\) to be a multiple of 128, got 192"),
+    (lambda: ("fusemoe_c_ep_forward", ep_config_struct(layer_struct(precision=FP8)),
+              ep_forward_args()),
+     r"fp8_weights must not be null at precision fp8_blockwise"),
+    (lambda: ("fusemoe_c_ep_backward", ep_config_struct(layer_struct(precision=FP8)),
+              ep_backward_args(fp8_weights=FAKE_DEVICE_ADDRESS + 16)),
+     r"fp8_weights must be 256-byte aligned"),
+    (lambda: ("fusemoe_c_ep_forward", ep_config_struct(),
+              ep_forward_args(fp8_weights=FAKE_DEVICE_ADDRESS)),
+     r"fp8_weights must be null at precision bf16"),
+    (lambda: ("fusemoe_c_ep_backward", ep_config_struct(),
+              ep_backward_args(fp8_weights=FAKE_DEVICE_ADDRESS)),
+     r"fp8_weights must be null at precision bf16"),
+    (lambda: ("fusemoe_c_ep_forward", ep_config_struct(layer_struct(precision=FP8)),
+              ep_forward_args(w13=None, fp8_weights=FAKE_DEVICE_ADDRESS)),
+     r": w13 must not be null"),  # one bf16 weight without the other: both are checked
+    (lambda: ("fusemoe_c_ep_fp8_weights_bytes", ep_config_struct(layer_struct(intermediate=192)),
+              ctypes.byref(ctypes.c_uint64())),
+     r"intermediate \(I\) to be a multiple of 128, got 192"),
+    (lambda: ("fusemoe_c_ep_fp8_weights_bytes", ep_config_struct(), None),
+     r"bytes \(output\) must not be null"),
+    (lambda: ("fusemoe_c_ep_quantize_weights_fp8", ep_config_struct(), None),
+     r"args \(FusemoeCFp8QuantizeArgs\*\) must not be null"),
+    (lambda: ("fusemoe_c_ep_quantize_weights_fp8", None, fp8_quantize_args()),
+     r"config \(FusemoeCEpConfig\*\) must not be null"),
+    (lambda: ("fusemoe_c_ep_quantize_weights_fp8", ep_config_struct(),
+              fp8_quantize_args(w1=FAKE_DEVICE_ADDRESS)),
+     r"FusemoeCFp8QuantizeArgs.w1 and w3 must be null for expert parallelism"),
+    (lambda: ("fusemoe_c_ep_quantize_weights_fp8", ep_config_struct(world_size=3),
+              fp8_quantize_args()),
+     r"world_size must be 1, 2, 4 or 8, got 3"),
+    (lambda: ("fusemoe_c_ep_quantize_weights_fp8", ep_config_struct(),
+              fp8_quantize_args(buffer_bytes=1000)),
+     r"fp8 weight buffer: 1000 bytes given, \d+ needed"),
     (lambda: ("fusemoe_c_ep_workspace_bytes_for", ep_config_struct(), 9,
               ctypes.byref(ctypes.c_uint64())),
      r"use: unknown WorkspaceUse value 9"),
@@ -776,11 +816,42 @@ def test_c_errors_name_the_field(call, message):
     assert re.search(message, text), f"{text!r} does not match {message!r}"
 
 
+@pytest.mark.parametrize("world_size, num_experts", [(1, 8), (2, 8), (4, 8), (8, 8), (2, 6)])
+def test_ep_fp8_weights_bytes_are_the_local_experts_buffer(world_size, num_experts):
+    """fusemoe_c_ep_fp8_weights_bytes: the single-GPU buffer of the rank's E/R experts (what
+    fusemoe.fp8.quantize_weights_fp8 of its local weights makes), at either precision of the
+    config and with top_k above E/R (which a single-GPU layer of E/R experts would refuse)."""
+    require_library()
+    local = num_experts // world_size
+    expected = fp8_weights_bytes(local, 256, 128)
+    single = _capi.fp8_weights_bytes(_capi.layer(256, 128, local, 1, 0, "fused", None, "fp8"))
+    assert single == expected
+    for precision in ("bf16", "fp8"):
+        config = _capi.ep_config(256, 128, num_experts, 4, 64, world_size, world_size - 1,
+                                 None, precision)
+        assert config.precision == precision
+        assert _capi.ep_fp8_weights_bytes(config) == expected
+    assert config.fp8_weights_bytes == expected  # queried when the fp8 config is built
+    # BF16 and FP8 configs share the symmetric workspace's and the saved state's sizes; the
+    # private workspace differs (the FP8 regions).
+    bf16 = _capi.ep_config(256, 128, num_experts, 4, 64, world_size, world_size - 1)
+    assert (config.symmetric_bytes, config.saved_state_bytes) == (bf16.symmetric_bytes,
+                                                                  bf16.saved_state_bytes)
+    assert config.workspace_bytes("forward") != bf16.workspace_bytes("forward")
+
+
+def test_ep_config_refuses_an_unknown_precision():
+    require_library()
+    with pytest.raises(fusemoe.FusemoeError, match=r"precision must be one of \['bf16', 'fp8'\], "
+                                                   r"got 'fp16'"):
+        _capi.ep_config(256, 128, 8, 2, 64, 2, 0, None, "fp16")
+
+
 def test_abi_version_mismatch_is_refused(monkeypatch):
     require_library()
     monkeypatch.setattr(_capi, "_lib", None)
     monkeypatch.setattr(_capi, "ABI_VERSION", 6)
-    with pytest.raises(fusemoe.FusemoeError, match="has C ABI version 9, this package needs 6"):
+    with pytest.raises(fusemoe.FusemoeError, match="has C ABI version 10, this package needs 6"):
         _capi.load()
 
 
