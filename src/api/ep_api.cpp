@@ -16,16 +16,6 @@
 namespace fusemoe {
 namespace {
 
-// The layer one owner rank computes, for its limits: its E/R experts over up to every rank's
-// slots (each owner row as a token of top-1; top_k itself may exceed E/R).
-LayerConfig owner_layer(const EpConfig& c) {
-  LayerConfig owner = c.layer;
-  owner.num_experts = c.layer.num_experts / c.world_size;
-  owner.max_tokens = c.layer.max_tokens * c.layer.top_k * c.world_size;
-  owner.top_k = 1;
-  return owner;
-}
-
 void check_common(const EpConfig& c, void* const* peer_symmetric, void* workspace, size_t workspace_bytes,
                   WorkspaceUse use, int64_t num_tokens, int num_sms) {
   validate_ep_config(c);
@@ -116,7 +106,7 @@ void validate_ep_config(const EpConfig& c) {
   FUSEMOE_CHECK(c.layer.max_tokens < std::numeric_limits<int32_t>::max() / c.layer.top_k / c.world_size,
                 "world_size * max_tokens * top_k must be < 2^31 (an owner's rows are int32 indices), got "
                     << c.world_size << " * " << c.layer.max_tokens << " * " << c.layer.top_k);
-  validate_config(owner_layer(c));
+  validate_config(ep_owner_layer(c));
 }
 
 size_t ep_symmetric_bytes(const EpConfig& config) {
@@ -142,18 +132,18 @@ size_t ep_workspace_bytes(const EpConfig& config) {
 
 size_t ep_saved_state_bytes(const EpConfig& config) {
   validate_ep_config(config);
-  return saved_z_bytes(owner_layer(config));  // z of the owner's R * T * K rows
+  return saved_z_bytes(ep_owner_layer(config));  // z of the owner's R * T * K rows
 }
 
 size_t ep_fp8_weights_bytes(const EpConfig& config) {
   validate_ep_config(config);
-  return fp8_weights_bytes(owner_layer(config));  // the single-GPU buffer of this rank's E/R experts
+  return fp8_weights_bytes(ep_owner_layer(config));  // the single-GPU buffer of this rank's E/R experts
 }
 
 void ep_quantize_weights_fp8(const EpConfig& config, const void* w13, const void* w2, void* buffer,
                              size_t buffer_bytes, cudaStream_t stream) {
   validate_ep_config(config);
-  quantize_weights_fp8(owner_layer(config), w13, w2, buffer, buffer_bytes, stream);
+  quantize_weights_fp8(ep_owner_layer(config), w13, w2, buffer, buffer_bytes, stream);
 }
 
 void ep_forward(const EpConfig& c, const EpForwardArgs& a) {

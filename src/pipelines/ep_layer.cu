@@ -62,11 +62,9 @@ Sm90PeerRows peer_rows(const EpConfig& c, const EpPeers& peers, const EpSymmetri
   return to;
 }
 
-// The FP8 weights of this rank's experts: the single-GPU buffer of a layer with E / R experts.
+// The FP8 weights of this rank's experts: the buffer ep_quantize_weights_fp8 wrote.
 Fp8Weights local_fp8_weights(const EpConfig& c, const void* fp8_weights) {
-  LayerConfig local = c.layer;
-  local.num_experts = c.layer.num_experts / c.world_size;
-  return fp8_weights_in(local, fp8_weights);
+  return fp8_weights_in(ep_owner_layer(c), fp8_weights);
 }
 
 // Rows of the owner's pools in use (every source's pulled tokens): pool_base[R], on the device.
@@ -198,6 +196,14 @@ void owner_backward_fp8(const EpConfig& c, const EpBackwardArgs& a, const EpPriv
 }
 
 }  // namespace
+
+LayerConfig ep_owner_layer(const EpConfig& c) {
+  LayerConfig owner = c.layer;
+  owner.num_experts = c.layer.num_experts / c.world_size;
+  owner.max_tokens = c.layer.max_tokens * c.layer.top_k * c.world_size;
+  owner.top_k = 1;
+  return owner;
+}
 
 size_t ep_symmetric_layout_bytes(const EpConfig& config) { return EpSymmetric(config, nullptr).total_bytes; }
 

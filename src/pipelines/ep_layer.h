@@ -7,6 +7,9 @@
 
 namespace fusemoe {
 
+// The layer one owner rank computes: its E/R experts over up to every rank's slots (each owner
+// row a token of top-1; top_k itself may exceed E/R). Its limits, saved z and FP8 weight buffer.
+LayerConfig ep_owner_layer(const EpConfig& config);
 size_t ep_symmetric_layout_bytes(const EpConfig& config);
 size_t ep_private_workspace_bytes(const EpConfig& config, WorkspaceUse use);
 // The routing record (bad expert ids) of the last call that used this private workspace.
