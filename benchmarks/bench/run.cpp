@@ -341,7 +341,8 @@ Args layer_args(const BenchImpl& impl, const LayerInputs& in, const LayerOutputs
   // As a training loop runs: no per-call sync; the correctness check calls check_expert_ids().
   args.sync_check_expert_ids = false;
   args.saved_z = out.saved_z(impl);  // the backward's: written by the forward of these inputs just before
-  args.fp8_weights = in.fp8_weights.get();  // read at FP8 only
+  // Null at bf16: the library refuses a buffer it would not read.
+  args.fp8_weights = impl.precision == Precision::kFp8Blockwise ? in.fp8_weights.get() : nullptr;
   if (impl.separate_gate_up) {
     args.w13 = nullptr;
     args.w1 = in.w1_EIH.get();

@@ -149,7 +149,8 @@ struct ForwardArgs {
   // also stores the pre-activations z = [g | u] of every routed row, for a backward that then
   // skips recomputing them (BackwardArgs::saved_z).
   void* saved_z = nullptr;
-  // Precision::kFp8Blockwise: the quantize_weights_fp8 buffer of w13 and w2 (required).
+  // Precision::kFp8Blockwise: the quantize_weights_fp8 buffer of w13 and w2 (required); null at
+  // bf16 (refused there, as a sign the caller meant FP8).
   const void* fp8_weights = nullptr;
   // true: the caller has already checked that every pointer is device memory of the current
   // device (expert_id_report: memory the device reads at the same address), as a framework whose
@@ -202,7 +203,7 @@ struct BackwardArgs {
   // only from a forward to the backward of the same inputs.
   const void* saved_z = nullptr;
   // Precision::kFp8Blockwise: the quantize_weights_fp8 buffer of w13 and w2 (required; w13 and w2
-  // themselves are then not read).
+  // themselves are then not read); null at bf16, as in ForwardArgs.
   const void* fp8_weights = nullptr;
   // As ForwardArgs::caller_checked_pointers.
   bool caller_checked_pointers = false;

@@ -8,6 +8,11 @@
 namespace fusemoe {
 
 void check_fp8_weights_arg(const LayerConfig& config, const void* fp8_weights) {
+  // A buffer at bf16 would be ignored: refused, so a caller that meant FP8 learns it is not running.
+  FUSEMOE_CHECK(config.precision != Precision::kBf16 || fp8_weights == nullptr,
+                "fp8_weights must be null at precision " << precision_name(config.precision)
+                                                         << " (only an fp8_blockwise layer reads FP8 weights), got "
+                                                         << fp8_weights);
   if (config.precision == Precision::kBf16) return;
   FUSEMOE_CHECK(fp8_weights != nullptr, "fp8_weights must not be null at precision "
                                             << precision_name(config.precision)

@@ -35,7 +35,7 @@ void check_tensors(const NamedTensor* first, const NamedTensor* last);
 void check_device_pointers(const NamedTensor* first, const NamedTensor* last);
 
 // The fp8_weights buffer of a call (host checks): at Precision::kFp8Blockwise non-null and 256-byte
-// aligned; at bf16 not checked (the single-GPU layer never reads it).
+// aligned; at bf16 null (no layer reads it there: a buffer given is refused, not ignored).
 void check_fp8_weights_arg(const LayerConfig& config, const void* fp8_weights);
 
 // The expert-id report may be device memory or pinned host memory that kernels can write at

@@ -54,10 +54,6 @@ void run_checked(const EpConfig& c, const EpCall& a, const void* saved_state, Wo
   const bool bf16_weights = !fp8 || a.w13 != nullptr || a.w2 != nullptr;
   if (bf16_weights) check_tensors(std::begin(weights), std::end(weights));
   check_fp8_weights_arg(c.layer, a.fp8_weights);
-  FUSEMOE_CHECK(fp8 || a.fp8_weights == nullptr,
-                "fp8_weights must be null at precision " << precision_name(c.layer.precision)
-                                                         << " (only an fp8_blockwise layer reads FP8 weights), got "
-                                                         << a.fp8_weights);
   check_tensors(outputs, outputs + num_outputs);
   if (a.num_tokens > 0) {
     check_tensors(std::begin(tokens), std::end(tokens));

@@ -282,6 +282,21 @@ TEST(Fp8Api, ArgumentsNamed) {
   expect_error_mentioning([&] { backward(c, Impl::kFused, ba); }, "needed for impl fused (backward)");
 }
 
+// A bf16 layer given an FP8 buffer is refused by name (it would not be read), for every impl and
+// both directions, as the expert-parallel layer refuses it (Fp8ExpertParallelApi.Fp8WeightsArgument).
+TEST(Fp8Api, Fp8WeightsRefusedAtBf16) {
+  LayerConfig c = fp8_config();
+  c.precision = Precision::kBf16;
+  for (const Impl impl : {Impl::kFused, Impl::kUnfused}) {
+    ForwardArgs fa = plausible_forward_args(c, impl);
+    fa.fp8_weights = reinterpret_cast<const void*>(kPlausibleFp8Weights);
+    expect_error_mentioning([&] { forward(c, impl, fa); }, "fp8_weights must be null at precision bf16");
+    BackwardArgs ba = plausible_backward_args(c, impl);
+    ba.fp8_weights = reinterpret_cast<const void*>(kPlausibleFp8Weights);
+    expect_error_mentioning([&] { backward(c, impl, ba); }, "fp8_weights must be null at precision bf16");
+  }
+}
+
 // The emulation of a small layer: finite, its error against fp64 that of E4M3 (a few percent), and
 // T = 0 gives empty outputs and zero weight gradients.
 TEST(Fp8Emulation, ErrorIsThatOfE4m3) {
