@@ -264,10 +264,17 @@ void ep_layer_backward(const EpConfig& c, const EpBackwardArgs& a) {
   const int32_t* num_rows_device = ws.owner.expert_offsets + El;
   const bool fp8 = l.precision == Precision::kFp8Blockwise;
   // x rows feed only dW13 (a null dw13: frozen gate/up weights) and, at BF16, the z recompute (the
-  // FP8 recompute reads the quantized x pool instead).
+  // FP8 recompute reads the quantized x pool instead). At FP8 the bf16 dy rows feed only dW2 (the
+  // FP8 dgrad reads the quantized dy pool), as in the single-GPU FP8 layer.
   const bool need_xs = a.dw13 != nullptr || (a.saved_state == nullptr && !fp8);
-  launch_gather_rows_device_count(ws.dy_pool, ws.dys, need_xs ? ws.x_pool : nullptr, need_xs ? ws.xs : nullptr,
-                                  ws.owner.row_pool, num_rows_device, rows.max_rows, 1, H, a.call.stream);
+  const bool need_dys = !fp8 || a.dw2 != nullptr;
+  if (need_dys || need_xs) {
+    const void* src_a = need_dys ? ws.dy_pool : ws.x_pool;
+    void* dst_a = need_dys ? ws.dys : ws.xs;
+    const bool both = need_dys && need_xs;
+    launch_gather_rows_device_count(src_a, dst_a, both ? ws.x_pool : nullptr, both ? ws.xs : nullptr,
+                                    ws.owner.row_pool, num_rows_device, rows.max_rows, 1, H, a.call.stream);
+  }
   BackwardRows b;
   b.xs = ws.xs;
   b.dys = ws.dys;

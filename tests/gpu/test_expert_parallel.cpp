@@ -19,6 +19,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common/device_wait.h"
@@ -48,9 +49,10 @@ struct EpCase {
   // The backward adds the weight gradients to what dw13/dw2 hold (initial_grads), as gradient
   // accumulation over micro-batches does, on both sides of the comparison.
   bool accumulate = false;
-  // The backward gets null dw13 and dw2 (frozen experts): their buffers must keep their poison
-  // and every other output is the single-GPU layer's.
-  bool frozen_experts = false;
+  // The backward gets null dw13 (frozen gate/up weights) and/or null dw2 (frozen down weights):
+  // such a buffer must keep its poison and every other output is the single-GPU layer's.
+  bool frozen_gate_up = false;
+  bool frozen_down = false;
   // Holds the legacy default stream this long (a host function) just before the last rank's
   // symmetric workspace is zeroed there: the zeroing then runs while the ranks are mid-protocol
   // unless the set-up waits for it before any rank starts.
@@ -171,10 +173,8 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
     k.dtw = DeviceBuffer(T * d.K * 4);
     k.dw13 = DeviceBuffer(El * 2 * d.I * d.H * g);
     k.dw2 = DeviceBuffer(El * d.H * d.I * g);
-    if (c.frozen_experts) {
-      k.dw13.poison();
-      k.dw2.poison();
-    }
+    if (c.frozen_gate_up) k.dw13.poison();
+    if (c.frozen_down) k.dw2.poison();
     k.ws = DeviceBuffer(ep_workspace_bytes(config));
     k.saved = DeviceBuffer(c.save_z ? ep_saved_state_bytes(config) : 0);
     k.symmetric = DeviceBuffer(ep_symmetric_bytes(config));
@@ -241,8 +241,8 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
           ba.dy = k.in.dy.get();
           ba.dx = k.dx.get();
           ba.d_topk_weights = static_cast<float*>(k.dtw.get());
-          ba.dw13 = c.frozen_experts ? nullptr : k.dw13.get();
-          ba.dw2 = c.frozen_experts ? nullptr : k.dw2.get();
+          ba.dw13 = c.frozen_gate_up ? nullptr : k.dw13.get();
+          ba.dw2 = c.frozen_down ? nullptr : k.dw2.get();
           ba.weight_grad_dtype = c.grad_dtype;
           ba.accumulate_weight_grads = c.accumulate;
           ba.saved_state = fa.saved_state;
@@ -316,16 +316,19 @@ void run_case(const EpCase& c) {
       EXPECT_BITWISE(o.y, rows_of(single.y, first[r], c.tokens[r], d.H), where + " y");
       EXPECT_BITWISE(o.dx, rows_of(single.dx, first[r], c.tokens[r], d.H), where + " dx");
       EXPECT_BITWISE(o.d_topk_w, rows_of(single.d_topk_w, first[r], c.tokens[r], d.K), where + " d_topk_weights");
-      if (c.frozen_experts) {
-        const auto poisoned = [](const std::vector<uint8_t>& v) {
-          return std::all_of(v.begin(), v.end(), [](uint8_t b) { return b == 0xFF; });
-        };
+      const auto poisoned = [](const std::vector<uint8_t>& v) {
+        return std::all_of(v.begin(), v.end(), [](uint8_t b) { return b == 0xFF; });
+      };
+      if (c.frozen_gate_up) {
         EXPECT_TRUE(poisoned(o.dw13)) << where << " dw13 was written (frozen)";
-        EXPECT_TRUE(poisoned(o.dw2)) << where << " dw2 was written (frozen)";
-        continue;
+      } else {
+        EXPECT_BITWISE(o.dw13, rows_of(single.dw13, r * El, El, 2 * d.I * d.H * g), where + " dw13");
       }
-      EXPECT_BITWISE(o.dw13, rows_of(single.dw13, r * El, El, 2 * d.I * d.H * g), where + " dw13");
-      EXPECT_BITWISE(o.dw2, rows_of(single.dw2, r * El, El, d.H * d.I * g), where + " dw2");
+      if (c.frozen_down) {
+        EXPECT_TRUE(poisoned(o.dw2)) << where << " dw2 was written (frozen)";
+      } else {
+        EXPECT_BITWISE(o.dw2, rows_of(single.dw2, r * El, El, d.H * d.I * g), where + " dw2");
+      }
     }
   }
 }
@@ -368,14 +371,17 @@ TEST(ExpertParallel, FourRanksAccumulateFp32WeightGradsRecomputedZ) {
   c.grad_dtype = WeightGradDtype::kFloat32;
   run_case(c);
 }
-// Frozen experts: no weight gradients asked for, so none written; dx and d_topk_weights are the
-// single-GPU layer's (which computes them), with z saved and recomputed.
+// Frozen experts: a weight gradient not asked for is not written; the others, dx and
+// d_topk_weights are the single-GPU layer's (which computes them all), with z saved and recomputed.
 TEST(ExpertParallel, FrozenExpertsWriteNoWeightGradients) {
   for (bool save_z : {true, false}) {
-    EpCase c{2, {211, 96}, Routing::kUniform};
-    c.frozen_experts = true;
-    c.save_z = save_z;
-    run_case(c);
+    for (const auto& [gate_up, down] : {std::pair{true, false}, std::pair{false, true}, std::pair{true, true}}) {
+      EpCase c{2, {211, 96}, Routing::kUniform};
+      c.frozen_gate_up = gate_up;
+      c.frozen_down = down;
+      c.save_z = save_z;
+      run_case(c);
+    }
   }
 }
 TEST(ExpertParallel, MaskedSlotsAndEmptyExperts) {
@@ -453,13 +459,18 @@ TEST(ExpertParallelFp8, EveryTokenToOneExpert) {
   run_case(c);
 }
 // The FP8 backward gathers no bf16 x rows when dW13 is not asked for, even recomputing z (its
-// recompute reads the quantized x pool); two calls, accumulating, so the second starts over.
+// recompute reads the quantized x pool), and no bf16 dy rows when dW2 is not (its dgrad reads the
+// quantized dy pool): either frozen alone, then both; two calls, accumulating, so the second
+// starts over.
 TEST(ExpertParallelFp8, FrozenExpertsAndAccumulatedGradsRecomputedZ) {
   for (bool save_z : {true, false}) {
-    EpCase c = fp8_case({2, {211, 96}, Routing::kUniform});
-    c.frozen_experts = true;
-    c.save_z = save_z;
-    run_case(c);
+    for (const auto& [gate_up, down] : {std::pair{true, false}, std::pair{false, true}, std::pair{true, true}}) {
+      EpCase c = fp8_case({2, {211, 96}, Routing::kUniform});
+      c.frozen_gate_up = gate_up;
+      c.frozen_down = down;
+      c.save_z = save_z;
+      run_case(c);
+    }
   }
   EpCase c = fp8_case({4, {64, 0, 150, 33}, Routing::kSkewed});
   c.accumulate = true;
