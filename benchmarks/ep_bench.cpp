@@ -3,9 +3,12 @@
 // (T / R per rank, experts spread over the ranks), against the single-GPU fused layer on the
 // same tokens and experts, timed interleaved in the same run. On one GPU the "link" is HBM, so
 // the ratio prices the pulls, pushes, signals and waits, not NVLink (docs/perf.md has the model
-// of real EP). Forward, and forward + backward (saved z, bf16 weight gradients).
+// of real EP). Forward, and forward + backward (saved z, bf16 weight gradients). --precision fp8:
+// both layers blockwise FP8 (each rank's weights quantized once, before timing, as a training step
+// quantizes them once per update).
 //   usage: fusemoe_ep_bench [--preset NAME (fusemoe_bench's)] [--tokens N] [--ranks 2,4]
-//                           [--routing uniform|skewed] [--iters N] [--warmup N] [--json PATH]
+//                           [--routing uniform|skewed] [--precision bf16|fp8] [--iters N]
+//                           [--warmup N] [--json PATH]
 // Exit 0 ok, 2 bad arguments, 3 no sm_90 GPU, 4 runtime error.
 #include <cuda_runtime_api.h>
 
@@ -43,8 +46,10 @@ const fusemoe::bench::Preset* preset_named(const std::string& name) {
   return nullptr;
 }
 
-fusemoe::LayerConfig layer_of(const std::string& preset, int64_t max_tokens) {
-  return fusemoe::harness::layer_config(*preset_named(preset), max_tokens);
+fusemoe::LayerConfig layer_of(const std::string& preset, int64_t max_tokens, fusemoe::Precision precision) {
+  fusemoe::LayerConfig l = fusemoe::harness::layer_config(*preset_named(preset), max_tokens);
+  l.precision = precision;
+  return l;
 }
 
 struct Options {
@@ -52,13 +57,15 @@ struct Options {
   int64_t tokens = 16384;
   std::vector<int> ranks = {2, 4};
   fusemoe::harness::Routing routing = fusemoe::harness::Routing::kUniform;
+  fusemoe::Precision precision = fusemoe::Precision::kBf16;
   int iters = 20, warmup = 5;
   std::string json;
 };
 
 [[noreturn]] void usage(const std::string& error) {
   std::fprintf(stderr, "fusemoe_ep_bench: %s\nusage: fusemoe_ep_bench [--preset qwen3-30b-a3b|qwen3-235b-a22b|qwen3-next|deepseek-v3] "
-               "[--tokens N] [--ranks 2,4] [--routing uniform|skewed] [--iters N] [--warmup N] [--json PATH]\n",
+               "[--tokens N] [--ranks 2,4] [--routing uniform|skewed] [--precision bf16|fp8] [--iters N] [--warmup N] "
+               "[--json PATH]\n",
                error.c_str());
   std::exit(2);
 }
@@ -93,6 +100,15 @@ Options parse(int argc, char** argv) {
     } else if (flag == "--routing") {
       const std::string name = value();
       if (!fusemoe::harness::parse_routing(name, &o.routing)) usage("unknown --routing " + name);
+    } else if (flag == "--precision") {
+      const std::string name = value();
+      if (name == "bf16") {
+        o.precision = fusemoe::Precision::kBf16;
+      } else if (name == "fp8") {
+        o.precision = fusemoe::Precision::kFp8Blockwise;
+      } else {
+        usage("--precision takes bf16 or fp8, got " + name);
+      }
     } else if (flag == "--iters") {
       o.iters = static_cast<int>(integer(value()));
     } else if (flag == "--warmup") {
@@ -123,7 +139,7 @@ struct Call {
 struct Rank {
   fusemoe::EpConfig config;
   int64_t first_token = 0, num_tokens = 0;
-  DeviceBuffer y, dx, dtw, dw13, dw2, ws, saved, symmetric;
+  DeviceBuffer y, dx, dtw, dw13, dw2, ws, saved, symmetric, fp8_weights;
   cudaStream_t stream = nullptr;
 };
 
@@ -144,7 +160,7 @@ int main(int argc, char** argv) {
   try {
     const int64_t T = o.tokens;
     Batch b;
-    b.layer = layer_of(o.preset, T);
+    b.layer = layer_of(o.preset, T, o.precision);
     const fusemoe::LayerConfig& l = b.layer;
     const fusemoe::harness::TopK topk = fusemoe::harness::make_topk(T, l.num_experts, l.top_k, o.routing, 1234);
     b.valid_rows = fusemoe::harness::routing_stats(topk.idx_TK, l.num_experts).valid_rows;
@@ -171,12 +187,18 @@ int main(int argc, char** argv) {
     DeviceBuffer y(T * l.hidden * 2), dx(T * l.hidden * 2), dtw(T * l.top_k * 4), dw13(b.w13.bytes()),
         dw2(b.w2.bytes()), ws(fusemoe::workspace_bytes(l, fusemoe::Impl::kFused)),
         saved_z(fusemoe::saved_z_bytes(l));
+    const bool fp8 = l.precision == fusemoe::Precision::kFp8Blockwise;
+    DeviceBuffer fp8_weights(fp8 ? fusemoe::fp8_weights_bytes(l) : 0);
+    if (fp8) {
+      fusemoe::quantize_weights_fp8(l, b.w13.get(), b.w2.get(), fp8_weights.get(), fp8_weights.bytes(), main_stream);
+    }
     // The fields both calls share: the batch's inputs, the one workspace, no id sync.
     auto with_inputs = [&](auto& a, cudaStream_t s) {
       fusemoe::harness::set_layer_inputs(a, b.x.get(), b.idx.as<int32_t>(), b.w.as<float>(), b.w13.get(),
                                          b.w2.get(), T, ws.get(), ws.bytes());
       a.sync_check_expert_ids = false;
       a.stream = s;
+      a.fp8_weights = fp8_weights.get();  // null at bf16
     };
     auto single = [&](cudaStream_t s, bool backward) {
       fusemoe::ForwardArgs fa;
@@ -198,9 +220,9 @@ int main(int argc, char** argv) {
     };
 
     nlohmann::json results = nlohmann::json::array();
-    std::printf("fusemoe_ep_bench: %s, %s, %lld tokens in all, %s routing, %d SMs; co-resident ranks on ONE GPU "
-                "(prices the protocol, not NVLink)\n",
-                gpu.name.c_str(), o.preset.c_str(), static_cast<long long>(T),
+    std::printf("fusemoe_ep_bench: %s, %s, %s, %lld tokens in all, %s routing, %d SMs; co-resident ranks on ONE "
+                "GPU (prices the protocol, not NVLink)\n",
+                gpu.name.c_str(), o.preset.c_str(), fusemoe::precision_name(l.precision), static_cast<long long>(T),
                 fusemoe::harness::routing_name(o.routing), gpu.sm_count);
     std::printf("%5s  %-16s %10s %10s %8s %12s\n", "ranks", "pass", "EP ms", "1-GPU ms", "EP/1GPU", "EP TFLOP/s");
     for (int R : o.ranks) {
@@ -213,7 +235,7 @@ int main(int argc, char** argv) {
       const int64_t El = l.num_experts / R, per_rank = T / R;
       for (int r = 0; r < R; ++r) {
         Rank& k = ranks[r];
-        k.config.layer = layer_of(o.preset, per_rank);
+        k.config.layer = layer_of(o.preset, per_rank, o.precision);
         k.config.world_size = R;
         k.config.rank = r;
         k.first_token = r * per_rank;
@@ -226,6 +248,13 @@ int main(int argc, char** argv) {
         k.ws = DeviceBuffer(fusemoe::ep_workspace_bytes(k.config));
         k.saved = DeviceBuffer(fusemoe::ep_saved_state_bytes(k.config));
         k.symmetric = DeviceBuffer(fusemoe::ep_symmetric_bytes(k.config));
+        if (fp8) {  // this rank's experts, quantized once
+          k.fp8_weights = DeviceBuffer(fusemoe::ep_fp8_weights_bytes(k.config));
+          fusemoe::ep_quantize_weights_fp8(
+              k.config, b.w13.as<const uint16_t>() + r * El * 2 * l.intermediate * l.hidden,
+              b.w2.as<const uint16_t>() + r * El * l.hidden * l.intermediate, k.fp8_weights.get(),
+              k.fp8_weights.bytes(), nullptr);
+        }
         FUSEMOE_CUDA_CHECK(cudaMemset(k.symmetric.get(), 0, k.symmetric.bytes()));
         FUSEMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking));
         peers[r] = k.symmetric.get();
@@ -246,6 +275,7 @@ int main(int argc, char** argv) {
         call.sync_check_expert_ids = false;  // one host thread drives every rank
         call.num_sms = gpu.sm_count / R;
         call.stream = k.stream;
+        call.fp8_weights = k.fp8_weights.get();  // null at bf16
         fa.y = k.y.get();
         fa.saved_state = backward ? k.saved.get() : nullptr;
         fusemoe::ep_forward(k.config, fa);
@@ -296,7 +326,7 @@ int main(int argc, char** argv) {
     }
     if (!o.json.empty()) {
       nlohmann::json doc = {{"tool", "fusemoe_ep_bench"}, {"gpu", gpu.name}, {"sm_count", gpu.sm_count},
-                            {"preset", o.preset}, {"tokens", T}, {"routing", fusemoe::harness::routing_name(o.routing)},
+                            {"preset", o.preset}, {"precision", fusemoe::precision_name(l.precision)}, {"tokens", T}, {"routing", fusemoe::harness::routing_name(o.routing)},
                             {"valid_rows", b.valid_rows}, {"iters", o.iters}, {"warmup", o.warmup},
                             {"mode", "co-resident ranks on one GPU"}, {"results", results}};
       std::ofstream(o.json) << doc.dump(2) << "\n";
