@@ -75,9 +75,11 @@ int64_t pool_capacity(const EpConfig& c) { return c.world_size * c.layer.max_tok
 
 // Steps 1-5: this rank's message out, every source's message in, the owner plan and the pulls.
 // The backward (with_dy) also stages and pulls dy. (Decided by the direction, never by the
-// pointer: a rank with no tokens passes no dy, and as an owner still pulls the others'.)
+// pointer: a rank with no tokens passes no dy, and as an owner still pulls the others'.) Every
+// source stages x; whether an owner pulls it (pull_x) is the owner's own need, so ranks whose
+// calls differ in it (frozen weights on one rank only) still agree on what is staged.
 void exchange(const EpConfig& c, const EpPeers& peers, const EpSymmetric& own, EpPrivate& ws, const EpCall& call,
-              bool with_dy, const void* dy) {
+              bool with_dy, const void* dy, bool pull_x = true) {
   const void* x = call.x;
   const int32_t* topk_idx = call.topk_idx;
   const int64_t num_tokens = call.num_tokens;
@@ -101,7 +103,7 @@ void exchange(const EpConfig& c, const EpPeers& peers, const EpSymmetric& own, E
 
   launch_ep_wait(peers, own, /*from_sources=*/true, stream);
   launch_ep_owner_plan(own, ws.owner, c.world_size, El, l.max_tokens, l.top_k, stream);
-  launch_ep_pull_rows(peers, own, ws.owner, /*x=*/true, l.max_tokens, l.hidden, ws.x_pool, stream);
+  if (pull_x) launch_ep_pull_rows(peers, own, ws.owner, /*x=*/true, l.max_tokens, l.hidden, ws.x_pool, stream);
   if (with_dy) launch_ep_pull_rows(peers, own, ws.owner, /*x=*/false, l.max_tokens, l.hidden, ws.dy_pool, stream);
 }
 
@@ -258,7 +260,10 @@ void ep_layer_backward(const EpConfig& c, const EpBackwardArgs& a) {
   const EpPeers peers = peers_of(c, a.call.peer_symmetric);
   const EpSymmetric own(c, a.call.peer_symmetric[c.rank]);
   EpPrivate ws(c, a.call.workspace, a.saved_state != nullptr ? WorkspaceUse::kBackwardSavedZ : WorkspaceUse::kBackward);
-  exchange(c, peers, own, ws, a.call, /*with_dy=*/true, a.dy);
+  // The pulled x rows feed dW13 and the z recompute only (BF16 and FP8): with z saved and the
+  // gate/up weights frozen none is pulled.
+  const bool pull_x = a.dw13 != nullptr || a.saved_state == nullptr;
+  exchange(c, peers, own, ws, a.call, /*with_dy=*/true, a.dy, pull_x);
 
   const Sm90Rows rows = owner_rows(c, ws, a.call.num_sms, a.call.stream);
   const int32_t* num_rows_device = ws.owner.expert_offsets + El;
