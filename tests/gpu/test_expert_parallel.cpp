@@ -3,8 +3,8 @@
 // 1/R share of the SMs, so the ranks' kernels run truly concurrently and wait on each other's
 // signals. Every output must be bitwise the single-GPU fused layer's on the concatenated batch
 // (rank 0's tokens first) with all experts local: y, dx and d_topk_weights of each rank's tokens,
-// dw13/dw2 of each rank's experts. Outputs, private workspaces and (in one case) the symmetric
-// workspaces are NaN-poisoned first. The FP8 cases (ExpertParallelFp8) compare with the single-GPU
+// dw13/dw2 of each rank's experts. Outputs, private workspaces (before every call) and (in one
+// case) the symmetric workspaces are NaN-poisoned first. The FP8 cases (ExpertParallelFp8) compare with the single-GPU
 // FP8 fused layer the same way: each rank gets the FP8 buffer of its own experts (quantized for a
 // layer of E / R experts) and null bf16 weights, which an FP8 call must not read.
 #include <gtest/gtest.h>
@@ -235,7 +235,12 @@ std::vector<std::vector<RawOutputs>> run_ep(const HostProblem& p, const EpCase& 
           }
           fa.y = k.y.get();
           fa.saved_state = c.save_z ? k.saved.get() : nullptr;
+          // The private workspace poisoned before each call (one buffer serves every call, and a
+          // call may read nothing an earlier call left there): a region read before this call
+          // writes it shows as NaN rows, e.g. x rows the backward did not pull.
+          TEST_CUDA(cudaMemsetAsync(k.ws.get(), 0xFF, k.ws.bytes(), k.stream));
           ep_forward(rc, fa);
+          TEST_CUDA(cudaMemsetAsync(k.ws.get(), 0xFF, k.ws.bytes(), k.stream));
           EpBackwardArgs ba;
           ba.call = call_args;
           ba.dy = k.in.dy.get();
