@@ -326,7 +326,8 @@ int main(int argc, char** argv) {
     }
     if (!o.json.empty()) {
       nlohmann::json doc = {{"tool", "fusemoe_ep_bench"}, {"gpu", gpu.name}, {"sm_count", gpu.sm_count},
-                            {"preset", o.preset}, {"precision", fusemoe::precision_name(l.precision)}, {"tokens", T}, {"routing", fusemoe::harness::routing_name(o.routing)},
+                            {"preset", o.preset}, {"precision", fusemoe::precision_name(l.precision)},
+                            {"tokens", T}, {"routing", fusemoe::harness::routing_name(o.routing)},
                             {"valid_rows", b.valid_rows}, {"iters", o.iters}, {"warmup", o.warmup},
                             {"mode", "co-resident ranks on one GPU"}, {"results", results}};
       std::ofstream(o.json) << doc.dump(2) << "\n";
