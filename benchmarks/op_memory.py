@@ -87,7 +87,7 @@ def main():
             if r["tokens"] == T and r["impl"].startswith("fusemoe"):
                 r["vs_pytorch"] = r["peak_extra_bytes"] / torch_row["peak_extra_bytes"]
                 print(f"  T={T:6d}  {r['impl']:28s} {r['vs_pytorch']:.2f}x PyTorch's peak")
-        del x, tw, w13, w2, dy, idx
+        x = tw = w13 = w2 = dy = idx = None  # frees them before the next T (step() closes over them)
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
