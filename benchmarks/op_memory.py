@@ -87,7 +87,8 @@ def main():
             if r["tokens"] == T and r["impl"].startswith("fusemoe"):
                 r["vs_pytorch"] = r["peak_extra_bytes"] / torch_row["peak_extra_bytes"]
                 print(f"  T={T:6d}  {r['impl']:28s} {r['vs_pytorch']:.2f}x PyTorch's peak")
-        x = tw = w13 = w2 = dy = idx = None  # frees them before the next T (step() closes over them)
+        # Frees them before the next T; rebinding, not del, as step() closes over them.
+        x = tw = w13 = w2 = dy = idx = None
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
