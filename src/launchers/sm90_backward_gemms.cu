@@ -21,9 +21,9 @@ using RecomputeZGemm = GroupedGemm<sm90::PoolRowsA, sm90::WeightsB<256>, sm90::R
                                    sm90::RowStoreEpilogue<256, false, RowDestination::kSortedRow>>;
 using SeparateRecomputeZGemm = GroupedGemm<sm90::PoolRowsA, sm90::SeparateWeightsB<256>, sm90::RowTileScheduler,
                                            sm90::RowStoreEpilogue<256, false, RowDestination::kSortedRow>>;
-// Width 128: the ping-pong schedule (each consumer warpgroup a whole 128-row tile, 128
-// accumulators, its SwiGLU-backward epilogue under the other's MMAs). Width 256 would hold 256
-// accumulators per 128 rows: cooperative.
+// Width 256 (the layer's, sm90_dgrad_block_n): cooperative, since 256 accumulators per 128 rows
+// do not fit one warpgroup. Width 128: the ping-pong schedule (each consumer warpgroup a whole
+// 128-row tile, 128 accumulators, its SwiGLU-backward epilogue under the other's MMAs).
 template <int kBlockN, bool kClamp>
 using DgradSwigluGemm = std::conditional_t<
     kBlockN == 128,
@@ -73,7 +73,10 @@ void launch_weight_grad(const Sm90WeightGradParams& p) {
 
 }  // namespace
 
-int sm90_dgrad_block_n(int64_t hidden) { return hidden >= 4096 ? 256 : 128; }
+// 256 at every H: the 128 x 256 tile's main loop runs at cuBLAS dense's rate, the 128 x 128 one's
+// is held by its feed (docs/experiments.md#dgrad-1-main-loop-and-held-epilogue). The 128-wide
+// ping-pong instance stays for callers that ask for it (tests, kernel benchmark).
+int sm90_dgrad_block_n(int64_t) { return 256; }
 
 int64_t sm90_dgrad_num_n_tiles(int64_t intermediate, int block_n) {
   FUSEMOE_ASSERT(block_n == 128 || block_n == 256);

@@ -9,10 +9,11 @@
 namespace fusemoe {
 namespace {
 
-TEST(KernelShapes, DgradTileWidthFollowsHidden) {
+TEST(KernelShapes, DgradTileIs256WideAtEveryHidden) {
   EXPECT_EQ(sm90_dgrad_block_n(4096), 256);  // Qwen3-235B-A22B
   EXPECT_EQ(sm90_dgrad_block_n(7168), 256);  // DeepSeek-V3
-  EXPECT_EQ(sm90_dgrad_block_n(2048), 128);  // Qwen3-30B-A3B
+  EXPECT_EQ(sm90_dgrad_block_n(2048), 256);  // Qwen3-30B-A3B, qwen3-next
+  EXPECT_EQ(sm90_dgrad_block_n(128), 256);
 }
 
 TEST(KernelShapes, DgradTilesCoverIntermediate) {
