@@ -150,8 +150,8 @@ struct Sm90WeightGradParams {
   int64_t act_m_row_stride = 0;  // elements between act_m rows: 0 = M (dense); 2I for a half of dz
 };
 
-// The output tile width over I of the dgrad + SwiGLU GEMM: 256 when hidden >= 4096 (its longer
-// main loop amortises the wider epilogue), else 128 (docs/experiments.md#dgrad-width).
+// The output tile width over I of the dgrad + SwiGLU GEMM the layer takes: 256 at every hidden
+// (docs/experiments.md#dgrad-1-main-loop-and-held-epilogue); 128 remains a launch option.
 int sm90_dgrad_block_n(int64_t hidden);
 // Output tiles over I at that width: the second dimension of router_partials.
 int64_t sm90_dgrad_num_n_tiles(int64_t intermediate, int block_n);

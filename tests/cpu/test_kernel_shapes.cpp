@@ -1,5 +1,5 @@
 // The sizes the sm90 GEMM family exports to its callers (src/launchers/sm90_grouped_gemm.h),
-// checked without a GPU: the dgrad tile width by shape and the router-partials buffer that
+// checked without a GPU: the dgrad tile width and the router-partials buffer that
 // serves every width, BF16 and FP8.
 #include <gtest/gtest.h>
 
