@@ -1,6 +1,6 @@
 // The backward's instances of the sm90 grouped GEMM (sm90_grouped_gemm.h): z recompute, dgrad +
-// SwiGLU backward (tile width over I 256, or 128 when asked), dgrad of x into the slot rows, and the weight
-// gradients (fp32 or bf16, overwritten or accumulated). The weight gradients keep 32 KB of
+// SwiGLU backward (tile width over I 256, or 128 when asked), dgrad of x into the slot rows, and
+// the weight gradients (fp32 or bf16, overwritten or accumulated). The weight gradients keep 32 KB of
 // shared memory for their store staging and no tile table, which leaves 4 stages of 48 KB (with
 // 3 their consumers waited for data: docs/experiments.md#weight-gradient-fourth-stage). z
 // recompute and dgrad of x read w13, or separate w1 and w3 through two tensor maps (the same tiles).
